@@ -1,0 +1,50 @@
+"""What every backend provides: sandbox hosts somewhere, each an address, a token and N slots.
+
+A backend answers *where* hosts run (a local process, a Docker container, a Nomad allocation);
+*how* a call runs is the host's business. The pool only ever sees ``HostInfo``.
+"""
+
+from __future__ import annotations
+
+import abc
+import secrets
+
+from pydantic import BaseModel, Field
+
+
+class HostInfo(BaseModel):
+    id: str = Field(description="backend-specific id (process id, container id, allocation id)")
+    address: str = Field(description="base URL of the host's API, e.g. http://127.0.0.1:40123")
+    token: str = Field(repr=False)
+    slots: int
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+class Backend(abc.ABC):
+    """Starts and stops sandbox hosts. Implementations must be safe to call concurrently."""
+
+    name: str = "backend"
+
+    @abc.abstractmethod
+    async def start_host(self) -> HostInfo:
+        """Start one host and return once its API answers (raises InfrastructureError otherwise)."""
+
+    @abc.abstractmethod
+    async def stop_host(self, host_id: str) -> None:
+        """Stop a host and remove everything it made; unknown ids are ignored."""
+
+    @abc.abstractmethod
+    async def alive(self, host_id: str) -> bool:
+        """Whether the backend still runs this host (a cheap check, not a health probe)."""
+
+    async def reap_orphans(self) -> int:
+        """Remove hosts that crashed earlier pools left behind; returns how many."""
+        return 0
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop every host this backend started."""

@@ -1,0 +1,143 @@
+"""The embedded default: sandbox hosts as child processes of this machine (no Docker, no Nomad)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from atropos.backends.base import Backend, HostInfo, new_token
+from atropos.errors import HostUnavailable, IsolationUnavailable
+
+log = logging.getLogger(__name__)
+
+
+class LocalBackendConfig(BaseModel):
+    slots_per_host: int = Field(16, ge=1, le=1023)
+    data_root: Path = Field(default_factory=lambda: Path(tempfile.gettempdir()) / "atropos-sandbox-local")
+    pool_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    max_timeout_s: float = 600.0
+    prewarm: bool = True
+    start_timeout_s: float = 60.0
+    unsafe_no_isolation: bool = Field(False, description="DEVELOPMENT ONLY: no bubblewrap")
+    python: str = Field(default_factory=lambda: sys.executable, description="interpreter running the hosts")
+
+
+class LocalBackend(Backend):
+    name = "local"
+
+    def __init__(self, cfg: LocalBackendConfig | None = None) -> None:
+        self.cfg = cfg or LocalBackendConfig()
+        self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self._dirs: dict[str, Path] = {}
+        self._counter = 0
+
+    @property
+    def root(self) -> Path:
+        return self.cfg.data_root / self.cfg.pool_id
+
+    async def start_host(self) -> HostInfo:
+        self._counter += 1
+        host_id = f"{self.cfg.pool_id}-{os.getpid()}-{self._counter}"
+        data_dir = self.root / host_id
+        self.root.mkdir(parents=True, exist_ok=True)
+        for d in (self.cfg.data_root, self.root):
+            os.chmod(d, 0o711)
+        token = new_token()
+        argv = [self.cfg.python, "-m", "atropos.sandbox", "--host", "127.0.0.1", "--port", "0",
+                "--slots", str(self.cfg.slots_per_host), "--data-dir", str(data_dir),
+                "--max-timeout", str(self.cfg.max_timeout_s), "--parent-pid", str(os.getpid())]
+        if not self.cfg.prewarm:
+            argv.append("--no-prewarm")
+        if self.cfg.unsafe_no_isolation:
+            argv.append("--unsafe-no-isolation")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ATROPOS_SANDBOX_")}
+        env["ATROPOS_SANDBOX_TOKEN"] = token
+        log_path = self.root / f"{host_id}.log"
+        with open(log_path, "ab") as log_file:  # noqa: ASYNC230 - a local file, opened once per host
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=log_file,
+                env=env, start_new_session=True,
+            )
+        self._procs[host_id] = proc
+        self._dirs[host_id] = data_dir
+        assert proc.stdout is not None
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), self.cfg.start_timeout_s)
+            ready = json.loads(line) if line else {}
+        except (asyncio.TimeoutError, ValueError):
+            ready = {}
+        if ready.get("event") != "ready":
+            await self.stop_host(host_id)
+            tail = _tail(log_path)
+            if "bubblewrap" in tail or "IsolationUnavailable" in tail or "sandbox" in tail:
+                raise IsolationUnavailable(f"local sandbox host failed to start: {tail}")
+            raise HostUnavailable(f"local sandbox host failed to start: {tail}")
+        log.info("local host %s ready on port %s (%d slots)", host_id, ready["port"], self.cfg.slots_per_host)
+        return HostInfo(id=host_id, address=f"http://127.0.0.1:{ready['port']}", token=token,
+                        slots=self.cfg.slots_per_host, labels={"backend": "local", "pid": str(proc.pid)})
+
+    async def stop_host(self, host_id: str) -> None:
+        proc = self._procs.pop(host_id, None)
+        if proc is not None and proc.returncode is None:
+            try:
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.wait_for(proc.wait(), 10)
+            except asyncio.TimeoutError:
+                proc.kill()
+                await proc.wait()
+            except ProcessLookupError:
+                pass
+        data_dir = self._dirs.pop(host_id, None)
+        if data_dir is not None:
+            await asyncio.to_thread(shutil.rmtree, data_dir, True)
+
+    async def alive(self, host_id: str) -> bool:
+        proc = self._procs.get(host_id)
+        return proc is not None and proc.returncode is None
+
+    def pid(self, host_id: str) -> int | None:
+        proc = self._procs.get(host_id)
+        return None if proc is None else proc.pid
+
+    async def reap_orphans(self) -> int:
+        """Remove data dirs of hosts whose owning pool process is gone (hosts die with their pool)."""
+        if not self.root.exists():
+            return 0
+        reaped = 0
+        for entry in self.root.iterdir():
+            parts = entry.name.split("-")
+            if len(parts) < 3 or not parts[-2].isdigit() or entry.name in self._dirs:
+                continue
+            if int(parts[-2]) != os.getpid() and not _pid_alive(int(parts[-2])):
+                await asyncio.to_thread(shutil.rmtree, entry, True) if entry.is_dir() else entry.unlink()
+                reaped += 1
+        return reaped
+
+    async def close(self) -> None:
+        await asyncio.gather(*(self.stop_host(h) for h in list(self._procs)))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _tail(path: Path, n: int = 2000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:].strip()
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,110 @@
+"""``python -m atropos.sandbox``: run one sandbox host.
+
+The token comes from ``ATROPOS_SANDBOX_TOKEN`` or ``--token-file`` (never a flag: argv is visible
+to every process on the machine). Once started, the host prints one JSON line on stdout:
+``{"event": "ready", "port": N, ...}`` so a parent can find a port picked with ``--port 0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from atropos.errors import AtroposSandboxError
+from atropos.sandbox.config import HostConfig, Limits
+from atropos.sandbox.host import SandboxHost
+from atropos.sandbox.server import create_app, wrap
+
+TOKEN_ENV = "ATROPOS_SANDBOX_TOKEN"
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Namespace]:
+    defaults = HostConfig()
+    p = argparse.ArgumentParser(prog="python -m atropos.sandbox", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default=defaults.host, help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=defaults.port, help="port; 0 picks a free one")
+    p.add_argument("--slots", type=int, default=defaults.slots, help="number of slots (default %(default)s)")
+    p.add_argument("--data-dir", type=Path, default=defaults.data_dir, help="where workspaces live")
+    p.add_argument("--token-file", type=Path, help=f"file holding the bearer token (else ${TOKEN_ENV})")
+    p.add_argument("--uid-base", type=int, help="first per-slot uid when running as root")
+    p.add_argument("--max-timeout", type=float, default=defaults.max_timeout_s, help="largest per-call timeout (s)")
+    p.add_argument("--nproc", type=int, default=Limits().nproc, help="processes per slot")
+    p.add_argument("--memory", type=int, default=Limits().address_space_bytes, help="address space per process (bytes)")
+    p.add_argument("--unsafe-no-isolation", action="store_true",
+                   help="DEVELOPMENT ONLY: run slots without bubblewrap")
+    p.add_argument("--no-prewarm", action="store_true", help="start slot sandboxes on first use only")
+    p.add_argument("--parent-pid", type=int, help="exit when this process (the pool) dies")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    token = os.environ.pop(TOKEN_ENV, "")  # scrub: nothing we start should inherit it
+    if args.token_file:
+        token = args.token_file.read_text().strip()
+    if not token:
+        p.error(f"a token is required: set ${TOKEN_ENV} or pass --token-file")
+    cfg = HostConfig(
+        slots=args.slots, data_dir=args.data_dir, host=args.host, port=args.port, token=token,
+        uid_base=args.uid_base, max_timeout_s=args.max_timeout, unsafe_no_isolation=args.unsafe_no_isolation,
+        limits=Limits(nproc=args.nproc, address_space_bytes=args.memory),
+    )
+    return cfg, args
+
+
+def _die_with_parent(parent: int) -> None:
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before the line above took effect
+        sys.exit(0)
+
+
+async def serve(cfg: HostConfig, prewarm: bool = True) -> None:
+    host = SandboxHost(cfg)
+    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+    # proto must be IPPROTO_TCP: asyncio only sets TCP_NODELAY on sockets that say so (else +40 ms per call)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((cfg.host, cfg.port))
+    sock.listen(1024)
+    sock.set_inheritable(False)
+    await host.start()
+    if prewarm:
+        await host.prewarm_all()
+    app = create_app(host, manage_lifecycle=False)
+    server = uvicorn.Server(uvicorn.Config(
+        wrap(app, host), loop="asyncio", http="httptools", access_log=False, log_level="warning",
+        timeout_keep_alive=120, lifespan="off",
+    ))
+    port = sock.getsockname()[1]
+    print(json.dumps({"event": "ready", "port": port, "pid": os.getpid(), "slots": cfg.slots,
+                      "isolation": "none" if cfg.unsafe_no_isolation else "bubblewrap"}), flush=True)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        await host.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg, args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.parent_pid:
+        _die_with_parent(args.parent_pid)
+    try:
+        asyncio.run(serve(cfg, prewarm=not args.no_prewarm))
+    except AtroposSandboxError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""Async client of one sandbox host (httpx, keep-alive). The pool and the executor use this."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, NoReturn
+
+import httpx
+
+from atropos.errors import (
+    AtroposSandboxError,
+    HostUnavailable,
+    LeaseError,
+    SlotUnavailable,
+    ToolInputError,
+)
+from atropos.sandbox.protocol import (
+    LEASE_HEADER,
+    CallResult,
+    HealthInfo,
+    LeaseInfo,
+    ResetResult,
+    SlotInfo,
+    ToolCall,
+)
+
+
+class AuthenticationError(AtroposSandboxError):
+    """The host refused our token (401)."""
+
+
+class HostClient:
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        *,
+        max_timeout_s: float = 600.0,
+        connect_timeout_s: float = 5.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        max_connections: int = 256,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.max_timeout_s = max_timeout_s
+        self._connect_timeout = connect_timeout_s
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers={"Authorization": f"Bearer {token}"},
+            transport=transport,
+            timeout=httpx.Timeout(30.0, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> HostClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- plumbing --------------------------------------------------------------------------
+    def _timeout(self, seconds: float) -> httpx.Timeout:
+        return httpx.Timeout(seconds, connect=self._connect_timeout)
+
+    async def _send(self, method: str, url: str, *, timeout: float = 30.0, **kw: Any) -> httpx.Response:
+        try:
+            resp = await self._http.request(method, url, timeout=self._timeout(timeout), **kw)
+        except httpx.TransportError as exc:
+            raise HostUnavailable(f"{self.base_url}: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code >= 400:
+            _raise_for(resp, self.base_url)
+        return resp
+
+    # -- API -------------------------------------------------------------------------------
+    async def health(self, timeout: float = 10.0) -> HealthInfo:
+        try:
+            resp = await self._http.get("/v1/health", timeout=self._timeout(timeout))
+        except httpx.TransportError as exc:
+            raise HostUnavailable(f"{self.base_url}: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code == 401:
+            _raise_for(resp, self.base_url)
+        if resp.status_code not in (200, 503):
+            raise HostUnavailable(f"{self.base_url}: health answered {resp.status_code}")
+        return HealthInfo.model_validate_json(resp.content)
+
+    async def slots(self) -> list[SlotInfo]:
+        resp = await self._send("GET", "/v1/slots")
+        return [SlotInfo.model_validate(s) for s in resp.json()]
+
+    async def lease(self, trajectory_id: str, *, network: bool = False, slot: int | None = None) -> LeaseInfo:
+        body = {"trajectory_id": trajectory_id, "network": network, "slot": slot}
+        resp = await self._send("POST", "/v1/leases", json=body)
+        return LeaseInfo.model_validate_json(resp.content)
+
+    async def reset(self, slot: int, lease: str, *, trajectory_id: str | None = None,
+                    network: bool | None = None) -> ResetResult:
+        body = {"lease": lease, "trajectory_id": trajectory_id, "network": network}
+        resp = await self._send("POST", f"/v1/slots/{slot}/reset", json=body, timeout=120)
+        return ResetResult.model_validate_json(resp.content)
+
+    async def release(self, slot: int, lease: str) -> ResetResult:
+        resp = await self._send("POST", f"/v1/slots/{slot}/release", json={"lease": lease}, timeout=120)
+        return ResetResult.model_validate_json(resp.content)
+
+    async def call(self, call: ToolCall) -> CallResult:
+        timeout = min(call.timeout_s or self.max_timeout_s, self.max_timeout_s) + 30
+        resp = await self._send("POST", "/v1/call", content=call.model_dump_json(), timeout=timeout,
+                                headers={"content-type": "application/json"})
+        return CallResult.model_validate_json(resp.content)
+
+    async def call_batch(self, calls: Sequence[ToolCall]) -> AsyncIterator[CallResult]:
+        """Send calls in one request; yield each result as the host finishes it."""
+        longest = max((c.timeout_s or self.max_timeout_s) for c in calls)
+        timeout = min(longest, self.max_timeout_s) + 30
+        body = json.dumps({"calls": [c.model_dump(mode="json") for c in calls]}, separators=(",", ":"))
+        try:
+            async with self._http.stream(
+                "POST", "/v1/calls", content=body, timeout=self._timeout(timeout),
+                headers={"content-type": "application/json"},
+            ) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    _raise_for(resp, self.base_url)
+                async for line in resp.aiter_lines():
+                    if line:
+                        yield CallResult.model_validate_json(line)
+        except httpx.TransportError as exc:
+            raise HostUnavailable(f"{self.base_url}: {type(exc).__name__}: {exc}") from exc
+
+    async def read_bytes(self, slot: int, lease: str, path: str) -> bytes:
+        resp = await self._send("GET", f"/v1/slots/{slot}/files", params={"path": path},
+                                headers={LEASE_HEADER: lease})
+        return resp.content
+
+    async def write_bytes(self, slot: int, lease: str, path: str, data: bytes) -> dict[str, Any]:
+        resp = await self._send("PUT", f"/v1/slots/{slot}/files", params={"path": path}, content=data,
+                                headers={LEASE_HEADER: lease})
+        result: dict[str, Any] = resp.json()
+        return result
+
+    async def archive(self, slot: int, lease: str, path: str = ".") -> bytes:
+        resp = await self._send("GET", f"/v1/slots/{slot}/archive", params={"path": path},
+                                headers={LEASE_HEADER: lease}, timeout=120)
+        return resp.content
+
+
+def _raise_for(resp: httpx.Response, where: str) -> NoReturn:
+    try:
+        err = resp.json().get("error", {})
+        code, message = str(err.get("code", "")), str(err.get("message", resp.text))
+    except (ValueError, AttributeError):
+        code, message = "", resp.text
+    if resp.status_code == 401:
+        raise AuthenticationError(f"{where}: {message}")
+    if code == "lease_invalid":
+        raise LeaseError(message)
+    if code == "no_free_slot":
+        raise SlotUnavailable(message)
+    if resp.status_code >= 500:
+        raise HostUnavailable(f"{where}: HTTP {resp.status_code}: {message}")
+    raise ToolInputError(f"HTTP {resp.status_code} {code}: {message}")

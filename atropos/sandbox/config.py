@@ -1,0 +1,65 @@
+"""Configuration of one sandbox host (the server that owns N slots)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from pydantic import BaseModel, Field, field_validator
+
+
+class Limits(BaseModel):
+    """Resource limits applied inside each slot's sandbox (rlimits, tmpfs sizes)."""
+
+    nproc: int = Field(256, ge=8, description="processes per slot sandbox (RLIMIT_NPROC, per user namespace)")
+    address_space_bytes: int = Field(4 << 30, ge=64 << 20, description="RLIMIT_AS per process")
+    file_size_bytes: int = Field(1 << 30, ge=1 << 20, description="RLIMIT_FSIZE: largest file a slot can write")
+    open_files: int = Field(1024, ge=64, description="RLIMIT_NOFILE")
+    cpu_seconds_per_call: int = Field(600, ge=1, description="RLIMIT_CPU of each call's main process")
+    tmp_bytes: int = Field(256 << 20, ge=1 << 20, description="size of the slot's private /tmp tmpfs")
+    shm_bytes: int = Field(64 << 20, ge=1 << 20, description="size of the slot's /dev/shm tmpfs")
+
+    def rlimits(self) -> dict[str, int]:
+        return {"nproc": self.nproc, "as": self.address_space_bytes, "fsize": self.file_size_bytes,
+                "nofile": self.open_files, "core": 0}
+
+
+def default_data_dir() -> Path:
+    # Not under $HOME: slot uids must be able to traverse to their workspace, and /root is 0700.
+    return Path(tempfile.gettempdir()) / f"atropos-sandbox-{os.getuid()}"
+
+
+class HostConfig(BaseModel):
+    """Everything a sandbox host needs; the CLI flags map one to one onto these fields."""
+
+    slots: int = Field(4, ge=1, le=1024)
+    data_dir: Path = Field(default_factory=default_data_dir)
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535, description="0 picks a free port (printed on start)")
+    token: str = Field("", repr=False, description="bearer token every request must carry")
+    uid_base: int | None = Field(
+        None, description="first per-slot uid when the host runs as root (slot i runs as uid_base+i)"
+    )
+    default_timeout_s: float = Field(60.0, gt=0)
+    max_timeout_s: float = Field(600.0, gt=0)
+    max_output_bytes: int = Field(64 << 10, ge=1024, description="kept per stream (head+tail) per call")
+    hard_output_bytes: int = Field(256 << 20, ge=1 << 20, description="a call printing more is killed")
+    max_body_bytes: int = Field(32 << 20, ge=1 << 16, description="largest request body accepted (413 over)")
+    max_read_bytes: int = Field(8 << 20, ge=1024, description="largest file read through the API")
+    max_write_bytes: int = Field(16 << 20, ge=1024, description="largest file write through the API")
+    max_archive_bytes: int = Field(64 << 20, ge=1 << 16, description="largest archive download")
+    limits: Limits = Field(default_factory=Limits)
+    unsafe_no_isolation: bool = Field(
+        False, description="DEVELOPMENT ONLY: run slots without bubblewrap (no isolation at all)"
+    )
+    bwrap: str = "/usr/bin/bwrap"
+    python: str = Field("/usr/bin/python3", description="interpreter inside the sandbox (from its /usr)")
+    pool_label: str = Field("", description="opaque label of the pool that owns this host (for status)")
+
+    @field_validator("token")
+    @classmethod
+    def _token_printable(cls, v: str) -> str:
+        if any(c.isspace() for c in v):
+            raise ValueError("token must not contain whitespace")
+        return v

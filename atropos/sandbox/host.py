@@ -1,0 +1,349 @@
+"""The sandbox host: N slots, their leases, and the execution of tool calls.
+
+HTTP lives in ``server.py``; this module is the state and the rules, usable in-process too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import hmac
+import logging
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterable
+from importlib import resources
+from pathlib import Path
+
+from atropos import __version__
+from atropos.errors import IsolationUnavailable, LeaseError, SlotUnavailable, ToolError
+from atropos.sandbox import seccomp
+from atropos.sandbox.config import HostConfig
+from atropos.sandbox.protocol import (
+    CallResult,
+    ErrorInfo,
+    HealthInfo,
+    LeaseInfo,
+    LeaseRequest,
+    ResetRequest,
+    ResetResult,
+    SlotInfo,
+    ToolCall,
+)
+from atropos.sandbox.sandbox_process import SandboxDied
+from atropos.sandbox.slot import Slot, delete_trash
+from atropos.sandbox.tools import clamp_timeout, supervisor_request, validate_args
+
+log = logging.getLogger(__name__)
+
+TMUX_CONF = """\
+set -g default-shell /bin/bash
+set -g history-limit 10000
+set -g status off
+set -g exit-empty off
+set -g default-terminal screen
+"""
+
+# Status codes of supervisor error codes; everything else is a 400-class tool error.
+_STATUS = {"not_found": 404, "too_large": 413, "path_escape": 403, "permission_denied": 403}
+
+
+class SandboxHost:
+    def __init__(self, cfg: HostConfig) -> None:
+        self.cfg = cfg
+        self.root = cfg.data_dir
+        self.is_root = os.geteuid() == 0
+        self.uid_base: int | None = None
+        self._uid_lock_fd: int | None = None
+        self.seccomp_path: str | None = None
+        self.slots: list[Slot] = []
+        self.health_slot: Slot | None = None
+        self._health_lock = asyncio.Lock()
+        self._trash_task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self.started_at = time.time()
+        self.total_calls = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        if not self.cfg.unsafe_no_isolation:
+            check_isolation(self.cfg)
+        else:
+            log.warning("!!! UNSAFE: slots run WITHOUT isolation (development only); never run untrusted code !!!")
+        if self.is_root:
+            self.uid_base, self._uid_lock_fd = claim_uid_block(self.cfg.slots + 1, self.cfg.uid_base)
+        await asyncio.to_thread(self._prepare_root)
+        for i in range(self.cfg.slots):
+            self.slots.append(self._make_slot(i))
+        self.health_slot = self._make_slot(self.cfg.slots, name="health")
+        self.health_slot.grant("health-check", network=False)
+        await asyncio.to_thread(lambda: [s.create_dirs() for s in [*self.slots, self.health_slot]])
+        self._schedule_trash()
+        probe = await self.health()
+        if not probe.ok:
+            raise IsolationUnavailable(f"sandbox self-test failed: {probe.detail}")
+
+    def _make_slot(self, index: int, name: str | None = None) -> Slot:
+        uid = None if self.uid_base is None else self.uid_base + index
+        slot = Slot(index, self.cfg, self.root, uid, self.seccomp_path)
+        if name:
+            slot.dir = self.root / name
+            slot.paths = type(slot.paths)(workspace=slot.dir / "ws", run_dir=slot.dir / "run",
+                                          lib_dir=slot.paths.lib_dir, etc_dir=slot.paths.etc_dir)
+        return slot
+
+    def _prepare_root(self) -> None:
+        root = self.root
+        root.mkdir(parents=True, exist_ok=True)
+        os.chmod(root, 0o711)  # slot uids traverse to their own workspace, but cannot list
+        for sub in ("slots", "lib", "etc", "trash"):
+            (root / sub).mkdir(exist_ok=True)
+            os.chmod(root / sub, 0o711 if sub != "trash" else 0o700)
+        lib = root / "lib"
+        os.chmod(lib, 0o755)
+        source = resources.files("atropos.sandbox").joinpath("supervisor.py").read_bytes()
+        _write(lib / "supervisor.py", source)
+        _write(lib / "tmux.conf", TMUX_CONF.encode())
+        etc = root / "etc"
+        os.chmod(etc, 0o755)
+        _write(etc / "passwd", b"sandbox:x:1000:1000:sandbox:/workspace:/bin/bash\n"
+                               b"nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+        _write(etc / "group", b"sandbox:x:1000:\nnogroup:x:65534:\n")
+        _write(etc / "hosts", b"127.0.0.1 localhost sandbox\n::1 localhost\n")
+        if not self.cfg.unsafe_no_isolation:
+            self.seccomp_path = str(seccomp.write_filter(root / "seccomp.bpf"))
+
+    def _schedule_trash(self) -> None:
+        if self._trash_task is None or self._trash_task.done():
+            self._trash_task = asyncio.create_task(asyncio.to_thread(delete_trash, self.root / "trash"))
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(s.stop_sandboxes() for s in [*self.slots, *filter(None, [self.health_slot])]))
+        if self._trash_task is not None:
+            await self._trash_task
+
+    # -- queries ---------------------------------------------------------------------------
+    def slot_infos(self) -> list[SlotInfo]:
+        return [s.info() for s in self.slots]
+
+    async def health(self) -> HealthInfo:
+        """A real round trip through the exec path: `true` in the hidden health slot."""
+        assert self.health_slot is not None
+        ok, detail, exec_ms = True, "", 0.0
+        async with self._health_lock:
+            t0 = time.perf_counter()
+            try:
+                frame = await self.health_slot.request(
+                    {"op": "exec", "argv": ["true"], "timeout": 10, "max_output": 1024,
+                     "hard_output": 1 << 20}, timeout=15,
+                )
+                exec_ms = (time.perf_counter() - t0) * 1000
+                if not frame.get("ok") or frame["result"].get("exit_code") != 0:
+                    ok, detail = False, f"health exec failed: {frame}"
+            except SandboxDied as exc:
+                ok, detail = False, str(exc)
+        states = [s.state for s in self.slots]
+        return HealthInfo(
+            ok=ok, version=__version__, slots=len(self.slots), free=states.count("free"),
+            leased=states.count("leased"), quarantined=states.count("quarantined"), exec_ms=round(exec_ms, 3),
+            isolation="none" if self.cfg.unsafe_no_isolation else "bubblewrap", detail=detail,
+        )
+
+    # -- leases ----------------------------------------------------------------------------
+    def slot(self, index: int) -> Slot:
+        if not 0 <= index < len(self.slots):
+            raise KeyError(f"unknown slot {index}; this host has slots 0..{len(self.slots) - 1}")
+        return self.slots[index]
+
+    def check_lease(self, slot: Slot, token: str) -> None:
+        current = slot.lease_token
+        if slot.state != "leased" or current is None or not hmac.compare_digest(current.encode(), token.encode()):
+            raise LeaseError(
+                f"lease is not valid for slot {slot.index} (state {slot.state}, generation {slot.generation});"
+                " it was released or reset, or belongs to another trajectory"
+            )
+
+    async def lease(self, req: LeaseRequest) -> LeaseInfo:
+        if req.slot is not None:
+            slot = self.slot(req.slot)
+            if slot.state != "free":
+                raise SlotUnavailable(f"slot {slot.index} is {slot.state}")
+        else:
+            slot = next((s for s in self.slots if s.state == "free"), None)  # type: ignore[assignment]
+            if slot is None:
+                states = [s.state for s in self.slots]
+                raise SlotUnavailable(
+                    f"no free slot: {states.count('leased')} leased, {states.count('resetting')} resetting, "
+                    f"{states.count('quarantined')} quarantined of {len(self.slots)}"
+                )
+        info = slot.grant(req.trajectory_id, req.network)
+        if req.network and slot.sandbox is not None:
+            await slot.stop_sandboxes()  # the warm sandbox has no network; restart on first use
+        log.info("lease slot=%d generation=%d trajectory=%s", slot.index, slot.generation, req.trajectory_id)
+        return info
+
+    async def reset(self, index: int, req: ResetRequest, *, keep: bool) -> ResetResult:
+        """Reset a leased slot; ``keep`` leaves it leased (to a fresh token), else it is freed."""
+        slot = self.slot(index)
+        self.check_lease(slot, req.lease)
+        trajectory = req.trajectory_id or slot.trajectory_id or "?"
+        network = slot.network if req.network is None else req.network
+        t0 = time.perf_counter()
+        # Refuse new calls at once and abort the running one: waiting for a 10-minute command
+        # would hold the slot (and the pool's caller) hostage.
+        slot.lease_token = None
+        await slot.stop_sandboxes()
+        async with slot.lock:
+            ok, detail = await slot.reset()
+        self._schedule_trash()
+        result = ResetResult(slot=index, ok=ok, quarantined=not ok, detail=detail,
+                             duration_ms=round((time.perf_counter() - t0) * 1000, 3))
+        if ok:
+            if keep:
+                result.lease = slot.grant(trajectory, network)
+            if not network:
+                task = asyncio.create_task(self._prewarm(slot))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+        log.info("reset slot=%d ok=%s keep=%s ms=%.2f %s", index, ok, keep, result.duration_ms, detail)
+        return result
+
+    async def _prewarm(self, slot: Slot) -> None:
+        """Start the next lease's sandbox now so its first call does not pay the start-up."""
+        async with slot.lock:
+            if slot.state in ("free", "leased") and not slot.network:
+                try:
+                    await slot.ensure_sandbox()
+                except SandboxDied as exc:
+                    log.warning("prewarm of slot %d failed: %s", slot.index, exc)
+
+    async def prewarm_all(self) -> None:
+        await asyncio.gather(*(self._prewarm(s) for s in self.slots))
+
+    # -- calls -----------------------------------------------------------------------------
+    async def run_calls(self, calls: Iterable[ToolCall]) -> AsyncIterator[CallResult]:
+        """Run calls concurrently across slots (in order within a slot) and yield each as it ends."""
+        queue: asyncio.Queue[CallResult] = asyncio.Queue()
+        tasks = [asyncio.create_task(self._run_to(queue, call)) for call in calls]
+        try:
+            for _ in range(len(tasks)):
+                yield await queue.get()
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _run_to(self, queue: asyncio.Queue[CallResult], call: ToolCall) -> None:
+        await queue.put(await self.run_call(call))
+
+    async def run_call(self, call: ToolCall) -> CallResult:
+        t0 = time.perf_counter()
+        result = CallResult(id=call.id, slot=call.slot, ok=False)
+        try:
+            slot = self.slot(call.slot)
+            self.check_lease(slot, call.lease)
+            args = validate_args(call.tool, call.args)
+            timeout, result.notes = clamp_timeout(call.timeout_s or getattr(args, "timeout_s", None), self.cfg)
+            payload = supervisor_request(call.tool, args, timeout, self.cfg)
+            async with slot.lock:
+                self.check_lease(slot, call.lease)  # a reset may have happened while we waited
+                slot.calls += 1
+                self.total_calls += 1
+                frame = await self._request(slot, payload, timeout)
+            if frame.get("ok"):
+                result.ok, result.result = True, frame["result"]
+            else:
+                err = frame.get("error") or {}
+                code = str(err.get("code", "error"))
+                result.error = ErrorInfo(code=code, message=str(err.get("message", "")),
+                                         status=_STATUS.get(code, 400))
+        except KeyError as exc:
+            result.error = ErrorInfo(code="unknown_slot", message=str(exc.args[0]), status=404)
+        except LeaseError as exc:
+            result.error = ErrorInfo(code="lease_invalid", message=str(exc), status=409)
+        except ToolError as exc:
+            result.error = ErrorInfo(code="invalid_arguments", message=str(exc), status=422)
+        except SandboxDied as exc:
+            result.error = ErrorInfo(code="sandbox_failed", message=str(exc), status=503)
+        result.duration_ms = round((time.perf_counter() - t0) * 1000, 3)
+        return result
+
+    async def _request(self, slot: Slot, payload: dict[str, object], timeout: float) -> dict[str, object]:
+        try:
+            return await slot.request(payload, timeout + 10)
+        except SandboxDied as exc:
+            if payload.get("op") != "exec" or slot.sandbox is None:
+                raise
+            # The command took its own sandbox down (kill -9 -1, OOM): that is the command's
+            # outcome, shown to the model; the next call gets a fresh sandbox, files kept.
+            log.info("slot %d: sandbox died during a call: %s", slot.index, exc)
+            await slot.stop_sandboxes()
+            return {"ok": True, "result": {
+                "exit_code": None, "signal": 9, "timed_out": False, "output_limited": False, "stdout": "",
+                "stderr": "[the command killed its own sandbox; it was restarted, workspace files are kept]\n",
+                "stdout_bytes": 0, "stderr_bytes": 0, "stdout_truncated": False, "stderr_truncated": False,
+                "duration_ms": 0.0, "sandbox_restarted": True}}
+
+
+UID_LOCK_DIR = Path("/run/atropos-sandbox/uids")
+UID_FIRST, UID_BLOCK, UID_BLOCKS = 200_000, 1024, 4096
+
+
+def claim_uid_block(needed: int, wanted_base: int | None) -> tuple[int, int]:
+    """Reserve a block of per-slot uids for this host's lifetime (an flock held until we exit).
+
+    Two hosts sharing a uid would see, signal and reset each other's processes, so a host
+    running as root never uses uids it has not locked.
+    """
+    if needed > UID_BLOCK:
+        raise IsolationUnavailable(f"at most {UID_BLOCK - 1} slots per host when running as root")
+    UID_LOCK_DIR.mkdir(parents=True, exist_ok=True)
+    candidates = (
+        [wanted_base] if wanted_base is not None
+        else [UID_FIRST + UID_BLOCK * ((os.getpid() + i) % UID_BLOCKS) for i in range(UID_BLOCKS)]
+    )
+    for base in candidates:
+        fd = os.open(UID_LOCK_DIR / f"{base}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return base, fd
+    raise IsolationUnavailable(f"uid block {wanted_base} is in use by another host" if wanted_base
+                               else "no free uid block for slot users")
+
+
+def _write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def check_isolation(cfg: HostConfig) -> None:
+    """Fail closed, with instructions, when bubblewrap cannot build our sandbox here."""
+    if not Path(cfg.bwrap).exists():
+        raise IsolationUnavailable(
+            f"bubblewrap not found at {cfg.bwrap}: install it (Debian/Ubuntu: apt-get install bubblewrap). "
+            "For development only, --unsafe-no-isolation runs without any isolation."
+        )
+    if not Path(cfg.python).exists():
+        raise IsolationUnavailable(f"{cfg.python} not found: the sandbox needs a python3 in /usr")
+    if shutil.which("tmux") is None:
+        log.warning("tmux not found: the terminal tool will not work (apt-get install tmux)")
+    probe = subprocess.run(
+        [cfg.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+         "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
+         "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev", "true"],
+        env={}, capture_output=True, timeout=30,
+        **({"user": 65534, "group": 65534, "extra_groups": []} if os.geteuid() == 0 else {}),  # type: ignore[arg-type]
+    )
+    if probe.returncode != 0:
+        raise IsolationUnavailable(
+            "bubblewrap cannot create a sandbox here: "
+            f"{probe.stderr.decode(errors='replace').strip()}. Unprivileged user namespaces must be allowed "
+            "(sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces>0; on Ubuntu 24.04+ an "
+            "AppArmor profile allowing userns for bwrap); inside Docker use the options in sandbox_image/README.md."
+        )

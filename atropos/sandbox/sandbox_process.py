@@ -1,0 +1,145 @@
+"""One running slot sandbox: bubblewrap around the supervisor, spoken to over pipes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+from atropos.errors import InfrastructureError
+
+log = logging.getLogger(__name__)
+FRAME = struct.Struct(">I")
+MAX_FRAME = 64 << 20
+
+
+class SandboxDied(InfrastructureError):
+    """The sandbox process exited or stopped answering; the slot's sandbox must be restarted."""
+
+
+class SandboxProcess:
+    """A long-lived sandboxed supervisor. Requests are serialised by the owning slot's lock."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, label: str) -> None:
+        self.proc = proc
+        self.label = label
+        self._stderr_tail = b""
+        self._stderr_task = asyncio.create_task(self._drain_stderr())
+
+    @classmethod
+    async def start(
+        cls,
+        argv: Sequence[str],
+        *,
+        uid: int | None,
+        seccomp_path: str | None,
+        label: str,
+        protocol: bool = True,
+        ready_timeout: float = 15.0,
+    ) -> SandboxProcess:
+        """Start a sandbox; with ``protocol`` False it runs a plain program (e.g. the tmux server)."""
+        fds: tuple[int, ...] = ()
+        argv = list(argv)
+        seccomp_fd = -1
+        if seccomp_path is not None:
+            # bwrap consumes the descriptor's offset, so every sandbox gets a fresh one.
+            seccomp_fd = os.open(seccomp_path, os.O_RDONLY)
+            fds = (seccomp_fd,)
+            argv = [str(seccomp_fd) if a == "{seccomp_fd}" else a for a in argv]
+        ids: dict[str, Any] = {}
+        if uid is not None:
+            ids = {"user": uid, "group": uid, "extra_groups": []}
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE if protocol else asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+                env={},  # bwrap's own PID 1 keeps this environment: it must be empty
+                pass_fds=fds,
+                limit=MAX_FRAME,
+                **ids,
+            )
+        except OSError as exc:
+            raise SandboxDied(f"{label}: cannot start sandbox: {exc}") from exc
+        finally:
+            if seccomp_fd >= 0:
+                os.close(seccomp_fd)
+        sandbox = cls(proc, label)
+        if not protocol:
+            return sandbox
+        try:
+            await sandbox._read_frame(ready_timeout)
+        except SandboxDied:
+            await sandbox.kill()
+            raise
+        return sandbox
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.returncode is None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    async def _drain_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        try:
+            while chunk := await self.proc.stderr.read(4096):
+                self._stderr_tail = (self._stderr_tail + chunk)[-4096:]
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+
+    def stderr_tail(self) -> str:
+        return self._stderr_tail.decode("utf-8", "replace").strip()
+
+    async def _read_frame(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        try:
+            head = await asyncio.wait_for(self.proc.stdout.readexactly(FRAME.size), timeout)
+            (size,) = FRAME.unpack(head)
+            if size > MAX_FRAME:
+                raise SandboxDied(f"{self.label}: oversized frame from sandbox ({size} bytes)")
+            body = await asyncio.wait_for(self.proc.stdout.readexactly(size), timeout)
+        except asyncio.TimeoutError:
+            raise SandboxDied(f"{self.label}: sandbox did not answer within {timeout:.1f}s") from None
+        except (asyncio.IncompleteReadError, ConnectionError):
+            await asyncio.sleep(0)  # let the stderr drain catch bwrap's last words
+            raise SandboxDied(f"{self.label}: sandbox exited: {self.stderr_tail() or 'no message'}") from None
+        try:
+            frame = json.loads(body)
+        except ValueError:
+            raise SandboxDied(f"{self.label}: malformed frame from sandbox") from None
+        if not isinstance(frame, dict):
+            raise SandboxDied(f"{self.label}: malformed frame from sandbox")
+        return frame
+
+    async def request(self, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Send one request and wait for its answer; any transport failure kills the sandbox."""
+        if not self.alive or self.proc.stdin is None:
+            raise SandboxDied(f"{self.label}: sandbox is not running")
+        data = json.dumps(payload, separators=(",", ":")).encode()
+        try:
+            self.proc.stdin.write(FRAME.pack(len(data)) + data)
+            await self.proc.stdin.drain()
+            return await self._read_frame(timeout)
+        except (ConnectionError, SandboxDied) as exc:
+            await self.kill()
+            if isinstance(exc, SandboxDied):
+                raise
+            raise SandboxDied(f"{self.label}: sandbox pipe closed") from exc
+
+    async def kill(self) -> None:
+        """SIGKILL the outer bwrap; with a PID namespace that takes every process inside along."""
+        if self.proc.returncode is None:
+            try:
+                self.proc.kill()
+            except ProcessLookupError:
+                pass
+        await self.proc.wait()
+        self._stderr_task.cancel()

@@ -1,0 +1,214 @@
+"""HTTP face of a sandbox host (FastAPI). Versioned JSON; batch results stream as NDJSON."""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from atropos import __version__
+from atropos.errors import LeaseError, SlotUnavailable
+from atropos.sandbox.host import SandboxHost
+from atropos.sandbox.protocol import (
+    LEASE_HEADER,
+    CallBatch,
+    CallResult,
+    HealthInfo,
+    LeaseInfo,
+    LeaseRef,
+    LeaseRequest,
+    ResetRequest,
+    ResetResult,
+    SlotInfo,
+    ToolCall,
+)
+
+log = logging.getLogger(__name__)
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[dict[str, Any], Receive, Send], Awaitable[None]]
+
+
+class BodyLimit:
+    """Refuse bodies over ``limit`` bytes with 413 naming the limit, before the app buffers them."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                return await _too_large(send, self.limit)
+        seen = 0
+
+        async def limited() -> dict[str, Any]:
+            nonlocal seen
+            message: dict[str, Any] = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _BodyTooLarge:
+            await _too_large(send, self.limit)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _too_large(send: Any, limit: int) -> None:
+    body = json.dumps({"error": {"code": "body_too_large", "status": 413,
+                                 "message": f"request body over the limit of {limit} bytes"}}).encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _error(status: int, code: str, message: str) -> HTTPException:
+    return HTTPException(status_code=status, detail={"code": code, "message": message, "status": status})
+
+
+def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
+    token = host.cfg.token.encode()
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if manage_lifecycle:
+            await host.start()
+            await host.prewarm_all()
+        try:
+            yield
+        finally:
+            if manage_lifecycle:
+                await host.stop()
+
+    app = FastAPI(title="atropos-sandbox host", version=__version__, lifespan=lifespan)
+
+    async def auth(authorization: str = Header("", description="Bearer <host token>")) -> None:
+        scheme, _, presented = authorization.partition(" ")
+        if not token or scheme.lower() != "bearer" or not hmac.compare_digest(presented.encode(), token):
+            raise _error(401, "unauthorized", "missing or wrong bearer token")
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+        detail = exc.detail if isinstance(exc.detail, dict) else {
+            "code": "error", "message": str(exc.detail), "status": exc.status_code}
+        return JSONResponse({"error": detail}, status_code=exc.status_code, headers=exc.headers)
+
+    def slot_or_404(index: int) -> None:
+        try:
+            host.slot(index)
+        except KeyError as exc:
+            raise _error(404, "unknown_slot", str(exc.args[0])) from None
+
+    deps = [Depends(auth)]
+
+    @app.get("/v1/health", response_model=HealthInfo, dependencies=deps)
+    async def health() -> JSONResponse:
+        info = await host.health()
+        return JSONResponse(info.model_dump(), status_code=200 if info.ok else 503)
+
+    @app.get("/v1/slots", response_model=list[SlotInfo], dependencies=deps)
+    async def slots() -> list[SlotInfo]:
+        return host.slot_infos()
+
+    @app.post("/v1/leases", response_model=LeaseInfo, dependencies=deps)
+    async def lease(req: LeaseRequest) -> LeaseInfo:
+        if req.slot is not None:
+            slot_or_404(req.slot)
+        try:
+            return await host.lease(req)
+        except SlotUnavailable as exc:
+            raise _error(409, "no_free_slot", str(exc)) from None
+
+    async def _reset(slot: int, req: ResetRequest, keep: bool) -> ResetResult:
+        slot_or_404(slot)
+        try:
+            return await host.reset(slot, req, keep=keep)
+        except LeaseError as exc:
+            raise _error(409, "lease_invalid", str(exc)) from None
+
+    @app.post("/v1/slots/{slot}/reset", response_model=ResetResult, dependencies=deps)
+    async def reset(slot: int, req: ResetRequest) -> ResetResult:
+        """Restore the slot to pristine and keep it leased to the caller under a fresh lease token."""
+        return await _reset(slot, req, keep=True)
+
+    @app.post("/v1/slots/{slot}/release", response_model=ResetResult, dependencies=deps)
+    async def release(slot: int, req: LeaseRef) -> ResetResult:
+        """Reset the slot and return it to the free list."""
+        return await _reset(slot, ResetRequest(lease=req.lease), keep=False)
+
+    @app.post("/v1/calls", dependencies=deps, response_class=StreamingResponse,
+              responses={200: {"content": {"application/x-ndjson": {}},
+                               "description": "one CallResult JSON per line, in completion order"}})
+    async def calls(batch: CallBatch) -> StreamingResponse:
+        async def lines() -> AsyncIterator[bytes]:
+            async for result in host.run_calls(batch.calls):
+                yield result.model_dump_json().encode() + b"\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @app.post("/v1/call", response_model=CallResult, dependencies=deps)
+    async def call(call: ToolCall) -> CallResult:
+        return await host.run_call(call)
+
+    async def file_call(slot: int, lease: str, tool: str, args: dict[str, Any]) -> dict[str, Any]:
+        slot_or_404(slot)
+        result = await host.run_call(ToolCall(id=tool, slot=slot, lease=lease, tool=tool, args=args))
+        if not result.ok:
+            assert result.error is not None
+            raise _error(result.error.status, result.error.code, result.error.message)
+        assert result.result is not None
+        return result.result
+
+    lease_header = Header(..., alias=LEASE_HEADER, min_length=1, max_length=256)
+
+    @app.get("/v1/slots/{slot}/files", dependencies=deps, response_class=Response,
+             responses={200: {"content": {"application/octet-stream": {}}}})
+    async def read_file(slot: int, path: str = Query(..., min_length=1, max_length=4096),
+                        lease: str = lease_header) -> Response:
+        out = await file_call(slot, lease, "read_file", {"path": path, "encoding": "base64"})
+        return Response(base64.b64decode(out["content"]), media_type="application/octet-stream")
+
+    @app.put("/v1/slots/{slot}/files", dependencies=deps)
+    async def write_file(request: Request, slot: int, path: str = Query(..., min_length=1, max_length=4096),
+                         lease: str = lease_header) -> dict[str, Any]:
+        data = await request.body()
+        return await file_call(slot, lease, "write_file",
+                               {"path": path, "content": base64.b64encode(data).decode(), "encoding": "base64"})
+
+    @app.get("/v1/slots/{slot}/list", dependencies=deps)
+    async def list_dir(slot: int, path: str = Query(".", min_length=1, max_length=4096),
+                       lease: str = lease_header) -> dict[str, Any]:
+        return await file_call(slot, lease, "list_dir", {"path": path})
+
+    @app.get("/v1/slots/{slot}/stat", dependencies=deps)
+    async def stat(slot: int, path: str = Query(..., min_length=1, max_length=4096),
+                   lease: str = lease_header) -> dict[str, Any]:
+        return await file_call(slot, lease, "stat", {"path": path})
+
+    @app.get("/v1/slots/{slot}/archive", dependencies=deps, response_class=Response,
+             responses={200: {"content": {"application/gzip": {}}}})
+    async def archive(slot: int, path: str = Query(".", min_length=1, max_length=4096),
+                      lease: str = lease_header) -> Response:
+        out = await file_call(slot, lease, "archive", {"path": path})
+        return Response(base64.b64decode(out["content"]), media_type="application/gzip")
+
+    return app
+
+
+def wrap(app: FastAPI, host: SandboxHost) -> BodyLimit:
+    return BodyLimit(app, host.cfg.max_body_bytes)  # type: ignore[arg-type]

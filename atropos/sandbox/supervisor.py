@@ -1,0 +1,628 @@
+"""The per-slot supervisor: runs *inside* a slot's sandbox and executes every call of the slot.
+
+One supervisor lives per leased slot (started once inside bubblewrap), so a call costs a
+fork+exec, not a sandbox start. It talks to the host over its stdin/stdout with length-prefixed
+JSON frames and handles one request at a time (calls of one slot run in order).
+
+This file must stay standard-library only and self-contained: it is copied into the host's data
+directory and executed by whatever ``python3`` the sandbox's ``/usr`` offers.
+
+Threat model: everything here runs with the same identity as the untrusted code. The supervisor
+protects the *host* from the slot (bounded output, bounded reads, no hangs on FIFOs, nothing of a
+call survives it), not itself from its own slot: a command that kills the supervisor only kills
+its own slot's sandbox, which the host then restarts.
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import errno
+import io
+import json
+import os
+import re
+import resource
+import selectors
+import signal
+import stat
+import struct
+import subprocess
+import sys
+import tarfile
+import time
+from typing import Any
+
+FRAME = struct.Struct(">I")
+MAX_FRAME = 64 << 20
+
+# openat2(2) resolution flags (linux/openat2.h)
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_IN_ROOT = 0x10
+SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}.get(os.uname().machine)
+
+
+class ToolFailure(Exception):
+    """An error the model should read; ``code`` is stable for programs."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def _openat2(dir_fd: int, path: str, flags: int, mode: int = 0o644) -> int:
+    """Open ``path`` as if ``dir_fd`` were ``/``: ``..``, absolute paths and symlinks stay inside."""
+    raw = path.encode("utf-8", "surrogateescape")
+    if b"\0" in raw:
+        raise ToolFailure("invalid_path", "path contains a NUL byte")
+    if SYS_OPENAT2 is None:
+        raise ToolFailure("unsupported", "openat2 is not available on this architecture")
+    how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+    fd = _libc.syscall(SYS_OPENAT2, dir_fd, raw, ctypes.byref(how), ctypes.sizeof(how))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    return int(fd)
+
+
+def _os_failure(exc: OSError, path: str) -> ToolFailure:
+    codes = {
+        errno.ENOENT: ("not_found", f"{path}: no such file or directory"),
+        errno.ENOTDIR: ("not_found", f"{path}: a path component is not a directory"),
+        errno.EISDIR: ("is_directory", f"{path}: is a directory"),
+        errno.EACCES: ("permission_denied", f"{path}: permission denied"),
+        errno.EPERM: ("permission_denied", f"{path}: operation not permitted"),
+        errno.ENAMETOOLONG: ("invalid_path", f"path too long ({len(path)} characters)"),
+        errno.ELOOP: ("invalid_path", f"{path}: too many levels of symbolic links"),
+        errno.EXDEV: ("path_escape", f"{path}: resolves outside the workspace"),
+        errno.ENOSPC: ("no_space", f"{path}: no space left in the workspace"),
+        errno.EFBIG: ("too_large", f"{path}: file size limit reached"),
+        errno.EEXIST: ("exists", f"{path}: already exists"),
+    }
+    code, message = codes.get(exc.errno or 0, ("os_error", f"{path}: {exc.strerror}"))
+    return ToolFailure(code, message)
+
+
+class Capture:
+    """Keeps the first and last ``cap/2`` bytes of a stream and counts the rest."""
+
+    def __init__(self, cap: int) -> None:
+        self.half = max(cap // 2, 1)
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+
+    def feed(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self.half - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if data:
+            self.tail += data
+            if len(self.tail) > 2 * self.half:
+                del self.tail[: len(self.tail) - self.half]
+
+    def text(self) -> tuple[str, bool]:
+        tail = bytes(self.tail[-self.half :]) if self.tail else b""
+        dropped = self.total - len(self.head) - len(tail)
+        if dropped <= 0:
+            return (bytes(self.head) + tail).decode("utf-8", "replace"), False
+        marker = f"\n[... {dropped} bytes truncated ...]\n"
+        return self.head.decode("utf-8", "replace") + marker + tail.decode("utf-8", "replace"), True
+
+
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[()][0-9A-Za-z]|\x1b[=>78cDEHM]")
+
+
+def strip_ansi(text: str) -> str:
+    text = _ANSI.sub("", text).replace("\r\n", "\n")
+    # A bare CR moves to line start: keep what was drawn last on that line.
+    return "\n".join(line.rsplit("\r", 1)[-1] for line in text.split("\n"))
+
+
+class Supervisor:
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.workspace = cfg.get("workspace", "/workspace")
+        self.run_dir = cfg.get("run_dir", "/run/term")
+        self.env = dict(cfg.get("env", {}))
+        self.isolated = bool(cfg.get("isolated", True))
+
+    # -- process control -------------------------------------------------------------------
+    def kill_leftovers(self) -> None:
+        """Kill every process of this sandbox except us (and bwrap's init as PID 1).
+
+        kill(-1) is atomic with respect to fork, so even a fork bomb cannot outrun it. Only
+        meaningful inside our own PID namespace; without isolation it would hit the whole uid.
+        """
+        if not self.isolated:
+            return
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def run(self, req: dict[str, Any]) -> dict[str, Any]:
+        argv = [str(a) for a in req["argv"]]
+        timeout = float(req.get("timeout", 60.0))
+        cap = int(req.get("max_output", 65536))
+        hard_cap = int(req.get("hard_output", 64 << 20))
+        cwd = self._resolve_dir(req.get("cwd") or ".")
+        env = dict(self.env)
+        env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
+        stdin_fd = os.open(os.devnull, os.O_RDONLY)
+        if req.get("stdin"):
+            os.close(stdin_fd)
+            stdin_fd = os.memfd_create("stdin", 0)
+            os.write(stdin_fd, str(req["stdin"]).encode())
+            os.lseek(stdin_fd, 0, os.SEEK_SET)
+        start = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env,
+                close_fds=True, start_new_session=True,
+            )
+        except OSError as exc:
+            return {"exit_code": 127, "signal": None, "timed_out": False, "stdout": "",
+                    "stderr": f"cannot start {argv[0]}: {exc.strerror}\n", "stdout_bytes": 0,
+                    "stderr_bytes": 0, "stdout_truncated": False, "stderr_truncated": False,
+                    "duration_ms": 0.0, "output_limited": False}
+        finally:
+            os.close(stdin_fd)
+        cpu = req.get("cpu_seconds")
+        if cpu:
+            try:
+                resource.prlimit(proc.pid, resource.RLIMIT_CPU, (int(cpu), int(cpu) + 1))
+            except OSError:
+                pass
+        out, err = Capture(cap), Capture(cap)
+        streams = {proc.stdout: out, proc.stderr: err}
+        sel = selectors.DefaultSelector()
+        for pipe in streams:
+            assert pipe is not None
+            os.set_blocking(pipe.fileno(), False)
+            sel.register(pipe, selectors.EVENT_READ)
+        pidfd = os.pidfd_open(proc.pid)
+        sel.register(pidfd, selectors.EVENT_READ)
+        deadline = start + timeout
+        timed_out = output_limited = exited = False
+        while sel.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timed_out = True
+                break
+            # Once the main process is gone, a background child holding the pipe must not keep
+            # the call open: give the pipes a short grace to drain, then stop.
+            events = sel.select(0.05 if exited else remaining)
+            if exited and not events:
+                break
+            for key, _ in events:
+                if key.fileobj == pidfd:
+                    exited = True
+                    sel.unregister(pidfd)
+                    continue
+                chunk = b""
+                try:
+                    chunk = os.read(key.fd, 65536)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                streams[key.fileobj].feed(chunk)  # type: ignore[index]
+            if out.total + err.total > hard_cap:
+                output_limited = True
+                break
+        sel.close()
+        os.close(pidfd)
+        self.kill_leftovers()
+        if not self.isolated and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        code = proc.wait()
+        for pipe in streams:
+            assert pipe is not None
+            pipe.close()
+        stdout, out_trunc = out.text()
+        stderr, err_trunc = err.text()
+        return {
+            "exit_code": code if code >= 0 else None,
+            "signal": -code if code < 0 else None,
+            "timed_out": timed_out,
+            "output_limited": output_limited,
+            "stdout": stdout,
+            "stderr": stderr,
+            "stdout_bytes": out.total,
+            "stderr_bytes": err.total,
+            "stdout_truncated": out_trunc,
+            "stderr_truncated": err_trunc,
+            "duration_ms": round((time.monotonic() - start) * 1000, 3),
+        }
+
+    # -- paths -----------------------------------------------------------------------------
+    def _root_fd(self) -> int:
+        return os.open(self.workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def _open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        if not isinstance(path, str) or not path:
+            raise ToolFailure("invalid_path", "path must be a non-empty string")
+        root = self._root_fd()
+        try:
+            return _openat2(root, path, flags, mode)
+        except OSError as exc:
+            raise _os_failure(exc, path) from None
+        finally:
+            os.close(root)
+
+    def _resolve_dir(self, path: str) -> str:
+        fd = self._open(path, os.O_PATH | os.O_DIRECTORY)
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
+
+    def _make_parents(self, path: str) -> None:
+        parts = [p for p in path.split("/") if p not in ("", ".")][:-1]
+        prefix = ""
+        for part in parts:
+            prefix = f"{prefix}/{part}" if prefix else part
+            try:
+                fd = self._open(prefix, os.O_PATH | os.O_DIRECTORY)
+                os.close(fd)
+                continue
+            except ToolFailure as exc:
+                if exc.code != "not_found":
+                    raise
+            parent = prefix.rsplit("/", 1)[0] if "/" in prefix else "."
+            pfd = self._open(parent, os.O_PATH | os.O_DIRECTORY)
+            try:
+                os.mkdir(part, 0o755, dir_fd=pfd)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise _os_failure(exc, prefix) from None
+            finally:
+                os.close(pfd)
+
+    def _read_regular(self, path: str, offset: int, limit: int, max_bytes: int) -> tuple[bytes, int]:
+        fd = self._open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise ToolFailure("is_directory", f"{path}: is a directory (use list_dir)")
+            if not stat.S_ISREG(st.st_mode):
+                raise ToolFailure("not_regular", f"{path}: not a regular file")
+            want = st.st_size - offset if limit <= 0 else limit
+            if want > max_bytes:
+                raise ToolFailure(
+                    "too_large",
+                    f"{path}: {st.st_size} bytes, over the read limit of {max_bytes} bytes; "
+                    "pass offset/limit to read part of it",
+                )
+            os.lseek(fd, offset, os.SEEK_SET)
+            chunks: list[bytes] = []
+            got = 0
+            while got < want:
+                chunk = os.read(fd, min(1 << 20, want - got))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                got += len(chunk)
+            return b"".join(chunks), st.st_size
+        finally:
+            os.close(fd)
+
+    # -- file tools ------------------------------------------------------------------------
+    def read_file(self, req: dict[str, Any]) -> dict[str, Any]:
+        data, size = self._read_regular(
+            req["path"], int(req.get("offset") or 0), int(req.get("limit") or 0), int(req["max_bytes"])
+        )
+        if req.get("encoding") == "base64":
+            return {"content": base64.b64encode(data).decode(), "encoding": "base64", "size": size}
+        try:
+            return {"content": data.decode("utf-8"), "encoding": "text", "size": size}
+        except UnicodeDecodeError:
+            return {"content": data.decode("utf-8", "replace"), "encoding": "text", "size": size,
+                    "binary": True}
+
+    def write_file(self, req: dict[str, Any]) -> dict[str, Any]:
+        path = req["path"]
+        data = base64.b64decode(req["content"]) if req.get("encoding") == "base64" else req["content"].encode()
+        if len(data) > int(req["max_bytes"]):
+            raise ToolFailure("too_large", f"content is {len(data)} bytes, over the write limit of "
+                                           f"{req['max_bytes']} bytes")
+        self._make_parents(path)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY
+        flags |= os.O_APPEND if req.get("append") else os.O_TRUNC
+        fd = self._open(path, flags)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ToolFailure("not_regular", f"{path}: not a regular file")
+            view = memoryview(data)
+            while view:
+                try:
+                    n = os.write(fd, view)
+                except OSError as exc:
+                    raise _os_failure(exc, path) from None
+                view = view[n:]
+            return {"path": path, "bytes_written": len(data), "size": os.fstat(fd).st_size}
+        finally:
+            os.close(fd)
+
+    def edit_file(self, req: dict[str, Any]) -> dict[str, Any]:
+        path, old, new = req["path"], req["old_string"], req["new_string"]
+        if old == "":
+            raise ToolFailure("invalid_arguments", "old_string must not be empty")
+        data, _ = self._read_regular(path, 0, 0, int(req["max_bytes"]))
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ToolFailure("not_text", f"{path}: not UTF-8 text; use write_file") from None
+        count = text.count(old)
+        if count == 0:
+            raise ToolFailure("no_match", f"{path}: old_string not found")
+        if count > 1 and not req.get("replace_all"):
+            raise ToolFailure(
+                "ambiguous_match",
+                f"{path}: old_string occurs {count} times; add surrounding context to make it unique "
+                "or set replace_all",
+            )
+        updated = text.replace(old, new) if req.get("replace_all") else text.replace(old, new, 1)
+        fd = self._open(path, os.O_WRONLY | os.O_TRUNC | os.O_NONBLOCK | os.O_NOCTTY)
+        try:
+            os.write(fd, updated.encode())
+        except OSError as exc:
+            raise _os_failure(exc, path) from None
+        finally:
+            os.close(fd)
+        return {"path": path, "replacements": count if req.get("replace_all") else 1}
+
+    def list_dir(self, req: dict[str, Any]) -> dict[str, Any]:
+        path = req.get("path") or "."
+        limit = int(req.get("max_entries") or 1000)
+        fd = self._open(path, os.O_RDONLY | os.O_DIRECTORY)
+        entries = []
+        try:
+            names = sorted(os.listdir(fd))
+            for name in names[:limit]:
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except OSError:
+                    continue
+                entries.append({"name": name, "type": _kind(st.st_mode), "size": st.st_size})
+        finally:
+            os.close(fd)
+        return {"path": path, "entries": entries, "truncated": len(names) > limit, "total": len(names)}
+
+    def stat(self, req: dict[str, Any]) -> dict[str, Any]:
+        path = req["path"]
+        fd = self._open(path, os.O_PATH | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        return {"path": path, "type": _kind(st.st_mode), "size": st.st_size,
+                "mode": oct(stat.S_IMODE(st.st_mode)), "mtime": st.st_mtime}
+
+    def archive(self, req: dict[str, Any]) -> dict[str, Any]:
+        path = req.get("path") or "."
+        max_bytes = int(req["max_bytes"])
+        fd = self._open(path, os.O_RDONLY | os.O_DIRECTORY)
+        buf = _BoundedBuffer(max_bytes)
+        try:
+            with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+                base = f"/proc/self/fd/{fd}"
+                for dirpath, dirnames, filenames in os.walk(base):
+                    dirnames.sort()
+                    for name in sorted(dirnames) + sorted(filenames):
+                        full = os.path.join(dirpath, name)
+                        rel = os.path.relpath(full, base)
+                        try:
+                            info = tar.gettarinfo(full, arcname=rel)
+                        except OSError:
+                            continue
+                        if info.isreg():
+                            try:
+                                with _open_nonblock(full) as fh:
+                                    tar.addfile(info, fh)
+                            except OSError:
+                                continue
+                        elif info.isdir() or info.issym() or info.islnk():
+                            tar.addfile(info)
+        except _ArchiveTooLarge:
+            raise ToolFailure("too_large", f"{path}: archive exceeds the limit of {max_bytes} bytes") from None
+        finally:
+            os.close(fd)
+        return {"content": base64.b64encode(buf.getvalue()).decode(), "encoding": "base64",
+                "format": "tar.gz", "size": len(buf.getvalue())}
+
+    # -- terminal --------------------------------------------------------------------------
+    def terminal(self, req: dict[str, Any]) -> dict[str, Any]:
+        sock = os.path.join(self.run_dir, "tmux.sock")
+        log = os.path.join(self.run_dir, "terminal.log")
+        tmux = ["tmux", "-S", sock]
+        env = dict(self.env)
+
+        def tmux_run(*args: str) -> subprocess.CompletedProcess[bytes]:
+            return subprocess.run([*tmux, *args], env=env, capture_output=True, timeout=10,
+                                  stdin=subprocess.DEVNULL)
+
+        if tmux_run("has-session", "-t", "main").returncode != 0:
+            created = tmux_run("new-session", "-d", "-s", "main", "-x", str(req.get("cols", 200)),
+                               "-y", str(req.get("rows", 50)), "-c", self.workspace)
+            if created.returncode != 0:
+                raise ToolFailure("terminal_unavailable",
+                                  "cannot start the terminal: " + created.stderr.decode(errors="replace"))
+            tmux_run("pipe-pane", "-O", "-t", "main", f"exec cat >> {log}")
+        for key in req.get("keys") or []:
+            tmux_run("send-keys", "-t", "main", str(key))
+        text = req.get("input") or ""
+        if text:
+            tmux_run("send-keys", "-t", "main", "-l", "--", text)
+        enter = req.get("enter")
+        if enter if enter is not None else bool(text):
+            tmux_run("send-keys", "-t", "main", "Enter")
+        wait = float(req.get("wait_ms", 2000)) / 1000.0
+        settle = float(req.get("settle_ms", 300)) / 1000.0
+        offset = int(req.get("offset") or 0)
+        size = _size(log)
+        end = time.monotonic() + wait
+        last_change = time.monotonic()
+        while time.monotonic() < end:
+            time.sleep(0.01)
+            now_size = _size(log)
+            if now_size != size:
+                size, last_change = now_size, time.monotonic()
+                if _ends_with_prompt(log, size):
+                    break  # the shell is back at its prompt: the command finished
+            elif now_size > offset and time.monotonic() - last_change >= settle:
+                break
+        cap = int(req.get("max_output", 65536))
+        raw = b""
+        if size > offset:
+            with open(log, "rb") as fh:
+                fh.seek(offset)
+                raw = fh.read(min(size - offset, 8 * cap))
+        new_offset = offset + len(raw)
+        capture = Capture(cap)
+        capture.feed(raw)
+        text_out, truncated = capture.text()
+        return {"output": strip_ansi(text_out), "offset": new_offset, "truncated": truncated,
+                "bytes": len(raw)}
+
+    # -- protocol --------------------------------------------------------------------------
+    def handle(self, req: dict[str, Any]) -> dict[str, Any]:
+        op = req.get("op")
+        handler = {
+            "exec": self.run, "read_file": self.read_file, "write_file": self.write_file,
+            "edit_file": self.edit_file, "list_dir": self.list_dir, "stat": self.stat,
+            "archive": self.archive, "terminal": self.terminal, "ping": lambda _r: {"pong": True},
+        }.get(str(op))
+        if handler is None:
+            return {"ok": False, "error": {"code": "unknown_op", "message": f"unknown op {op!r}"}}
+        try:
+            return {"ok": True, "result": handler(req)}
+        except ToolFailure as exc:
+            return {"ok": False, "error": {"code": exc.code, "message": str(exc)}}
+        except (KeyError, TypeError, ValueError) as exc:
+            return {"ok": False, "error": {"code": "invalid_arguments", "message": f"{type(exc).__name__}: {exc}"}}
+        except OSError as exc:
+            return {"ok": False, "error": {"code": "os_error", "message": str(exc)}}
+
+
+class _ArchiveTooLarge(Exception):
+    pass
+
+
+class _BoundedBuffer(io.BytesIO):
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def write(self, data: Any) -> int:
+        if self.tell() + len(data) > self.limit:
+            raise _ArchiveTooLarge
+        return super().write(data)
+
+
+def _open_nonblock(path: str) -> io.BufferedReader:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    return os.fdopen(fd, "rb")
+
+
+PROMPT_END = b"]$ "
+
+
+def _ends_with_prompt(path: str, size: int) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, size - 64))
+            return fh.read().endswith(PROMPT_END)
+    except OSError:
+        return False
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "dir"
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    return "other"
+
+
+def _apply_limits(limits: dict[str, int]) -> None:
+    names = {"nproc": resource.RLIMIT_NPROC, "as": resource.RLIMIT_AS, "fsize": resource.RLIMIT_FSIZE,
+             "nofile": resource.RLIMIT_NOFILE, "core": resource.RLIMIT_CORE}
+    for name, value in limits.items():
+        if name in names and value is not None:
+            resource.setrlimit(names[name], (int(value), int(value)))
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return bytes(buf)
+
+
+def _write_frame(fd: int, obj: dict[str, Any]) -> None:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    payload = FRAME.pack(len(data)) + data
+    view = memoryview(payload)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    # Keep the protocol pipes on private descriptors; commands get their own stdio.
+    rfd, wfd = os.dup(0), os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for std in (0, 1):
+        os.dup2(devnull, std)
+    os.set_inheritable(rfd, False)
+    os.set_inheritable(wfd, False)
+    try:
+        with open("/proc/self/oom_score_adj", "w") as fh:
+            fh.write("1000")  # under memory pressure the sandbox dies, never the host
+    except OSError:
+        pass
+    _apply_limits(cfg.get("limits", {}))
+    if cfg.get("exec"):
+        os.execvpe(cfg["exec"][0], cfg["exec"], dict(cfg.get("env", {})))
+    sup = Supervisor(cfg)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    _write_frame(wfd, {"ok": True, "result": {"ready": True, "pid": os.getpid()}})
+    while True:
+        try:
+            (size,) = FRAME.unpack(_read_exact(rfd, FRAME.size))
+            if size > MAX_FRAME:
+                return
+            req = json.loads(_read_exact(rfd, size))
+        except EOFError:
+            return
+        _write_frame(wfd, sup.handle(req))
+
+
+if __name__ == "__main__":
+    main()

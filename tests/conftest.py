@@ -1,0 +1,113 @@
+"""Shared fixtures: a real sandbox host process (real bubblewrap) and leased slots on it."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from atropos.sandbox.client import HostClient
+from atropos.sandbox.protocol import CallResult, LeaseInfo, ToolCall
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+@dataclass
+class RunningHost:
+    address: str
+    token: str
+    proc: subprocess.Popen[bytes]
+    data_dir: Path
+
+    def client(self, **kw: Any) -> HostClient:
+        return HostClient(self.address, self.token, **kw)
+
+
+def start_host(data_dir: Path, slots: int = 8, extra: list[str] | None = None) -> RunningHost:
+    token = secrets.token_urlsafe(16)
+    env = {**os.environ, "ATROPOS_SANDBOX_TOKEN": token}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "atropos.sandbox", "--port", "0", "--slots", str(slots),
+         "--data-dir", str(data_dir), "--log-level", "WARNING", *(extra or [])],
+        stdout=subprocess.PIPE, env=env,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(10)
+        raise RuntimeError(f"sandbox host failed to start (exit {proc.returncode})")
+    ready = json.loads(line)
+    return RunningHost(f"http://127.0.0.1:{ready['port']}", token, proc, data_dir)
+
+
+def stop_host(host: RunningHost) -> None:
+    host.proc.terminate()
+    try:
+        host.proc.wait(15)
+    except subprocess.TimeoutExpired:
+        host.proc.kill()
+        host.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningHost]:
+    data = Path(f"/tmp/atropos-test-{os.getpid()}-{secrets.token_hex(3)}")
+    running = start_host(data, slots=8)
+    yield running
+    stop_host(running)
+
+
+@dataclass
+class LeasedSlot:
+    client: HostClient
+    lease: LeaseInfo
+
+    async def call(self, tool: str, timeout_s: float | None = None, **args: Any) -> CallResult:
+        return await self.client.call(ToolCall(id=secrets.token_hex(4), slot=self.lease.slot,
+                                               lease=self.lease.lease, tool=tool, args=args,
+                                               timeout_s=timeout_s))
+
+    async def ok(self, tool: str, **args: Any) -> dict[str, Any]:
+        result = await self.call(tool, **args)
+        assert result.ok, result.error
+        assert result.result is not None
+        return result.result
+
+    async def sh(self, command: str, **kw: Any) -> dict[str, Any]:
+        return await self.ok("bash", command=command, **kw)
+
+
+@pytest.fixture
+async def slot(host: RunningHost) -> AsyncIterator[LeasedSlot]:
+    client = host.client()
+    lease = await client.lease(f"test-{secrets.token_hex(4)}")
+    leased = LeasedSlot(client, lease)
+    try:
+        yield leased
+    finally:
+        try:
+            await client.release(lease.slot, leased.lease.lease)
+        finally:
+            await client.aclose()
+
+
+@pytest.fixture
+async def slot_pair(host: RunningHost) -> AsyncIterator[tuple[LeasedSlot, LeasedSlot]]:
+    client = host.client()
+    a = LeasedSlot(client, await client.lease("pair-a"))
+    b = LeasedSlot(client, await client.lease("pair-b"))
+    try:
+        yield a, b
+    finally:
+        for s in (a, b):
+            await client.release(s.lease.slot, s.lease.lease)
+        await client.aclose()
