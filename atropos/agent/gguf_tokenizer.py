@@ -64,9 +64,7 @@ def _transformers_major() -> str:
     return transformers.__version__.split(".", 1)[0]
 
 
-def saved_tokenizer_dir(
-    gguf_path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None
-) -> Path:
+def saved_tokenizer_dir(gguf_path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """The directory a tokenizer built from ``gguf_path`` is saved to.
 
     Keyed by the file's name, size and mtime, the builder version and the transformers major version
@@ -97,9 +95,7 @@ def build_tokenizer_from_gguf(gguf_path: str | os.PathLike[str]) -> PreTrainedTo
     tok_model = _field(reader, "tokenizer.ggml.model")
     pre = _field(reader, "tokenizer.ggml.pre", "default")
     if tok_model != "gpt2":
-        raise ValueError(
-            f"{gguf_path}: tokenizer.ggml.model={tok_model!r}; only byte-level BPE ('gpt2') is supported"
-        )
+        raise ValueError(f"{gguf_path}: tokenizer.ggml.model={tok_model!r}; only byte-level BPE ('gpt2') is supported")
     if pre not in _DIGIT_SPLIT_GPT2_PRE | _GPT2_PRE:
         raise ValueError(f"{gguf_path}: unsupported pre-tokenizer tokenizer.ggml.pre={pre!r}")
 
@@ -172,8 +168,7 @@ def load_tokenizer(
         try:
             tok.save_pretrained(str(tmp))
             (tmp / "gguf_source.json").write_text(
-                json.dumps({"gguf": str(Path(gguf_path).resolve()), "builder_version": _BUILDER_VERSION})
-                + "\n"
+                json.dumps({"gguf": str(Path(gguf_path).resolve()), "builder_version": _BUILDER_VERSION}) + "\n"
             )
             try:
                 os.replace(tmp, target)

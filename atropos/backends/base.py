@@ -24,6 +24,18 @@ def new_token() -> str:
     return secrets.token_urlsafe(32)
 
 
+def pid_alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class Backend(abc.ABC):
     """Starts and stops sandbox hosts. Implementations must be safe to call concurrently."""
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from atropos.backends.base import Backend, HostInfo, new_token
+from atropos.backends.base import Backend, HostInfo, new_token, pid_alive
 from atropos.errors import HostUnavailable, IsolationUnavailable
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,14 @@ class LocalBackend(Backend):
 
     async def alive(self, host_id: str) -> bool:
         proc = self._procs.get(host_id)
-        return proc is not None and proc.returncode is None
+        if proc is None or proc.returncode is not None:
+            return False
+        # A killed child is a zombie until asyncio reaps it; do not wait for that to notice.
+        try:
+            with open(f"/proc/{proc.pid}/stat", "rb") as fh:
+                return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+        except (OSError, IndexError):
+            return False
 
     def pid(self, host_id: str) -> int | None:
         proc = self._procs.get(host_id)
@@ -117,7 +124,7 @@ class LocalBackend(Backend):
             parts = entry.name.split("-")
             if len(parts) < 3 or not parts[-2].isdigit() or entry.name in self._dirs:
                 continue
-            if int(parts[-2]) != os.getpid() and not _pid_alive(int(parts[-2])):
+            if int(parts[-2]) != os.getpid() and not pid_alive(int(parts[-2])):
                 await asyncio.to_thread(shutil.rmtree, entry, True) if entry.is_dir() else entry.unlink()
                 reaped += 1
         return reaped
@@ -125,15 +132,6 @@ class LocalBackend(Backend):
     async def close(self) -> None:
         await asyncio.gather(*(self.stop_host(h) for h in list(self._procs)))
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _tail(path: Path, n: int = 2000) -> str:

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from atropos import __version__
 from atropos.errors import IsolationUnavailable, LeaseError, SlotUnavailable, ToolError
@@ -79,7 +80,8 @@ class SandboxHost:
             self.slots.append(self._make_slot(i))
         self.health_slot = self._make_slot(self.cfg.slots, name="health")
         self.health_slot.grant("health-check", network=False)
-        await asyncio.to_thread(lambda: [s.create_dirs() for s in [*self.slots, self.health_slot]])
+        for slot in [*self.slots, self.health_slot]:
+            await asyncio.to_thread(slot.create_dirs)
         self._schedule_trash()
         probe = await self.health()
         if not probe.ok:
@@ -269,7 +271,7 @@ class SandboxHost:
         result.duration_ms = round((time.perf_counter() - t0) * 1000, 3)
         return result
 
-    async def _request(self, slot: Slot, payload: dict[str, object], timeout: float) -> dict[str, object]:
+    async def _request(self, slot: Slot, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
         try:
             return await slot.request(payload, timeout + 10)
         except SandboxDied as exc:
@@ -333,12 +335,12 @@ def check_isolation(cfg: HostConfig) -> None:
         raise IsolationUnavailable(f"{cfg.python} not found: the sandbox needs a python3 in /usr")
     if shutil.which("tmux") is None:
         log.warning("tmux not found: the terminal tool will not work (apt-get install tmux)")
+    ids: dict[str, Any] = {"user": 65534, "group": 65534, "extra_groups": []} if os.geteuid() == 0 else {}
     probe = subprocess.run(
         [cfg.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
          "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
          "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev", "true"],
-        env={}, capture_output=True, timeout=30,
-        **({"user": 65534, "group": 65534, "extra_groups": []} if os.geteuid() == 0 else {}),  # type: ignore[arg-type]
+        env={}, capture_output=True, timeout=30, **ids,
     )
     if probe.returncode != 0:
         raise IsolationUnavailable(

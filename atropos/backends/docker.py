@@ -1,0 +1,226 @@
+"""Sandbox hosts as Docker containers (Docker Engine API through the docker SDK).
+
+Container options follow shared/reference/isolation.md (a): nothing in the container runs as
+uid 0 or holds a capability, so ``systempaths=unconfined`` (needed for bwrap to mount a fresh
+/proc) opens nothing; the custom seccomp profile allows only the namespace and mount syscalls
+bwrap needs on top of Docker's usual set. The API port is published on 127.0.0.1 only and every
+request needs the host token, which is passed in the container's environment and never enters a
+slot (bwrap runs with an empty environment in its own PID namespace).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from importlib import resources
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, Field
+
+from atropos.backends.base import Backend, HostInfo, new_token, pid_alive
+from atropos.errors import ConfigError, HostUnavailable
+
+log = logging.getLogger(__name__)
+
+LABEL_POOL = "io.atropos-sandbox.pool"
+LABEL_OWNER = "io.atropos-sandbox.owner-pid"
+LABEL_BOOT = "io.atropos-sandbox.boot-id"
+LABEL_HOST = "io.atropos-sandbox.host-id"
+CONTAINER_PORT = 8080
+SLOT_UID = 1000
+
+
+class DockerBackendConfig(BaseModel):
+    image: str = "atropos-sandbox:dev"
+    pool_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    slots_per_host: int = Field(16, ge=1, le=1023)
+    cpus: float = Field(2.0, gt=0)
+    memory_bytes: int = Field(4 << 30, ge=256 << 20)
+    pids_limit: int = Field(4096, ge=64)
+    workspace_bytes: int = Field(4 << 30, ge=64 << 20, description="size of the tmpfs holding all workspaces")
+    max_timeout_s: float = 600.0
+    start_timeout_s: float = 60.0
+    docker_url: str | None = Field(None, description="Docker Engine URL; default from the environment")
+    seccomp_profile: str | None = Field(None, description="path of the outer seccomp profile; default: shipped")
+
+
+def boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return "unknown"
+
+
+def shipped_seccomp_profile() -> str:
+    return resources.files("atropos.backends").joinpath("docker_seccomp.json").read_text()
+
+
+class DockerBackend(Backend):
+    name = "docker"
+
+    def __init__(self, cfg: DockerBackendConfig | None = None) -> None:
+        self.cfg = cfg or DockerBackendConfig()
+        try:
+            import docker
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise ConfigError("the docker backend needs the docker SDK: pip install 'atropos-sandbox[docker]'") from exc
+        self._docker = docker
+        self._client: Any = None
+        self._mine: set[str] = set()
+        self._counter = 0
+        if self.cfg.seccomp_profile:
+            with open(self.cfg.seccomp_profile) as fh:
+                self._seccomp = fh.read()
+        else:
+            self._seccomp = shipped_seccomp_profile()
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            try:
+                self._client = (self._docker.DockerClient(base_url=self.cfg.docker_url) if self.cfg.docker_url
+                                else self._docker.from_env())
+                self._client.ping()
+            except Exception as exc:
+                self._client = None
+                raise HostUnavailable(f"cannot reach the Docker engine: {exc}") from exc
+        return self._client
+
+    def run_options(self, host_id: str, token: str) -> dict[str, Any]:
+        """Keyword arguments of ``containers.run`` (kept separate so tests can inspect them)."""
+        c = self.cfg
+        return {
+            "image": c.image,
+            "command": ["--host", "0.0.0.0", "--port", str(CONTAINER_PORT), "--slots", str(c.slots_per_host),
+                        "--data-dir", "/slots/data", "--max-timeout", str(c.max_timeout_s)],
+            "name": host_id,
+            "detach": True,
+            "init": True,  # a reaping PID 1: sandbox teardown leaves no zombies behind
+            "user": f"{SLOT_UID}:{SLOT_UID}",
+            "cap_drop": ["ALL"],
+            "security_opt": ["no-new-privileges", f"seccomp={self._seccomp}", "systempaths=unconfined"],
+            "read_only": True,
+            "tmpfs": {
+                "/tmp": "rw,size=64m",
+                "/slots": f"rw,size={c.workspace_bytes},uid={SLOT_UID},gid={SLOT_UID},mode=0711",
+            },
+            "pids_limit": c.pids_limit,
+            "mem_limit": c.memory_bytes,
+            "memswap_limit": c.memory_bytes,
+            "nano_cpus": int(c.cpus * 1e9),
+            "ports": {f"{CONTAINER_PORT}/tcp": ("127.0.0.1", None)},
+            "environment": {"ATROPOS_SANDBOX_TOKEN": token},
+            "labels": {LABEL_POOL: c.pool_id, LABEL_OWNER: str(os.getpid()), LABEL_BOOT: boot_id(),
+                       LABEL_HOST: host_id},
+        }
+
+    async def start_host(self) -> HostInfo:
+        self._counter += 1
+        host_id = f"atropos-{self.cfg.pool_id}-{os.getpid()}-{self._counter}-{new_token()[:6].lower()}"
+        host_id = "".join(ch if ch.isalnum() or ch in "_.-" else "x" for ch in host_id)
+        token = new_token()
+        options = self.run_options(host_id, token)
+        try:
+            container = await asyncio.to_thread(self.client.containers.run, **options)
+        except Exception as exc:
+            await self.stop_host(host_id)
+            raise HostUnavailable(f"docker run failed: {exc}") from exc
+        self._mine.add(host_id)
+        try:
+            port = await self._published_port(container)
+            address = f"http://127.0.0.1:{port}"
+            await self._wait_ready(container, address, token)
+        except BaseException:
+            await self.stop_host(host_id)
+            raise
+        log.info("docker host %s ready at %s", host_id, address)
+        return HostInfo(id=host_id, address=address, token=token, slots=self.cfg.slots_per_host,
+                        labels={"backend": "docker", "container": container.id[:12]})
+
+    async def _published_port(self, container: Any) -> int:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            await asyncio.to_thread(container.reload)
+            bindings = (container.attrs.get("NetworkSettings", {}).get("Ports") or {}).get(f"{CONTAINER_PORT}/tcp")
+            if bindings:
+                return int(bindings[0]["HostPort"])
+            if container.status in ("exited", "dead"):
+                break
+            await asyncio.sleep(0.05)
+        logs = await asyncio.to_thread(container.logs, tail=30)
+        raise HostUnavailable(f"container {container.name} published no port: {logs.decode(errors='replace')}")
+
+    async def _wait_ready(self, container: Any, address: str, token: str) -> None:
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=5) as http:
+            while time.monotonic() < deadline:
+                try:
+                    resp = await http.get(f"{address}/v1/health")
+                    if resp.status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                await asyncio.to_thread(container.reload)
+                if container.status in ("exited", "dead"):
+                    break
+                await asyncio.sleep(0.1)
+        logs = await asyncio.to_thread(container.logs, tail=40)
+        raise HostUnavailable(f"container {container.name} did not become ready: {logs.decode(errors='replace')}")
+
+    async def stop_host(self, host_id: str) -> None:
+        self._mine.discard(host_id)
+
+        def remove() -> None:
+            try:
+                self.client.containers.get(host_id).remove(force=True)
+            except self._docker.errors.NotFound:
+                pass
+            except self._docker.errors.APIError as exc:
+                if "already in progress" not in str(exc):
+                    raise
+
+        await asyncio.to_thread(remove)
+
+    async def alive(self, host_id: str) -> bool:
+        def check() -> bool:
+            try:
+                return bool(self.client.containers.get(host_id).status == "running")
+            except self._docker.errors.NotFound:
+                return False
+
+        try:
+            return await asyncio.to_thread(check)
+        except HostUnavailable:
+            return False
+
+    def _labelled(self) -> list[Any]:
+        return list(self.client.containers.list(all=True, filters={"label": f"{LABEL_POOL}={self.cfg.pool_id}"}))
+
+    async def reap_orphans(self) -> int:
+        """Remove this pool's containers whose owning process is gone (any state, Created included)."""
+        me, boot = str(os.getpid()), boot_id()
+
+        def reap() -> int:
+            n = 0
+            for container in self._labelled():
+                labels = container.labels or {}
+                owner, their_boot = labels.get(LABEL_OWNER, ""), labels.get(LABEL_BOOT, "")
+                if owner == me and their_boot == boot:
+                    continue
+                if their_boot == boot and owner.isdigit() and pid_alive(int(owner)):
+                    continue
+                container.remove(force=True)
+                n += 1
+            return n
+
+        return await asyncio.to_thread(reap)
+
+    async def list_hosts(self) -> list[str]:
+        return [c.name for c in await asyncio.to_thread(self._labelled)]
+
+    async def close(self) -> None:
+        await asyncio.gather(*(self.stop_host(h) for h in list(self._mine)), return_exceptions=True)

@@ -1,0 +1,26 @@
+"""Pool settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, Field, model_validator
+
+
+class PoolConfig(BaseModel):
+    pool_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="names this pool's hosts")
+    min_hosts: int = Field(1, ge=0)
+    max_hosts: int = Field(4, ge=1)
+    lease_timeout_s: float = Field(300.0, gt=0, description="default wait for a free slot")
+    health_interval_s: float = Field(2.0, gt=0)
+    health_timeout_s: float = Field(5.0, gt=0, description="a host slower than this fails the probe")
+    health_failures: int = Field(2, ge=1, description="consecutive failed probes before a host is declared dead")
+    scale_down_idle_s: float = Field(120.0, ge=0, description="an idle host above min_hosts is stopped after this")
+    start_retry_s: float = Field(5.0, gt=0, description="pause before retrying a failed host start")
+    audit_path: Path | None = Field(None, description="append one JSON line per lease and release here")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PoolConfig:
+        if self.min_hosts > self.max_hosts:
+            raise ValueError(f"min_hosts ({self.min_hosts}) > max_hosts ({self.max_hosts})")
+        return self

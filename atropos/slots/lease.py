@@ -1,0 +1,146 @@
+"""A trajectory's hold on one slot, with async tool methods."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from atropos.backends.base import HostInfo
+from atropos.errors import HostUnavailable, LeaseError
+from atropos.sandbox.client import HostClient
+from atropos.sandbox.protocol import CallResult, ToolCall
+
+if TYPE_CHECKING:
+    from atropos.slots.pool import SlotPool
+
+T = TypeVar("T")
+
+
+class PoolHost:
+    """The pool's view of one sandbox host: its free slots (with their host lease tokens) and leases."""
+
+    def __init__(self, info: HostInfo, client: HostClient) -> None:
+        self.info = info
+        self.client = client
+        self.free: list[tuple[int, str, int]] = []  # (slot, host lease token, generation)
+        self.leases: dict[int, Lease] = {}
+        self.dead = asyncio.Event()
+        self.dead_reason = ""
+        self.failures = 0
+        self.quarantined = 0
+        self.idle_since: float | None = time.monotonic()
+        self.last_health_ms: float | None = None
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    async def guard(self, work: Awaitable[T]) -> T:
+        """Await ``work`` unless the host is declared dead first; then fail fast with HostUnavailable."""
+        if self.dead.is_set():
+            if asyncio.iscoroutine(work):
+                work.close()
+            raise HostUnavailable(f"host {self.id} is dead: {self.dead_reason}")
+        task = asyncio.ensure_future(work)
+        dead = asyncio.ensure_future(self.dead.wait())
+        try:
+            await asyncio.wait({task, dead}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            dead.cancel()
+            if not task.done():
+                task.cancel()
+        if task.cancelled() or not task.done():
+            raise HostUnavailable(f"host {self.id} died during the call: {self.dead_reason}")
+        return task.result()
+
+
+class Lease:
+    """One slot held by one trajectory until ``release()``; tool calls go to that slot only."""
+
+    def __init__(self, pool: SlotPool, host: PoolHost, slot: int, token: str, generation: int,
+                 trajectory_id: str, network: bool) -> None:
+        self.pool = pool
+        self.host = host
+        self.slot = slot
+        self.token = token
+        self.generation = generation
+        self.trajectory_id = trajectory_id
+        self.network = network
+        self.leased_at = time.monotonic()
+        self.released = False
+        self.lost: str | None = None
+        self.calls = 0
+
+    def __repr__(self) -> str:
+        return f"Lease({self.trajectory_id!r} -> {self.host.id}/{self.slot} gen {self.generation})"
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.host.id, self.slot)
+
+    def check(self) -> None:
+        if self.released:
+            raise LeaseError(f"{self!r} was released")
+        if self.lost is not None:
+            raise HostUnavailable(f"{self!r} is lost: {self.lost}")
+
+    def tool_call(self, tool: str, args: dict[str, Any] | None = None, *, timeout_s: float | None = None,
+                  call_id: str | None = None) -> ToolCall:
+        return ToolCall(id=call_id or secrets.token_hex(6), slot=self.slot, lease=self.token, tool=tool,
+                        args=args or {}, timeout_s=timeout_s, trajectory_id=self.trajectory_id)
+
+    async def call(self, tool: str, args: dict[str, Any] | None = None, *, timeout_s: float | None = None,
+                   call_id: str | None = None) -> CallResult:
+        """Run one tool call. Tool failures come back in the result; a dead host raises HostUnavailable."""
+        self.check()
+        call = self.tool_call(tool, args, timeout_s=timeout_s, call_id=call_id)
+        self.calls += 1
+        self.pool.count_call()
+        try:
+            return await self.host.guard(self.host.client.call(call))
+        except HostUnavailable:
+            self.pool.suspect(self.host)
+            raise
+
+    async def ok(self, tool: str, args: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
+        """Like ``call`` but raise ToolError-style LeaseError-free exceptions on a failed tool."""
+        from atropos.errors import ToolError
+
+        result = await self.call(tool, args, **kw)
+        if not result.ok or result.result is None:
+            assert result.error is not None
+            raise ToolError(f"{tool}: {result.error.code}: {result.error.message}")
+        return result.result
+
+    async def bash(self, command: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+        return await self.ok("bash", {"command": command}, timeout_s=timeout_s)
+
+    async def read_file(self, path: str) -> str:
+        return str((await self.ok("read_file", {"path": path}))["content"])
+
+    async def write_file(self, path: str, content: str) -> dict[str, Any]:
+        return await self.ok("write_file", {"path": path, "content": content})
+
+    async def read_bytes(self, path: str) -> bytes:
+        self.check()
+        return await self.host.guard(self.host.client.read_bytes(self.slot, self.token, path))
+
+    async def write_bytes(self, path: str, data: bytes) -> dict[str, Any]:
+        self.check()
+        return await self.host.guard(self.host.client.write_bytes(self.slot, self.token, path, data))
+
+    async def archive(self, path: str = ".") -> bytes:
+        self.check()
+        return await self.host.guard(self.host.client.archive(self.slot, self.token, path))
+
+    async def release(self) -> None:
+        await self.pool.release(self)
+
+    async def __aenter__(self) -> Lease:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()

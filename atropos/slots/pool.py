@@ -1,0 +1,397 @@
+"""SlotPool: one slot per trajectory across many warm hosts; fair waiting, health, scaling.
+
+The pool holds the host-issued lease token of every free slot, so leasing is a local pop
+(microseconds) and releasing is one reset request that hands back a fresh token. A slot is in
+exactly one place at a time: a host's free list, one ``Lease``, or nowhere (being reset, lost
+with its host, or quarantined); nothing ever puts a leased slot back in a free list except the
+reset that ends its lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from atropos.backends.base import Backend, HostInfo
+from atropos.errors import AtroposSandboxError, HostUnavailable, LeaseError, SlotUnavailable
+from atropos.sandbox.client import HostClient
+from atropos.slots.audit import LeaseAudit
+from atropos.slots.config import PoolConfig
+from atropos.slots.lease import Lease, PoolHost
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Waiter:
+    ids: list[str]
+    network: bool
+    future: asyncio.Future[list[Lease]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class HostStatus(BaseModel):
+    id: str
+    address: str
+    slots: int
+    free: int
+    leased: int
+    quarantined: int
+    healthy: bool
+    health_ms: float | None
+    oldest_lease_s: float | None
+
+
+class PoolStatus(BaseModel):
+    pool_id: str
+    backend: str
+    hosts: list[HostStatus]
+    starting_hosts: int
+    free: int
+    leased: int
+    quarantined: int
+    waiting: int
+    leases_total: int
+    calls_total: int
+    calls_per_s: float
+    lost_hosts: int
+
+
+class SlotPool:
+    def __init__(self, backend: Backend, cfg: PoolConfig | None = None) -> None:
+        self.backend = backend
+        self.cfg = cfg or PoolConfig()
+        self.hosts: dict[str, PoolHost] = {}
+        self.audit = LeaseAudit(self.cfg.audit_path)
+        self._waiters: deque[_Waiter] = deque()
+        self._starting = 0
+        self._scale = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._running = False
+        self._leases_total = 0
+        self._calls_total = 0
+        self._call_times: deque[float] = deque(maxlen=10_000)
+        self._lost_hosts = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        reaped = await self.backend.reap_orphans()
+        if reaped:
+            log.info("reaped %d orphaned host(s) of earlier pools", reaped)
+        self._running = True
+        results = await asyncio.gather(*(self._add_host() for _ in range(self.cfg.min_hosts)),
+                                        return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors and len(errors) == len(results):
+            await self.stop()
+            raise errors[0]
+        self._spawn(self._health_loop())
+        self._spawn(self._scale_loop())
+
+    async def stop(self) -> None:
+        self._running = False
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for waiter in self._waiters:
+            if not waiter.future.done():
+                waiter.future.set_exception(SlotUnavailable("the pool is stopping"))
+        self._waiters.clear()
+        hosts = list(self.hosts.values())
+        self.hosts.clear()
+        for host in hosts:
+            for lease in host.leases.values():
+                lease.lost = "the pool stopped"
+            await host.client.aclose()
+        await self.backend.close()
+        self.audit.close()
+
+    async def __aenter__(self) -> SlotPool:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- hosts -----------------------------------------------------------------------------
+    async def _add_host(self) -> PoolHost:
+        self._starting += 1
+        info: HostInfo | None = None
+        try:
+            t0 = time.perf_counter()
+            info = await self.backend.start_host()
+            client = HostClient(info.address, info.token)
+            host = PoolHost(info, client)
+            leases = await asyncio.gather(*(
+                client.lease(f"pool:{self.cfg.pool_id}", slot=i) for i in range(info.slots)))
+            host.free = [(li.slot, li.lease, li.generation) for li in leases]
+        except BaseException:
+            if info is not None:
+                await self.backend.stop_host(info.id)
+            raise
+        finally:
+            self._starting -= 1
+        self.hosts[host.id] = host
+        log.info("scale: host %s up with %d slots in %.0f ms (%d hosts)", host.id, info.slots,
+                 (time.perf_counter() - t0) * 1000, len(self.hosts))
+        self._grant_waiters()
+        return host
+
+    async def _remove_host(self, host: PoolHost, reason: str) -> None:
+        self.hosts.pop(host.id, None)
+        host.free.clear()
+        log.info("scale: host %s removed (%s); %d hosts left", host.id, reason, len(self.hosts))
+        await host.client.aclose()
+        await self.backend.stop_host(host.id)
+
+    def declare_dead(self, host: PoolHost, reason: str) -> None:
+        if host.dead.is_set():
+            return
+        host.dead_reason = reason
+        host.dead.set()
+        self._lost_hosts += 1
+        log.error("host %s is dead (%s): failing %d lease(s)", host.id, reason, len(host.leases))
+        for lease in list(host.leases.values()):
+            lease.lost = reason
+            self.audit.record("lost", lease.trajectory_id, host.id, lease.slot, lease.generation)
+        host.leases.clear()
+        self._spawn(self._remove_host(host, f"dead: {reason}"))
+        self._scale.set()
+
+    def suspect(self, host: PoolHost) -> None:
+        """A call saw a transport error: check the host now instead of at the next health tick."""
+        if not host.dead.is_set():
+            self._spawn(self._check_host(host, urgent=True))
+
+    async def _check_host(self, host: PoolHost, urgent: bool = False) -> None:
+        if host.dead.is_set():
+            return
+        if not await self.backend.alive(host.id):
+            self.declare_dead(host, "the backend reports the host gone")
+            return
+        try:
+            t0 = time.perf_counter()
+            health = await host.client.health(timeout=self.cfg.health_timeout_s)
+            host.last_health_ms = (time.perf_counter() - t0) * 1000
+            healthy, why = health.ok, health.detail
+        except AtroposSandboxError as exc:
+            healthy, why = False, str(exc)
+        if healthy:
+            host.failures = 0
+            return
+        host.failures += 1
+        log.warning("host %s failed a health probe (%d/%d): %s", host.id, host.failures,
+                    self.cfg.health_failures, why)
+        if host.failures >= self.cfg.health_failures or (urgent and host.failures > 1):
+            self.declare_dead(host, f"health: {why}")
+
+    async def _health_loop(self) -> None:
+        while self._running:
+            await asyncio.sleep(self.cfg.health_interval_s)
+            await asyncio.gather(*(self._check_host(h) for h in list(self.hosts.values())),
+                                 return_exceptions=True)
+
+    async def _scale_loop(self) -> None:
+        while self._running:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._scale.wait(), timeout=1.0)
+            self._scale.clear()
+            try:
+                await self._scale_step()
+            except Exception:
+                log.exception("scale step failed")
+                await asyncio.sleep(self.cfg.start_retry_s)
+
+    async def _scale_step(self) -> None:
+        capacity = len(self.hosts) + self._starting
+        demand = sum(len(w.ids) for w in self._waiters if not w.future.done())
+        free = self.free_count()
+        if capacity < self.cfg.max_hosts and (capacity < self.cfg.min_hosts or demand > free + self._starting_slots()):
+            log.info("scale: starting a host (hosts %d, starting %d, waiting %d, free %d)",
+                     len(self.hosts), self._starting, demand, free)
+            self._spawn(self._add_host_logged())
+            return
+        now = time.monotonic()
+        for host in list(self.hosts.values()):
+            idle = not host.leases and len(host.free) == host.info.slots
+            if not idle:
+                host.idle_since = None
+                continue
+            host.idle_since = host.idle_since or now
+            if (len(self.hosts) > self.cfg.min_hosts and not demand
+                    and now - host.idle_since >= self.cfg.scale_down_idle_s):
+                await self._remove_host(host, f"idle for {now - host.idle_since:.0f}s")
+
+    def _starting_slots(self) -> int:
+        return self._starting * max((h.info.slots for h in self.hosts.values()), default=1)
+
+    async def _add_host_logged(self) -> None:
+        try:
+            await self._add_host()
+        except Exception as exc:
+            log.error("scale: host start failed: %s", exc)
+            await asyncio.sleep(self.cfg.start_retry_s)
+            self._scale.set()
+
+    # -- leasing ---------------------------------------------------------------------------
+    def free_count(self) -> int:
+        return sum(len(h.free) for h in self.hosts.values() if not h.dead.is_set())
+
+    def _take(self, trajectory_id: str, network: bool) -> Lease:
+        # Spread over hosts (most free first): calls of different trajectories then rarely
+        # share a host's CPU budget.
+        host = max((h for h in self.hosts.values() if h.free and not h.dead.is_set()), key=lambda h: len(h.free))
+        slot, token, generation = host.free.pop()
+        lease = Lease(self, host, slot, token, generation, trajectory_id, network)
+        host.leases[slot] = lease
+        host.idle_since = None
+        self._leases_total += 1
+        self.audit.record("lease", trajectory_id, host.id, slot, generation)
+        return lease
+
+    def _grant_waiters(self) -> None:
+        while self._waiters:
+            waiter = self._waiters[0]
+            if waiter.future.done():
+                self._waiters.popleft()
+                continue
+            if self.free_count() < len(waiter.ids):
+                return  # FIFO: a group at the head waits for its whole size
+            self._waiters.popleft()
+            waiter.future.set_result([self._take(t, waiter.network) for t in waiter.ids])
+
+    async def lease(self, trajectory_id: str, timeout: float | None = None, *, network: bool = False) -> Lease:
+        """Lease one slot for a trajectory, waiting FIFO up to ``timeout`` seconds."""
+        return (await self.lease_many([trajectory_id], timeout, network=network))[0]
+
+    async def lease_many(self, trajectory_ids: Sequence[str], timeout: float | None = None, *,
+                         network: bool = False) -> list[Lease]:
+        """Lease one slot per id, all or nothing (a GRPO group starts together)."""
+        if not self._running:
+            raise SlotUnavailable("the pool is not running")
+        ids = list(trajectory_ids)
+        if not self._waiters and self.free_count() >= len(ids):
+            leases = [self._take(t, network) for t in ids]
+        else:
+            leases = await self._wait(ids, network, self.cfg.lease_timeout_s if timeout is None else timeout)
+        if network:
+            await asyncio.gather(*(self._enable_network(lease) for lease in leases))
+        return leases
+
+    async def _wait(self, ids: list[str], network: bool, timeout: float) -> list[Lease]:
+        waiter = _Waiter(ids, network)
+        self._waiters.append(waiter)
+        self._scale.set()
+        try:
+            done, _ = await asyncio.wait({waiter.future}, timeout=timeout)
+        except asyncio.CancelledError:
+            self._abandon(waiter)
+            raise
+        if not done:
+            self._abandon(waiter)
+            total = sum(h.info.slots for h in self.hosts.values())
+            raise SlotUnavailable(
+                f"no slot within {timeout:g}s for {len(ids)} trajectory(ies): pool has {total} slots on "
+                f"{len(self.hosts)} host(s) (max {self.cfg.max_hosts}), {self.free_count()} free, "
+                f"{len(self._waiters)} request(s) queued"
+            )
+        return waiter.future.result()
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
+            # Granted in the same instant the caller gave up: give the slots straight back.
+            for lease in waiter.future.result():
+                self._spawn(self.release(lease))
+        else:
+            waiter.future.cancel()
+        with contextlib.suppress(ValueError):
+            self._waiters.remove(waiter)
+
+    async def _enable_network(self, lease: Lease) -> None:
+        result = await lease.host.guard(lease.host.client.reset(
+            lease.slot, lease.token, trajectory_id=lease.trajectory_id, network=True))
+        if not result.ok or result.lease is None:
+            raise HostUnavailable(f"could not enable network on {lease!r}: {result.detail}")
+        lease.token, lease.generation = result.lease.lease, result.lease.generation
+
+    async def release(self, lease: Lease) -> None:
+        """End a lease: the slot is reset and returns to the pool, or is quarantined. Idempotent."""
+        if lease.released:
+            return
+        lease.released = True
+        host = lease.host
+        if host.leases.get(lease.slot) is lease:
+            del host.leases[lease.slot]
+        self.audit.record("release", lease.trajectory_id, host.id, lease.slot, lease.generation)
+        if lease.lost is not None or host.dead.is_set():
+            return
+        # Shielded: a caller cancelled mid-release must not strand the slot half-reset.
+        await asyncio.shield(self._spawn(self._reset_back(host, lease)))
+
+    async def _reset_back(self, host: PoolHost, lease: Lease) -> None:
+        try:
+            result = await host.guard(host.client.reset(lease.slot, lease.token,
+                                                        trajectory_id=f"pool:{self.cfg.pool_id}"))
+        except HostUnavailable:
+            self.suspect(host)
+            return
+        except LeaseError as exc:
+            log.error("reset of %r refused (%s); slot dropped", lease, exc)
+            host.quarantined += 1
+            return
+        if result.ok and result.lease is not None:
+            host.free.append((lease.slot, result.lease.lease, result.lease.generation))
+            self._grant_waiters()
+        else:
+            host.quarantined += 1
+            log.error("slot %s/%d quarantined: %s", host.id, lease.slot, result.detail)
+
+    @contextlib.asynccontextmanager
+    async def leased(self, trajectory_id: str, timeout: float | None = None, *,
+                     network: bool = False) -> AsyncIterator[Lease]:
+        lease = await self.lease(trajectory_id, timeout, network=network)
+        try:
+            yield lease
+        finally:
+            await self.release(lease)
+
+    # -- status ----------------------------------------------------------------------------
+    def count_call(self, n: int = 1) -> None:
+        self._calls_total += n
+        now = time.monotonic()
+        for _ in range(min(n, 100)):
+            self._call_times.append(now)
+
+    def status(self) -> PoolStatus:
+        now = time.monotonic()
+        hosts = []
+        for h in self.hosts.values():
+            ages = [now - lease.leased_at for lease in h.leases.values()]
+            hosts.append(HostStatus(
+                id=h.id, address=h.info.address, slots=h.info.slots, free=len(h.free), leased=len(h.leases),
+                quarantined=h.quarantined, healthy=not h.dead.is_set() and h.failures == 0,
+                health_ms=None if h.last_health_ms is None else round(h.last_health_ms, 2),
+                oldest_lease_s=round(max(ages), 1) if ages else None,
+            ))
+        recent = [t for t in self._call_times if now - t <= 10.0]
+        return PoolStatus(
+            pool_id=self.cfg.pool_id, backend=self.backend.name, hosts=hosts, starting_hosts=self._starting,
+            free=sum(h.free for h in hosts), leased=sum(h.leased for h in hosts),
+            quarantined=sum(h.quarantined for h in hosts),
+            waiting=sum(len(w.ids) for w in self._waiters if not w.future.done()),
+            leases_total=self._leases_total, calls_total=self._calls_total,
+            calls_per_s=round(len(recent) / 10.0, 2), lost_hosts=self._lost_hosts,
+        )

@@ -1,0 +1,238 @@
+"""The SlotPool suite, run against the local backend and (when present, always in CI) Docker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from atropos.errors import HostUnavailable, LeaseError, SlotUnavailable
+from atropos.slots.audit import double_leases
+from atropos.slots.config import PoolConfig
+from atropos.slots.pool import SlotPool
+from tests.pool_backends import BACKENDS, DATA_ROOT, kill_host, make_backend
+
+
+def pool_cfg(**kw: object) -> PoolConfig:
+    base: dict[str, object] = {"min_hosts": 1, "max_hosts": 1, "health_interval_s": 0.5, "lease_timeout_s": 30}
+    base.update(kw)
+    return PoolConfig.model_validate(base)
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+async def test_lease_call_release_and_reuse_is_clean(kind: str) -> None:
+    async with SlotPool(make_backend(kind, slots=2), pool_cfg()) as pool:
+        async with pool.leased("traj-a") as lease:
+            out = await lease.bash("echo secret-a > note.txt && pwd")
+            assert out["stdout"].strip() == "/workspace"
+            assert (await lease.read_file("note.txt")).strip() == "secret-a"
+            key = lease.key
+            old_token = lease.token
+        assert lease.released
+        with pytest.raises(LeaseError):
+            await lease.bash("true")
+        # The same slot comes back (2 slots, take both) pristine and under a new host token.
+        leases = await pool.lease_many(["b", "c"])
+        again = next(x for x in leases if x.key == key)
+        assert again.token != old_token
+        listing = await again.ok("list_dir", {"path": "."})
+        assert listing["entries"] == []
+        for x in leases:
+            await x.release()
+        assert double_leases(pool.audit.events) == []
+
+
+async def test_waiting_is_fifo_and_times_out_with_a_clear_error() -> None:
+    async with SlotPool(make_backend("local", slots=1), pool_cfg()) as pool:
+        holder = await pool.lease("holder")
+        order: list[str] = []
+
+        async def wait_for(name: str) -> None:
+            lease = await pool.lease(name, timeout=20)
+            order.append(name)
+            await asyncio.sleep(0.05)
+            await lease.release()
+
+        waiters = [asyncio.create_task(wait_for(f"w{i}")) for i in range(3)]
+        await asyncio.sleep(0.2)
+        # Waiting for a slot never blocks the holder's own tool calls.
+        assert (await holder.bash("echo still-working"))["stdout"] == "still-working\n"
+        assert pool.status().waiting == 3
+        await holder.release()
+        await asyncio.gather(*waiters)
+        assert order == ["w0", "w1", "w2"]
+
+        blocker = await pool.lease("blocker")
+        with pytest.raises(SlotUnavailable) as err:
+            await pool.lease("late", timeout=0.3)
+        message = str(err.value)
+        assert "1 slots on 1 host(s)" in message and "queued" in message
+        await blocker.release()
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+async def test_200_concurrent_trajectories_never_share_a_slot(kind: str) -> None:
+    cfg = pool_cfg(min_hosts=4, max_hosts=4, lease_timeout_s=120)
+    async with SlotPool(make_backend(kind, slots=16), cfg) as pool:
+        assert sum(h.info.slots for h in pool.hosts.values()) == 64
+
+        async def trajectory(i: int) -> str:
+            async with pool.leased(f"traj-{i}", timeout=120) as lease:
+                await lease.write_file("owner", f"traj-{i}")
+                listing = await lease.ok("list_dir", {"path": "."})
+                # Every lease starts from an empty workspace: nothing of an earlier trajectory.
+                assert [e["name"] for e in listing["entries"]] == ["owner"]
+                await asyncio.sleep(0.01)
+                return (await lease.read_file("owner")).strip()
+
+        results = await asyncio.gather(*(trajectory(i) for i in range(200)))
+        assert results == [f"traj-{i}" for i in range(200)]
+        assert double_leases(pool.audit.events) == []
+        leases = [e for e in pool.audit.events if e.event == "lease"]
+        assert len(leases) == 200
+        assert pool.status().leased == 0
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+async def test_killed_host_fails_calls_fast_and_is_replaced(kind: str) -> None:
+    backend = make_backend(kind, slots=2)
+    async with SlotPool(backend, pool_cfg(health_interval_s=0.3)) as pool:
+        lease = await pool.lease("victim")
+        dead_host = lease.host.id
+        call = asyncio.create_task(lease.bash("sleep 60"))
+        await asyncio.sleep(0.5)
+        t0 = time.monotonic()
+        kill_host(backend, dead_host)
+        with pytest.raises(HostUnavailable):
+            await call
+        # Fails as an infrastructure error long before the command's own 60 s.
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(HostUnavailable):
+            await lease.bash("true")
+        await lease.release()  # releasing a lost lease is harmless
+        replacement = await pool.lease("after", timeout=60)
+        assert replacement.host.id != dead_host
+        assert (await replacement.bash("echo ok"))["stdout"] == "ok\n"
+        await replacement.release()
+        assert dead_host not in pool.hosts
+        events = [e.event for e in pool.audit.events if e.host == dead_host]
+        assert events[0] == "lease" and events[-1] == "release" and set(events) <= {"lease", "lost", "release"}
+        assert double_leases(pool.audit.events) == []
+
+
+async def test_frozen_host_is_declared_dead_and_never_returns_slots() -> None:
+    backend = make_backend("local", slots=2)
+    cfg = pool_cfg(health_interval_s=0.2, health_timeout_s=0.5, health_failures=2)
+    async with SlotPool(backend, cfg) as pool:
+        lease = await pool.lease("frozen")
+        frozen = lease.host.id
+        call = asyncio.create_task(lease.bash("sleep 60"))
+        await asyncio.sleep(0.3)
+        kill_host(backend, frozen, "STOP")
+        try:
+            with pytest.raises(HostUnavailable):
+                await asyncio.wait_for(call, 30)
+        finally:
+            pid = backend.pid(frozen)  # type: ignore[attr-defined]
+            if pid:
+                os.kill(pid, signal.SIGCONT)
+        await asyncio.sleep(0.5)
+        # The thawed host answers again, but its slots never come back into the free list.
+        assert frozen not in pool.hosts
+        assert all(h.id != frozen for h in pool.hosts.values())
+        await lease.release()
+        assert double_leases(pool.audit.events) == []
+
+
+async def test_release_after_cancellation_returns_a_clean_slot() -> None:
+    async with SlotPool(make_backend("local", slots=1), pool_cfg()) as pool:
+
+        async def trajectory() -> None:
+            lease = await pool.lease("cancelled")
+            try:
+                await lease.bash("echo dirty > left-behind && sleep 60")
+            finally:
+                await lease.release()
+
+        task = asyncio.create_task(trajectory())
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        lease = await pool.lease("next", timeout=10)
+        listing = await lease.ok("list_dir", {"path": "."})
+        assert listing["entries"] == []
+        await lease.release()
+
+
+async def test_scales_up_under_demand_and_down_when_idle() -> None:
+    cfg = pool_cfg(min_hosts=1, max_hosts=3, scale_down_idle_s=0.5, lease_timeout_s=60)
+    async with SlotPool(make_backend("local", slots=2), cfg) as pool:
+        assert len(pool.hosts) == 1
+        leases = await pool.lease_many([f"g{i}" for i in range(5)], timeout=60)
+        assert len(pool.hosts) == 3
+        assert len({x.key for x in leases}) == 5
+        for x in leases:
+            await x.release()
+        deadline = time.monotonic() + 20
+        while len(pool.hosts) > 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert len(pool.hosts) == 1
+
+
+ORPHAN_SCRIPT = """
+import asyncio, json, sys
+from pathlib import Path
+from atropos.slots.pool import SlotPool
+from atropos.slots.config import PoolConfig
+sys.path.insert(0, {root!r})
+from tests.pool_backends import make_backend
+async def main():
+    backend = make_backend({kind!r}, slots=2, pool_id={pool_id!r})
+    pool = SlotPool(backend, PoolConfig(pool_id={pool_id!r}, min_hosts=2, max_hosts=2))
+    await pool.start()
+    lease = await pool.lease("orphan-maker")
+    print(json.dumps({{"hosts": list(pool.hosts)}}), flush=True)
+    await asyncio.sleep(3600)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+async def test_restarted_pool_reaps_orphans_of_a_killed_pool(kind: str) -> None:
+    pool_id = f"orph{os.getpid()}{kind}"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = ORPHAN_SCRIPT.format(root=root, kind=kind, pool_id=pool_id)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, cwd=root)
+    assert proc.stdout is not None
+    line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 120)
+    hosts = json.loads(line)["hosts"]
+    assert len(hosts) == 2
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    backend = make_backend(kind, slots=2, pool_id=pool_id)
+    if kind == "local":
+        # Local hosts die with their pool (parent-death signal); what is left is their data.
+        await asyncio.sleep(1.0)
+        leftovers = [p for p in (DATA_ROOT / pool_id).iterdir() if p.is_dir()]
+        assert leftovers, "the killed pool should have left host directories behind"
+        assert not any(_host_process_running(h) for h in hosts)
+    async with SlotPool(backend, pool_cfg(pool_id=pool_id)) as pool:
+        if kind == "local":
+            remaining = {p.name for p in (DATA_ROOT / pool_id).iterdir() if p.is_dir()}
+            assert remaining.isdisjoint(hosts)
+        else:
+            names = await backend.list_hosts()  # type: ignore[attr-defined]
+            assert set(names).isdisjoint(hosts)
+        assert len(pool.hosts) == 1
+
+
+def _host_process_running(host_id: str) -> bool:
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return host_id in out
