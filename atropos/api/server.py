@@ -1,0 +1,281 @@
+"""ToolServer: external tools (secrets and internet stay here) and the REST slot API.
+
+Any agent framework, in any language, can lease a slot, call sandbox tools on it, read files
+and release it over plain HTTP. Every route but ``/healthz`` needs the bearer token unless the
+server was explicitly started without one on loopback for development.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field, ValidationError
+
+from atropos import __version__
+from atropos.errors import InfrastructureError, LeaseError, SlotUnavailable
+from atropos.sandbox.server import BodyLimit
+from atropos.slots.lease import Lease
+from atropos.slots.pool import PoolStatus, SlotPool
+from atropos.tools.formatting import format_result
+from atropos.tools.registry import ToolRegistry
+
+
+class ToolServerSettings(BaseModel):
+    token: str | None = Field(None, repr=False, description="bearer token; None only with allow_no_auth")
+    allow_no_auth: bool = Field(False, description="DEVELOPMENT: no token (refused unless bound to loopback)")
+    max_body_bytes: int = Field(32 << 20, ge=1024)
+    max_concurrency: int = Field(512, ge=1, description="requests in progress at once; more get 429")
+    rest_lease_idle_s: float = Field(1800.0, gt=0, description="REST leases unused this long are released")
+
+
+class InvokeRequest(BaseModel):
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class InvokeResponse(BaseModel):
+    ok: bool
+    content: str
+    raw: dict[str, Any] | None = None
+
+
+class SlotLeaseRequest(BaseModel):
+    trajectory_id: str = Field(min_length=1, max_length=256)
+    network: bool = False
+    timeout_s: float | None = Field(None, gt=0, le=3600, description="how long to wait for a free slot")
+
+
+class SlotLeaseResponse(BaseModel):
+    lease_id: str = Field(description="secret handle of this lease; pass it in later calls")
+    trajectory_id: str
+    network: bool
+
+
+class SlotCallRequest(BaseModel):
+    tool: str = Field(min_length=1, max_length=128)
+    args: dict[str, Any] = Field(default_factory=dict)
+    timeout_s: float | None = Field(None, gt=0, le=3600)
+
+
+class SlotCallResponse(BaseModel):
+    ok: bool
+    content: str = Field(description="the result as the model would read it")
+    result: dict[str, Any] | None = Field(None, description="the structured result")
+    error: dict[str, Any] | None = None
+    duration_ms: float
+
+
+class ReleaseResponse(BaseModel):
+    released: bool
+
+
+class _RestLease:
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+        self.last_used = time.monotonic()
+
+
+def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> HTTPException:
+    return HTTPException(status_code=status, detail={"code": code, "message": message, "status": status},
+                         headers=headers)
+
+
+ExternalHandler = Any  # async (args: dict) -> InvokeResponse
+
+
+def create_tool_server(
+    pool: SlotPool,
+    settings: ToolServerSettings,
+    *,
+    registry: ToolRegistry | None = None,
+    externals: dict[str, ExternalHandler] | None = None,
+    manage_pool: bool = False,
+) -> Any:
+    """Build the ASGI app. With ``manage_pool`` the app starts and stops the pool in its lifespan."""
+    if not settings.token and not settings.allow_no_auth:
+        raise ValueError("the ToolServer needs a token (or allow_no_auth for loopback development)")
+    registry = registry or ToolRegistry.default()
+    externals = externals or {}
+    token = (settings.token or "").encode()
+    leases: dict[str, _RestLease] = {}
+    gate = asyncio.Semaphore(settings.max_concurrency)
+
+    async def reap_idle() -> None:
+        while True:
+            await asyncio.sleep(min(60.0, settings.rest_lease_idle_s / 2))
+            now = time.monotonic()
+            for lease_id, held in list(leases.items()):
+                if now - held.last_used > settings.rest_lease_idle_s:
+                    leases.pop(lease_id, None)
+                    await pool.release(held.lease)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if manage_pool:
+            await pool.start()
+        reaper = asyncio.create_task(reap_idle())
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            for held in list(leases.values()):
+                await pool.release(held.lease)
+            leases.clear()
+            if manage_pool:
+                await pool.stop()
+
+    app = FastAPI(title="atropos-sandbox ToolServer", version=__version__, lifespan=lifespan)
+    app.state.pool = pool
+    app.state.rest_leases = leases
+
+    async def auth(authorization: str = Header("", description="Bearer <token>")) -> None:
+        if settings.allow_no_auth and not token:
+            return
+        scheme, _, presented = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(presented.encode(), token):
+            raise _error(401, "unauthorized", "missing or wrong bearer token")
+
+    @app.middleware("http")
+    async def limit_concurrency(request: Request, call_next: Any) -> Any:
+        if gate.locked():
+            return JSONResponse({"error": {"code": "too_many_requests", "status": 429,
+                                           "message": f"over {settings.max_concurrency} requests in progress"}},
+                                status_code=429, headers={"Retry-After": "1"})
+        async with gate:
+            return await call_next(request)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+        detail = exc.detail if isinstance(exc.detail, dict) else {
+            "code": "error", "message": str(exc.detail), "status": exc.status_code}
+        return JSONResponse({"error": detail}, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(InfrastructureError)
+    async def _infra_error(_request: Request, exc: InfrastructureError) -> JSONResponse:
+        return JSONResponse({"error": {"code": "infrastructure", "status": 503, "message": str(exc)}},
+                            status_code=503)
+
+    deps = [Depends(auth)]
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        status = pool.status()
+        return {"ok": bool(status.hosts), "hosts": len(status.hosts), "version": __version__}
+
+    @app.get("/v1/tools", dependencies=deps)
+    async def tools() -> dict[str, Any]:
+        return {"tools": [{**registry.get(n).openai_schema(), "kind": registry.get(n).kind,  # type: ignore[union-attr]
+                           "toolset": registry.get(n).toolset} for n in registry.names()]}  # type: ignore[union-attr]
+
+    @app.post("/v1/tools/{name}/invoke", response_model=InvokeResponse, dependencies=deps)
+    async def invoke(name: str, req: InvokeRequest) -> InvokeResponse:
+        tool = registry.get(name)
+        if tool is None:
+            raise _error(404, "unknown_tool", f"no tool named {name!r}")
+        if tool.kind == "sandbox":
+            raise _error(400, "needs_slot", f"{name} runs in a slot: lease one and use /v1/slots/{{lease_id}}/call")
+        handler = externals.get(name)
+        if handler is None:
+            raise _error(501, "not_configured", f"{name} has no provider configured on this server")
+        try:
+            result: InvokeResponse = await handler(req.args)
+        except ValidationError as exc:
+            raise _error(422, "invalid_arguments", _validation_message(exc)) from None
+        return result
+
+    @app.get("/v1/status", response_model=PoolStatus, dependencies=deps)
+    async def status() -> PoolStatus:
+        return pool.status()
+
+    def held(lease_id: str) -> Lease:
+        entry = leases.get(lease_id)
+        if entry is None:
+            raise _error(404, "unknown_lease", "no such lease (released, expired or never granted)")
+        entry.last_used = time.monotonic()
+        return entry.lease
+
+    @app.post("/v1/slots", response_model=SlotLeaseResponse, dependencies=deps)
+    async def lease_slot(req: SlotLeaseRequest) -> SlotLeaseResponse:
+        try:
+            lease = await pool.lease(req.trajectory_id, req.timeout_s, network=req.network)
+        except SlotUnavailable as exc:
+            raise _error(503, "no_free_slot", str(exc), headers={"Retry-After": "5"}) from None
+        lease_id = secrets.token_urlsafe(24)
+        leases[lease_id] = _RestLease(lease)
+        return SlotLeaseResponse(lease_id=lease_id, trajectory_id=req.trajectory_id, network=req.network)
+
+    @app.post("/v1/slots/{lease_id}/call", response_model=SlotCallResponse, dependencies=deps)
+    async def slot_call(lease_id: str, req: SlotCallRequest) -> SlotCallResponse:
+        lease = held(lease_id)
+        tool = registry.get(req.tool)
+        if tool is None or tool.kind != "sandbox":
+            if req.tool != "archive":
+                raise _error(404, "unknown_tool", f"no sandbox tool named {req.tool!r}")
+        try:
+            result = await lease.call(req.tool, req.args, timeout_s=req.timeout_s)
+        except LeaseError as exc:
+            raise _error(409, "lease_invalid", str(exc)) from None
+        ok, content = format_result(req.tool, result)
+        return SlotCallResponse(ok=ok, content=content, result=result.result,
+                                error=result.error.model_dump() if result.error else None,
+                                duration_ms=result.duration_ms)
+
+    async def _host_op(coro: Any) -> Any:
+        try:
+            return await coro
+        except LeaseError as exc:
+            raise _error(409, "lease_invalid", str(exc)) from None
+        except InfrastructureError:
+            raise
+        except Exception as exc:  # ToolInputError from the host: not found, too large, ...
+            message = str(exc)
+            status = 404 if "not_found" in message else 413 if "too_large" in message else 400
+            raise _error(status, "file_error", message) from None
+
+    @app.get("/v1/slots/{lease_id}/files", dependencies=deps, response_class=Response,
+             responses={200: {"content": {"application/octet-stream": {}}}})
+    async def read_file(lease_id: str, path: str = Query(..., min_length=1, max_length=4096)) -> Response:
+        data = await _host_op(held(lease_id).read_bytes(path))
+        return Response(data, media_type="application/octet-stream")
+
+    @app.put("/v1/slots/{lease_id}/files", dependencies=deps)
+    async def write_file(request: Request, lease_id: str,
+                         path: str = Query(..., min_length=1, max_length=4096)) -> dict[str, Any]:
+        lease = held(lease_id)
+        result: dict[str, Any] = await _host_op(lease.write_bytes(path, await request.body()))
+        return result
+
+    @app.get("/v1/slots/{lease_id}/list", dependencies=deps)
+    async def list_dir(lease_id: str, path: str = Query(".", min_length=1, max_length=4096)) -> dict[str, Any]:
+        result = await held(lease_id).call("list_dir", {"path": path})
+        if not result.ok or result.result is None:
+            assert result.error is not None
+            raise _error(result.error.status, result.error.code, result.error.message)
+        return result.result
+
+    @app.get("/v1/slots/{lease_id}/archive", dependencies=deps, response_class=Response,
+             responses={200: {"content": {"application/gzip": {}}}})
+    async def archive(lease_id: str, path: str = Query(".", min_length=1, max_length=4096)) -> Response:
+        data = await _host_op(held(lease_id).archive(path))
+        return Response(data, media_type="application/gzip")
+
+    @app.delete("/v1/slots/{lease_id}", response_model=ReleaseResponse, dependencies=deps)
+    async def release(lease_id: str) -> ReleaseResponse:
+        entry = leases.pop(lease_id, None)
+        if entry is None:
+            raise _error(404, "unknown_lease", "no such lease (released, expired or never granted)")
+        await pool.release(entry.lease)
+        return ReleaseResponse(released=True)
+
+    return BodyLimit(app, settings.max_body_bytes)  # type: ignore[arg-type]
+
+
+def _validation_message(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'arguments'}: {e['msg']}" for e in exc.errors())

@@ -1,0 +1,56 @@
+"""How a tool result reads to the model: short, plain text, nothing of the platform's internals."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from atropos.sandbox.protocol import CallResult
+
+
+def format_exec(r: dict[str, Any]) -> str:
+    parts = []
+    if r.get("stdout"):
+        parts.append(str(r["stdout"]).rstrip("\n"))
+    if r.get("stderr"):
+        parts.append("[stderr]\n" + str(r["stderr"]).rstrip("\n"))
+    if r.get("timed_out"):
+        parts.append("[timed out: the command was killed]")
+    elif r.get("output_limited"):
+        parts.append("[output limit reached: the command was killed]")
+    elif r.get("signal"):
+        parts.append(f"[killed by signal {r['signal']}]")
+    elif r.get("exit_code") not in (0, None):
+        parts.append(f"[exit code: {r['exit_code']}]")
+    return "\n".join(parts) if parts else "(no output)"
+
+
+def format_result(tool: str, result: CallResult) -> tuple[bool, str]:
+    """(ok, text). ``ok`` is False when the tool could not do what was asked."""
+    notes = "".join(f"\n[note: {n}]" for n in result.notes)
+    if not result.ok or result.result is None:
+        err = result.error
+        text = f"error ({err.code}): {err.message}" if err else "error: the tool failed"
+        return False, text + notes
+    r = result.result
+    if tool in ("bash", "python"):
+        ok = not r.get("timed_out") and r.get("exit_code") == 0
+        return ok, format_exec(r) + notes
+    if tool == "read_file":
+        if r.get("encoding") == "base64":
+            return True, f"(binary file, {r.get('size')} bytes, base64)\n{r['content']}" + notes
+        return True, str(r["content"]) + notes
+    if tool == "write_file":
+        return True, f"wrote {r['bytes_written']} bytes to {r['path']}" + notes
+    if tool == "edit_file":
+        return True, f"replaced {r['replacements']} occurrence(s) in {r['path']}" + notes
+    if tool == "list_dir":
+        lines = [e["name"] + ("/" if e["type"] == "dir" else "") + (f"  ({e['size']} bytes)" if e["type"] == "file"
+                 else "") for e in r["entries"]]
+        if r.get("truncated"):
+            lines.append(f"... ({r['total']} entries in all)")
+        return True, ("\n".join(lines) if lines else "(empty directory)") + notes
+    if tool == "terminal":
+        out = str(r.get("output", ""))
+        return True, (out if out.strip() else "(no new output)") + notes
+    return True, json.dumps(r, ensure_ascii=False) + notes

@@ -1,0 +1,101 @@
+"""Tools the model can call: name, description, JSON schema, where they run, and toolsets."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from atropos.errors import ConfigError
+from atropos.sandbox import tools as sandbox_tools
+
+Kind = Literal["sandbox", "external"]
+
+# Which toolset each sandbox tool belongs to; `archive` is for programs (REST), not the model.
+SANDBOX_TOOLSETS: dict[str, str] = {
+    "bash": "shell", "python": "python", "terminal": "terminal",
+    "read_file": "files", "write_file": "files", "edit_file": "files", "list_dir": "files", "stat": "files",
+}
+DEFAULT_TOOLSETS = ("shell", "python", "files", "terminal")
+
+
+class Tool(BaseModel):
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    kind: Kind
+    toolset: str
+
+    def openai_schema(self) -> dict[str, Any]:
+        return {"type": "function",
+                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+
+
+def _schema(model: type[BaseModel]) -> dict[str, Any]:
+    schema = model.model_json_schema()
+    schema.pop("title", None)
+    schema.pop("description", None)
+    for prop in schema.get("properties", {}).values():
+        prop.pop("title", None)
+    return schema
+
+
+class ToolRegistry:
+    def __init__(self, tools: Iterable[Tool] = ()) -> None:
+        self._tools: dict[str, Tool] = {}
+        for tool in tools:
+            self.register(tool)
+
+    @classmethod
+    def default(cls, *, with_web: bool = False) -> ToolRegistry:
+        reg = cls()
+        for name, toolset in SANDBOX_TOOLSETS.items():
+            spec = sandbox_tools.TOOLS[name]
+            reg.register(Tool(name=name, description=spec.description, parameters=_schema(spec.args),
+                              kind="sandbox", toolset=toolset))
+        if with_web:
+            from atropos.tools import web
+
+            reg.register(Tool(name="web_search", description=(web.WebSearchArgs.__doc__ or "").strip(),
+                              parameters=_schema(web.WebSearchArgs), kind="external", toolset="web"))
+            reg.register(Tool(name="web_extract", description=(web.WebExtractArgs.__doc__ or "").strip(),
+                              parameters=_schema(web.WebExtractArgs), kind="external", toolset="web"))
+        return reg
+
+    def register(self, tool: Tool) -> None:
+        if tool.name in self._tools:
+            raise ConfigError(f"tool {tool.name!r} is registered twice")
+        self._tools[tool.name] = tool
+
+    def get(self, name: str) -> Tool | None:
+        return self._tools.get(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tools
+
+    def names(self) -> list[str]:
+        return sorted(self._tools)
+
+    @property
+    def toolsets(self) -> set[str]:
+        return {t.toolset for t in self._tools.values()}
+
+    def select(self, enabled_toolsets: Iterable[str] | None = None,
+               disabled_toolsets: Iterable[str] = ()) -> ToolRegistry:
+        """The registry restricted to ``enabled_toolsets`` (all when None) minus ``disabled_toolsets``."""
+        enabled = set(self.toolsets if enabled_toolsets is None else enabled_toolsets)
+        disabled = set(disabled_toolsets)
+        unknown = (enabled | disabled) - self.toolsets
+        if unknown:
+            raise ConfigError(f"unknown toolset(s) {sorted(unknown)}; known: {sorted(self.toolsets)}")
+        return ToolRegistry(t for t in self._tools.values() if t.toolset in enabled - disabled)
+
+    def schemas(self) -> list[dict[str, Any]]:
+        return [self._tools[n].openai_schema() for n in self.names()]
+
+
+class ToolsetConfig(BaseModel):
+    enabled_toolsets: list[str] | None = Field(
+        default_factory=lambda: list(DEFAULT_TOOLSETS), description="toolsets the model may use (None: all)")
+    disabled_toolsets: list[str] = Field(default_factory=list)
