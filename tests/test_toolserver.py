@@ -1,0 +1,139 @@
+"""ToolServer over real HTTP (uvicorn on loopback) and in-process (ASGI transport)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import socket
+import tarfile
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from atropos.api.server import InvokeResponse, ToolServerSettings, create_tool_server
+from atropos.slots.config import PoolConfig
+from atropos.slots.pool import SlotPool
+from atropos.tools.registry import ToolRegistry
+from tests.pool_backends import make_backend
+
+TOKEN = "test-token-123"
+
+
+async def _echo_tool(args: dict[str, Any]) -> InvokeResponse:
+    return InvokeResponse(ok=True, content=f"echo: {args.get('text', '')}")
+
+
+def _registry() -> ToolRegistry:
+    from atropos.tools.registry import Tool
+
+    reg = ToolRegistry.default()
+    reg.register(Tool(name="echo_external", description="echo on the server", kind="external", toolset="test",
+                      parameters={"type": "object", "properties": {"text": {"type": "string"}}}))
+    return reg
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[str]:
+    pool = SlotPool(make_backend("local", slots=2), PoolConfig(min_hosts=1, max_hosts=1))
+    app = create_tool_server(pool, ToolServerSettings(token=TOKEN, max_body_bytes=1 << 20), registry=_registry(),
+                             externals={"echo_external": _echo_tool}, manage_pool=True)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    task = asyncio.create_task(srv.serve(sockets=[sock]))
+    while not srv.started:
+        await asyncio.sleep(0.05)
+        if task.done():
+            task.result()
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    await task
+
+
+async def test_raw_http_client_drives_a_slot_from_lease_to_release(server: str) -> None:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with httpx.AsyncClient(base_url=server, headers=auth, timeout=60) as http:
+        tools = (await http.get("/v1/tools")).json()["tools"]
+        names = {t["function"]["name"]: t for t in tools}
+        assert {"bash", "read_file", "write_file", "edit_file", "terminal", "echo_external"} <= set(names)
+        assert names["bash"]["function"]["parameters"]["properties"]["command"]["type"] == "string"
+        assert names["bash"]["kind"] == "sandbox" and names["echo_external"]["kind"] == "external"
+
+        lease = (await http.post("/v1/slots", json={"trajectory_id": "rest-1"})).json()
+        lid = lease["lease_id"]
+        out = (await http.post(f"/v1/slots/{lid}/call",
+                               json={"tool": "bash", "args": {"command": "echo hi > a.txt; cat a.txt"}})).json()
+        assert out["ok"] and out["content"] == "hi" and out["result"]["exit_code"] == 0
+        put = await http.put(f"/v1/slots/{lid}/files", params={"path": "dir/bin.dat"}, content=bytes(range(256)))
+        assert put.status_code == 200
+        got = await http.get(f"/v1/slots/{lid}/files", params={"path": "dir/bin.dat"})
+        assert got.content == bytes(range(256))
+        listing = (await http.get(f"/v1/slots/{lid}/list", params={"path": "."})).json()
+        assert {e["name"] for e in listing["entries"]} == {"a.txt", "dir"}
+        archive = await http.get(f"/v1/slots/{lid}/archive")
+        with tarfile.open(fileobj=io.BytesIO(archive.content), mode="r:gz") as tar:
+            assert tar.extractfile("a.txt").read() == b"hi\n"  # type: ignore[union-attr]
+        missing = await http.get(f"/v1/slots/{lid}/files", params={"path": "nope"})
+        assert missing.status_code == 404
+        assert (await http.delete(f"/v1/slots/{lid}")).json() == {"released": True}
+        after = await http.post(f"/v1/slots/{lid}/call", json={"tool": "bash", "args": {"command": "true"}})
+        assert after.status_code == 404 and after.json()["error"]["code"] == "unknown_lease"
+
+        ext = await http.post("/v1/tools/echo_external/invoke", json={"args": {"text": "x"}})
+        assert ext.json() == {"ok": True, "content": "echo: x", "raw": None}
+        sandbox_tool = await http.post("/v1/tools/bash/invoke", json={"args": {"command": "id"}})
+        assert sandbox_tool.status_code == 400 and sandbox_tool.json()["error"]["code"] == "needs_slot"
+
+
+async def test_auth_and_validation_errors(server: str) -> None:
+    async with httpx.AsyncClient(base_url=server, timeout=30) as http:
+        for method, path in [("GET", "/v1/tools"), ("POST", "/v1/slots"), ("GET", "/v1/status"),
+                             ("POST", "/v1/tools/echo_external/invoke"), ("DELETE", "/v1/slots/x")]:
+            resp = await http.request(method, path)
+            assert resp.status_code == 401, path
+            resp = await http.request(method, path, headers={"Authorization": "Bearer wrong"})
+            assert resp.status_code == 401, path
+            assert resp.json()["error"]["message"] == "missing or wrong bearer token"
+        assert (await http.get("/healthz")).json()["ok"] is True
+        http.headers["Authorization"] = f"Bearer {TOKEN}"
+        bad = await http.post("/v1/slots", json={"trajectory_id": ""})
+        assert bad.status_code == 422
+        big = await http.post("/v1/tools/echo_external/invoke", content=b"x" * (2 << 20))
+        assert big.status_code == 413 and str(1 << 20) in big.json()["error"]["message"]
+        unknown = await http.post("/v1/tools/nope/invoke", json={"args": {}})
+        assert unknown.status_code == 404
+        lease = (await http.post("/v1/slots", json={"trajectory_id": "v"})).json()["lease_id"]
+        bad_args = (await http.post(f"/v1/slots/{lease}/call", json={"tool": "bash", "args": {"cmd": "x"}})).json()
+        assert bad_args["ok"] is False and bad_args["error"]["code"] == "invalid_arguments"
+        assert "command" in bad_args["error"]["message"]
+        await http.delete(f"/v1/slots/{lease}")
+        docs = await http.get("/docs")
+        assert docs.status_code == 200
+        spec = (await http.get("/openapi.json")).json()
+        assert "/v1/slots/{lease_id}/call" in spec["paths"]
+
+
+async def test_in_process_asgi_mode() -> None:
+    pool = SlotPool(make_backend("local", slots=1), PoolConfig(min_hosts=1, max_hosts=1))
+    await pool.start()
+    try:
+        app = create_tool_server(pool, ToolServerSettings(token=TOKEN))
+        transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
+        async with httpx.AsyncClient(transport=transport, base_url="http://toolserver",
+                                     headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+            lid = (await http.post("/v1/slots", json={"trajectory_id": "inproc"})).json()["lease_id"]
+            out = (await http.post(f"/v1/slots/{lid}/call", json={"tool": "python",
+                                                                    "args": {"code": "print(6*7)"}})).json()
+            assert out["content"] == "42"
+            await http.delete(f"/v1/slots/{lid}")
+    finally:
+        await pool.stop()
+
+
+def test_refuses_to_run_without_a_token_unless_told() -> None:
+    with pytest.raises(ValueError):
+        create_tool_server(None, ToolServerSettings())  # type: ignore[arg-type]
