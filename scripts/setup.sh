@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Set up a fresh Debian/Ubuntu machine (as root) for atropos-sandbox: system packages and the venv.
+# Idempotent and quiet when everything is already there. Usage: bash scripts/setup.sh [--dev]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+say() { printf '[setup] %s\n' "$*" >&2; }
+
+APT_PACKAGES=(bubblewrap tmux libseccomp2 git procps util-linux ca-certificates python3 python3-venv)
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+    if [[ "$(id -u)" -ne 0 ]]; then
+        say "missing system packages: ${missing[*]} (run as root, or: sudo apt-get install ${missing[*]})"
+        exit 1
+    fi
+    say "installing system packages: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+PY="${PYTHON:-python3}"
+if [[ ! -x .venv/bin/python ]]; then
+    say "creating .venv with $($PY --version)"
+    "$PY" -m venv .venv
+fi
+extras="${1:-}"
+spec="."
+[[ "$extras" == "--dev" ]] && spec=".[dev]"
+stamp=".venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)${extras}"
+if [[ ! -f "$stamp" ]]; then
+    say "installing the project into .venv ($spec)"
+    .venv/bin/pip install -q --disable-pip-version-check -e "$spec"
+    touch "$stamp"
+fi
+say "ready: $(.venv/bin/python -c 'import atropos; print("atropos-sandbox", atropos.__version__)')"

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Set up everything the test suite needs on a fresh machine (as root) and run it:
+# system packages, venv, Docker engine + sandbox image, then lint, types and pytest.
+# In CI (CI=true) the Docker tests must run: a missing engine fails the run instead of skipping.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1
+
+bash scripts/setup.sh --dev
+if ! bash scripts/build_image.sh; then
+    if [[ "${CI:-}" == "true" ]]; then
+        echo "[test] the Docker engine or image could not be set up; CI needs them" >&2
+        exit 1
+    fi
+    echo "[test] Docker unavailable: Docker tests will be skipped" >&2
+fi
+
+echo "[test] ruff" >&2
+.venv/bin/ruff check atropos tests benchmarks scripts
+echo "[test] mypy" >&2
+.venv/bin/mypy
+echo "[test] pytest" >&2
+.venv/bin/python -m pytest -q -ra --durations=15 "$@"
