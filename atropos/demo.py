@@ -27,7 +27,8 @@ async def run(trajectories: int, slots: int) -> None:
     async def trajectory(i: int) -> tuple[str, float]:
         tid = f"demo-{i}"
         calls = [
-            AgentToolCall(id="1", name="write_file", arguments={"path": "hello.py", "content": f"print('hi from {i}')"}),
+            AgentToolCall(id="1", name="write_file",
+                          arguments={"path": "hello.py", "content": f"print('hi from {i}')"}),
             AgentToolCall(id="2", name="bash", arguments={"command": "python3 hello.py && ls"}),
             AgentToolCall(id="3", name="bash", arguments={"command": "cat /etc/shadow; ls /root; id -un"}),
         ]

@@ -18,7 +18,7 @@ but unprivileged user namespaces for bwrap. This profile therefore:
 Syscall names are enumerated from the installed libseccomp through ctypes
 (``seccomp_syscall_resolve_num_arch``); no Python dependency is needed.
 
-Usage: ``python3 scripts/gen_outer_seccomp.py [-o sandbox_image/seccomp.json]``
+Usage: ``python3 scripts/gen_outer_seccomp.py [-o atropos/backends/docker_seccomp.json]`` (sandbox_image/seccomp.json links to it)
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "-o",
         "--output",
-        default=str(Path(__file__).resolve().parent.parent / "sandbox_image" / "seccomp.json"),
+        default=str(Path(__file__).resolve().parent.parent / "atropos" / "backends" / "docker_seccomp.json"),
     )
     ap.add_argument(
         "--check", action="store_true", help="exit 1 if the output file differs from what would be generated"

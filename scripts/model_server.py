@@ -44,6 +44,7 @@ import time
 import urllib.error
 import urllib.request
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 # --------------------------------------------------------------------------------------------------
@@ -140,7 +141,7 @@ class EnsureError(RuntimeError):
 
 
 @contextlib.contextmanager
-def _cache_lock():
+def _cache_lock() -> Iterator[None]:
     """Serialise ensure across processes (parallel test workers, two CI steps)."""
     cache_dir().mkdir(parents=True, exist_ok=True)
     lock_path = cache_dir() / ".ensure.lock"
@@ -188,7 +189,9 @@ def _create_venv() -> None:
         # e.g. Debian's python3 without python3-venv: fall back to the running interpreter.
         r = subprocess.run([sys.executable, "-m", "venv", str(vd)], capture_output=True, text=True)
     if r.returncode != 0:
-        raise EnsureError(f"could not create a venv at {vd}:\n{r.stdout}{r.stderr}")
+        raise EnsureError(
+            f"could not create a venv at {vd} (Debian/Ubuntu: apt-get install python3-venv):\n{r.stdout}{r.stderr}"
+        )
 
 
 def _ensure_venv_exists() -> None:
@@ -277,10 +280,7 @@ def ensure_llama() -> None:
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     env.pop("PYTHONPATH", None)
     env.pop("PYTHONHOME", None)
-    say(
-        f"installing {LLAMA_SPEC} into {venv_dir()} "
-        "(builds llama.cpp from source: ~8 min on 2 cores on a cold cache)"
-    )
+    say(f"installing {LLAMA_SPEC} into {venv_dir()} (builds llama.cpp from source: ~8 min on 2 cores on a cold cache)")
     log = cache_dir() / "logs" / f"llama-install-{time.strftime('%Y%m%d-%H%M%S')}.log"
     _run_logged(
         [py, "-m", "pip", "install", "--progress-bar", "off", "-v", LLAMA_SPEC],
@@ -301,10 +301,7 @@ def ensure_llama() -> None:
         raise EnsureError(f"installed llama_cpp {version}, expected {LLAMA_CPP_PYTHON_VERSION}")
     marker = venv_dir() / MARKER_NAME
     marker.write_text(
-        json.dumps(
-            {"install": _marker_payload(), "installed_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1
-        )
-        + "\n"
+        json.dumps({"install": _marker_payload(), "installed_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1) + "\n"
     )
     say(f"llama-cpp-python {version} ready")
 
@@ -366,7 +363,7 @@ def ensure(model_only: bool = False) -> Path:
 # Serving
 
 
-def server_argv(host: str, port: int, n_ctx: int, n_threads: int | None, extra: list) -> list:
+def server_argv(host: str, port: int, n_ctx: int, n_threads: int | None, extra: list, verbose: bool = False) -> list:
     threads = n_threads or max(1, os.cpu_count() or 1)
     return [
         str(venv_python()), "-m", "llama_cpp.server",
@@ -377,6 +374,9 @@ def server_argv(host: str, port: int, n_ctx: int, n_threads: int | None, extra: 
         "--n_ctx", str(n_ctx),
         "--n_threads", str(threads),
         "--n_threads_batch", str(threads),
+        # llama.cpp's verbose mode dumps graph details on every decode: megabytes of log and a 10x
+        # slower first request. Errors still reach the log.
+        "--verbose", "True" if verbose else "False",
         *extra,
     ]  # fmt: skip
 
@@ -415,7 +415,7 @@ def _read_pid(port: int) -> int | None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     ensure()
-    argv = server_argv(args.host, args.port, args.n_ctx, args.n_threads, args.extra)
+    argv = server_argv(args.host, args.port, args.n_ctx, args.n_threads, args.extra, args.verbose)
     say("exec " + " ".join(argv))
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
@@ -437,7 +437,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     ensure()
     run_dir().mkdir(parents=True, exist_ok=True)
     log_path = logfile_for(args.port)
-    argv = server_argv(args.host, args.port, args.n_ctx, args.n_threads, args.extra)
+    argv = server_argv(args.host, args.port, args.n_ctx, args.n_threads, args.extra, args.verbose)
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     with open(log_path, "wb") as log:
@@ -553,6 +553,7 @@ def main(argv: list | None = None) -> int:
         _add_server_opts(p)
         p.add_argument("--n-ctx", type=int, default=4096)
         p.add_argument("--n-threads", type=int, default=None, help="default: all cores")
+        p.add_argument("--verbose", action="store_true", help="llama.cpp's verbose logging")
         p.add_argument("extra", nargs="*", help="extra llama_cpp.server arguments, after --")
         if name == "start":
             p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait after ensure")

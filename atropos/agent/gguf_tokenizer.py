@@ -79,10 +79,23 @@ def saved_tokenizer_dir(gguf_path: str | os.PathLike[str], cache_dir: str | os.P
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
+    """A metadata value: str, int/float/bool, or a list of those (decoded like ``ReaderField.contents()``,
+    which only newer ``gguf`` releases have)."""
+    from gguf import GGUFValueType
+
     f = reader.fields.get(key)
     if f is None:
         return default
-    return f.contents()
+
+    def one(part_index: int, vtype: Any) -> Any:
+        part = f.parts[part_index]
+        if vtype == GGUFValueType.STRING:
+            return bytes(part).decode("utf-8")
+        return part.tolist()[0]
+
+    if f.types[0] == GGUFValueType.ARRAY:
+        return [one(i, f.types[-1]) for i in f.data]
+    return one(f.data[0], f.types[0])
 
 
 def build_tokenizer_from_gguf(gguf_path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:

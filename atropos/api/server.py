@@ -15,13 +15,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 
 from atropos import __version__
+from atropos.asgi import RequestGuard, http_error, install_error_handlers
 from atropos.errors import InfrastructureError, LeaseError, SlotUnavailable
-from atropos.sandbox.server import BodyLimit
 from atropos.slots.lease import Lease
 from atropos.slots.pool import PoolStatus, SlotPool
 from atropos.tools.formatting import format_result
@@ -82,9 +82,7 @@ class _RestLease:
         self.last_used = time.monotonic()
 
 
-def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> HTTPException:
-    return HTTPException(status_code=status, detail={"code": code, "message": message, "status": status},
-                         headers=headers)
+_error = http_error
 
 
 ExternalHandler = Any  # async (args: dict) -> InvokeResponse
@@ -151,11 +149,7 @@ def create_tool_server(
         async with gate:
             return await call_next(request)
 
-    @app.exception_handler(HTTPException)
-    async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
-        detail = exc.detail if isinstance(exc.detail, dict) else {
-            "code": "error", "message": str(exc.detail), "status": exc.status_code}
-        return JSONResponse({"error": detail}, status_code=exc.status_code, headers=exc.headers)
+    install_error_handlers(app)
 
     @app.exception_handler(InfrastructureError)
     async def _infra_error(_request: Request, exc: InfrastructureError) -> JSONResponse:
@@ -274,7 +268,12 @@ def create_tool_server(
         await pool.release(entry.lease)
         return ReleaseResponse(released=True)
 
-    return BodyLimit(app, settings.max_body_bytes)  # type: ignore[arg-type]
+    # Docs stay readable without a token (they hold no secret); everything else needs it.
+    public = {"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
+    guard = RequestGuard(app, max_body=settings.max_body_bytes, token=settings.token or None,  # type: ignore[arg-type]
+                         public=public)
+    guard.fastapi = app  # type: ignore[attr-defined]
+    return guard
 
 
 def _validation_message(exc: ValidationError) -> str:

@@ -90,42 +90,55 @@ class DockerBackend(Backend):
                 raise HostUnavailable(f"cannot reach the Docker engine: {exc}") from exc
         return self._client
 
-    def run_options(self, host_id: str, token: str) -> dict[str, Any]:
-        """Keyword arguments of ``containers.run`` (kept separate so tests can inspect them)."""
+    def host_config(self) -> dict[str, Any]:
+        """HostConfig of the Engine API (kept separate so tests can inspect it)."""
         c = self.cfg
-        return {
-            "image": c.image,
-            "command": ["--host", "0.0.0.0", "--port", str(CONTAINER_PORT), "--slots", str(c.slots_per_host),
-                        "--data-dir", "/slots/data", "--max-timeout", str(c.max_timeout_s)],
-            "name": host_id,
-            "detach": True,
-            "init": True,  # a reaping PID 1: sandbox teardown leaves no zombies behind
-            "user": f"{SLOT_UID}:{SLOT_UID}",
-            "cap_drop": ["ALL"],
-            "security_opt": ["no-new-privileges", f"seccomp={self._seccomp}", "systempaths=unconfined"],
-            "read_only": True,
-            "tmpfs": {
+        hc: dict[str, Any] = self.client.api.create_host_config(
+            init=True,  # a reaping PID 1: sandbox teardown leaves no zombies behind
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges", f"seccomp={self._seccomp}"],
+            read_only=True,
+            tmpfs={
                 "/tmp": "rw,size=64m",
                 "/slots": f"rw,size={c.workspace_bytes},uid={SLOT_UID},gid={SLOT_UID},mode=0711",
             },
-            "pids_limit": c.pids_limit,
-            "mem_limit": c.memory_bytes,
-            "memswap_limit": c.memory_bytes,
-            "nano_cpus": int(c.cpus * 1e9),
-            "ports": {f"{CONTAINER_PORT}/tcp": ("127.0.0.1", None)},
-            "environment": {"ATROPOS_SANDBOX_TOKEN": token},
-            "labels": {LABEL_POOL: c.pool_id, LABEL_OWNER: str(os.getpid()), LABEL_BOOT: boot_id(),
-                       LABEL_HOST: host_id},
-        }
+            pids_limit=c.pids_limit,
+            mem_limit=c.memory_bytes,
+            memswap_limit=c.memory_bytes,
+            nano_cpus=int(c.cpus * 1e9),
+            port_bindings={CONTAINER_PORT: ("127.0.0.1", None)},
+        )
+        # `--security-opt systempaths=unconfined` of the CLI: lets bwrap mount a fresh /proc. The
+        # Engine API spells it as empty masked/read-only path lists (the SDK has no keyword for it).
+        hc["MaskedPaths"] = []
+        hc["ReadonlyPaths"] = []
+        return hc
+
+    def _create(self, host_id: str, token: str) -> Any:
+        c = self.cfg
+        api = self.client.api
+        created = api.create_container(
+            c.image,
+            command=["--host", "0.0.0.0", "--port", str(CONTAINER_PORT), "--slots", str(c.slots_per_host),
+                     "--data-dir", "/slots/data", "--max-timeout", str(c.max_timeout_s)],
+            name=host_id,
+            user=f"{SLOT_UID}:{SLOT_UID}",
+            environment={"ATROPOS_SANDBOX_TOKEN": token},
+            labels={LABEL_POOL: c.pool_id, LABEL_OWNER: str(os.getpid()), LABEL_BOOT: boot_id(), LABEL_HOST: host_id},
+            ports=[CONTAINER_PORT],
+            host_config=self.host_config(),
+            detach=True,
+        )
+        api.start(created["Id"])
+        return self.client.containers.get(created["Id"])
 
     async def start_host(self) -> HostInfo:
         self._counter += 1
         host_id = f"atropos-{self.cfg.pool_id}-{os.getpid()}-{self._counter}-{new_token()[:6].lower()}"
         host_id = "".join(ch if ch.isalnum() or ch in "_.-" else "x" for ch in host_id)
         token = new_token()
-        options = self.run_options(host_id, token)
         try:
-            container = await asyncio.to_thread(self.client.containers.run, **options)
+            container = await asyncio.to_thread(self._create, host_id, token)
         except Exception as exc:
             await self.stop_host(host_id)
             raise HostUnavailable(f"docker run failed: {exc}") from exc

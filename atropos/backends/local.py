@@ -9,20 +9,21 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 from pathlib import Path
 
 from pydantic import BaseModel, Field
 
 from atropos.backends.base import Backend, HostInfo, new_token, pid_alive
 from atropos.errors import HostUnavailable, IsolationUnavailable
+from atropos.sandbox.config import default_data_dir
+from atropos.sandbox.host import owned_dir
 
 log = logging.getLogger(__name__)
 
 
 class LocalBackendConfig(BaseModel):
     slots_per_host: int = Field(16, ge=1, le=1023)
-    data_root: Path = Field(default_factory=lambda: Path(tempfile.gettempdir()) / "atropos-sandbox-local")
+    data_root: Path = Field(default_factory=lambda: default_data_dir() / "local")
     pool_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     max_timeout_s: float = 600.0
     prewarm: bool = True
@@ -48,9 +49,9 @@ class LocalBackend(Backend):
         self._counter += 1
         host_id = f"{self.cfg.pool_id}-{os.getpid()}-{self._counter}"
         data_dir = self.root / host_id
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.cfg.data_root.parent.mkdir(parents=True, exist_ok=True)
         for d in (self.cfg.data_root, self.root):
-            os.chmod(d, 0o711)
+            owned_dir(d, 0o711)
         token = new_token()
         argv = [self.cfg.python, "-m", "atropos.sandbox", "--host", "127.0.0.1", "--port", "0",
                 "--slots", str(self.cfg.slots_per_host), "--data-dir", str(data_dir),
@@ -106,7 +107,7 @@ class LocalBackend(Backend):
             return False
         # A killed child is a zombie until asyncio reaps it; do not wait for that to notice.
         try:
-            with open(f"/proc/{proc.pid}/stat", "rb") as fh:
+            with open(f"/proc/{proc.pid}/stat", "rb") as fh:  # noqa: ASYNC230 - procfs, never blocks
                 return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
         except (OSError, IndexError):
             return False

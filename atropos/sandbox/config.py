@@ -26,7 +26,11 @@ class Limits(BaseModel):
 
 
 def default_data_dir() -> Path:
-    # Not under $HOME: slot uids must be able to traverse to their workspace, and /root is 0700.
+    # Not under $HOME: slot uids must traverse to their workspace, and /root is 0700. Root uses a
+    # directory no other user can pre-create; others use their own name in the temp dir (the host
+    # refuses a data dir it does not own).
+    if os.geteuid() == 0:
+        return Path("/var/lib/atropos-sandbox")
     return Path(tempfile.gettempdir()) / f"atropos-sandbox-{os.getuid()}"
 
 
@@ -46,9 +50,10 @@ class HostConfig(BaseModel):
     max_output_bytes: int = Field(64 << 10, ge=1024, description="kept per stream (head+tail) per call")
     hard_output_bytes: int = Field(256 << 20, ge=1 << 20, description="a call printing more is killed")
     max_body_bytes: int = Field(32 << 20, ge=1 << 16, description="largest request body accepted (413 over)")
-    max_read_bytes: int = Field(8 << 20, ge=1024, description="largest file read through the API")
+    max_read_bytes: int = Field(8 << 20, ge=1024, le=64 << 20, description="largest file read through the API")
     max_write_bytes: int = Field(16 << 20, ge=1024, description="largest file write through the API")
-    max_archive_bytes: int = Field(64 << 20, ge=1 << 16, description="largest archive download")
+    max_archive_bytes: int = Field(48 << 20, ge=1 << 16, le=64 << 20,
+                                   description="largest archive download (it travels base64 in one frame)")
     limits: Limits = Field(default_factory=Limits)
     unsafe_no_isolation: bool = Field(
         False, description="DEVELOPMENT ONLY: run slots without bubblewrap (no isolation at all)"

@@ -14,7 +14,7 @@ from atropos.errors import InfrastructureError
 
 log = logging.getLogger(__name__)
 FRAME = struct.Struct(">I")
-MAX_FRAME = 64 << 20
+MAX_FRAME = 96 << 20  # > base64 of the largest archive or read (see HostConfig)
 
 
 class SandboxDied(InfrastructureError):

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import base64
 import hmac
-import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from atropos import __version__
+from atropos.asgi import RequestGuard, http_error, install_error_handlers
 from atropos.errors import LeaseError, SlotUnavailable
 from atropos.sandbox.host import SandboxHost
 from atropos.sandbox.protocol import (
@@ -32,53 +32,7 @@ from atropos.sandbox.protocol import (
 
 log = logging.getLogger(__name__)
 
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-ASGIApp = Callable[[dict[str, Any], Receive, Send], Awaitable[None]]
-
-
-class BodyLimit:
-    """Refuse bodies over ``limit`` bytes with 413 naming the limit, before the app buffers them."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        for name, value in scope.get("headers", []):
-            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                return await _too_large(send, self.limit)
-        seen = 0
-
-        async def limited() -> dict[str, Any]:
-            nonlocal seen
-            message: dict[str, Any] = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise _BodyTooLarge
-            return message
-
-        try:
-            await self.app(scope, limited, send)
-        except _BodyTooLarge:
-            await _too_large(send, self.limit)
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-async def _too_large(send: Any, limit: int) -> None:
-    body = json.dumps({"error": {"code": "body_too_large", "status": 413,
-                                 "message": f"request body over the limit of {limit} bytes"}}).encode()
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
-
-
-def _error(status: int, code: str, message: str) -> HTTPException:
-    return HTTPException(status_code=status, detail={"code": code, "message": message, "status": status})
+_error = http_error
 
 
 def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
@@ -96,17 +50,13 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
                 await host.stop()
 
     app = FastAPI(title="atropos-sandbox host", version=__version__, lifespan=lifespan)
+    install_error_handlers(app)
 
     async def auth(authorization: str = Header("", description="Bearer <host token>")) -> None:
+        """Documents the header; RequestGuard has already checked it before the body was read."""
         scheme, _, presented = authorization.partition(" ")
         if not token or scheme.lower() != "bearer" or not hmac.compare_digest(presented.encode(), token):
             raise _error(401, "unauthorized", "missing or wrong bearer token")
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
-        detail = exc.detail if isinstance(exc.detail, dict) else {
-            "code": "error", "message": str(exc.detail), "status": exc.status_code}
-        return JSONResponse({"error": detail}, status_code=exc.status_code, headers=exc.headers)
 
     def slot_or_404(index: int) -> None:
         try:
@@ -210,5 +160,6 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
     return app
 
 
-def wrap(app: FastAPI, host: SandboxHost) -> BodyLimit:
-    return BodyLimit(app, host.cfg.max_body_bytes)  # type: ignore[arg-type]
+def wrap(app: FastAPI, host: SandboxHost) -> RequestGuard:
+    """Auth and body limit first, for every path (docs included: a host is not a public service)."""
+    return RequestGuard(app, max_body=host.cfg.max_body_bytes, token=host.cfg.token)  # type: ignore[arg-type]

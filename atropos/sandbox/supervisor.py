@@ -60,7 +60,7 @@ _libc.syscall.restype = ctypes.c_long
 
 def _openat2(dir_fd: int, path: str, flags: int, mode: int = 0o644) -> int:
     """Open ``path`` as if ``dir_fd`` were ``/``: ``..``, absolute paths and symlinks stay inside."""
-    raw = path.encode("utf-8", "surrogateescape")
+    raw = path.encode("utf-8", "replace")
     if b"\0" in raw:
         raise ToolFailure("invalid_path", "path contains a NUL byte")
     if SYS_OPENAT2 is None:
@@ -120,6 +120,7 @@ class Capture:
         return self.head.decode("utf-8", "replace") + marker + tail.decode("utf-8", "replace"), True
 
 
+_CONTROL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f]")
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[()][0-9A-Za-z]|\x1b[=>78cDEHM]")
 
 
@@ -325,13 +326,14 @@ class Supervisor:
         data, size = self._read_regular(
             req["path"], int(req.get("offset") or 0), int(req.get("limit") or 0), int(req["max_bytes"])
         )
-        if req.get("encoding") == "base64":
-            return {"content": base64.b64encode(data).decode(), "encoding": "base64", "size": size}
+        if req.get("encoding") == "base64" or _CONTROL.search(data):
+            # Control bytes would each become a 6-byte JSON escape: binary goes as base64.
+            return {"content": base64.b64encode(data).decode(), "encoding": "base64", "size": size,
+                    "binary": req.get("encoding") != "base64"}
         try:
             return {"content": data.decode("utf-8"), "encoding": "text", "size": size}
         except UnicodeDecodeError:
-            return {"content": data.decode("utf-8", "replace"), "encoding": "text", "size": size,
-                    "binary": True}
+            return {"content": base64.b64encode(data).decode(), "encoding": "base64", "size": size, "binary": True}
 
     def write_file(self, req: dict[str, Any]) -> dict[str, Any]:
         path = req["path"]
@@ -586,7 +588,7 @@ def _read_exact(fd: int, n: int) -> bytes:
 
 
 def _write_frame(fd: int, obj: dict[str, Any]) -> None:
-    data = json.dumps(obj, separators=(",", ":")).encode()
+    data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "replace")
     payload = FRAME.pack(len(data)) + data
     view = memoryview(payload)
     while view:

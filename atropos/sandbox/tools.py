@@ -176,4 +176,6 @@ def supervisor_request(tool: str, args: _Args, timeout: float, cfg: HostConfig) 
         payload["max_bytes"] = cfg.max_archive_bytes
     elif isinstance(args, TerminalArgs):
         payload["max_output"] = cfg.max_output_bytes
+        # The model's wait never outlasts the call's timeout (a long wait is not a dead sandbox).
+        payload["wait_ms"] = min(args.wait_ms, int(timeout * 1000))
     return payload

@@ -147,6 +147,10 @@ class ToolExecutor:
         """Use an already leased slot for this trajectory (e.g. leased by AgentEnv for a group)."""
         self._leases[trajectory_id] = lease
 
+    def unbind(self, trajectory_id: str) -> None:
+        """Forget the trajectory's slot without releasing it (its owner releases it)."""
+        self._leases.pop(trajectory_id, None)
+
     def lease_of(self, trajectory_id: str) -> Lease | None:
         return self._leases.get(trajectory_id)
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
 from atropos.sandbox.protocol import CallResult
+
+_CONTROL_TO_MARK = {c: "\ufffd" for c in (*range(0, 9), 11, 12, *range(14, 32))}
 
 
 def format_exec(r: dict[str, Any]) -> str:
@@ -38,7 +41,9 @@ def format_result(tool: str, result: CallResult) -> tuple[bool, str]:
         return ok, format_exec(r) + notes
     if tool == "read_file":
         if r.get("encoding") == "base64":
-            return True, f"(binary file, {r.get('size')} bytes, base64)\n{r['content']}" + notes
+            text = base64.b64decode(r["content"]).decode("utf-8", "replace").translate(_CONTROL_TO_MARK)
+            return True, f"(binary content, {r.get('size')} bytes; undecodable and control bytes shown as \ufffd)\n" \
+                f"{text}" + notes
         return True, str(r["content"]) + notes
     if tool == "write_file":
         return True, f"wrote {r['bytes_written']} bytes to {r['path']}" + notes

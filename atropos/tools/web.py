@@ -56,15 +56,14 @@ class _Args(BaseModel):
 
 
 class WebSearchArgs(_Args):
-    """Search the web. Returns a numbered list of results, each with a title, a URL and a short snippet.
-    Use web_extract on a result's URL to read the whole page."""
+    """Search the web: numbered results with title, URL and snippet. Read a full page with web_extract."""
 
     query: str = Field(min_length=1, max_length=500, description="what to search for, in plain words")
     max_results: int = Field(5, ge=1, le=20, description="how many results to return")
 
 
 class WebExtractArgs(_Args):
-    """Read web pages: returns the text content of each URL (up to 5 at once), e.g. URLs found by web_search."""
+    """Read web pages: the text content of each URL (up to 5 at once), e.g. URLs found by web_search."""
 
     urls: list[str] = Field(min_length=1, max_length=5, description="URLs of the pages to read")
     max_chars: int = Field(8000, ge=100, le=100_000, description="maximum characters of text returned per page")

@@ -1,0 +1,111 @@
+"""HTTP plumbing shared by the sandbox host and the ToolServer: auth and body limits before any
+parsing, and one error body shape (``{"error": {"code", "message", "status"}}``) everywhere."""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[dict[str, Any], Receive, Send], Awaitable[None]]
+
+
+def error_body(status: int, code: str, message: str) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message, "status": status}}
+
+
+def http_error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> HTTPException:
+    return HTTPException(status_code=status, detail=error_body(status, code, message)["error"], headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(HTTPException)
+    async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+        detail = exc.detail if isinstance(exc.detail, dict) else error_body(exc.status_code, "error", str(exc.detail))[
+            "error"]
+        return JSONResponse({"error": detail}, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err.get('loc', ())) or 'request'}: {err.get('msg', '')}"
+            for err in exc.errors()
+        )
+        return JSONResponse(error_body(422, "invalid_request", problems), status_code=422)
+
+
+async def _respond(send: Send, status: int, code: str, message: str, extra: Iterable[tuple[bytes, bytes]] = ()) -> None:
+    body = json.dumps(error_body(status, code, message)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class RequestGuard:
+    """Checks the bearer token and the body size before the app reads (or parses) anything.
+
+    ``token=None`` disables auth (development on loopback only); ``public`` paths skip it.
+    """
+
+    def __init__(self, app: ASGIApp, *, max_body: int, token: str | None, public: Iterable[str] = ()) -> None:
+        self.app = app
+        self.max_body = max_body
+        self.token = token.encode() if token else None
+        self.public = set(public)
+
+    def _authorized(self, scope: dict[str, Any]) -> bool:
+        if self.token is None or scope.get("path") in self.public:
+            return True
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                scheme, _, presented = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(presented, self.token)
+        return False
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if not self._authorized(scope):
+            return await _respond(send, 401, "unauthorized", "missing or wrong bearer token",
+                                  [(b"www-authenticate", b"Bearer")])
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_body:
+                return await _too_large(send, self.max_body)
+        seen = 0
+        state = {"exceeded": False, "started": False}
+
+        async def limited() -> dict[str, Any]:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_body:
+                state["exceeded"] = True
+                return {"type": "http.disconnect"}  # the app stops reading; we answer below
+            return message
+
+        async def guarded_send(message: dict[str, Any]) -> None:
+            if state["exceeded"]:
+                return
+            if message["type"] == "http.response.start":
+                state["started"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited, guarded_send)
+        except Exception:
+            if not state["exceeded"]:
+                raise
+        if state["exceeded"] and not state["started"]:
+            # Part of the body is still unread on the socket: do not reuse the connection.
+            await _too_large(send, self.max_body, [(b"connection", b"close")])
+
+
+async def _too_large(send: Send, limit: int, extra: Iterable[tuple[bytes, bytes]] = ()) -> None:
+    await _respond(send, 413, "body_too_large", f"request body over the limit of {limit} bytes", extra)

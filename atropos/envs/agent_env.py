@@ -1,0 +1,292 @@
+"""AgentEnv: an atroposlib ``BaseEnv`` where every rollout of a group gets its own sandbox slot.
+
+Subclass it and implement ``build_task`` and ``score_trajectory`` (or, to check the work inside
+the slot, ``verify_and_score_trajectory``); optionally ``setup_trajectory_workspace``. Then run
+``python -m your_env process|serve|evaluate`` as with any Atropos environment.
+
+What this class does for you (see shared/reference/atroposlib.md for the traps it avoids):
+
+* starts the slot pool in ``setup`` and stops it when the run ends (BaseEnv has no teardown hook);
+* leases the whole group at once, releases every slot in ``finally`` (also on cancellation);
+* retries a rollout that failed for an infrastructure reason on a fresh slot, and sends the item
+  back to the backlog when retries run out, instead of training on a fake score of 0;
+* runs the agent loop (Hermes ``<tool_call>`` text or OpenAI ``tool_calls``), and builds tokens and
+  masks (ManagedServer when the server returns token ids, else the tokenizer's chat template).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+from atroposlib.envs.base import BaseEnv, BaseEnvConfig, ScoredDataGroup
+from pydantic import Field
+
+from atropos.agent.loop import AgentConfig, AgentResult, ChatReply, hermes_system_prompt, run_agent
+from atropos.agent.tokens import IGNORE, tokenize_conversation
+from atropos.backends.base import Backend
+from atropos.errors import InfrastructureError
+from atropos.slots.config import PoolConfig
+from atropos.slots.lease import Lease
+from atropos.slots.pool import SlotPool
+from atropos.tools.executor import AgentToolCall, ExecutorConfig, ToolExecutor, ToolOutcome
+from atropos.tools.registry import DEFAULT_TOOLSETS, ToolRegistry
+
+log = logging.getLogger(__name__)
+
+ExecTool = Callable[[AgentToolCall], Awaitable[ToolOutcome]]
+
+
+class AgentEnvConfig(BaseEnvConfig):
+    # where sandboxes run
+    sandbox_backend: Literal["local", "docker", "nomad"] = Field("local", description="local | docker | nomad")
+    slots_per_host: int = Field(16, ge=1, description="slots per sandbox host (process or container)")
+    min_hosts: int = Field(1, ge=0, description="hosts kept running")
+    max_hosts: int = Field(4, ge=1, description="most hosts the pool scales to")
+    sandbox_image: str = Field("atropos-sandbox:dev", description="docker/nomad: sandbox image")
+    nomad_address: str = Field("http://127.0.0.1:4646", description="nomad: agent address")
+    nomad_job_id: str = Field("atropos-sandbox", description="nomad: job id")
+    acquire_timeout_s: float = Field(600.0, gt=0, description="wait for a group's slots")
+    # policy
+    allow_network: bool = Field(False, description="let sandbox commands reach the network")
+    tool_timeout_s: float = Field(120.0, gt=0, description="largest per-call timeout the model may choose")
+    infra_retries: int = Field(2, ge=0, description="retries of a rollout that failed for an infrastructure reason")
+    # batching
+    tool_batch_window_ms: float = Field(20.0, ge=0, description="ToolExecutor batching window (ms)")
+    tool_max_batch_size: int = Field(200, ge=1, description="ToolExecutor maximum batch size")
+    # agent
+    agent_max_steps: int = Field(20, ge=1, description="max model turns per trajectory")
+    agent_temperature: float = Field(0.7, ge=0, description="sampling temperature")
+    agent_max_tokens: int = Field(512, ge=1, description="max tokens per model turn")
+    tool_call_grammar: bool = Field(
+        False, description="send a GBNF grammar that forces well-formed <tool_call> JSON (llama.cpp servers)")
+    # tools
+    enabled_toolsets: list[str] = Field(default_factory=lambda: list(DEFAULT_TOOLSETS))
+    disabled_toolsets: list[str] = Field(default_factory=list)
+    tool_server_url: str | None = Field(None, description="ToolServer for external tools")
+    tool_server_token: str | None = Field(None, description="bearer token of the ToolServer")
+
+
+class AgentEnv(BaseEnv):
+    env_config_cls = AgentEnvConfig
+    system_preamble: str = "You are an agent working in a Linux sandbox. Your workspace is /workspace."
+
+    def __init__(self, config: AgentEnvConfig, server_configs: Any, slurm: bool = False, testing: bool = False):
+        super().__init__(config, server_configs, slurm, testing)
+        self.config: AgentEnvConfig = config
+        self.tools = ToolRegistry.default(with_web=bool(config.tool_server_url)).select(
+            config.enabled_toolsets + (["web"] if config.tool_server_url else []), config.disabled_toolsets)
+        self.pool: SlotPool | None = None
+        self.executor: ToolExecutor | None = None
+        self.stats: dict[str, float] = {"rollouts": 0, "tool_calls": 0, "tool_seconds": 0.0, "score_sum": 0.0,
+                                        "infra_retries": 0, "items_backlogged": 0}
+
+    # -- hooks for subclasses --------------------------------------------------------------
+    def build_task(self, item: Any) -> str:
+        """The user message that states the task."""
+        raise NotImplementedError
+
+    async def score_trajectory(self, item: Any, final_response: str) -> float:
+        """Score from the final answer alone (override ``verify_and_score_trajectory`` to look at the slot)."""
+        raise NotImplementedError
+
+    async def setup_trajectory_workspace(self, item: Any, *, trajectory_id: str, exec_tool: ExecTool,
+                                         lease: Lease) -> dict[str, Any]:
+        """Prepare the slot before the agent starts (write fixtures, clone a repo). Default: nothing."""
+        return {}
+
+    async def verify_and_score_trajectory(self, item: Any, final_response: str, *, trajectory_id: str,
+                                          exec_tool: ExecTool, lease: Lease,
+                                          agent_result: AgentResult) -> tuple[float, dict[str, Any]]:
+        """Verify inside the same slot (run hidden tests) and score. Default: ``score_trajectory``."""
+        return await self.score_trajectory(item, final_response), {}
+
+    def build_backend(self) -> Backend:
+        c = self.config
+        pool_id = self.build_backend_pool_id()
+        if c.sandbox_backend == "docker":
+            from atropos.backends.docker import DockerBackend, DockerBackendConfig
+
+            return DockerBackend(DockerBackendConfig(image=c.sandbox_image, slots_per_host=c.slots_per_host,
+                                                     pool_id=pool_id, max_timeout_s=c.tool_timeout_s))
+        if c.sandbox_backend == "nomad":
+            from atropos.backends.nomad import NomadBackend, NomadBackendConfig
+
+            return NomadBackend(NomadBackendConfig(address=c.nomad_address, job_id=c.nomad_job_id,
+                                                   image=c.sandbox_image, slots_per_host=c.slots_per_host))
+        from atropos.backends.local import LocalBackend, LocalBackendConfig
+
+        return LocalBackend(LocalBackendConfig(slots_per_host=c.slots_per_host, pool_id=pool_id,
+                                               max_timeout_s=c.tool_timeout_s))
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def setup(self) -> None:
+        await self.setup_sandbox()
+
+    async def setup_sandbox(self) -> None:
+        if self.pool is not None:
+            return
+        c = self.config
+        self.pool = SlotPool(self.build_backend(), PoolConfig(
+            pool_id=self.build_backend_pool_id(), min_hosts=c.min_hosts, max_hosts=c.max_hosts,
+            lease_timeout_s=c.acquire_timeout_s))
+        await self.pool.start()
+        self.executor = ToolExecutor(self.pool, self.tools, ExecutorConfig(
+            tool_batch_window_ms=c.tool_batch_window_ms, tool_max_batch_size=c.tool_max_batch_size,
+            max_timeout_s=c.tool_timeout_s, tool_server_url=c.tool_server_url,
+            tool_server_token=c.tool_server_token, network=c.allow_network))
+
+    def build_backend_pool_id(self) -> str:
+        return "".join(ch if ch.isalnum() or ch in "_.-" else "-" for ch in
+                       f"env-{self.config.wandb_name or type(self).__name__}")[:60]
+
+    async def shutdown_sandbox(self) -> None:
+        if self.executor is not None:
+            await self.executor.close()
+            self.executor = None
+        if self.pool is not None:
+            await self.pool.stop()
+            self.pool = None
+
+    async def process_manager(self) -> Any:
+        try:
+            return await super().process_manager()
+        finally:
+            await self.shutdown_sandbox()
+            self.print_summary()
+
+    async def env_manager(self) -> Any:
+        try:
+            return await super().env_manager()
+        finally:
+            await self.shutdown_sandbox()
+
+    def print_summary(self) -> None:
+        s = self.stats
+        rollouts = int(s["rollouts"])
+        mean = s["score_sum"] / rollouts if rollouts else 0.0
+        per_call = 1000 * s["tool_seconds"] / s["tool_calls"] if s["tool_calls"] else 0.0
+        path = getattr(self.config, "data_path_to_save_groups", None)
+        print(f"[atropos-sandbox] rollouts: {rollouts}  tool calls run: {int(s['tool_calls'])}  "
+              f"mean score: {mean:.3f}  sandbox time per call: {per_call:.1f} ms  "
+              f"infra retries: {int(s['infra_retries'])}", flush=True)
+        if path:
+            print(f"[atropos-sandbox] data: {path}  html: {str(path).rsplit('.', 1)[0]}.html", flush=True)
+
+    # -- rollouts --------------------------------------------------------------------------
+    def system_prompt(self) -> str:
+        return hermes_system_prompt(self.tools.schemas(), self.system_preamble)
+
+    async def chat(self, messages: list[dict[str, Any]]) -> ChatReply:
+        """One model turn through atroposlib's ServerManager (OpenAI-compatible servers)."""
+        c = self.config
+        kwargs: dict[str, Any] = {"messages": messages, "n": 1, "max_tokens": c.agent_max_tokens,
+                                  "temperature": c.agent_temperature}
+        if c.tool_call_grammar:
+            from atropos.agent.grammars import tool_call_grammar
+
+            kwargs["extra_body"] = {"grammar": tool_call_grammar(self.tools.names())}
+        completion = await self.server.chat_completion(**kwargs)
+        choice = completion.choices[0]
+        message = choice.message
+        calls = None
+        if getattr(message, "tool_calls", None):
+            calls = [tc.model_dump() if hasattr(tc, "model_dump") else dict(tc) for tc in message.tool_calls]
+        return ChatReply(text=message.content or "", tool_calls=calls, finish_reason=choice.finish_reason or "stop")
+
+    async def collect_trajectories(self, item: Any) -> tuple[ScoredDataGroup | None, list[Any]]:
+        await self.setup_sandbox()
+        assert self.pool is not None
+        group_id = uuid.uuid4().hex[:10]
+        ids = [f"{group_id}-{i}" for i in range(self.config.group_size)]
+        try:
+            leases = await self.pool.lease_many(ids, self.config.acquire_timeout_s, network=self.config.allow_network)
+        except InfrastructureError as exc:
+            log.error("could not lease a group of %d: %s; item goes back to the backlog", len(ids), exc)
+            self.stats["items_backlogged"] += 1
+            return None, [item]
+        try:
+            results = await asyncio.gather(*(self._rollout_with_retries(item, lease) for lease in leases),
+                                           return_exceptions=True)
+        finally:
+            await asyncio.gather(*(self.pool.release(lease) for lease in leases), return_exceptions=True)
+        rollouts = []
+        for r in results:
+            if isinstance(r, InfrastructureError):
+                log.error("rollout lost to infrastructure after retries (%s); item goes back to the backlog", r)
+                self.stats["items_backlogged"] += 1
+                return None, [item]
+            if isinstance(r, BaseException):
+                raise r
+            rollouts.append(r)
+        group: ScoredDataGroup = ScoredDataGroup(tokens=[], masks=[], scores=[], messages=[])
+        for tokens, masks, score, messages in rollouts:
+            group["tokens"].append(tokens)
+            group["masks"].append(masks)
+            group["scores"].append(score)
+            group["messages"].append(messages)
+        return group, []
+
+    async def _rollout_with_retries(self, item: Any, lease: Lease) -> tuple[list[int], list[int], float,
+                                                                            list[dict[str, Any]]]:
+        assert self.pool is not None
+        current = lease
+        try:
+            for attempt in range(self.config.infra_retries + 1):
+                try:
+                    return await self.rollout(item, current)
+                except InfrastructureError as exc:
+                    if attempt == self.config.infra_retries:
+                        raise
+                    self.stats["infra_retries"] += 1
+                    log.warning("rollout %s hit an infrastructure failure (%s); retrying on a fresh slot",
+                                current.trajectory_id, exc)
+                    if current is not lease:
+                        await self.pool.release(current)
+                    current = await self.pool.lease(f"{lease.trajectory_id}-r{attempt + 1}",
+                                                    self.config.acquire_timeout_s, network=self.config.allow_network)
+            raise AssertionError("unreachable")
+        finally:
+            if current is not lease:
+                await self.pool.release(current)
+
+    async def rollout(self, item: Any, lease: Lease) -> tuple[list[int], list[int], float, list[dict[str, Any]]]:
+        """One trajectory in one slot: setup, agent loop, in-slot verification, tokens and masks."""
+        assert self.executor is not None
+        executor = self.executor
+        tid = lease.trajectory_id
+        executor.bind(tid, lease)
+        try:
+            async def exec_tool(call: AgentToolCall) -> ToolOutcome:
+                return await executor.execute(tid, call)
+
+            async def run_tools(calls: list[AgentToolCall]) -> list[ToolOutcome]:
+                return await executor.execute_many(tid, calls)
+
+            await self.setup_trajectory_workspace(item, trajectory_id=tid, exec_tool=exec_tool, lease=lease)
+            messages = [{"role": "system", "content": self.system_prompt()},
+                        {"role": "user", "content": self.build_task(item)}]
+            cfg = AgentConfig(max_steps=self.config.agent_max_steps, temperature=self.config.agent_temperature,
+                              max_tokens=self.config.agent_max_tokens)
+            t0 = time.perf_counter()
+            result = await run_agent(self.chat, run_tools, messages, cfg)
+            log.debug("rollout %s: %d steps in %.1fs", tid, len(result.steps), time.perf_counter() - t0)
+            score, _meta = await self.verify_and_score_trajectory(
+                item, result.final_response, trajectory_id=tid, exec_tool=exec_tool, lease=lease, agent_result=result)
+        finally:
+            executor.unbind(tid)
+        tokenized = tokenize_conversation(self.tokenizer, result.messages)
+        self.stats["rollouts"] += 1
+        self.stats["tool_calls"] += result.tool_calls
+        self.stats["tool_seconds"] += result.sandbox_seconds
+        self.stats["score_sum"] += float(score)
+        if all(m == IGNORE for m in tokenized.masks):
+            log.warning("rollout %s has no trainable token", tid)
+        return tokenized.tokens, tokenized.masks, float(score), result.messages
+
+    async def evaluate(self, *args: Any, **kwargs: Any) -> None:
+        return None

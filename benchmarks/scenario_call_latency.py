@@ -1,0 +1,197 @@
+"""call_latency: one tool call end to end through the host's HTTP API, next to its floors.
+
+Variants (timed in alternating chunks, so load changes hit all alike):
+- ``bash: true`` / ``bash: echo hello`` / ``read_file 4 KiB``: ``HostClient.call`` against a real
+  ``python -m atropos.sandbox`` host (bubblewrap on), one leased slot, its warm supervisor.
+- ``fork+exec /bin/true`` [baseline]: ``subprocess.run(['/bin/true'])`` from this process; and
+  ``bash -c true`` the same way (what the bash tool forks inside the sandbox).
+- ``GET /v1/slots``: an authenticated API request that touches no sandbox (the HTTP floor).
+- ``of which host-side`` / ``of which in-sandbox exec``: the host's ``CallResult.duration_ms`` and
+  the supervisor's own ``duration_ms`` of the same ``true`` calls (where the end-to-end time goes).
+- ``fresh hardened bwrap``: a new sandbox per call, argv from ``atropos.sandbox.bwrap.bwrap_argv``
+  with the product's seccomp filter (``--seccomp FD``), ``env={}``, as an unprivileged uid when
+  root, running ``/bin/true`` (the design of the reference implementation: one bwrap per call).
+- ``docker exec`` (CLI, into a running container) and ``docker run --rm`` (``--entrypoint true``),
+  image atropos-sandbox:dev; only when ``docker info`` works.
+
+Targets (shared/design.md): ``true`` p50 <= 2x the fork+exec floor measured in the same run, and
+>= 5x faster than ``docker exec``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import (
+    BENCH_LABEL,
+    DOCKER_IMAGE,
+    Row,
+    ScenarioResult,
+    Target,
+    bench_dir,
+    docker_problem,
+    scenario_main,
+    start_host,
+    time_interleaved,
+)
+
+NAME = "call_latency"
+UNPRIVILEGED_UID = 65534
+
+
+def _bwrap_setup(root: Path) -> tuple[list[str], str, dict[str, Any]]:
+    """argv (with a {fd} placeholder), seccomp path and subprocess ids for a fresh-bwrap call."""
+    from atropos.sandbox.bwrap import SandboxPaths, bwrap_argv
+    from atropos.sandbox.config import HostConfig, Limits
+    from atropos.sandbox.seccomp import write_filter
+
+    cfg = HostConfig()
+    paths = SandboxPaths(workspace=root / "ws", run_dir=root / "run", lib_dir=root / "lib", etc_dir=root / "etc")
+    for d in (paths.workspace, paths.run_dir, paths.lib_dir, paths.etc_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    (paths.etc_dir / "passwd").write_text("sandbox:x:1000:1000:sandbox:/workspace:/bin/bash\n")
+    (paths.etc_dir / "group").write_text("sandbox:x:1000:\n")
+    (paths.etc_dir / "hosts").write_text("127.0.0.1 localhost sandbox\n")
+    ids: dict[str, Any] = {}
+    if os.geteuid() == 0:
+        for d in (paths.workspace, paths.run_dir):
+            os.chown(d, UNPRIVILEGED_UID, UNPRIVILEGED_UID)
+        ids = {"user": UNPRIVILEGED_UID, "group": UNPRIVILEGED_UID, "extra_groups": []}
+    for d in (root, paths.lib_dir, paths.etc_dir):
+        os.chmod(d, 0o755)
+    for f in paths.etc_dir.iterdir():
+        os.chmod(f, 0o644)
+    seccomp_path = str(write_filter(root / "seccomp.bpf"))
+    argv = bwrap_argv(cfg.bwrap, paths, Limits(), network=False, seccomp_fd=-1)
+    argv[argv.index("-1")] = "{fd}"
+    return [*argv, "/bin/true"], seccomp_path, ids
+
+
+def _fresh_bwrap(argv: list[str], seccomp_path: str, ids: dict[str, Any]) -> None:
+    fd = os.open(seccomp_path, os.O_RDONLY)  # bwrap consumes the offset: a fresh fd per call
+    try:
+        subprocess.run([str(fd) if a == "{fd}" else a for a in argv], pass_fds=(fd,), env={}, check=True, **ids)
+    finally:
+        os.close(fd)
+
+
+def _fork_exec() -> None:
+    subprocess.run(["/bin/true"], check=True)
+
+
+def _fork_exec_bash() -> None:
+    subprocess.run(["/bin/bash", "-c", "true"], check=True)
+
+
+async def run(quick: bool) -> ScenarioResult:
+    from atropos.sandbox.protocol import ToolCall
+
+    n_api = 100 if quick else 600
+    n_fork = 100 if quick else 600
+    n_bwrap = 40 if quick else 200
+    n_dexec = 10 if quick else 60
+    n_drun = 3 if quick else 12
+    res = ScenarioResult(NAME, "one tool call end to end through the host API vs its floors",
+                         params={"n_api": n_api, "n_fork": n_fork, "n_bwrap": n_bwrap, "n_docker_exec": n_dexec,
+                                 "n_docker_run": n_drun})
+    root = bench_dir(NAME)
+    host = await asyncio.to_thread(start_host, root / "host", 2)
+    client = host.client()
+    container_id: str | None = None
+    try:
+        lease = await client.lease("bench-call-latency")
+
+        host_ms: list[float] = []  # CallResult.duration_ms of `true` (inside the host process)
+        exec_ms: list[float] = []  # result["duration_ms"] of `true` (fork..wait inside the sandbox)
+
+        def tool(name: str, args: dict[str, Any], record: bool = False) -> Any:
+            async def call() -> None:
+                result = await client.call(ToolCall(id=secrets.token_hex(4), slot=lease.slot, lease=lease.lease,
+                                                    tool=name, args=args))
+                if not result.ok:
+                    raise RuntimeError(f"{name} failed: {result.error}")
+                if record:
+                    host_ms.append(result.duration_ms)
+                    exec_ms.append(float((result.result or {}).get("duration_ms", float("nan"))))
+            return call
+
+        content = ("x" * 63 + "\n") * 64  # 4 KiB
+        await tool("write_file", {"path": "four_k.txt", "content": content})()
+        argv, seccomp_path, ids = await asyncio.to_thread(_bwrap_setup, root / "bwrap")
+
+        variants: dict[str, tuple[Any, int]] = {
+            "fork+exec /bin/true": (_fork_exec, n_fork),
+            "bash -c true (fork+exec)": (_fork_exec_bash, n_fork),
+            "bash: true (host API)": (tool("bash", {"command": "true"}, record=True), n_api),
+            "bash: echo hello (host API)": (tool("bash", {"command": "echo hello"}), n_api),
+            "read_file 4 KiB (host API)": (tool("read_file", {"path": "four_k.txt"}), n_api),
+            "GET /v1/slots (HTTP, no sandbox)": (client.slots, n_api),
+            "fresh hardened bwrap /bin/true": (lambda: _fresh_bwrap(argv, seccomp_path, ids), n_bwrap),
+        }
+        problem = await asyncio.to_thread(docker_problem)
+        if problem is None:
+            out = await asyncio.to_thread(subprocess.run, [
+                "docker", "run", "-d", "--rm", "--label", f"{BENCH_LABEL}=1", "--entrypoint", "sleep",
+                DOCKER_IMAGE, "infinity"], capture_output=True, text=True, timeout=60)
+            if out.returncode != 0:
+                problem = f"could not start a container: {out.stderr.strip()[:200]}"
+            else:
+                container_id = out.stdout.strip()
+                cid = container_id
+                variants["docker exec true (CLI)"] = (
+                    lambda: subprocess.run(["docker", "exec", cid, "true"], check=True), n_dexec)
+                variants["docker run --rm true (CLI)"] = (
+                    lambda: subprocess.run(["docker", "run", "--rm", "--label", f"{BENCH_LABEL}=1",
+                                            "--entrypoint", "true", DOCKER_IMAGE], check=True), n_drun)
+        samples = await time_interleaved(variants, warmup=3 if quick else 5, rounds=5 if quick else 10)
+        await client.release(lease.slot, lease.lease)
+    finally:
+        await client.aclose()
+        await asyncio.to_thread(host.stop)
+        if container_id:
+            await asyncio.to_thread(subprocess.run, ["docker", "rm", "-f", container_id], capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+    floor = Row("fork+exec /bin/true", samples["fork+exec /bin/true"], baseline=True)
+    true_row = Row("bash: true (host API)", samples["bash: true (host API)"])
+    warm = (3 if quick else 5)
+    res.rows = [floor, Row("bash -c true (fork+exec)", samples["bash -c true (fork+exec)"]), true_row,
+                Row("  of which host-side", host_ms[warm:],
+                    note="CallResult.duration_ms: lease check, slot lock, supervisor round trip"),
+                Row("  of which in-sandbox exec", exec_ms[warm:],
+                    note="the supervisor's own duration_ms: Popen of bash .. wait, pipes drained"),
+                Row("bash: echo hello (host API)", samples["bash: echo hello (host API)"]),
+                Row("read_file 4 KiB (host API)", samples["read_file 4 KiB (host API)"]),
+                Row("GET /v1/slots (HTTP, no sandbox)", samples["GET /v1/slots (HTTP, no sandbox)"],
+                    note="httpx client + uvicorn/FastAPI + auth + JSON, nothing run in a slot"),
+                Row("fresh hardened bwrap /bin/true", samples["fresh hardened bwrap /bin/true"],
+                    note="bwrap_argv + product seccomp filter, env={}, "
+                         + (f"uid {UNPRIVILEGED_UID}" if os.geteuid() == 0 else "own uid"))]
+    true_row.target = "p50 <= 2x floor"
+    true_row.passed = true_row.p50 <= 2 * floor.p50
+    res.targets.append(Target("`true` p50 <= 2x fork+exec floor",
+                              f"{true_row.p50:.2f} ms vs 2 x {floor.p50:.2f} = {2 * floor.p50:.2f} ms "
+                              f"({true_row.p50 / floor.p50:.2f}x)", true_row.passed))
+    if problem is None:
+        dexec = Row("docker exec true (CLI)", samples["docker exec true (CLI)"])
+        drun = Row("docker run --rm true (CLI)", samples["docker run --rm true (CLI)"])
+        res.rows += [dexec, drun]
+        speedup = dexec.p50 / true_row.p50
+        res.targets.append(Target("`true` >= 5x faster than docker exec (p50)",
+                                  f"{true_row.p50:.2f} ms vs {dexec.p50:.2f} ms ({speedup:.1f}x)", speedup >= 5))
+        true_row.target += ", >= 5x docker exec"
+        true_row.passed = bool(true_row.passed and speedup >= 5)
+    else:
+        res.notes.append(f"docker exec / docker run: skipped: {problem}")
+        res.targets.append(Target("`true` >= 5x faster than docker exec (p50)", f"skipped: {problem}", None))
+    return res
+
+
+if __name__ == "__main__":
+    scenario_main(NAME, run)

@@ -1,0 +1,140 @@
+"""fleet_docker: cold start of 8 containers x 16 slots to all-slots-ready, through SlotPool.
+
+Docker backend (image atropos-sandbox:dev, the backend's default container options), PoolConfig
+min_hosts = max_hosts = 8. Timed: ``await pool.start()`` until ``pool.free_count() == 128`` (each
+host prewarms its 16 slot sandboxes before it reports healthy, and the pool has taken a host
+lease token for every slot). Also recorded: each host's ``backend.start_host()`` (docker run to
+healthy; benchmark-side wrapper), the time until one ``true`` has run on every one of the 128
+slots right after start, and ``pool.stop()``. Containers left behind afterwards are counted.
+
+Skipped with a message when there is no Docker engine or no image.
+
+Target (shared/design.md Targets, via the brief): < 5 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+from typing import Any
+
+from benchmarks.common import DOCKER_IMAGE, Row, ScenarioResult, Target, docker_problem, scenario_main
+
+NAME = "fleet_docker"
+HOSTS, SLOTS = 8, 16
+TARGET_S = 5.0
+
+
+def _containers_cpu_s(label: str) -> float | None:
+    """CPU seconds the pool's containers have used (cgroup v1 cpuacct; None where unreadable)."""
+    ids = subprocess.run(["docker", "ps", "-q", "--no-trunc", "--filter", f"label={label}"],
+                         capture_output=True, text=True).stdout.split()
+    total = 0
+    for cid in ids:
+        for path in (f"/sys/fs/cgroup/cpuacct/docker/{cid}/cpuacct.usage",
+                     f"/sys/fs/cgroup/system.slice/docker-{cid}.scope/cpu.stat"):
+            try:
+                with open(path) as fh:
+                    text = fh.read()
+            except OSError:
+                continue
+            if path.endswith("cpuacct.usage"):
+                total += int(text.strip())
+            else:
+                usec = next(int(line.split()[1]) for line in text.splitlines() if line.startswith("usage_usec"))
+                total += usec * 1000
+            break
+        else:
+            return None
+    return total / 1e9 if ids else None
+
+
+async def _one(pool_id: str) -> dict[str, Any]:
+    from atropos.backends.docker import LABEL_POOL, DockerBackend, DockerBackendConfig
+    from atropos.slots.config import PoolConfig
+    from atropos.slots.pool import SlotPool
+
+    backend = DockerBackend(DockerBackendConfig(image=DOCKER_IMAGE, pool_id=pool_id, slots_per_host=SLOTS))
+    host_ms: list[float] = []
+    original = backend.start_host
+
+    async def timed_start() -> Any:
+        t0 = time.perf_counter()
+        info = await original()
+        host_ms.append((time.perf_counter() - t0) * 1e3)
+        return info
+
+    backend.start_host = timed_start  # type: ignore[method-assign]
+    pool = SlotPool(backend, PoolConfig(pool_id=pool_id, min_hosts=HOSTS, max_hosts=HOSTS, start_retry_s=1.0))
+    out: dict[str, Any] = {"host_ms": host_ms}
+    t0 = time.perf_counter()
+    try:
+        await pool.start()
+        out["ready_ms"] = (time.perf_counter() - t0) * 1e3
+        out["free"] = pool.free_count()
+        out["hosts"] = len(pool.hosts)
+        out["cpu_s"] = await asyncio.to_thread(_containers_cpu_s, f"{LABEL_POOL}={pool_id}")
+        leases = await pool.lease_many([f"fleet-{i}" for i in range(out["free"])], timeout=30)
+        results = await asyncio.gather(*(lease.call("bash", {"command": "true"}) for lease in leases))
+        out["first_calls_ms"] = (time.perf_counter() - t0) * 1e3
+        out["first_call_failures"] = sum(not r.ok for r in results)
+    finally:
+        t1 = time.perf_counter()
+        await pool.stop()
+        out["stop_ms"] = (time.perf_counter() - t1) * 1e3
+        left = subprocess.run(["docker", "ps", "-aq", "--filter", f"label={LABEL_POOL}={pool_id}"],
+                              capture_output=True, text=True)
+        ids = left.stdout.split()
+        out["left_behind"] = len(ids)
+        if ids:
+            subprocess.run(["docker", "rm", "-f", *ids], capture_output=True)
+    return out
+
+
+async def run(quick: bool) -> ScenarioResult:
+    runs = 1 if quick else 3
+    res = ScenarioResult(NAME, f"cold start of {HOSTS} containers x {SLOTS} slots to all slots ready (SlotPool)",
+                         params={"runs": runs, "hosts": HOSTS, "slots_per_host": SLOTS, "image": DOCKER_IMAGE})
+    problem = await asyncio.to_thread(docker_problem)
+    try:
+        import docker  # noqa: F401
+    except ImportError:
+        problem = problem or "docker SDK not installed (pip install 'atropos-sandbox[docker]')"
+    if problem:
+        res.skipped = problem
+        res.targets.append(Target(f"cold start {HOSTS}x{SLOTS} < {TARGET_S:g} s", f"skipped: {problem}", None))
+        return res
+    outs = []
+    deadline = time.monotonic() + 100
+    for r in range(runs):
+        if r and time.monotonic() > deadline:
+            res.notes.append(f"time budget reached after {r} runs")
+            break
+        outs.append(await _one(f"bench-fleet-{os.getpid()}-{r}"))
+    ready = Row(f"pool.start() -> {HOSTS * SLOTS} slots ready", [o["ready_ms"] for o in outs],
+                target=f"< {TARGET_S:g} s")
+    ready.passed = ready.p99 < TARGET_S * 1e3 and all(o["free"] == HOSTS * SLOTS for o in outs)
+    res.rows = [
+        ready,
+        Row("  per host: docker run -> healthy", [ms for o in outs for ms in o["host_ms"]],
+            note="8 started concurrently; each host prewarms its 16 sandboxes before it is healthy"),
+        Row(f"start -> one `true` done on all {HOSTS * SLOTS} slots", [o["first_calls_ms"] for o in outs]),
+        Row("pool.stop() (8 containers removed)", [o["stop_ms"] for o in outs]),
+    ]
+    res.targets.append(Target(f"cold start {HOSTS}x{SLOTS} to all slots ready < {TARGET_S:g} s",
+                              ", ".join(f"{o['ready_ms'] / 1e3:.2f} s ({o['free']} slots)" for o in outs),
+                              ready.passed))
+    cpu = [o.get("cpu_s") for o in outs]
+    if all(c is not None for c in cpu):
+        cores = os.cpu_count() or 1
+        res.notes.append("CPU the containers used to get ready: " + ", ".join(f"{c:.1f} s" for c in cpu)
+                         + f" (>= {min(cpu) / cores:.1f} s of wall time on {cores} otherwise idle cores)")
+    res.notes.append(f"first-call failures: {[o['first_call_failures'] for o in outs]}; containers left behind: "
+                     f"{[o['left_behind'] for o in outs]}")
+    return res
+
+
+if __name__ == "__main__":
+    scenario_main(NAME, run)

@@ -1,0 +1,126 @@
+"""throughput: 64 trajectories issuing trivial calls (bash ``true``) through ``ToolExecutor``.
+
+Local backend, 4 hosts x 16 slots (one slot per trajectory, no waiting for slots). Each of the
+64 trajectories runs a closed loop: ``await executor.execute(tid, bash true)``, next call as soon
+as the previous returns, for N seconds. Measured per executor batch window (0, 5 and 20 ms; 20 is
+the default): calls/s, per-call latency as the trajectory sees it, and requests per call
+(``executor.requests_sent / executor.calls_sent`` over the timed window). Also reported: CPU
+seconds per call of this process (the pool/executor side) and of the host process trees (HTTP
+server, supervisors, the forked bash), and how busy the whole machine was (/proc/stat; includes
+other tenants).
+
+Target (shared/design.md): >= 1,500 calls/s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import shutil
+import time
+
+from benchmarks.common import (
+    BENCH_ROOT,
+    Row,
+    ScenarioResult,
+    Target,
+    cpu_seconds,
+    host_pids,
+    local_pool,
+    process_tree,
+    scenario_main,
+)
+
+NAME = "throughput"
+TRAJECTORIES = 64
+HOSTS, SLOTS = 4, 16
+WINDOWS_MS = (0.0, 5.0, 20.0)
+TARGET = 1500.0
+
+
+def _machine_busy() -> tuple[int, int]:
+    with open("/proc/stat") as fh:
+        fields = [int(x) for x in fh.readline().split()[1:]]
+    idle = fields[3] + fields[4]
+    return sum(fields) - idle, sum(fields)
+
+
+def _self_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+async def _window(pool: object, window_ms: float, duration: float) -> Row:
+    from atropos.tools.executor import AgentToolCall, ExecutorConfig, ToolExecutor
+
+    ex = ToolExecutor(pool, cfg=ExecutorConfig(tool_batch_window_ms=window_ms))  # type: ignore[arg-type]
+    call = AgentToolCall(id="c", name="bash", arguments={"command": "true"})
+    tids = [f"tp-{window_ms:g}-{i}" for i in range(TRAJECTORIES)]
+    try:
+        for _ in range(3):  # warm-up: leases every slot, opens the connections
+            await asyncio.gather(*(ex.execute(t, call) for t in tids))
+        lat: list[float] = []
+        failures = 0
+        req0, calls0 = ex.requests_sent, ex.calls_sent
+        hosts = process_tree(host_pids(pool))
+        host_cpu0, self_cpu0, busy0 = cpu_seconds(hosts), _self_cpu(), _machine_busy()
+        stop = time.perf_counter() + duration
+
+        async def loop(tid: str) -> None:
+            nonlocal failures
+            while time.perf_counter() < stop:
+                t0 = time.perf_counter()
+                out = await ex.execute(tid, call)
+                lat.append((time.perf_counter() - t0) * 1e3)
+                failures += not out.ok
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(loop(t) for t in tids))
+        elapsed = time.perf_counter() - t0
+        hosts = process_tree(host_pids(pool))
+        host_cpu = cpu_seconds(hosts) - host_cpu0
+        self_cpu = _self_cpu() - self_cpu0
+        busy1 = _machine_busy()
+        calls = len(lat)
+        requests = ex.requests_sent - req0
+        sent = ex.calls_sent - calls0
+    finally:
+        await asyncio.gather(*(ex.release_trajectory(t) for t in tids), return_exceptions=True)
+        await ex.close()
+    rate = calls / elapsed
+    busy = (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1])
+    row = Row(f"batch window {window_ms:g} ms", lat, throughput=rate, target=f">= {TARGET:,.0f} calls/s",
+              passed=rate >= TARGET)
+    row.extra = {"calls": calls, "failed": failures, "seconds": round(elapsed, 2), "requests": requests,
+                 "requests_per_call": round(requests / sent, 3) if sent else None,
+                 "pool_cpu_ms_per_call": round(self_cpu / calls * 1e3, 3) if calls else None,
+                 "hosts_cpu_ms_per_call": round(host_cpu / calls * 1e3, 3) if calls else None,
+                 "machine_busy_pct": round(busy * 100, 1)}
+    row.note = (f"{requests / sent if sent else 0:.3f} requests/call, {failures} failed, CPU/call: pool "
+                f"{row.extra['pool_cpu_ms_per_call']} ms + hosts {row.extra['hosts_cpu_ms_per_call']} ms; "
+                f"machine busy {row.extra['machine_busy_pct']}%")
+    return row
+
+
+async def run(quick: bool) -> ScenarioResult:
+    duration = 4.0 if quick else 15.0
+    res = ScenarioResult(NAME, f"{TRAJECTORIES} trajectories x bash `true` through ToolExecutor",
+                         params={"trajectories": TRAJECTORIES, "hosts": HOSTS, "slots_per_host": SLOTS,
+                                 "seconds_per_window": duration, "windows_ms": list(WINDOWS_MS)})
+    pool = local_pool(f"bench-tp-{time.monotonic_ns() % 10**6}", HOSTS, SLOTS)
+    await pool.start()
+    try:
+        for w in WINDOWS_MS:
+            res.rows.append(await _window(pool, w, duration))
+    finally:
+        await pool.stop()
+        shutil.rmtree(BENCH_ROOT / "local" / pool.cfg.pool_id, ignore_errors=True)
+    best = max(res.rows, key=lambda r: r.throughput or 0.0)
+    res.targets.append(Target(f">= {TARGET:,.0f} calls/s (64 trajectories, trivial calls)",
+                              "; ".join(f"{r.name}: {r.throughput:,.0f}/s" for r in res.rows)
+                              + f" (best: {best.name})", (best.throughput or 0) >= TARGET))
+    return res
+
+
+if __name__ == "__main__":
+    scenario_main(NAME, run)

@@ -1,0 +1,618 @@
+"""Tests of the fake Nomad HTTP API (``tests/nomad_fake``), driven exactly as real clients
+would drive a Nomad agent: python-nomad (sync, ``requests``) and httpx (async).
+
+Contract: ``shared/reference/nomad-api.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import nomad.api.exceptions as nomad_exc
+import pytest
+from nomad_fake import AllocHandle, FakeNomad, NullDriver, ProcessDriver, S
+
+import nomad
+
+JOB = "pool"
+GROUP = "slots"
+
+
+def job_spec(
+    *,
+    count: int = 2,
+    max_parallel: int = 0,
+    min_healthy: int = 10 * S,
+    restart: dict[str, Any] | None = None,
+    reschedule: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    job_id: str = JOB,
+) -> dict[str, Any]:
+    """A JSON job like the one ``nomad job run -output sandbox.hcl`` would emit."""
+    group: dict[str, Any] = {
+        "Name": GROUP,
+        "Count": count,
+        "Update": {"MaxParallel": max_parallel, "MinHealthyTime": min_healthy},
+        "Networks": [{"Mode": "host", "DynamicPorts": [{"Label": "http"}]}],
+        "RestartPolicy": restart or {"Attempts": 2, "Interval": 300 * S, "Delay": 1 * S, "Mode": "fail"},
+        "ReschedulePolicy": reschedule or {"Delay": 1 * S, "DelayFunction": "constant", "Unlimited": True},
+        "Tasks": [
+            {
+                "Name": "sandbox",
+                "Driver": "docker",
+                "Config": {"image": "example/sandbox:1", "ports": ["http"]},
+                "Env": env or {"SANDBOX_ALLOC": "${NOMAD_ALLOC_ID}"},
+                "Resources": {"CPU": 500, "MemoryMB": 256},
+                "KillTimeout": 2 * S,
+            }
+        ],
+    }
+    return {"Job": {"ID": job_id, "Name": job_id, "Type": "service", "Datacenters": ["dc1"], "TaskGroups": [group]}}
+
+
+@pytest.fixture(autouse=True)
+def _no_nomad_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # python-nomad silently picks these up (nomad-api.md section 4).
+    for var in ("NOMAD_ADDR", "NOMAD_TOKEN", "NOMAD_NAMESPACE", "NOMAD_REGION"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeNomad]:
+    with FakeNomad(driver=NullDriver(), time_scale=0.05) as f:
+        yield f
+        assert f.monitor_errors == []
+
+
+@pytest.fixture
+def client(fake: FakeNomad) -> nomad.Nomad:
+    return nomad.Nomad(address=fake.address, timeout=10)
+
+
+def scale(n: nomad.Nomad, count: int, job_id: str = JOB) -> dict[str, Any]:
+    # python-nomad 2.1.0 has no scale method: use the public requester (nomad-api.md section 4).
+    resp = n.job.request(
+        job_id, "scale", method="post", json={"Count": count, "Target": {"Group": GROUP}, "Message": "test"}
+    )
+    return dict(resp.json())
+
+
+def by_name(allocs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {a["Name"]: a for a in allocs}
+
+
+# ---------------------------------------------------------------------------------------------
+# python-nomad (sync)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_register_places_allocations_that_go_running(fake: FakeNomad, client: nomad.Nomad) -> None:
+    reply = client.jobs.register_job(job_spec(count=3))
+    assert set(reply) >= {"EvalID", "EvalCreateIndex", "JobModifyIndex", "Warnings", "Index"}
+    assert reply["EvalID"]
+
+    running = fake.wait_running(JOB, 3)
+    assert [a["Name"] for a in running] == [f"{JOB}.{GROUP}[0]", f"{JOB}.{GROUP}[1]", f"{JOB}.{GROUP}[2]"]
+
+    job = client.job.get_job(JOB)
+    assert job["Status"] == "running"
+    assert job["Version"] == 0
+    assert job["TaskGroups"][0]["Count"] == 3
+    # server-side defaults (api Canonicalize)
+    assert job["Priority"] == 50
+    assert job["TaskGroups"][0]["EphemeralDisk"]["SizeMB"] == 300
+
+    evaluation = client.evaluation.get_evaluation(reply["EvalID"])
+    assert evaluation["Status"] == "complete"
+    assert evaluation["TriggeredBy"] == "job-register"
+
+    stubs = client.job.get_allocations(JOB)
+    assert len(stubs) == 3
+    stub = stubs[0]
+    assert {
+        "ID",
+        "Name",
+        "JobID",
+        "TaskGroup",
+        "ClientStatus",
+        "DesiredStatus",
+        "NodeID",
+        "CreateIndex",
+        "ModifyIndex",
+        "JobVersion",
+        "TaskStates",
+    } <= set(stub)
+    assert stub["TaskStates"]["sandbox"]["State"] == "running"
+    events = [e["Type"] for e in stub["TaskStates"]["sandbox"]["Events"]]
+    assert events[0] == "Received" and events[-1] == "Started"
+
+    # re-registering the identical spec creates an evaluation but no new version
+    again = client.job.register_job(JOB, job_spec(count=3))
+    assert again["JobModifyIndex"] == reply["JobModifyIndex"]
+    assert client.job.get_job(JOB)["Version"] == 0
+
+
+def test_ports_only_on_single_allocation_reads(fake: FakeNomad, client: nomad.Nomad) -> None:
+    client.jobs.register_job(job_spec(count=1))
+    [stub] = fake.wait_running(JOB, 1)
+
+    listed = client.job.get_allocations(JOB)[0]
+    assert "AllocatedResources" not in listed
+    # list stubs keep empty fields as null / ""
+    assert listed["RescheduleTracker"] is None
+    assert listed["NextAllocation"] == ""
+
+    alloc = client.allocation.get_allocation(stub["ID"])
+    shared = alloc["AllocatedResources"]["Shared"]
+    [port] = shared["Ports"]
+    assert port["Label"] == "http"
+    assert port["HostIP"] == "127.0.0.1"
+    assert 20000 <= port["Value"] <= 65535
+    assert "To" not in port  # omitempty
+    [net] = shared["Networks"]
+    assert net["DynamicPorts"][0]["Value"] == port["Value"]
+    # single objects omit empty fields
+    assert "PreviousAllocation" not in alloc and "NextAllocation" not in alloc
+    assert alloc["Job"]["ID"] == JOB
+
+    # ?resources=true on the cluster-wide list does include them
+    with_res = client.allocations.get_allocations(filter_=f'JobID == "{JOB}"', resources=True)
+    assert with_res[0]["AllocatedResources"]["Shared"]["Ports"][0]["Value"] == port["Value"]
+
+
+def test_scale_up_and_down_removes_highest_indexes(fake: FakeNomad, client: nomad.Nomad) -> None:
+    client.jobs.register_job(job_spec(count=2))
+    before = by_name(fake.wait_running(JOB, 2))
+
+    reply = scale(client, 4)
+    assert reply["EvalID"]
+    up = by_name(fake.wait_running(JOB, 4))
+    assert set(up) == {f"{JOB}.{GROUP}[{i}]" for i in range(4)}
+    for name, alloc in before.items():
+        assert up[name]["ID"] == alloc["ID"]  # in-place: same allocations kept
+    assert client.job.get_job(JOB)["Version"] == 1
+
+    scale(client, 2)
+    down = by_name(fake.wait_running(JOB, 2))
+    assert set(down) == {f"{JOB}.{GROUP}[0]", f"{JOB}.{GROUP}[1]"}
+    assert {down[n]["ID"] for n in down} == {up[n]["ID"] for n in down}
+    for i in (2, 3):
+        gone = client.allocation.get_allocation(up[f"{JOB}.{GROUP}[{i}]"]["ID"])
+        assert gone["DesiredStatus"] == "stop"
+        assert gone["DesiredDescription"] == "alloc not needed due to job update"
+    fake.wait_for(
+        lambda: all(
+            client.allocation.get_allocation(up[f"{JOB}.{GROUP}[{i}]"]["ID"])["ClientStatus"] == "complete"
+            for i in (2, 3)
+        ),
+        message="scaled-down allocations to complete",
+    )
+    status = client.job.request(JOB, "scale", method="get").json()
+    assert status["TaskGroups"][GROUP]["Desired"] == 2
+    assert status["TaskGroups"][GROUP]["Running"] == 2
+    assert [e["Count"] for e in status["TaskGroups"][GROUP]["Events"]] == [2, 4]
+
+
+def test_scale_refused_during_deployment_then_allowed(fake: FakeNomad, client: nomad.Nomad) -> None:
+    # A service job without max_parallel=0 gets a deployment on every version change; it
+    # completes once the allocations have been running for MinHealthyTime.
+    client.jobs.register_job(job_spec(count=1, max_parallel=1, min_healthy=60 * S))
+    fake.wait_running(JOB, 1)
+    deployment = client.job.get_deployment(JOB)
+    assert deployment["Status"] == "running"
+    assert deployment["TaskGroups"][GROUP]["DesiredTotal"] == 1
+
+    with pytest.raises(nomad_exc.BadRequestNomadException) as refused:
+        scale(client, 2)
+    assert refused.value.nomad_resp.status_code == 400
+    assert refused.value.nomad_resp.headers["Content-Type"].startswith("text/plain")
+    assert refused.value.nomad_resp.text == "job scaling blocked due to active deployment"
+
+    fake.advance(60)  # skip MinHealthyTime on the fake clock
+    fake.wait_for(lambda: client.job.get_deployment(JOB)["Status"] == "successful", message="deployment")
+    assert client.job.get_deployment(JOB)["TaskGroups"][GROUP]["HealthyAllocs"] == 1
+    assert client.job.get_job(JOB)["Stable"] is True
+    scale(client, 2)
+    fake.wait_running(JOB, 2)
+    # the scale made version 1, which has its own deployment again
+    assert client.job.get_deployment(JOB)["JobVersion"] == 1
+
+
+def test_blocking_deployment_fault(fake: FakeNomad, client: nomad.Nomad) -> None:
+    client.jobs.register_job(job_spec(count=1, max_parallel=0))
+    fake.wait_running(JOB, 1)
+    assert client.job.get_deployment(JOB) is None  # max_parallel = 0: no deployment
+
+    deployment_id = fake.start_deployment_blocking(JOB)
+    with pytest.raises(nomad_exc.BadRequestNomadException) as refused:
+        scale(client, 3)
+    assert refused.value.nomad_resp.text == "job scaling blocked due to active deployment"
+    time.sleep(0.3)  # it does not complete on its own
+    assert client.job.get_deployment(JOB)["ID"] == deployment_id
+    assert client.job.get_deployment(JOB)["Status"] == "running"
+
+    fake.finish_deployment(JOB)
+    scale(client, 3)
+    fake.wait_running(JOB, 3)
+
+
+def test_crash_beyond_restart_policy_reschedules_with_new_id_same_name(fake: FakeNomad, client: nomad.Nomad) -> None:
+    client.jobs.register_job(job_spec(count=1, restart={"Attempts": 0, "Mode": "fail"}))
+    [old] = fake.wait_running(JOB, 1)
+
+    fake.crash_alloc(old["ID"], exit_code=137)
+    fake.wait_for(lambda: client.allocation.get_allocation(old["ID"]).get("NextAllocation"), message="resched")
+    [new] = fake.wait_running(JOB, 1)
+
+    assert new["ID"] != old["ID"]
+    assert new["Name"] == old["Name"] == f"{JOB}.{GROUP}[0]"
+    failed = client.allocation.get_allocation(old["ID"])
+    assert failed["ClientStatus"] == "failed"
+    assert failed["DesiredStatus"] == "stop"
+    assert failed["DesiredDescription"] == "alloc was rescheduled because it failed"
+    assert failed["NextAllocation"] == new["ID"]
+    types = [e["Type"] for e in failed["TaskStates"]["sandbox"]["Events"]]
+    assert types[-2:] == ["Terminated", "Not Restarting"]
+    terminated = failed["TaskStates"]["sandbox"]["Events"][-2]
+    assert terminated["ExitCode"] == 137
+    assert failed["TaskStates"]["sandbox"]["Failed"] is True
+
+    replacement = client.allocation.get_allocation(new["ID"])
+    assert replacement["PreviousAllocation"] == old["ID"]
+    [event] = replacement["RescheduleTracker"]["Events"]
+    assert event["PrevAllocID"] == old["ID"]
+    assert event["Delay"] == 1 * S
+    triggers = {e["TriggeredBy"] for e in client.job.get_evaluations(JOB)}
+    assert "alloc-failure" in triggers
+
+
+def test_crash_within_restart_policy_restarts_in_place(fake: FakeNomad, client: nomad.Nomad) -> None:
+    client.jobs.register_job(job_spec(count=1))
+    [alloc] = fake.wait_running(JOB, 1)
+    fake.crash_alloc(alloc["ID"], exit_code=1)
+
+    def restarted() -> dict[str, Any] | None:
+        a = client.allocation.get_allocation(alloc["ID"])
+        task = a["TaskStates"]["sandbox"]
+        return a if task["Restarts"] == 1 and task["State"] == "running" else None
+
+    after = fake.wait_for(restarted, message="in-place restart")
+    assert after["ClientStatus"] == "running"
+    types = [e["Type"] for e in after["TaskStates"]["sandbox"]["Events"]]
+    assert types[-3:] == ["Terminated", "Restarting", "Started"]
+    restarting = after["TaskStates"]["sandbox"]["Events"][-2]
+    assert restarting["RestartReason"] == "Restart within policy"
+    assert fake.running(JOB)[0]["ID"] == alloc["ID"]
+
+
+def test_driver_failure_fails_then_reschedules(fake: FakeNomad, client: nomad.Nomad) -> None:
+    fake.fail_driver(next_n=1, message="Docker privileged mode is disabled on this Nomad agent")
+    client.jobs.register_job(job_spec(count=1))
+
+    def failed_one() -> dict[str, Any] | None:
+        return next((a for a in fake.allocations(JOB) if a["ClientStatus"] == "failed"), None)
+
+    failed = fake.wait_for(failed_one, message="driver failure")
+    [new] = fake.wait_running(JOB, 1)
+    assert new["ID"] != failed["ID"] and new["Name"] == failed["Name"]
+    events = client.allocation.get_allocation(failed["ID"])["TaskStates"]["sandbox"]["Events"]
+    assert events[-2]["Type"] == "Driver Failure"
+    assert events[-2]["DriverError"] == "Docker privileged mode is disabled on this Nomad agent"
+    assert events[-1]["RestartReason"] == "Error was unrecoverable"
+
+
+def test_alloc_stop_replaces_with_same_name_and_restart_keeps_id(fake: FakeNomad, client: nomad.Nomad) -> None:
+    client.jobs.register_job(job_spec(count=1))
+    [alloc] = fake.wait_running(JOB, 1)
+
+    client.client.allocation.restart_allocation(alloc["ID"])
+    fake.wait_for(
+        lambda: client.allocation.get_allocation(alloc["ID"])["TaskStates"]["sandbox"]["Restarts"] == 1,
+        message="user restart",
+    )
+
+    reply = client.allocation.stop_allocation(alloc["ID"])
+    assert set(reply) == {"EvalID", "Index"}
+    fake.wait_for(lambda: client.allocation.get_allocation(alloc["ID"]).get("NextAllocation"), message="migrate")
+    [new] = fake.wait_running(JOB, 1)
+    assert new["Name"] == alloc["Name"] and new["ID"] != alloc["ID"]
+    old = client.allocation.get_allocation(alloc["ID"])
+    assert old["DesiredDescription"] == "alloc is being migrated"
+    assert old["DesiredTransition"] == {"Migrate": True}
+    assert client.allocation.get_allocation(new["ID"])["PreviousAllocation"] == alloc["ID"]
+
+
+def test_node_down_marks_allocs_lost_and_replaces_them() -> None:
+    with FakeNomad(nodes=2, time_scale=0.05) as fake:
+        n = nomad.Nomad(address=fake.address, timeout=10)
+        nodes = n.nodes.get_nodes()
+        assert len(nodes) == 2 and all(x["Status"] == "ready" for x in nodes)
+        n.jobs.register_job(job_spec(count=2))
+        running = fake.wait_running(JOB, 2)
+        assert len({a["NodeID"] for a in running}) == 2  # spread over both nodes
+        victim = running[0]
+
+        fake.node_down(victim["NodeID"])
+        assert n.node.get_node(victim["NodeID"])["Status"] == "down"
+        lost = n.allocation.get_allocation(victim["ID"])
+        assert lost["ClientStatus"] == "lost"
+        assert lost["DesiredStatus"] == "stop"
+        assert lost["DesiredDescription"] == "alloc is lost since its node is down"
+
+        after = by_name(fake.wait_running(JOB, 2))
+        replacement = after[victim["Name"]]
+        assert replacement["ID"] != victim["ID"]
+        assert replacement["NodeID"] != victim["NodeID"]
+        assert n.allocation.get_allocation(replacement["ID"])["PreviousAllocation"] == victim["ID"]
+        assert "node-update" in {e["TriggeredBy"] for e in n.job.get_evaluations(JOB)}
+        assert fake.monitor_errors == []
+
+
+def test_acl_denies_missing_or_wrong_token() -> None:
+    with FakeNomad(acl_enabled=True, time_scale=0.05) as fake:
+        anon = nomad.Nomad(address=fake.address, timeout=10)
+        with pytest.raises(nomad_exc.URLNotAuthorizedNomadException) as denied:
+            anon.jobs.get_jobs()
+        assert denied.value.nomad_resp.status_code == 403
+        assert denied.value.nomad_resp.text == "Permission denied"
+
+        wrong = nomad.Nomad(address=fake.address, token="00000000-0000-0000-0000-000000000000", timeout=10)
+        with pytest.raises(nomad_exc.URLNotAuthorizedNomadException) as denied:
+            wrong.jobs.register_job(job_spec())
+        assert denied.value.nomad_resp.text == "Permission denied"
+
+        assert fake.management_token
+        admin = nomad.Nomad(address=fake.address, token=fake.management_token, timeout=10)
+        admin.jobs.register_job(job_spec(count=1))
+        assert [j["ID"] for j in admin.jobs.get_jobs()] == [JOB]
+
+        fake.add_namespace("team-a")
+        scoped = nomad.Nomad(address=fake.address, token=fake.create_token(["team-a"]), timeout=10)
+        assert scoped.jobs.get_jobs(namespace="team-a") == []
+        with pytest.raises(nomad_exc.URLNotAuthorizedNomadException):
+            scoped.job.get_job(JOB)  # namespace "default"
+
+        # liveness endpoints need no token
+        assert httpx.get(f"{fake.address}/v1/agent/health").json()["server"]["ok"] is True
+
+
+def test_delete_unknown_job_is_200_with_empty_eval(client: nomad.Nomad) -> None:
+    reply = client.job.deregister_job("no-such-job", purge=True)
+    assert reply["EvalID"] == ""
+    assert reply["JobModifyIndex"] == 0
+    # and listing allocations/evaluations of an unknown job is 200 []
+    assert client.job.get_allocations("no-such-job") == []
+    assert client.job.get_evaluations("no-such-job") == []
+    with pytest.raises(nomad_exc.URLNotFoundNomadException) as missing:
+        client.job.get_job("no-such-job")
+    assert missing.value.nomad_resp.text == "job not found"
+
+
+def test_bad_job_spec_is_500_plain_text(client: nomad.Nomad) -> None:
+    with pytest.raises(nomad_exc.BaseNomadException) as bad:
+        client.jobs.register_job({"Job": {"ID": "broken", "TaskGroups": []}})
+    resp = bad.value.nomad_resp
+    assert resp.status_code == 500
+    assert resp.headers["Content-Type"].startswith("text/plain")
+    assert resp.text == "1 error occurred:\n\t* Missing job task groups\n\n"
+
+    spec = job_spec()
+    spec["Job"]["TaskGroups"][0]["Tasks"][0]["Driver"] = ""
+    with pytest.raises(nomad_exc.BaseNomadException) as bad:
+        client.jobs.register_job(spec)
+    assert bad.value.nomad_resp.status_code == 500
+    assert "Task sandbox validation failed" in bad.value.nomad_resp.text
+    assert "Missing task driver" in bad.value.nomad_resp.text
+
+    # request-level problems are 400
+    with pytest.raises(nomad_exc.BadRequestNomadException) as bad_req:
+        client.jobs.register_job({"Job": {"Name": "no-id"}})
+    assert bad_req.value.nomad_resp.text == "Job ID hasn't been provided"
+    with pytest.raises(nomad_exc.BadRequestNomadException):
+        client.jobs.register_job({"Job": {"ID": "x", "TaskGroups": [{"Name": "g", "Count": "two"}]}})
+
+
+def test_purge_and_stop(fake: FakeNomad, client: nomad.Nomad) -> None:
+    client.jobs.register_job(job_spec(count=1))
+    fake.wait_running(JOB, 1)
+    reply = client.job.deregister_job(JOB)  # stop, no purge
+    assert reply["EvalID"]
+    fake.wait_for(lambda: client.job.get_job(JOB)["Status"] == "dead", message="job dead")
+    assert client.job.get_job(JOB)["Stop"] is True
+
+    client.job.deregister_job(JOB, purge=True)
+    with pytest.raises(nomad_exc.URLNotFoundNomadException):
+        client.job.get_job(JOB)
+    assert len(client.job.get_allocations(JOB)) == 1  # still listable after purge
+
+
+def test_http_error_injection_and_unreachable(fake: FakeNomad, client: nomad.Nomad) -> None:
+    fake.http_errors("/v1/jobs", 500, count=1, body="rpc error: No cluster leader")
+    with pytest.raises(nomad_exc.BaseNomadException) as err:
+        client.jobs.get_jobs()
+    assert err.value.nomad_resp.status_code == 500
+    assert err.value.nomad_resp.text == "rpc error: No cluster leader"
+    assert client.jobs.get_jobs() == []
+
+    fake.set_unreachable(True)
+    with pytest.raises(nomad_exc.BaseNomadException):
+        client.jobs.get_jobs()
+    fake.set_unreachable(False)
+    assert client.jobs.get_jobs() == []
+
+
+# ---------------------------------------------------------------------------------------------
+# httpx (async)
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_blocking_query_returns_on_change_and_times_out(fake: FakeNomad) -> None:
+    async with httpx.AsyncClient(base_url=fake.address, timeout=10) as h:
+        r = await h.post("/v1/jobs", json=job_spec(count=1))
+        assert r.status_code == 200
+        await asyncio.to_thread(fake.wait_running, JOB, 1)
+
+        r = await h.get(f"/v1/job/{JOB}")
+        assert r.headers["X-Nomad-KnownLeader"] == "true"
+        assert r.headers["X-Nomad-LastContact"] == "0"
+        job_index = int(r.headers["X-Nomad-Index"])
+        r = await h.get(f"/v1/job/{JOB}/allocations")
+        alloc_index = int(r.headers["X-Nomad-Index"])
+
+        # no change: the wait expires (plus at most wait/16 jitter) with the same index
+        start = time.monotonic()
+        r = await h.get(f"/v1/job/{JOB}", params={"index": job_index, "wait": "400ms"})
+        elapsed = time.monotonic() - start
+        assert r.status_code == 200
+        assert 0.38 <= elapsed < 2.0
+        assert int(r.headers["X-Nomad-Index"]) == job_index
+
+        # a change wakes the query well before the wait expires
+        start = time.monotonic()
+        blocked = asyncio.create_task(h.get(f"/v1/job/{JOB}/allocations", params={"index": alloc_index, "wait": "5s"}))
+        await asyncio.sleep(0.2)
+        assert not blocked.done()
+        r = await h.post(f"/v1/job/{JOB}/scale", json={"Count": 2, "Target": {"Group": GROUP}})
+        assert r.status_code == 200, r.text
+        woke = await blocked
+        assert time.monotonic() - start < 3.0
+        assert int(woke.headers["X-Nomad-Index"]) > alloc_index
+        assert len(woke.json()) == 2
+
+        bad = await h.get(f"/v1/job/{JOB}", params={"index": 1, "wait": "5"})
+        assert (bad.status_code, bad.text) == (400, "Invalid wait time")
+
+
+async def test_httpx_errors_are_plain_text(fake: FakeNomad) -> None:
+    async with httpx.AsyncClient(base_url=fake.address, timeout=10) as h:
+        r = await h.get("/v1/allocation/00000000-0000-0000-0000-000000000000")
+        assert (r.status_code, r.text) == (404, "alloc not found")
+        assert "X-Nomad-Index" in r.headers
+        r = await h.post("/v1/job/nope/scale", json={"Count": 1, "Target": {"Group": GROUP}})
+        assert (r.status_code, r.text) == (404, 'job "nope" not found')
+        r = await h.post("/v1/job/nope/scale", json={"Count": 1, "Target": {}})
+        assert (r.status_code, r.text) == (400, "missing task group name for scaling action")
+        r = await h.delete("/v1/jobs")
+        assert (r.status_code, r.text) == (405, "Invalid method")
+        r = await h.get("/v1/jobs", params={"region": "mars"})
+        assert (r.status_code, r.text) == (500, "No path to region")
+        r = await h.post("/v1/jobs", content=b"")
+        assert (r.status_code, r.text) == (400, "Request body is empty")
+        r = await h.put(f"/v1/job/{JOB}", json=job_spec(job_id="other"))
+        assert (r.status_code, r.text) == (400, "Job ID does not match name")
+
+
+async def test_namespaces_are_separate(fake: FakeNomad) -> None:
+    fake.add_namespace("team-a")
+    async with httpx.AsyncClient(base_url=fake.address, timeout=10) as h:
+        r = await h.post("/v1/jobs", params={"namespace": "team-a"}, json=job_spec(count=1))
+        assert r.status_code == 200, r.text
+        assert (await h.get(f"/v1/job/{JOB}")).status_code == 404
+        job = (await h.get(f"/v1/job/{JOB}", params={"namespace": "team-a"})).json()
+        assert job["Namespace"] == "team-a"
+        everywhere = (await h.get("/v1/jobs", params={"namespace": "*"})).json()
+        assert [(j["ID"], j["Namespace"]) for j in everywhere] == [(JOB, "team-a")]
+        r = await h.post("/v1/jobs", params={"namespace": "nope"}, json=job_spec(count=1))
+        assert (r.status_code, r.text) == (500, f'job "{JOB}" is in nonexistent namespace "nope"')
+
+
+# ---------------------------------------------------------------------------------------------
+# ProcessDriver: real processes on the allocated ports
+# ---------------------------------------------------------------------------------------------
+
+
+def _http_server_argv(alloc: AllocHandle) -> list[str]:
+    return [sys.executable, "-m", "http.server", str(alloc.ports["http"]), "--bind", "127.0.0.1"]
+
+
+def test_process_driver_runs_real_http_server_on_allocated_port(tmp_path: Path) -> None:
+    driver = ProcessDriver(_http_server_argv, cwd=str(tmp_path), log_dir=str(tmp_path))
+    (tmp_path / "hello.txt").write_text("hello from the sandbox")
+    with FakeNomad(driver=driver, time_scale=0.05) as fake:
+        n = nomad.Nomad(address=fake.address, timeout=10)
+        n.jobs.register_job(job_spec(count=2))
+        running = fake.wait_running(JOB, 2)
+        ports = []
+        for stub in running:
+            alloc = n.allocation.get_allocation(stub["ID"])
+            [port] = alloc["AllocatedResources"]["Shared"]["Ports"]
+            ports.append(port["Value"])
+            url = f"http://{port['HostIP']}:{port['Value']}/hello.txt"
+
+            def reachable(url: str = url) -> str | None:
+                try:
+                    return httpx.get(url, timeout=1).text
+                except httpx.HTTPError:
+                    return None
+
+            assert fake.wait_for(reachable, message=f"http.server on {url}") == "hello from the sandbox"
+        assert len(set(ports)) == 2
+        pids = driver.running_pids()
+        assert len(pids) == 2
+
+        n.job.deregister_job(JOB, purge=True)
+        fake.wait_for(lambda: driver.running_pids() == [], message="processes to be stopped")
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+        assert fake.monitor_errors == []
+
+
+ENV_DUMP = (
+    "import json, os, sys, time\n"
+    "json.dump({k: v for k, v in os.environ.items() if k.startswith(('NOMAD_', 'SANDBOX_'))},"
+    " open(sys.argv[1], 'w'))\n"
+    "sys.exit(int(sys.argv[2]))\n"
+)
+
+
+def test_process_driver_env_and_exit_follows_restart_policy(tmp_path: Path) -> None:
+    def argv(alloc: AllocHandle) -> list[str]:
+        out = tmp_path / f"{alloc.id}.json"
+        return [sys.executable, "-c", ENV_DUMP, str(out), "3"]
+
+    driver = ProcessDriver(argv, log_dir=str(tmp_path))
+    with FakeNomad(driver=driver, time_scale=0.05) as fake:
+        n = nomad.Nomad(address=fake.address, timeout=10)
+        spec = job_spec(
+            count=1,
+            restart={"Attempts": 1, "Interval": 300 * S, "Delay": 1 * S, "Mode": "fail"},
+            reschedule={"Attempts": 0, "Unlimited": False},
+            env={"SANDBOX_ALLOC": "${NOMAD_ALLOC_ID}", "SANDBOX_NAME": "${NOMAD_ALLOC_NAME}"},
+        )
+        n.jobs.register_job(spec)
+        [stub] = fake.wait_for(lambda: fake.allocations(JOB), message="placement")
+
+        def failed() -> dict[str, Any] | None:
+            a = n.allocation.get_allocation(stub["ID"])
+            return a if a["ClientStatus"] == "failed" else None
+
+        alloc = fake.wait_for(failed, message="process exits to fail the allocation")
+        task = alloc["TaskStates"]["sandbox"]
+        assert task["Restarts"] == 1
+        exits = [e["ExitCode"] for e in task["Events"] if e["Type"] == "Terminated"]
+        assert exits == [3, 3]
+        assert task["Events"][-1]["RestartReason"] == (
+            'Exceeded allowed attempts 1 in interval 5m0s and mode is "fail"'
+        )
+        # reschedule policy allows no attempts: the failed allocation stays, nothing replaces it
+        time.sleep(0.2)
+        assert [a["ID"] for a in fake.allocations(JOB)] == [stub["ID"]]
+
+        env = json.loads((tmp_path / f"{stub['ID']}.json").read_text())
+        port = alloc["AllocatedResources"]["Shared"]["Ports"][0]["Value"]
+        assert env["NOMAD_ALLOC_ID"] == stub["ID"] == env["SANDBOX_ALLOC"]
+        assert env["NOMAD_ALLOC_NAME"] == f"{JOB}.{GROUP}[0]" == env["SANDBOX_NAME"]
+        assert env["NOMAD_ALLOC_INDEX"] == "0"
+        assert env["NOMAD_PORT_http"] == str(port)
+        assert env["NOMAD_ADDR_http"] == f"127.0.0.1:{port}"
+        assert env["NOMAD_JOB_ID"] == JOB and env["NOMAD_GROUP_NAME"] == GROUP
+        assert fake.monitor_errors == []
