@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from atropos import __version__
 from atropos.asgi import RequestGuard, http_error, install_error_handlers
-from atropos.errors import InfrastructureError, LeaseError, SlotUnavailable
+from atropos.errors import InfrastructureError, LeaseError, SlotUnavailable, ToolError
 from atropos.slots.lease import Lease
 from atropos.slots.pool import PoolStatus, SlotPool
 from atropos.tools.formatting import format_result
@@ -182,6 +182,8 @@ def create_tool_server(
             result: InvokeResponse = await handler(req.args)
         except ValidationError as exc:
             raise _error(422, "invalid_arguments", _validation_message(exc)) from None
+        except ToolError as exc:
+            raise _error(422, "invalid_arguments", str(exc)) from None
         return result
 
     @app.get("/v1/status", response_model=PoolStatus, dependencies=deps)
