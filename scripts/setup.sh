@@ -28,8 +28,8 @@ if [[ ! -x .venv/bin/python ]]; then
     "$PY" -m venv .venv
 fi
 extras="${1:-}"
-spec="."
-[[ "$extras" == "--dev" ]] && spec=".[dev]"
+spec=".[env]"
+[[ "$extras" == "--dev" ]] && spec=".[dev,env]"
 stamp=".venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)${extras}"
 if [[ ! -f "$stamp" ]]; then
     say "installing the project into .venv ($spec)"

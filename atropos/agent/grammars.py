@@ -23,11 +23,13 @@ and can forbid the free-text branch, which forces a call.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 __all__ = [
     "TOOL_CALL_CLOSE",
     "TOOL_CALL_GBNF",
     "TOOL_CALL_ONLY_GBNF",
+    "schema_grammar",
     "TOOL_CALL_OPEN",
     "tool_call_grammar",
 ]
@@ -128,6 +130,44 @@ def tool_call_grammar(tool_names: list[str] | None = None, *, allow_answer: bool
                 raise ValueError(f"invalid tool name: {n!r}")
         name_rule = "tool-name ::= " + " | ".join(_gbnf_literal(json.dumps(n)) for n in names)
     return _build(name_rule, allow_answer)
+
+
+_TYPE_RULES = {"string": "string", "integer": "integer", "number": "number", "boolean": '("true" | "false")',
+               "array": "array", "object": "object"}
+
+
+def schema_grammar(tools: list[dict[str, Any]], *, allow_answer: bool = True) -> str:
+    """Like ``tool_call_grammar`` but each call's arguments follow its tool's JSON schema.
+
+    ``tools`` are OpenAI function schemas. Each call carries exactly the tool's *required*
+    properties, in schema order, with values of the declared type: a small model then cannot
+    produce a call the tool rejects (it can still choose poor values).
+    """
+    if not tools:
+        raise ValueError("schema_grammar needs at least one tool")
+    alts, rules = [], []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function", tool)
+        params = fn.get("parameters") or {}
+        props = params.get("properties") or {}
+        required = [k for k in props if k in set(params.get("required") or [])]
+        pieces = [_gbnf_literal(TOOL_CALL_OPEN + "{\"name\": " + json.dumps(fn["name"]) + ', "arguments": {')]
+        for j, key in enumerate(required):
+            kind = props[key].get("type", "string")
+            if isinstance(kind, list):
+                kind = next((k for k in kind if k != "null"), "string")
+            enum = props[key].get("enum")
+            value = (" | ".join(_gbnf_literal(json.dumps(v)) for v in enum)) if enum else _TYPE_RULES.get(kind, "value")
+            pieces.append(_gbnf_literal(("" if j == 0 else ", ") + json.dumps(key) + ": "))
+            pieces.append(f"({value})")
+        pieces.append(_gbnf_literal("}}" + TOOL_CALL_CLOSE))
+        rules.append(f"call-{i} ::= " + " ".join(pieces))
+        alts.append(f"call-{i}")
+    root = "root ::= " + " | ".join(alts) + (" | answer" if allow_answer else "")
+    parts = [root, *rules, "integer ::= \"-\"? ( \"0\" | [1-9] [0-9]{0,15} )", _JSON_RULES]
+    if allow_answer:
+        parts.append(_answer_rules())
+    return "\n".join(parts) + "\n"
 
 
 #: Any tool name; a final answer or one call.

@@ -64,6 +64,9 @@ class AgentEnvConfig(BaseEnvConfig):
     agent_max_tokens: int = Field(512, ge=1, description="max tokens per model turn")
     tool_call_grammar: bool = Field(
         False, description="send a GBNF grammar that forces well-formed <tool_call> JSON (llama.cpp servers)")
+    grammar_forced_tool_turns: int = Field(
+        0, ge=0, description="with the grammar: the first N turns must be tool calls (small models otherwise "
+                             "answer at once)")
     # tools
     enabled_toolsets: list[str] = Field(default_factory=lambda: list(DEFAULT_TOOLSETS))
     disabled_toolsets: list[str] = Field(default_factory=list)
@@ -171,6 +174,9 @@ class AgentEnv(BaseEnv):
         mean = s["score_sum"] / rollouts if rollouts else 0.0
         per_call = 1000 * s["tool_seconds"] / s["tool_calls"] if s["tool_calls"] else 0.0
         path = getattr(self.config, "data_path_to_save_groups", None)
+        c = self.config
+        print(f"[atropos-sandbox] pool: backend {c.sandbox_backend}, {c.slots_per_host} slots/host, "
+              f"hosts {c.min_hosts}..{c.max_hosts}", flush=True)
         print(f"[atropos-sandbox] rollouts: {rollouts}  tool calls run: {int(s['tool_calls'])}  "
               f"mean score: {mean:.3f}  sandbox time per call: {per_call:.1f} ms  "
               f"infra retries: {int(s['infra_retries'])}", flush=True)
@@ -187,9 +193,11 @@ class AgentEnv(BaseEnv):
         kwargs: dict[str, Any] = {"messages": messages, "n": 1, "max_tokens": c.agent_max_tokens,
                                   "temperature": c.agent_temperature}
         if c.tool_call_grammar:
-            from atropos.agent.grammars import tool_call_grammar
+            from atropos.agent.grammars import schema_grammar
 
-            kwargs["extra_body"] = {"grammar": tool_call_grammar(self.tools.names())}
+            turns = sum(1 for m in messages if m.get("role") == "assistant")
+            kwargs["extra_body"] = {"grammar": schema_grammar(
+                self.tools.schemas(), allow_answer=turns >= c.grammar_forced_tool_turns)}
         completion = await self.server.chat_completion(**kwargs)
         choice = completion.choices[0]
         message = choice.message

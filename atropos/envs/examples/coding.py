@@ -75,7 +75,8 @@ class CodingEnv(AgentEnv):
         return AgentEnvConfig(
             tokenizer_name=tokenizer_dir(), group_size=4, use_wandb=False, wandb_name="coding",
             total_steps=2, max_token_length=4096, worker_timeout=1800, agent_max_steps=6,
-            agent_max_tokens=256, tool_call_grammar=True, enabled_toolsets=["shell", "files"],
+            agent_max_tokens=256, tool_call_grammar=True, grammar_forced_tool_turns=2,
+            enabled_toolsets=["shell", "files"],
             ensure_scores_are_not_same=False,
         ), server_configs()
 

@@ -1,0 +1,155 @@
+"""End to end with the real model (SmolLM2-135M-Instruct on llama.cpp): process and serve modes.
+
+The model is tiny, so scores are whatever it earns; what we assert is that the machinery is
+right: the jsonl is valid, tokens decode back to the conversation, masks cover exactly the
+assistant turns, tool calls really ran in the slot (their files exist there), and scores come
+from the in-slot verification.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("atroposlib")
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "model_server.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def model_url() -> Iterator[str]:
+    port = free_port()
+    started = subprocess.run([sys.executable, str(SCRIPT), "start", "--port", str(port)], timeout=3600)
+    assert started.returncode == 0, "model server did not start (see scripts/model_server.py logs)"
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        subprocess.run([sys.executable, str(SCRIPT), "stop", "--port", str(port)], timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> object:
+    from atropos.agent.model import ensure_tokenizer_dir
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(ensure_tokenizer_dir()))
+
+
+def env_cmd(mode: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "tests.e2e_env", mode, *args]
+
+
+def run_env(args: list[str], extra_env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", **extra_env}
+    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_process_mode_with_the_real_model(model_url: str, tokenizer: object, tmp_path: Path) -> None:
+    out = tmp_path / "coding.jsonl"
+    record = tmp_path / "record.jsonl"
+    proc = run_env(env_cmd("process", "--env.total_steps", "2", "--env.group_size", "2",
+                           "--env.data_path_to_save_groups", str(out), "--env.slots_per_host", "3",
+                           "--env.agent_max_steps", "4", "--openai.base_url", model_url),
+                   {"ATROPOS_E2E_RECORD": str(record)}, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # --env.* flags reach the pool
+    assert "pool: backend local, 3 slots/host" in proc.stdout
+    groups = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(groups) == 2 and (tmp_path / "coding.html").exists()
+    records = [json.loads(line) for line in record.read_text().splitlines()]
+    assert len(records) == 4
+    ran_calls = 0
+    for group in groups:
+        assert len(group["tokens"]) == 2
+        for tokens, masks, messages, score in zip(group["tokens"], group["masks"], group["messages"],
+                                                  group["scores"], strict=True):
+            assert len(tokens) == len(masks)
+            assert tokenizer.decode(tokens) == tokenizer.apply_chat_template(messages, tokenize=False)  # type: ignore[attr-defined]
+            trained = tokenizer.decode([t for t, m in zip(tokens, masks, strict=True) if m != -100])  # type: ignore[attr-defined]
+            replies = [m["content"] for m in messages if m["role"] == "assistant"]
+            assert trained == "".join(r + "<|im_end|>" for r in replies)
+            # the score is the in-slot verification's: find this trajectory's record
+            rec = next(r for r in records if r["messages"] == messages)
+            assert score == rec["score"] and 0.0 <= score <= 1.0
+            files = rec["files"]
+            assert "solution.py" in files and "test_visible.py" in files  # setup ran in this slot
+            for m in messages:
+                if m["role"] != "assistant" or "<tool_call>" not in m["content"]:
+                    continue
+                body = m["content"].split("<tool_call>", 1)[1].rsplit("</tool_call>", 1)[0]
+                call = json.loads(body)
+                ran_calls += 1
+                if call["name"] == "write_file":
+                    # a file the model wrote is really in the slot (unless a later call changed it)
+                    assert call["arguments"]["path"].lstrip("./") in files or any(
+                        f.endswith(call["arguments"]["path"]) for f in files)
+            tool_outputs = [m["content"] for m in messages if m["role"] == "tool"]
+            assert len(tool_outputs) >= 1 and all(t.startswith("<tool_response>") for t in tool_outputs)
+    assert ran_calls >= 4  # the grammar forces two calls per trajectory
+    assert "tool calls run:" in proc.stdout and "sandbox time per call" in proc.stdout
+
+
+def test_serve_mode_against_a_real_run_api(model_url: str, tmp_path: Path) -> None:
+    port = free_port()
+    api = subprocess.Popen([str(Path(sys.executable).parent / "run-api"), "--host", "127.0.0.1", "--port",
+                            str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env_proc: subprocess.Popen[str] | None = None
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(base + "/", timeout=2)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "run-api did not start"
+                time.sleep(0.3)
+        # a minimal trainer: register, then fetch batches
+        httpx.post(base + "/register", json={
+            "wandb_group": "t", "wandb_project": "t", "batch_size": 2, "max_token_len": 8192,
+            "checkpoint_dir": str(tmp_path), "save_checkpoint_interval": 100, "starting_step": 0, "num_steps": 2,
+        }, timeout=10).raise_for_status()
+        assert httpx.get(base + "/batch", timeout=10).json()["batch"] is None
+        env_proc = subprocess.Popen(
+            env_cmd("serve", "--env.rollout_server_url", base, "--env.group_size", "2", "--env.total_steps", "1",
+                    "--env.wandb_name", "coding", "--env.use_wandb", "false", "--env.agent_max_steps", "3",
+                    "--openai.base_url", model_url),
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"})
+        batch = None
+        deadline = time.monotonic() + 900
+        while batch is None:
+            assert env_proc.poll() is None or batch is not None, "env exited before a batch arrived"
+            assert time.monotonic() < deadline, "no batch within 15 minutes"
+            time.sleep(2)
+            batch = httpx.get(base + "/batch", timeout=10).json()["batch"]
+        group = batch[0]
+        assert len(group["tokens"]) == 2 and len(group["scores"]) == 2
+        for tokens, masks in zip(group["tokens"], group["masks"], strict=True):
+            assert len(tokens) == len(masks) and any(m != -100 for m in masks)
+    finally:
+        if env_proc is not None:
+            env_proc.terminate()
+            try:
+                env_proc.wait(60)
+            except subprocess.TimeoutExpired:
+                env_proc.kill()
+        api.terminate()
+        api.wait(30)
