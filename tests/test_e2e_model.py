@@ -20,8 +20,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from atropos.agent.parsing import parse_hermes
+
 pytest.importorskip("atroposlib")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "model_server.py"
@@ -90,19 +92,21 @@ def test_process_mode_with_the_real_model(model_url: str, tokenizer: object, tmp
             assert score == rec["score"] and 0.0 <= score <= 1.0
             files = rec["files"]
             assert "solution.py" in files and "test_visible.py" in files  # setup ran in this slot
-            for m in messages:
-                if m["role"] != "assistant" or "<tool_call>" not in m["content"]:
+            for i, m in enumerate(messages):
+                if m["role"] != "assistant":
                     continue
-                body = m["content"].split("<tool_call>", 1)[1].rsplit("</tool_call>", 1)[0]
-                call = json.loads(body)
-                ran_calls += 1
-                if call["name"] == "write_file":
-                    # a file the model wrote is really in the slot (unless a later call changed it)
-                    assert call["arguments"]["path"].lstrip("./") in files or any(
-                        f.endswith(call["arguments"]["path"]) for f in files)
+                parsed = parse_hermes(m["content"])
+                if parsed.errors:  # e.g. cut off by max_tokens: the model is told, never silently "final"
+                    assert "error:" in messages[i + 1]["content"]
+                for call in parsed.calls:
+                    ran_calls += 1
+                    if call.name == "write_file" and call.arguments.get("path"):
+                        # a file the model wrote is really in the slot
+                        path = str(call.arguments["path"]).lstrip("./")
+                        assert any(f.lstrip("./") == path or f.endswith("/" + path) for f in files), (path, files)
             tool_outputs = [m["content"] for m in messages if m["role"] == "tool"]
             assert len(tool_outputs) >= 1 and all(t.startswith("<tool_response>") for t in tool_outputs)
-    assert ran_calls >= 4  # the grammar forces two calls per trajectory
+    assert ran_calls >= 2  # the grammar forces tool-call turns (a cut-off call counts as an error instead)
     assert "tool calls run:" in proc.stdout and "sandbox time per call" in proc.stdout
 
 

@@ -1,7 +1,9 @@
 """AgentEnv: an atroposlib ``BaseEnv`` where every rollout of a group gets its own sandbox slot.
 
 Subclass it and implement ``build_task`` and ``score_trajectory`` (or, to check the work inside
-the slot, ``verify_and_score_trajectory``); optionally ``setup_trajectory_workspace``. Then run
+the slot, ``verify_and_score_trajectory``); optionally ``setup_group_workspace`` (once per item,
+then every rollout gets a copy-on-write fork of its result) and ``setup_trajectory_workspace``
+(once per rollout, in its own slot). Then run
 ``python -m your_env process|serve|evaluate`` as with any Atropos environment.
 
 What this class does for you (see shared/reference/atroposlib.md for the traps it avoids):
@@ -31,7 +33,7 @@ from atropos.agent.tokens import IGNORE, tokenize_conversation
 from atropos.backends.base import Backend
 from atropos.errors import InfrastructureError
 from atropos.slots.config import PoolConfig
-from atropos.slots.lease import Lease
+from atropos.slots.lease import Lease, PoolTemplate
 from atropos.slots.pool import SlotPool
 from atropos.tools.executor import AgentToolCall, ExecutorConfig, ToolExecutor, ToolOutcome
 from atropos.tools.registry import DEFAULT_TOOLSETS, ToolRegistry
@@ -86,7 +88,8 @@ class AgentEnv(BaseEnv):
         self.pool: SlotPool | None = None
         self.executor: ToolExecutor | None = None
         self.stats: dict[str, float] = {"rollouts": 0, "tool_calls": 0, "tool_seconds": 0.0, "score_sum": 0.0,
-                                        "infra_retries": 0, "items_backlogged": 0}
+                                        "infra_retries": 0, "items_backlogged": 0, "group_setups": 0,
+                                        "group_setup_seconds": 0.0}
 
     # -- hooks for subclasses --------------------------------------------------------------
     def build_task(self, item: Any) -> str:
@@ -96,6 +99,17 @@ class AgentEnv(BaseEnv):
     async def score_trajectory(self, item: Any, final_response: str) -> float:
         """Score from the final answer alone (override ``verify_and_score_trajectory`` to look at the slot)."""
         raise NotImplementedError
+
+    async def setup_group_workspace(self, item: Any, *, trajectory_id: str, exec_tool: ExecTool,
+                                    lease: Lease) -> dict[str, Any]:
+        """Prepare the workspace once per item (clone a repo, install dependencies) in one slot of
+        the group; every rollout of the group then starts from a copy-on-write fork of the result
+        (a template made from that slot). Override it to use it; by default there is no group step.
+        ``setup_trajectory_workspace`` still runs afterwards in each rollout's own slot."""
+        return {}
+
+    def has_group_setup(self) -> bool:
+        return type(self).setup_group_workspace is not AgentEnv.setup_group_workspace
 
     async def setup_trajectory_workspace(self, item: Any, *, trajectory_id: str, exec_tool: ExecTool,
                                          lease: Lease) -> dict[str, Any]:
@@ -211,17 +225,33 @@ class AgentEnv(BaseEnv):
         assert self.pool is not None
         group_id = uuid.uuid4().hex[:10]
         ids = [f"{group_id}-{i}" for i in range(self.config.group_size)]
+        group_setup = self.has_group_setup()
         try:
-            leases = await self.pool.lease_many(ids, self.config.acquire_timeout_s, network=self.config.allow_network)
+            leases = await self.pool.lease_many(ids, self.config.acquire_timeout_s, network=self.config.allow_network,
+                                                colocate=True if group_setup else None)
         except InfrastructureError as exc:
             log.error("could not lease a group of %d: %s; item goes back to the backlog", len(ids), exc)
             self.stats["items_backlogged"] += 1
             return None, [item]
+        template: PoolTemplate | None = None
         try:
-            results = await asyncio.gather(*(self._rollout_with_retries(item, lease) for lease in leases),
+            if group_setup:
+                try:
+                    template = await self._prepare_group(item, leases)
+                except InfrastructureError as exc:
+                    log.error("group setup failed for an infrastructure reason (%s); item goes back to the backlog",
+                              exc)
+                    self.stats["items_backlogged"] += 1
+                    return None, [item]
+            results = await asyncio.gather(*(self._rollout_with_retries(item, lease, template) for lease in leases),
                                            return_exceptions=True)
         finally:
             await asyncio.gather(*(self.pool.release(lease) for lease in leases), return_exceptions=True)
+            if template is not None:
+                try:
+                    await self.pool.delete_template(template)
+                except Exception as exc:  # never let cleanup mask the group's outcome
+                    log.warning("could not delete group template %s: %s", template.id, exc)
         rollouts = []
         for r in results:
             if isinstance(r, InfrastructureError):
@@ -239,8 +269,35 @@ class AgentEnv(BaseEnv):
             group["messages"].append(messages)
         return group, []
 
-    async def _rollout_with_retries(self, item: Any, lease: Lease) -> tuple[list[int], list[int], float,
-                                                                            list[dict[str, Any]]]:
+    async def _prepare_group(self, item: Any, leases: list[Lease]) -> PoolTemplate:
+        """Run ``setup_group_workspace`` in the group's first slot, make a template of it (that slot
+        continues as a fork of it) and fork the other slots from it."""
+        assert self.pool is not None and self.executor is not None
+        executor, setup = self.executor, leases[0]
+        tid = setup.trajectory_id
+        t0 = time.perf_counter()
+        executor.bind(tid, setup)
+        try:
+            async def exec_tool(call: AgentToolCall) -> ToolOutcome:
+                return await executor.execute(tid, call)
+
+            await self.setup_group_workspace(item, trajectory_id=tid, exec_tool=exec_tool, lease=setup)
+        finally:
+            executor.unbind(tid)
+        template = await self.pool.template_from_lease(setup, name=f"group-{tid.rsplit('-', 1)[0]}")
+        try:
+            await asyncio.gather(*(self.pool.fork(lease, template) for lease in leases[1:]))
+        except BaseException:
+            await asyncio.gather(*(self.pool.release(lease) for lease in leases), return_exceptions=True)
+            await self.pool.delete_template(template)
+            raise
+        self.stats["group_setups"] += 1
+        self.stats["group_setup_seconds"] += time.perf_counter() - t0
+        log.debug("group %s: setup + template + %d forks in %.2fs", tid, len(leases) - 1, time.perf_counter() - t0)
+        return template
+
+    async def _rollout_with_retries(self, item: Any, lease: Lease, template: PoolTemplate | None = None
+                                    ) -> tuple[list[int], list[int], float, list[dict[str, Any]]]:
         assert self.pool is not None
         current = lease
         try:
@@ -256,7 +313,8 @@ class AgentEnv(BaseEnv):
                     if current is not lease:
                         await self.pool.release(current)
                     current = await self.pool.lease(f"{lease.trajectory_id}-r{attempt + 1}",
-                                                    self.config.acquire_timeout_s, network=self.config.allow_network)
+                                                    self.config.acquire_timeout_s, network=self.config.allow_network,
+                                                    template=template)
             raise AssertionError("unreachable")
         finally:
             if current is not lease:
@@ -296,5 +354,30 @@ class AgentEnv(BaseEnv):
             log.warning("rollout %s has no trainable token", tid)
         return tokenized.tokens, tokenized.masks, float(score), result.messages
 
+    def eval_items(self) -> list[Any]:
+        """Held-out items for ``evaluate`` (default: none; override to enable evaluation)."""
+        return []
+
     async def evaluate(self, *args: Any, **kwargs: Any) -> None:
-        return None
+        """One rollout per eval item, each in its own slot; logs the mean score."""
+        items = self.eval_items()
+        if not items:
+            return
+        await self.setup_sandbox()
+        assert self.pool is not None
+        start = time.time()
+
+        async def one(i: int, item: Any) -> tuple[float, list[dict[str, Any]]]:
+            assert self.pool is not None
+            async with self.pool.leased(f"eval-{uuid.uuid4().hex[:8]}-{i}", self.config.acquire_timeout_s,
+                                        network=self.config.allow_network) as lease:
+                _tokens, _masks, score, messages = await self._rollout_with_retries(item, lease)
+                return score, messages
+
+        results = await asyncio.gather(*(one(i, item) for i, item in enumerate(items)))
+        scores = [s for s, _ in results]
+        await self.evaluate_log(
+            metrics={"eval/mean_score": sum(scores) / len(scores), "eval/n": len(scores)},
+            start_time=start, end_time=time.time(),
+            samples=[{"messages": m, "score": s} for s, m in results],
+        )
