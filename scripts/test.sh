@@ -4,7 +4,7 @@
 # In CI (CI=true) the Docker tests must run: a missing engine fails the run instead of skipping.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export HF_HUB_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1
 
 bash scripts/setup.sh --dev
 if ! bash scripts/build_image.sh; then
@@ -14,6 +14,9 @@ if ! bash scripts/build_image.sh; then
     fi
     echo "[test] Docker unavailable: Docker tests will be skipped" >&2
 fi
+
+echo "[test] model server (built once, cached under ~/.cache/atropos-sandbox)" >&2
+python3 scripts/model_server.py ensure
 
 echo "[test] ruff" >&2
 .venv/bin/ruff check atropos tests benchmarks scripts
