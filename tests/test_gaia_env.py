@@ -1,0 +1,120 @@
+"""GAIA-style env: attachments placed in the slot, in-process ToolServer web search, scoring."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("atroposlib")
+
+from atroposlib.envs.base import APIServerConfig  # noqa: E402
+from atroposlib.envs.server_handling.server_baseline import APIServer  # noqa: E402
+from openai.types.chat import ChatCompletion  # noqa: E402
+
+from atropos.envs.examples.gaia import (  # noqa: E402
+    BUILTIN,
+    GaiaEnv,
+    GaiaEnvConfig,
+    extract_final_answer,
+    load_gaia,
+    normalize,
+)
+from atropos.errors import ConfigError  # noqa: E402
+
+SOLVERS = {
+    "sales.csv": "python3 -c \"import csv; rows=list(csv.DictReader(open('sales.csv'))); "
+                 "print(sum(int(r['amount']) for r in rows {cond}))\"",
+    "service.log": "grep -c ' ERROR ' service.log",
+    "notes.txt": "grep -i owner notes.txt | sed 's/.*: //'",
+}
+
+
+def reply(text: str) -> ChatCompletion:
+    return ChatCompletion.model_validate({
+        "id": "s", "object": "chat.completion", "created": int(time.time()), "model": "s",
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}]})
+
+
+def call(name: str, **args: Any) -> ChatCompletion:
+    return reply("<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>")
+
+
+class Researcher(APIServer):
+    async def check_server_status_task(self, chat_completion: bool = True) -> None:
+        self.server_healthy = True
+
+    async def _completion_wrapper(self, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    async def _tokens_and_logprobs_completion_wrapper(self, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    async def _chat_completion_wrapper(self, **kwargs: Any) -> ChatCompletion:
+        messages = kwargs["messages"]
+        question = messages[1]["content"]
+        tool_msgs = [m["content"] for m in messages if m["role"] == "tool"]
+        if not tool_msgs:
+            if "Everest" in question:
+                return call("web_search", query="Mount Everest mountain range")
+            name = re.search(r"/workspace/(\S+?)\.?$", question).group(1)  # type: ignore[union-attr]
+            cmd = SOLVERS[name].replace("{cond}", "if r['region']=='north'" if "north" in question else "")
+            return call("bash", command=cmd)
+        last = tool_msgs[-1].removeprefix("<tool_response>\n").removesuffix("\n</tool_response>")
+        if "Everest" in question:
+            return reply("FINAL ANSWER: the Himalayas" if "Himalaya" in last else "FINAL ANSWER: unknown")
+        return reply(f"I computed it.\nFINAL ANSWER: {last.strip()}")
+
+
+def test_loader_reads_the_gaia_layout_and_names_missing_attachments(tmp_path: Path) -> None:
+    items = load_gaia(BUILTIN)
+    assert len(items) == 5 and all(Path(i["file_path"]).exists() for i in items if i["file_name"])
+    split = tmp_path / "2023" / "validation"
+    split.mkdir(parents=True)
+    (split / "metadata.jsonl").write_text(json.dumps(
+        {"task_id": "x", "Question": "q", "Level": 2, "Final answer": "42", "file_name": "gone.pdf"}) + "\n")
+    with pytest.raises(ConfigError, match="gone.pdf"):
+        load_gaia(tmp_path)
+    with pytest.raises(ConfigError, match="metadata.jsonl"):
+        load_gaia(tmp_path, "test")
+
+
+def test_normalized_match_and_final_answer_extraction() -> None:
+    assert normalize("6,664") == normalize("6664.0")
+    assert normalize("The Himalayas.") == normalize("himalayas")
+    assert normalize("Paris") != normalize("Lyon")
+    assert extract_final_answer("thinking...\nFINAL ANSWER: 42\n") == "42"
+    assert extract_final_answer("just 7") == "just 7"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir() -> str:
+    from atropos.agent.model import default_gguf_path, ensure_tokenizer_dir
+
+    if not default_gguf_path().exists():
+        pytest.skip("the model file is missing: run `python3 scripts/model_server.py ensure --model-only`")
+    return str(ensure_tokenizer_dir())
+
+
+async def test_attachments_and_web_search_score_in_the_slot(tokenizer_dir: str) -> None:
+    cfg = GaiaEnvConfig(tokenizer_name=tokenizer_dir, group_size=1, use_wandb=False, wandb_name="g",
+                        slots_per_host=4, max_hosts=1, agent_max_steps=4, tool_server_url="inprocess",
+                        enabled_toolsets=["shell", "files"], ensure_scores_are_not_same=False)
+    servers = [APIServerConfig(model_name="s", base_url="http://127.0.0.1:9/v1", api_key="x", health_check=False)]
+    env = type("G", (GaiaEnv,), {"server_cls": Researcher})(cfg, servers, slurm=False, testing=False)
+    await env.setup()
+    try:
+        assert "web_search" in env.tools.names()
+        scores = {}
+        for item in env.items:
+            group, _ = await env.collect_trajectories(item)
+            assert group is not None
+            scores[item["task_id"]] = group["scores"][0]
+        # every answer is right; two steps out of four earn half the efficiency bonus
+        assert scores == {task: pytest.approx(1.1) for task in scores}
+    finally:
+        await env.shutdown_sandbox()
