@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -463,37 +463,41 @@ def write_png(results: Sequence[ScenarioResult], path: Path, machine: dict[str, 
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    panels = [r for r in results if any(row.samples_ms or row.value is not None for row in r.rows)]
+    panels: list[tuple[ScenarioResult, list[Row], bool]] = []  # (scenario, rows, latency?)
+    for res in results:
+        lat_rows = [r for r in res.rows if r.samples_ms]
+        val_rows = [r for r in res.rows if r.value is not None and not r.samples_ms]
+        if val_rows:
+            panels.append((res, val_rows, False))
+        if lat_rows:
+            panels.append((res, lat_rows, True))
     if not panels:
         return False
-    heights = [max(1.6, 0.45 * len(r.rows) + 1.0) for r in panels]
+    heights = [max(1.6, 0.45 * len(rows) + 1.0) for _, rows, _ in panels]
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, sum(heights)),
                              gridspec_kw={"height_ratios": heights}, squeeze=False)
-    for ax, res in zip(axes[:, 0], panels, strict=True):
+    for ax, (res, rows, latency) in zip(axes[:, 0], panels, strict=True):
         la = " ".join(str(x) for x in res.load_before) if res.load_before else "?"
         title = f"{res.name} — {res.title}  (load {la}; {verdict(res.passed)})"
-        lat_rows = [r for r in res.rows if r.samples_ms]
-        if lat_rows:
-            data = [r.samples_ms for r in lat_rows]
-            labels = [f"{r.name} (n={r.count})" for r in lat_rows]
-            ax.boxplot(data, vert=False, whis=(1, 99), showfliers=False, widths=0.6)
-            ax.scatter([r.p50 for r in lat_rows], range(1, len(lat_rows) + 1), color="tab:red", zorder=3, s=12)
-            ax.scatter([r.p99 for r in lat_rows], range(1, len(lat_rows) + 1), color="tab:orange", marker="|",
+        if latency:
+            ax.boxplot([r.samples_ms for r in rows], vert=False, whis=(1, 99), showfliers=False, widths=0.6)
+            ax.scatter([r.p50 for r in rows], range(1, len(rows) + 1), color="tab:red", zorder=3, s=12)
+            ax.scatter([r.p99 for r in rows], range(1, len(rows) + 1), color="tab:orange", marker="|",
                        zorder=3, s=80)
-            ax.set_yticks(range(1, len(lat_rows) + 1), labels, fontsize=8)
+            ax.set_yticks(range(1, len(rows) + 1), [f"{r.name} (n={r.count})" for r in rows], fontsize=8)
             ax.set_xscale("log")
-            ax.set_xlabel("ms (log; box p25-p75, whiskers p1-p99, red p50, orange p99)", fontsize=8)
+            ax.set_xlabel("ms (log; box p25-p75, whiskers to the last sample inside p1-p99, red dot p50, "
+                          "orange tick p99)", fontsize=8)
             ax.invert_yaxis()
         else:
-            val_rows = [r for r in res.rows if r.value is not None]
-            values = [max(r.value or 0.0, 1e-3) for r in val_rows]
-            colors = ["tab:green" if r.passed else "tab:red" if r.passed is False else "tab:gray" for r in val_rows]
-            ax.barh(range(len(val_rows)), values, color=colors)
-            for i, (r, v) in enumerate(zip(val_rows, values, strict=True)):
+            values = [max(r.value or 0.0, 1e-3) for r in rows]
+            colors = ["tab:green" if r.passed else "tab:red" if r.passed is False else "tab:gray" for r in rows]
+            ax.barh(range(len(rows)), values, color=colors)
+            for i, (r, v) in enumerate(zip(rows, values, strict=True)):
                 ax.text(v, i, f" {_fmt(r.value)} {r.unit}", va="center", fontsize=8)
-            ax.set_yticks(range(len(val_rows)), [f"{r.name} ({r.unit})" for r in val_rows], fontsize=8)
+            ax.set_yticks(range(len(rows)), [f"{r.name} ({r.unit})" for r in rows], fontsize=8)
             ax.set_xscale("log")
-            ax.set_xlim(right=max(values) * 20)
+            ax.set_xlim(left=min(values) / 3, right=max(values) * 20)
             ax.invert_yaxis()
         ax.set_title(title, fontsize=9, loc="left")
         ax.grid(axis="x", alpha=0.3, which="both")
@@ -506,7 +510,7 @@ def write_png(results: Sequence[ScenarioResult], path: Path, machine: dict[str, 
 
 
 # -- running one scenario --------------------------------------------------------------------
-ScenarioFn = Callable[[bool], Awaitable[ScenarioResult]]
+ScenarioFn = Callable[[bool], Coroutine[Any, Any, ScenarioResult]]
 
 
 def run_scenario(name: str, fn: ScenarioFn, quick: bool) -> ScenarioResult:

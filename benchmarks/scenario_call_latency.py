@@ -101,7 +101,11 @@ async def run(quick: bool) -> ScenarioResult:
                          params={"n_api": n_api, "n_fork": n_fork, "n_bwrap": n_bwrap, "n_docker_exec": n_dexec,
                                  "n_docker_run": n_drun})
     root = bench_dir(NAME)
-    host = await asyncio.to_thread(start_host, root / "host", 2)
+    try:
+        host = await asyncio.to_thread(start_host, root / "host", 2)
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
     client = host.client()
     container_id: str | None = None
     try:

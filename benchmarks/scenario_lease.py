@@ -29,8 +29,8 @@ async def run(quick: bool) -> ScenarioResult:
     n_groups = 5 if quick else 25
     budget = 20.0 if quick else 80.0  # for the single leases; n shows what fit
     res = ScenarioResult(NAME, "warm slot lease latency, SlotPool (local backend, 1 host x 16 slots)",
-                         params={"n_max": n, "groups": n_groups, "budget_s": budget, "hosts": 1, "slots_per_host": SLOTS,
-                                 "gc": "enabled (as in a real trainer)"})
+                         params={"n_max": n, "groups": n_groups, "budget_s": budget, "hosts": 1,
+                                 "slots_per_host": SLOTS, "gc": "enabled (as in a real trainer)"})
     pool = local_pool(f"bench-lease-{time.monotonic_ns() % 10**6}", 1, SLOTS)
     await pool.start()
     single: list[float] = []

@@ -47,8 +47,11 @@ MIB = 1024.0  # KiB per MiB
 
 
 async def _child(hosts: int, slots: int) -> dict[str, object]:
-    import atropos.slots.pool  # noqa: F401 - imported before the baseline is read
-    import atropos.tools.executor  # noqa: F401
+    # imported before the baseline is read, so imports do not count as per-slot memory
+    import atropos.slots.pool
+    import atropos.tools.executor
+
+    del atropos
 
     total = hosts * slots
     gc.collect()

@@ -49,13 +49,13 @@ async def run(quick: bool) -> ScenarioResult:
     subprocess.run(["cp", "-a", str(template), str(work)], check=True)
 
     pool = local_pool(f"bench-reset-{time.monotonic_ns() % 10**6}", 1, 4)
-    await pool.start()
     host_ms: list[float] = []
     e2e_ms: list[float] = []
     base_ms: list[float] = []
     fill_ms: list[float] = []
     dirty = quarantined = bad_fill = 0
     try:
+        await pool.start()
         host = next(iter(pool.hosts.values()))
         original = host.client.reset
 
@@ -67,7 +67,7 @@ async def run(quick: bool) -> ScenarioResult:
                 quarantined += 1
             return result
 
-        host.client.reset = recording_reset  # type: ignore[method-assign]
+        host.client.reset = recording_reset
         deadline = time.monotonic() + budget
         for i in range(n + 3):
             if i >= 8 and time.monotonic() > deadline:
@@ -105,7 +105,8 @@ async def run(quick: bool) -> ScenarioResult:
     res.rows = [base, host_row, e2e,
                 Row("(fill: bash writing 1,000 files)", fill_ms[warm:], note="the untimed setup call, for scale")]
     res.targets.append(Target("reset of a 1,000-file slot p99 < 20 ms, verified",
-                              f"end to end p99 {e2e.p99:.2f} ms (p50 {e2e.p50:.2f}); host-side p99 {host_row.p99:.2f} ms;"
+                              f"end to end p99 {e2e.p99:.2f} ms (p50 {e2e.p50:.2f}); "
+                              f"host-side p99 {host_row.p99:.2f} ms;"
                               f" {dirty} dirty workspaces seen after reset, {quarantined} quarantined, "
                               f"{bad_fill} fills not 1000 files", e2e.passed))
     return res
