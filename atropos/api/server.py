@@ -8,24 +8,38 @@ server was explicitly started without one on loopback for development.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
+import logging
 import secrets
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from importlib import resources
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 
-from atropos import __version__
+from atropos import __version__, metrics
 from atropos.asgi import RequestGuard, http_error, install_error_handlers
 from atropos.errors import InfrastructureError, LeaseError, SlotUnavailable, ToolError
 from atropos.slots.lease import Lease
 from atropos.slots.pool import PoolStatus, SlotPool
 from atropos.tools.formatting import format_result
 from atropos.tools.registry import ToolRegistry
+
+log = logging.getLogger(__name__)
+
+
+def fingerprint(secret: str) -> str:
+    """A stable, non-reversible handle for logs: lease ids are bearer secrets and never logged whole."""
+    return hashlib.sha256(secret.encode()).hexdigest()[:12]
+
+
+STATUS_PAGE = resources.files("atropos.api").joinpath("static/status.html").read_text()
 
 
 class ToolServerSettings(BaseModel):
@@ -104,6 +118,7 @@ def create_tool_server(
     token = (settings.token or "").encode()
     leases: dict[str, _RestLease] = {}
     gate = asyncio.Semaphore(settings.max_concurrency)
+    recent: deque[dict[str, Any]] = deque(maxlen=100)
 
     async def reap_idle() -> None:
         while True:
@@ -119,9 +134,11 @@ def create_tool_server(
         if manage_pool:
             await pool.start()
         reaper = asyncio.create_task(reap_idle())
+        collector = metrics.register_pool(pool)
         try:
             yield
         finally:
+            metrics.unregister(collector)
             reaper.cancel()
             for held in list(leases.values()):
                 await pool.release(held.lease)
@@ -142,12 +159,19 @@ def create_tool_server(
 
     @app.middleware("http")
     async def limit_concurrency(request: Request, call_next: Any) -> Any:
+        t0 = time.perf_counter()
         if gate.locked():
-            return JSONResponse({"error": {"code": "too_many_requests", "status": 429,
-                                           "message": f"over {settings.max_concurrency} requests in progress"}},
-                                status_code=429, headers={"Retry-After": "1"})
-        async with gate:
-            return await call_next(request)
+            busy = f"over {settings.max_concurrency} requests in progress"
+            response: Any = JSONResponse({"error": {"code": "too_many_requests", "status": 429, "message": busy}},
+                                         status_code=429, headers={"Retry-After": "1"})
+        else:
+            async with gate:
+                response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        metrics.API_REQUESTS.labels(request.method, path, str(response.status_code)).inc()
+        metrics.API_SECONDS.labels(path).observe(time.perf_counter() - t0)
+        return response
 
     install_error_handlers(app)
 
@@ -180,6 +204,7 @@ def create_tool_server(
             raise _error(501, "not_configured", f"{name} has no provider configured on this server")
         try:
             result: InvokeResponse = await handler(req.args)
+            metrics.EXTERNAL_CALLS.labels(name, "ok").inc()
         except ValidationError as exc:
             raise _error(422, "invalid_arguments", _validation_message(exc)) from None
         except ToolError as exc:
@@ -189,6 +214,20 @@ def create_tool_server(
     @app.get("/v1/status", response_model=PoolStatus, dependencies=deps)
     async def status() -> PoolStatus:
         return pool.status()
+
+    @app.get("/v1/recent-calls", dependencies=deps)
+    async def recent_calls() -> dict[str, Any]:
+        return {"calls": list(recent)}
+
+    @app.get("/metrics", response_class=Response)
+    async def prometheus() -> Response:
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
+
+    @app.get("/status", response_class=HTMLResponse)
+    async def status_page() -> HTMLResponse:
+        """Live pool view; open /status#token=<token> (the fragment never reaches the server)."""
+        return HTMLResponse(STATUS_PAGE)
 
     def held(lease_id: str) -> Lease:
         entry = leases.get(lease_id)
@@ -200,7 +239,8 @@ def create_tool_server(
     @app.post("/v1/slots", response_model=SlotLeaseResponse, dependencies=deps)
     async def lease_slot(req: SlotLeaseRequest) -> SlotLeaseResponse:
         try:
-            lease = await pool.lease(req.trajectory_id, req.timeout_s, network=req.network)
+            with metrics.LEASE_WAIT_SECONDS.time():
+                lease = await pool.lease(req.trajectory_id, req.timeout_s, network=req.network)
         except SlotUnavailable as exc:
             raise _error(503, "no_free_slot", str(exc), headers={"Retry-After": "5"}) from None
         lease_id = secrets.token_urlsafe(24)
@@ -219,6 +259,13 @@ def create_tool_server(
         except LeaseError as exc:
             raise _error(409, "lease_invalid", str(exc)) from None
         ok, content = format_result(req.tool, result)
+        outcome = "ok" if ok else (result.error.code if result.error else "failed")
+        metrics.SLOT_CALLS.labels(req.tool, "ok" if ok else "error").inc()
+        log.info("slot call %s %s in %.1f ms", req.tool, outcome, result.duration_ms, extra={
+            "trajectory_id": lease.trajectory_id, "lease": fingerprint(lease_id), "call_id": result.id,
+            "tool": req.tool, "slot": lease.slot, "host": lease.host.id})
+        recent.append({"ts": time.time(), "trajectory_id": lease.trajectory_id, "tool": req.tool,
+                       "outcome": outcome, "duration_ms": result.duration_ms})
         return SlotCallResponse(ok=ok, content=content, result=result.result,
                                 error=result.error.model_dump() if result.error else None,
                                 duration_ms=result.duration_ms)
@@ -271,7 +318,7 @@ def create_tool_server(
         return ReleaseResponse(released=True)
 
     # Docs stay readable without a token (they hold no secret); everything else needs it.
-    public = {"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
+    public = {"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json", "/metrics", "/status"}
     guard = RequestGuard(app, max_body=settings.max_body_bytes, token=settings.token or None,  # type: ignore[arg-type]
                          public=public)
     guard.fastapi = app  # type: ignore[attr-defined]
