@@ -7,6 +7,10 @@ cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1
 
 bash scripts/setup.sh --dev
+if ! command -v chromium >/dev/null 2>&1 && [[ "$(id -u)" -eq 0 ]]; then
+    echo "[test] installing chromium (status page test)" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+fi
 if ! bash scripts/build_image.sh; then
     if [[ "${CI:-}" == "true" ]]; then
         echo "[test] the Docker engine or image could not be set up; CI needs them" >&2
