@@ -40,7 +40,7 @@ class ServeSettings(BaseModel):
     min_hosts: int = Field(1, ge=0)
     max_hosts: int = Field(4, ge=1)
     image: str = "atropos-sandbox:dev"
-    nomad_address: str = "http://127.0.0.1:4646"
+    nomad_address: str | None = None  # default: $NOMAD_ADDR, else http://127.0.0.1:4646
     pool_id: str = "cli"
     allow_no_auth: bool = False
     web_provider: Literal["offline", "http", "none"] = "offline"
@@ -121,8 +121,11 @@ def build_pool(s: ServeSettings) -> Any:
     elif s.backend == "nomad":
         from atropos.backends.nomad import NomadBackend, NomadBackendConfig
 
-        backend = NomadBackend(NomadBackendConfig(address=s.nomad_address, image=s.image,
-                                                  slots_per_host=s.slots_per_host))
+        overrides: dict[str, Any] = {"image": s.image, "slots_per_host": s.slots_per_host,
+                                     "job_id": f"atropos-{s.pool_id}"}
+        if s.nomad_address:
+            overrides["address"] = s.nomad_address
+        backend = NomadBackend(NomadBackendConfig.from_env(**overrides))  # NOMAD_ADDR/TOKEN/namespace/TLS
     else:
         from atropos.backends.local import LocalBackend, LocalBackendConfig
 

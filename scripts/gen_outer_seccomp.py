@@ -18,7 +18,8 @@ but unprivileged user namespaces for bwrap. This profile therefore:
 Syscall names are enumerated from the installed libseccomp through ctypes
 (``seccomp_syscall_resolve_num_arch``); no Python dependency is needed.
 
-Usage: ``python3 scripts/gen_outer_seccomp.py [-o atropos/backends/docker_seccomp.json]`` (sandbox_image/seccomp.json links to it)
+Usage: ``python3 scripts/gen_outer_seccomp.py [-o atropos/backends/docker_seccomp.json]``
+(sandbox_image/seccomp.json links to it)
 """
 
 from __future__ import annotations

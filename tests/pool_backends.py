@@ -2,14 +2,24 @@
 
 In CI (``CI=true``) a missing Docker engine or image is a failure, not a skip: .ci/run installs
 the engine and builds the image, so their absence means the setup broke.
+
+``make_backend("nomad", ...)`` gives a NomadBackend on an in-process fake Nomad agent
+(tests/nomad_fake) whose ProcessDriver runs real sandbox hosts; it is not in ``BACKENDS`` (the
+orphan test kills the pool's process, and the fake would die with it), tests/test_nomad_backend.py
+runs the shared scenarios on it.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
+import shutil
 import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,6 +57,10 @@ BACKENDS = ["local", pytest.param("docker", marks=pytest.mark.docker)]
 
 def make_backend(kind: str, slots: int, pool_id: str | None = None) -> Backend:
     pool_id = pool_id or f"t{secrets.token_hex(4)}"
+    if kind == "nomad":
+        from atropos.backends.nomad import NomadBackend
+
+        return NomadBackend(nomad_test_config(shared_nomad_fake().address, slots=slots, job_id=f"atropos-{pool_id}"))
     if kind == "local":
         return LocalBackend(LocalBackendConfig(slots_per_host=slots, pool_id=pool_id, data_root=DATA_ROOT,
                                                max_timeout_s=120))
@@ -58,9 +72,86 @@ def make_backend(kind: str, slots: int, pool_id: str | None = None) -> Backend:
                                              max_timeout_s=120))
 
 
+# -- Nomad ----------------------------------------------------------------------------------------
+NOMAD_DATA_ROOT = DATA_ROOT / "nomad"
+_SHARED_FAKE: Any = None
+
+
+def sandbox_host_argv(data_root: Path) -> Callable[[Any], list[str]]:
+    """ProcessDriver argv for a fake Nomad allocation: the job's own docker ``args`` (slots, timeout)
+    run as ``python -m atropos.sandbox``, on the allocation's host port, with a local data dir."""
+
+    def argv(alloc: Any) -> list[str]:
+        args = [str(a) for a in alloc.config.get("args") or []]
+        for flag, value in (("--host", "127.0.0.1"), ("--port", str(alloc.ports["http"])),
+                            ("--data-dir", str(data_root / alloc.id))):
+            if flag in args:
+                args[args.index(flag) + 1] = value
+            else:
+                args += [flag, value]
+        return [sys.executable, "-m", "atropos.sandbox", *args, "--parent-pid", str(os.getpid()),
+                "--log-level", "WARNING"]
+
+    return argv
+
+
+def nomad_data_dir(name: str) -> Path:
+    """A data root every slot uid can traverse (0o755 all the way down)."""
+    path = NOMAD_DATA_ROOT / name
+    for d in (DATA_ROOT, NOMAD_DATA_ROOT, path):
+        d.mkdir(exist_ok=True)
+        os.chmod(d, 0o755)
+    return path
+
+
+def nomad_test_config(address: str, *, slots: int, **kw: Any) -> Any:
+    """Backend settings for the fake: the token in the job's Env (the fake has no variables API)."""
+    from atropos.backends.nomad import NomadBackendConfig
+
+    base: dict[str, Any] = {"address": address, "job_id": f"atropos-t{secrets.token_hex(4)}", "token_delivery": "env",
+                            "slots_per_host": slots, "max_timeout_s": 120, "start_timeout_s": 60,
+                            "watch_wait_s": 5, "connect_timeout_s": 2, "request_timeout_s": 5}
+    base.update(kw)
+    return NomadBackendConfig.model_validate(base)
+
+
+def start_nomad_fake(nodes: int = 1, name: str | None = None) -> Any:
+    """A started FakeNomad running real sandbox hosts (the caller stops it)."""
+    from nomad_fake import FakeNomad, ProcessDriver
+
+    data = nomad_data_dir(name or secrets.token_hex(4))
+    driver = ProcessDriver(sandbox_host_argv(data), log_dir=str(data), kill_timeout=0.5)
+    return FakeNomad(driver=driver, nodes=nodes, time_scale=0.02).start()
+
+
+def shared_nomad_fake() -> Any:
+    global _SHARED_FAKE
+    if _SHARED_FAKE is None:
+        _SHARED_FAKE = start_nomad_fake(nodes=2, name=f"shared-{os.getpid()}")
+        atexit.register(shutil.rmtree, _SHARED_FAKE.driver.log_dir, True)
+        atexit.register(_SHARED_FAKE.stop)  # atexit runs last-registered first: stop, then remove
+    return _SHARED_FAKE
+
+
+def nomad_host_pid(alloc_id: str) -> int | None:
+    """The sandbox host process a fake Nomad allocation runs (its --data-dir ends in the alloc ID)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"atropos.sandbox" in argv and any(a.endswith(alloc_id.encode()) for a in argv):
+            return int(entry.name)
+    return None
+
+
 def host_pid(backend: Backend, host_id: str) -> int | None:
     if isinstance(backend, LocalBackend):
         return backend.pid(host_id)
+    if backend.name == "nomad":
+        return nomad_host_pid(host_id)
     return None
 
 
@@ -69,6 +160,12 @@ def kill_host(backend: Backend, host_id: str, sig: str = "KILL") -> None:
     if isinstance(backend, LocalBackend):
         pid = backend.pid(host_id)
         assert pid is not None
+        os.kill(pid, {"KILL": 9, "STOP": 19, "CONT": 18}[sig])
+    elif backend.name == "nomad":
+        # The process of the allocation, as the OOM killer would hit it; the fake notices the exit
+        # and applies the job's restart and reschedule policies.
+        pid = nomad_host_pid(host_id)
+        assert pid is not None, f"no sandbox host process for allocation {host_id}"
         os.kill(pid, {"KILL": 9, "STOP": 19, "CONT": 18}[sig])
     else:
         verb = {"KILL": ["kill"], "STOP": ["pause"], "CONT": ["unpause"]}[sig]

@@ -12,11 +12,11 @@ import pytest
 
 pytest.importorskip("atroposlib")
 
-from atroposlib.envs.base import APIServerConfig  # noqa: E402
-from atroposlib.envs.server_handling.server_baseline import APIServer  # noqa: E402
-from openai.types.chat import ChatCompletion  # noqa: E402
+from atroposlib.envs.base import APIServerConfig
+from atroposlib.envs.server_handling.server_baseline import APIServer
+from openai.types.chat import ChatCompletion
 
-from atropos.envs.examples.gaia import (  # noqa: E402
+from atropos.envs.examples.gaia import (
     BUILTIN,
     GaiaEnv,
     GaiaEnvConfig,
@@ -24,7 +24,7 @@ from atropos.envs.examples.gaia import (  # noqa: E402
     load_gaia,
     normalize,
 )
-from atropos.errors import ConfigError  # noqa: E402
+from atropos.errors import ConfigError
 
 SOLVERS = {
     "sales.csv": "python3 -c \"import csv; rows=list(csv.DictReader(open('sales.csv'))); "
@@ -77,9 +77,9 @@ def test_loader_reads_the_gaia_layout_and_names_missing_attachments(tmp_path: Pa
     split.mkdir(parents=True)
     (split / "metadata.jsonl").write_text(json.dumps(
         {"task_id": "x", "Question": "q", "Level": 2, "Final answer": "42", "file_name": "gone.pdf"}) + "\n")
-    with pytest.raises(ConfigError, match="gone.pdf"):
+    with pytest.raises(ConfigError, match=r"gone\.pdf"):
         load_gaia(tmp_path)
-    with pytest.raises(ConfigError, match="metadata.jsonl"):
+    with pytest.raises(ConfigError, match=r"metadata\.jsonl"):
         load_gaia(tmp_path, "test")
 
 
@@ -116,5 +116,51 @@ async def test_attachments_and_web_search_score_in_the_slot(tokenizer_dir: str) 
             scores[item["task_id"]] = group["scores"][0]
         # every answer is right; two steps out of four earn half the efficiency bonus
         assert scores == {task: pytest.approx(1.1) for task in scores}
+    finally:
+        await env.shutdown_sandbox()
+
+
+class Searcher(APIServer):
+    """Searches the question, answers with the ground truth only if the search results contain it."""
+
+    answers: dict[str, str] = {}
+
+    async def check_server_status_task(self, chat_completion: bool = True) -> None:
+        self.server_healthy = True
+
+    async def _completion_wrapper(self, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    async def _tokens_and_logprobs_completion_wrapper(self, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    async def _chat_completion_wrapper(self, **kwargs: Any) -> ChatCompletion:
+        messages = kwargs["messages"]
+        question = messages[1]["content"]
+        tools = [m["content"] for m in messages if m["role"] == "tool"]
+        if not tools:
+            return call("web_search", query=question, max_results=3)
+        answer = self.answers[question]
+        return reply(f"FINAL ANSWER: {answer}" if answer.lower() in tools[-1].lower() else "FINAL ANSWER: unknown")
+
+
+async def test_search_env_rewards_answers_found_through_offline_search(tokenizer_dir: str) -> None:
+    from atropos.envs.examples.search import SearchEnv, SearchEnvConfig
+
+    cfg = SearchEnvConfig(tokenizer_name=tokenizer_dir, group_size=1, use_wandb=False, wandb_name="s",
+                          slots_per_host=2, max_hosts=1, agent_max_steps=3, tool_server_url="inprocess",
+                          enabled_toolsets=[], ensure_scores_are_not_same=False)
+    servers = [APIServerConfig(model_name="s", base_url="http://127.0.0.1:9/v1", api_key="x", health_check=False)]
+    env = type("S", (SearchEnv,), {"server_cls": Searcher})(cfg, servers, slurm=False, testing=False)
+    await env.setup()
+    Searcher.answers = {t["question"]: t["answer"] for t in env.tasks}
+    try:
+        assert env.tools.names() == ["web_extract", "web_search"]
+        scores = []
+        for task in env.tasks:
+            group, _ = await env.collect_trajectories(task)
+            assert group is not None
+            scores.append(group["scores"][0])
+        assert scores == [1.0] * len(env.tasks)
     finally:
         await env.shutdown_sandbox()

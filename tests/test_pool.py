@@ -134,13 +134,13 @@ async def test_frozen_host_is_declared_dead_and_never_returns_slots() -> None:
         frozen = lease.host.id
         call = asyncio.create_task(lease.bash("sleep 60"))
         await asyncio.sleep(0.3)
+        pid = backend.pid(frozen)  # type: ignore[attr-defined]
         kill_host(backend, frozen, "STOP")
         try:
             with pytest.raises(HostUnavailable):
                 await asyncio.wait_for(call, 30)
         finally:
-            pid = backend.pid(frozen)  # type: ignore[attr-defined]
-            if pid:
+            if pid:  # thaw it (the pool has removed it; the thaw lets it die of its SIGTERM)
                 os.kill(pid, signal.SIGCONT)
         await asyncio.sleep(0.5)
         # The thawed host answers again, but its slots never come back into the free list.

@@ -53,6 +53,10 @@ class Backend(abc.ABC):
     async def alive(self, host_id: str) -> bool:
         """Whether the backend still runs this host (a cheap check, not a health probe)."""
 
+    def removal_order(self, host_ids: list[str]) -> list[str]:
+        """Which idle hosts to give back first (Nomad must shrink from the highest index)."""
+        return host_ids
+
     async def reap_orphans(self) -> int:
         """Remove hosts that crashed earlier pools left behind; returns how many."""
         return 0

@@ -87,16 +87,21 @@ class LocalBackend(Backend):
                         slots=self.cfg.slots_per_host, labels={"backend": "local", "pid": str(proc.pid)})
 
     async def stop_host(self, host_id: str) -> None:
-        proc = self._procs.pop(host_id, None)
+        proc = self._procs.get(host_id)
         if proc is not None and proc.returncode is None:
             try:
                 proc.send_signal(signal.SIGTERM)
                 await asyncio.wait_for(proc.wait(), 10)
-            except asyncio.TimeoutError:
+            except asyncio.TimeoutError:  # frozen or stuck: SIGKILL works on stopped processes too
                 proc.kill()
                 await proc.wait()
             except ProcessLookupError:
                 pass
+            except asyncio.CancelledError:  # never leave a host behind because our caller gave up
+                if proc.returncode is None:
+                    proc.kill()
+                raise
+        self._procs.pop(host_id, None)
         data_dir = self._dirs.pop(host_id, None)
         if data_dir is not None:
             await asyncio.to_thread(shutil.rmtree, data_dir, True)
