@@ -17,14 +17,14 @@ import pytest
 
 pytest.importorskip("atroposlib")
 
-from atroposlib.envs.base import APIServerConfig  # noqa: E402
-from atroposlib.envs.server_handling.server_baseline import APIServer  # noqa: E402
-from openai.types.chat import ChatCompletion  # noqa: E402
+from atroposlib.envs.base import APIServerConfig
+from atroposlib.envs.server_handling.server_baseline import APIServer
+from openai.types.chat import ChatCompletion
 
-from atropos.agent.tokens import IGNORE  # noqa: E402
-from atropos.envs.agent_env import AgentEnvConfig  # noqa: E402
-from atropos.envs.examples.coding import TASKS, CodingEnv  # noqa: E402
-from atropos.errors import HostUnavailable  # noqa: E402
+from atropos.agent.tokens import IGNORE
+from atropos.envs.agent_env import AgentEnvConfig
+from atropos.envs.examples.coding import TASKS, CodingEnv
+from atropos.errors import HostUnavailable
 
 SOLUTIONS = {
     "add": "def add(a, b):\n    return a + b\n",

@@ -48,8 +48,9 @@ def model_url() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> object:
-    from atropos.agent.model import ensure_tokenizer_dir
     from transformers import AutoTokenizer
+
+    from atropos.agent.model import ensure_tokenizer_dir
 
     return AutoTokenizer.from_pretrained(str(ensure_tokenizer_dir()))
 

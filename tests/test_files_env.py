@@ -12,12 +12,12 @@ import pytest
 
 pytest.importorskip("atroposlib")
 
-from atroposlib.envs.base import APIServerConfig  # noqa: E402
-from atroposlib.envs.server_handling.server_baseline import APIServer  # noqa: E402
-from openai.types.chat import ChatCompletion  # noqa: E402
+from atroposlib.envs.base import APIServerConfig
+from atroposlib.envs.server_handling.server_baseline import APIServer
+from openai.types.chat import ChatCompletion
 
-from atropos.envs.agent_env import AgentEnvConfig  # noqa: E402
-from atropos.envs.examples.files import FilesEnv, make_task  # noqa: E402
+from atropos.envs.agent_env import AgentEnvConfig
+from atropos.envs.examples.files import FilesEnv, make_task
 
 SOLVE = {
     "count_lines": "mkdir -p reports && wc -l < data.csv | tr -d ' ' > reports/summary.txt",

@@ -14,7 +14,6 @@ import tarfile
 import time
 from typing import Any
 
-import pytest
 from conftest import LeasedSlot
 
 from atropos.sandbox.protocol import CallResult, ToolCall

@@ -29,8 +29,8 @@ __all__ = [
     "TOOL_CALL_CLOSE",
     "TOOL_CALL_GBNF",
     "TOOL_CALL_ONLY_GBNF",
-    "schema_grammar",
     "TOOL_CALL_OPEN",
+    "schema_grammar",
     "tool_call_grammar",
 ]
 
