@@ -24,7 +24,7 @@ from benchmarks.common import (
     write_png,
 )
 
-SCENARIOS = ("call_latency", "lease", "throughput", "reset", "memory", "fleet_docker", "agent_step")
+SCENARIOS = ("call_latency", "lease", "throughput", "reset", "memory", "fleet_docker", "agent_step", "fork")
 
 
 def main(argv: list[str] | None = None) -> int:

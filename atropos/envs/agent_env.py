@@ -72,7 +72,8 @@ class AgentEnvConfig(BaseEnvConfig):
     # tools
     enabled_toolsets: list[str] = Field(default_factory=lambda: list(DEFAULT_TOOLSETS))
     disabled_toolsets: list[str] = Field(default_factory=list)
-    tool_server_url: str | None = Field(None, description="ToolServer for external tools")
+    tool_server_url: str | None = Field(
+        None, description="ToolServer for external tools; 'inprocess' runs one in this process (offline corpus)")
     tool_server_token: str | None = Field(None, description="bearer token of the ToolServer")
 
 
@@ -133,8 +134,9 @@ class AgentEnv(BaseEnv):
         if c.sandbox_backend == "nomad":
             from atropos.backends.nomad import NomadBackend, NomadBackendConfig
 
-            return NomadBackend(NomadBackendConfig(address=c.nomad_address, job_id=c.nomad_job_id,
-                                                   image=c.sandbox_image, slots_per_host=c.slots_per_host))
+            # NOMAD_TOKEN, namespace, region and TLS come from the environment, as with the nomad CLI
+            return NomadBackend(NomadBackendConfig.from_env(address=c.nomad_address, job_id=c.nomad_job_id,
+                                                            image=c.sandbox_image, slots_per_host=c.slots_per_host))
         from atropos.backends.local import LocalBackend, LocalBackendConfig
 
         return LocalBackend(LocalBackendConfig(slots_per_host=c.slots_per_host, pool_id=pool_id,
@@ -152,10 +154,30 @@ class AgentEnv(BaseEnv):
             pool_id=self.build_backend_pool_id(), min_hosts=c.min_hosts, max_hosts=c.max_hosts,
             lease_timeout_s=c.acquire_timeout_s))
         await self.pool.start()
+        url, token, transport = c.tool_server_url, c.tool_server_token, None
+        if url == "inprocess":
+            url, token, transport = self._inprocess_tool_server()
         self.executor = ToolExecutor(self.pool, self.tools, ExecutorConfig(
             tool_batch_window_ms=c.tool_batch_window_ms, tool_max_batch_size=c.tool_max_batch_size,
-            max_timeout_s=c.tool_timeout_s, tool_server_url=c.tool_server_url,
-            tool_server_token=c.tool_server_token, network=c.allow_network))
+            max_timeout_s=c.tool_timeout_s, tool_server_url=url, tool_server_token=token,
+            network=c.allow_network), tool_server_transport=transport)
+
+    def _inprocess_tool_server(self) -> tuple[str, str, Any]:
+        """A ToolServer in this process (ASGI transport) serving web tools from the offline corpus."""
+        import secrets
+
+        import httpx
+
+        from atropos.api.externals import web_externals
+        from atropos.api.server import ToolServerSettings, create_tool_server
+        from atropos.tools.web import OfflineCorpusProvider
+
+        assert self.pool is not None
+        token = secrets.token_urlsafe(24)
+        app = create_tool_server(self.pool, ToolServerSettings(token=token),
+                                 registry=ToolRegistry.default(with_web=True),
+                                 externals=web_externals(OfflineCorpusProvider()))
+        return "http://toolserver", token, httpx.ASGITransport(app=app)
 
     def build_backend_pool_id(self) -> str:
         return "".join(ch if ch.isalnum() or ch in "_.-" else "-" for ch in

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from typing import Any, NoReturn
 
 import httpx
@@ -22,8 +22,20 @@ from atropos.sandbox.protocol import (
     LeaseInfo,
     ResetResult,
     SlotInfo,
+    TemplateInfo,
     ToolCall,
 )
+from atropos.sandbox.workspace import (
+    TemplateBuildFailed,
+    TemplateError,
+    TemplateInUse,
+    TemplateSourceError,
+    UnknownTemplate,
+    WorkspaceError,
+)
+
+_TEMPLATE_ERRORS: dict[str, type[TemplateError]] = {
+    c.code: c for c in (UnknownTemplate, TemplateInUse, TemplateSourceError, TemplateBuildFailed)}
 
 
 class AuthenticationError(AtroposSandboxError):
@@ -90,16 +102,66 @@ class HostClient:
         resp = await self._send("GET", "/v1/slots")
         return [SlotInfo.model_validate(s) for s in resp.json()]
 
-    async def lease(self, trajectory_id: str, *, network: bool = False, slot: int | None = None) -> LeaseInfo:
-        body = {"trajectory_id": trajectory_id, "network": network, "slot": slot}
-        resp = await self._send("POST", "/v1/leases", json=body)
+    async def lease(self, trajectory_id: str, *, network: bool = False, slot: int | None = None,
+                    template: str | None = None) -> LeaseInfo:
+        body: dict[str, Any] = {"trajectory_id": trajectory_id, "network": network, "slot": slot}
+        if template is not None:
+            body["template"] = template
+        resp = await self._send("POST", "/v1/leases", json=body, timeout=120 if template else 30)
         return LeaseInfo.model_validate_json(resp.content)
 
     async def reset(self, slot: int, lease: str, *, trajectory_id: str | None = None,
-                    network: bool | None = None) -> ResetResult:
-        body = {"lease": lease, "trajectory_id": trajectory_id, "network": network}
+                    network: bool | None = None, template: str | None = None) -> ResetResult:
+        """Reset a leased slot (kept leased under a new token): to empty, or to a fresh fork of ``template``."""
+        body: dict[str, Any] = {"lease": lease, "trajectory_id": trajectory_id, "network": network}
+        if template is not None:
+            body["template"] = template
         resp = await self._send("POST", f"/v1/slots/{slot}/reset", json=body, timeout=120)
         return ResetResult.model_validate_json(resp.content)
+
+    # -- templates -------------------------------------------------------------------------
+    async def create_template(self, source: str, *, name: str = "", timeout: float = 3600,
+                              **fields: Any) -> TemplateInfo:
+        """source="slot" (slot=, lease=), "dir" (path=) or "git" (url=, ref=, depth=)."""
+        body = {"source": source, "name": name, **{k: v for k, v in fields.items() if v is not None}}
+        resp = await self._send("POST", "/v1/templates", json=body, timeout=timeout)
+        return TemplateInfo.model_validate_json(resp.content)
+
+    async def template_from_slot(self, slot: int, lease: str, *, name: str = "") -> TemplateInfo:
+        """Snapshot a leased slot; it stays leased (same token) as a fork of the new template."""
+        return await self.create_template("slot", name=name, slot=slot, lease=lease)
+
+    async def upload_template(self, data: bytes | AsyncIterable[bytes], *, name: str = "", gzip: bool = False,
+                              timeout: float = 3600) -> TemplateInfo:
+        """Make a template from a tar archive (bytes or a stream of chunks, e.g. another host's archive)."""
+        ctype = "application/gzip" if gzip else "application/x-tar"
+        resp = await self._send("POST", "/v1/templates", params={"name": name}, content=data, timeout=timeout,
+                                headers={"content-type": ctype})
+        return TemplateInfo.model_validate_json(resp.content)
+
+    async def templates(self) -> list[TemplateInfo]:
+        resp = await self._send("GET", "/v1/templates")
+        return [TemplateInfo.model_validate(t) for t in resp.json()]
+
+    async def template(self, template_id: str) -> TemplateInfo:
+        resp = await self._send("GET", f"/v1/templates/{template_id}")
+        return TemplateInfo.model_validate_json(resp.content)
+
+    async def delete_template(self, template_id: str) -> None:
+        await self._send("DELETE", f"/v1/templates/{template_id}")
+
+    async def template_archive(self, template_id: str, *, timeout: float = 3600) -> AsyncIterator[bytes]:
+        """Stream a template as an uncompressed tar (chunks as they arrive)."""
+        try:
+            async with self._http.stream("GET", f"/v1/templates/{template_id}/archive",
+                                         timeout=self._timeout(timeout)) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    _raise_for(resp, self.base_url)
+                async for chunk in resp.aiter_raw():
+                    yield chunk
+        except httpx.TransportError as exc:
+            raise HostUnavailable(f"{self.base_url}: {type(exc).__name__}: {exc}") from exc
 
     async def release(self, slot: int, lease: str) -> ResetResult:
         resp = await self._send("POST", f"/v1/slots/{slot}/release", json={"lease": lease}, timeout=120)
@@ -159,6 +221,10 @@ def _raise_for(resp: httpx.Response, where: str) -> NoReturn:
         raise LeaseError(message)
     if code == "no_free_slot":
         raise SlotUnavailable(message)
+    if code in _TEMPLATE_ERRORS:
+        raise _TEMPLATE_ERRORS[code](message)
+    if code == "workspace_failed":
+        raise WorkspaceError(f"{where}: {message}")
     if resp.status_code >= 500:
         raise HostUnavailable(f"{where}: HTTP {resp.status_code}: {message}")
     raise ToolInputError(f"HTTP {resp.status_code} {code}: {message}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -61,6 +62,12 @@ class HostConfig(BaseModel):
     bwrap: str = "/usr/bin/bwrap"
     python: str = Field("/usr/bin/python3", description="interpreter inside the sandbox (from its /usr)")
     pool_label: str = Field("", description="opaque label of the pool that owns this host (for status)")
+    workspace_mode: Literal["auto", "overlay", "copy"] = Field(
+        "auto", description="template forks: overlayfs copy-on-write (auto falls back to copies when overlays "
+                            "cannot be mounted; overlay fails instead) or always full copies")
+    template_source_dirs: list[Path] = Field(
+        default_factory=list, description="host directories templates may be made from (dir and local git sources)")
+    max_template_bytes: int = Field(16 << 30, ge=1 << 20, description="largest template tar upload")
 
     @field_validator("token")
     @classmethod

@@ -6,6 +6,7 @@ HTTP lives in ``server.py``; this module is the state and the rules, usable in-p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import hmac
 import logging
@@ -13,7 +14,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -31,11 +32,14 @@ from atropos.sandbox.protocol import (
     ResetRequest,
     ResetResult,
     SlotInfo,
+    TemplateInfo,
+    TemplateRequest,
     ToolCall,
 )
 from atropos.sandbox.sandbox_process import SandboxDied
-from atropos.sandbox.slot import Slot, delete_trash
+from atropos.sandbox.slot import Slot, UidKiller, delete_trash
 from atropos.sandbox.tools import clamp_timeout, supervisor_request, validate_args
+from atropos.sandbox.workspace import Template, TemplateSourceError, WorkspaceError, Workspaces
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +67,18 @@ class SandboxHost:
         self.health_slot: Slot | None = None
         self._health_lock = asyncio.Lock()
         self._trash_task: asyncio.Task[None] | None = None
+        self._trash_pending = False
         self._background: set[asyncio.Task[None]] = set()
         self.started_at = time.time()
         self.total_calls = 0
+        self.stopping = False
+        self.workspaces: Workspaces | None = None
+        self.killer = UidKiller()
+        # Prewarming sandboxes competes for CPU with resets still running: during a burst (a
+        # group of forks, a wave of releases) it waits until the burst is over (or 0.25 s).
+        self._resets_running = 0
+        self._quiet = asyncio.Event()
+        self._quiet.set()
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -74,8 +87,16 @@ class SandboxHost:
         else:
             log.warning("!!! UNSAFE: slots run WITHOUT isolation (development only); never run untrusted code !!!")
         if self.is_root:
-            self.uid_base, self._uid_lock_fd = claim_uid_block(self.cfg.slots + 1, self.cfg.uid_base)
+            # slots, the health slot, and the uid that owns template files (no sandbox runs as it)
+            self.uid_base, self._uid_lock_fd = claim_uid_block(self.cfg.slots + 2, self.cfg.uid_base)
         await asyncio.to_thread(self._prepare_root)
+        owner = None if self.uid_base is None else self.uid_base + self.cfg.slots + 1
+        probe_uid = None if self.uid_base is None else self.uid_base + self.cfg.slots
+        self.workspaces = Workspaces(self.cfg, self.root, owner=owner, probe_uid=probe_uid, trash=self.root / "trash")
+        try:
+            await self.workspaces.start()
+        except WorkspaceError as exc:
+            raise IsolationUnavailable(str(exc)) from exc
         for i in range(self.cfg.slots):
             self.slots.append(self._make_slot(i))
         self.health_slot = self._make_slot(self.cfg.slots, name="health")
@@ -89,7 +110,8 @@ class SandboxHost:
 
     def _make_slot(self, index: int, name: str | None = None) -> Slot:
         uid = None if self.uid_base is None else self.uid_base + index
-        slot = Slot(index, self.cfg, self.root, uid, self.seccomp_path)
+        slot = Slot(index, self.cfg, self.root, uid, self.seccomp_path, self.workspaces)
+        slot.killer = self.killer
         if name:
             slot.dir = self.root / name
             slot.paths = type(slot.paths)(workspace=slot.dir / "ws", run_dir=slot.dir / "run",
@@ -117,11 +139,23 @@ class SandboxHost:
             self.seccomp_path = str(seccomp.write_filter(root / "seccomp.bpf"))
 
     def _schedule_trash(self) -> None:
+        self._trash_pending = True
         if self._trash_task is None or self._trash_task.done():
-            self._trash_task = asyncio.create_task(asyncio.to_thread(delete_trash, self.root / "trash"))
+            self._trash_task = asyncio.create_task(self._empty_trash())
+
+    async def _empty_trash(self) -> None:
+        # Loops while more was discarded during a pass (otherwise it would wait for the next reset).
+        while self._trash_pending:
+            with contextlib.suppress(asyncio.TimeoutError):  # not in the middle of a burst of resets
+                await asyncio.wait_for(self._quiet.wait(), 0.25)
+            self._trash_pending = False
+            await asyncio.to_thread(delete_trash, self.root / "trash")
 
     async def stop(self) -> None:
+        self.stopping = True  # calls cut off from here on are the platform's doing, not the command's
         await asyncio.gather(*(s.stop_sandboxes() for s in [*self.slots, *filter(None, [self.health_slot])]))
+        if self.workspaces is not None:
+            await self.workspaces.stop()  # its mount namespace, and every overlay in it, goes away
         if self._trash_task is not None:
             await self._trash_task
 
@@ -145,11 +179,17 @@ class SandboxHost:
                     ok, detail = False, f"health exec failed: {frame}"
             except SandboxDied as exc:
                 ok, detail = False, str(exc)
+        ws = self.workspaces
+        if ok and ws is not None and ws.problem():
+            ok, detail = False, ws.problem()
         states = [s.state for s in self.slots]
         return HealthInfo(
             ok=ok, version=__version__, slots=len(self.slots), free=states.count("free"),
             leased=states.count("leased"), quarantined=states.count("quarantined"), exec_ms=round(exec_ms, 3),
             isolation="none" if self.cfg.unsafe_no_isolation else "bubblewrap", detail=detail,
+            workspace_mode="copy" if ws is None else ws.mode, workspace_detail="" if ws is None else ws.detail,
+            templates=0 if ws is None else len(ws.store.templates),
+            mounts=None if ws is None else ws.mount_count(),
         )
 
     # -- leases ----------------------------------------------------------------------------
@@ -166,7 +206,12 @@ class SandboxHost:
                 " it was released or reset, or belongs to another trajectory"
             )
 
+    def template(self, template_id: str) -> Template:
+        assert self.workspaces is not None
+        return self.workspaces.store.get(template_id)
+
     async def lease(self, req: LeaseRequest) -> LeaseInfo:
+        template = None if req.template is None else self.template(req.template)
         if req.slot is not None:
             slot = self.slot(req.slot)
             if slot.state != "free":
@@ -179,16 +224,27 @@ class SandboxHost:
                     f"no free slot: {states.count('leased')} leased, {states.count('resetting')} resetting, "
                     f"{states.count('quarantined')} quarantined of {len(self.slots)}"
                 )
+        if template is not None:
+            slot.state = "resetting"  # taken now: the fork below awaits
+            async with self._resetting(), slot.lock:
+                ok, detail = await slot.reset(template)
+            self._schedule_trash()
+            if not ok:
+                raise WorkspaceError(f"slot {slot.index}: fork of template {template.id} failed: {detail}")
         info = slot.grant(req.trajectory_id, req.network)
         if req.network and slot.sandbox is not None:
             await slot.stop_sandboxes()  # the warm sandbox has no network; restart on first use
-        log.info("lease slot=%d generation=%d trajectory=%s", slot.index, slot.generation, req.trajectory_id)
+        elif template is not None and not req.network:
+            self._schedule_prewarm(slot)
+        log.info("lease slot=%d generation=%d trajectory=%s template=%s", slot.index, slot.generation,
+                 req.trajectory_id, req.template)
         return info
 
     async def reset(self, index: int, req: ResetRequest, *, keep: bool) -> ResetResult:
         """Reset a leased slot; ``keep`` leaves it leased (to a fresh token), else it is freed."""
         slot = self.slot(index)
         self.check_lease(slot, req.lease)
+        template = None if req.template is None else self.template(req.template)  # 404 before any harm
         trajectory = req.trajectory_id or slot.trajectory_id or "?"
         network = slot.network if req.network is None else req.network
         t0 = time.perf_counter()
@@ -196,23 +252,84 @@ class SandboxHost:
         # would hold the slot (and the pool's caller) hostage.
         slot.lease_token = None
         await slot.stop_sandboxes()
-        async with slot.lock:
-            ok, detail = await slot.reset()
+        async with self._resetting(), slot.lock:
+            ok, detail = await slot.reset(template)
         self._schedule_trash()
         result = ResetResult(slot=index, ok=ok, quarantined=not ok, detail=detail,
-                             duration_ms=round((time.perf_counter() - t0) * 1000, 3))
+                             duration_ms=round((time.perf_counter() - t0) * 1000, 3),
+                             template=req.template if ok else None, verified=slot.last_verified if ok else "")
         if ok:
             if keep:
                 result.lease = slot.grant(trajectory, network)
             if not network:
-                task = asyncio.create_task(self._prewarm(slot))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
-        log.info("reset slot=%d ok=%s keep=%s ms=%.2f %s", index, ok, keep, result.duration_ms, detail)
+                self._schedule_prewarm(slot)
+        log.info("reset slot=%d ok=%s keep=%s template=%s ms=%.2f %s", index, ok, keep, req.template,
+                 result.duration_ms, detail)
         return result
+
+    def _schedule_prewarm(self, slot: Slot) -> None:
+        task = asyncio.create_task(self._prewarm(slot))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- templates -------------------------------------------------------------------------
+    async def create_template(self, req: TemplateRequest) -> TemplateInfo:
+        ws = self.workspaces
+        assert ws is not None
+        if req.source == "slot":
+            if req.slot is None or not req.lease:
+                raise TemplateSourceError("source=slot needs `slot` and its `lease`")
+            slot = self.slot(req.slot)
+            self.check_lease(slot, req.lease)
+            async with slot.lock:
+                self.check_lease(slot, req.lease)  # a reset may have happened while we waited
+                template = await slot.snapshot(req.name)
+            self._schedule_trash()
+            if not slot.network:
+                self._schedule_prewarm(slot)
+        elif req.source == "dir":
+            if not req.path:
+                raise TemplateSourceError("source=dir needs `path`")
+            template = await ws.from_dir(req.path, req.name)
+        else:
+            if not req.url:
+                raise TemplateSourceError("source=git needs `url`")
+            template = await ws.from_git(req.url, req.ref, req.depth, req.name)
+        return template.info()
+
+    async def upload_template(self, stream: AsyncIterable[bytes], name: str, *, gzip: bool) -> TemplateInfo:
+        assert self.workspaces is not None
+        return (await self.workspaces.from_tar(stream, name, gzip=gzip)).info()
+
+    def templates(self) -> list[TemplateInfo]:
+        assert self.workspaces is not None
+        return [t.info() for t in self.workspaces.store.templates.values()]
+
+    def delete_template(self, template_id: str) -> None:
+        assert self.workspaces is not None
+        self.workspaces.store.delete(template_id)
+        self._schedule_trash()
+        log.info("template %s deleted", template_id)
+
+    def template_archive(self, template_id: str) -> AsyncIterator[bytes]:
+        assert self.workspaces is not None
+        return self.workspaces.archive(self.template(template_id))
+
+    @contextlib.asynccontextmanager
+    async def _resetting(self) -> AsyncIterator[None]:
+        self._resets_running += 1
+        self._quiet.clear()
+        try:
+            yield
+        finally:
+            self._resets_running -= 1
+            if not self._resets_running:
+                self._quiet.set()
 
     async def _prewarm(self, slot: Slot) -> None:
         """Start the next lease's sandbox now so its first call does not pay the start-up."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._quiet.wait(), 0.25)
         async with slot.lock:
             if slot.state in ("free", "leased") and not slot.network:
                 try:
@@ -274,7 +391,7 @@ class SandboxHost:
         try:
             return await slot.request(payload, timeout + 10)
         except SandboxDied as exc:
-            if payload.get("op") != "exec" or slot.sandbox is None:
+            if payload.get("op") != "exec" or slot.sandbox is None or self.stopping:
                 raise
             # The command took its own sandbox down (kill -9 -1, OOM): that is the command's
             # outcome, shown to the model; the next call gets a fresh sandbox, files kept.
@@ -298,7 +415,7 @@ def claim_uid_block(needed: int, wanted_base: int | None) -> tuple[int, int]:
     running as root never uses uids it has not locked.
     """
     if needed > UID_BLOCK:
-        raise IsolationUnavailable(f"at most {UID_BLOCK - 1} slots per host when running as root")
+        raise IsolationUnavailable(f"at most {UID_BLOCK - 2} slots per host when running as root")
     UID_LOCK_DIR.mkdir(parents=True, exist_ok=True)
     candidates = (
         [wanted_base] if wanted_base is not None

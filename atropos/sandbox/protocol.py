@@ -14,6 +14,7 @@ API_VERSION = "v1"
 LEASE_HEADER = "X-Atropos-Lease"
 
 SlotState = Literal["free", "leased", "resetting", "quarantined"]
+WorkspaceKindName = Literal["plain", "overlay", "copy"]
 
 
 class ErrorInfo(BaseModel):
@@ -30,6 +31,8 @@ class LeaseRequest(BaseModel):
     trajectory_id: str = Field(min_length=1, max_length=256)
     network: bool = Field(False, description="let the slot's commands reach the network")
     slot: int | None = Field(None, ge=0, description="a specific slot; default: any free slot")
+    template: str | None = Field(None, max_length=64,
+                                 description="start the slot as a copy-on-write fork of this template")
 
 
 class LeaseInfo(BaseModel):
@@ -47,6 +50,8 @@ class LeaseRef(BaseModel):
 class ResetRequest(LeaseRef):
     trajectory_id: str | None = Field(None, max_length=256, description="new owner after the reset")
     network: bool | None = None
+    template: str | None = Field(None, max_length=64,
+                                 description="reset to a fork of this template instead of an empty workspace")
 
 
 class ResetResult(BaseModel):
@@ -56,6 +61,8 @@ class ResetResult(BaseModel):
     duration_ms: float
     detail: str = ""
     lease: LeaseInfo | None = Field(None, description="the fresh lease when the slot stays leased")
+    template: str | None = Field(None, description="the template the workspace now is a fork of")
+    verified: str = Field("", description="what the host checked before declaring the reset done")
 
 
 class ToolCall(BaseModel):
@@ -92,6 +99,8 @@ class SlotInfo(BaseModel):
     calls: int = 0
     sandbox_running: bool = False
     detail: str = ""
+    template: str | None = Field(None, description="the template this workspace is a fork of")
+    workspace: WorkspaceKindName = Field("plain", description="plain dir | overlay fork | copy of a template")
 
 
 class HealthInfo(BaseModel):
@@ -104,3 +113,37 @@ class HealthInfo(BaseModel):
     exec_ms: float = Field(description="round trip of `true` through the real exec path")
     isolation: Literal["bubblewrap", "none"]
     detail: str = ""
+    workspace_mode: Literal["overlay", "copy"] = Field(
+        "copy", description="how forks are made: overlayfs (copy-on-write) or full copies (fallback)")
+    workspace_detail: str = Field("", description="why the host uses copies, when it does")
+    templates: int = 0
+    mounts: int | None = Field(None, description="workspace mounts of this host (two per forked slot)")
+
+
+class TemplateRequest(BaseModel):
+    """Make a template. A tar upload instead posts the archive itself (Content-Type application/x-tar
+    or application/gzip, ``?name=``) to the same path."""
+
+    source: Literal["slot", "dir", "git"]
+    name: str = Field("", max_length=128)
+    slot: int | None = Field(None, ge=0, description="source=slot: the leased slot to snapshot")
+    lease: str | None = Field(None, max_length=256, description="source=slot: its lease token")
+    path: str | None = Field(None, max_length=4096,
+                             description="source=dir: a host directory under an allowed source dir")
+    url: str | None = Field(None, max_length=4096, description="source=git: repository URL (or allowed local path)")
+    ref: str | None = Field(None, max_length=256, description="source=git: branch, tag or commit to check out")
+    depth: int | None = Field(None, ge=1, description="source=git: shallow clone depth")
+
+
+class TemplateInfo(BaseModel):
+    id: str
+    name: str = ""
+    source: str
+    created_at: float
+    files: int
+    dirs: int
+    others: int = Field(0, description="symlinks and special files")
+    bytes: int
+    tree_hash: str = Field(description="sha256 of the tree's manifest (paths, types, modes, sizes, mtimes, links)")
+    prepare_ms: float = 0.0
+    users: list[int] = Field(default_factory=list, description="slots whose workspace is built on it")

@@ -11,9 +11,10 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 
 from atropos import __version__
-from atropos.asgi import RequestGuard, http_error, install_error_handlers
+from atropos.asgi import ASGIApp, Receive, RequestGuard, Send, http_error, install_error_handlers
 from atropos.errors import LeaseError, SlotUnavailable
 from atropos.sandbox.host import SandboxHost
 from atropos.sandbox.protocol import (
@@ -27,12 +28,17 @@ from atropos.sandbox.protocol import (
     ResetRequest,
     ResetResult,
     SlotInfo,
+    TemplateInfo,
+    TemplateRequest,
     ToolCall,
 )
+from atropos.sandbox.workspace import TemplateError, WorkspaceError
 
 log = logging.getLogger(__name__)
 
 _error = http_error
+TAR_TYPES = {"application/x-tar": False, "application/tar": False, "application/gzip": True,
+             "application/x-gzip": True}
 
 
 def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
@@ -83,6 +89,10 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
             return await host.lease(req)
         except SlotUnavailable as exc:
             raise _error(409, "no_free_slot", str(exc)) from None
+        except TemplateError as exc:
+            raise _error(exc.status, exc.code, str(exc)) from None
+        except WorkspaceError as exc:
+            raise _error(503, "workspace_failed", str(exc)) from None
 
     async def _reset(slot: int, req: ResetRequest, keep: bool) -> ResetResult:
         slot_or_404(slot)
@@ -90,6 +100,8 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
             return await host.reset(slot, req, keep=keep)
         except LeaseError as exc:
             raise _error(409, "lease_invalid", str(exc)) from None
+        except TemplateError as exc:
+            raise _error(exc.status, exc.code, str(exc)) from None
 
     @app.post("/v1/slots/{slot}/reset", response_model=ResetResult, dependencies=deps)
     async def reset(slot: int, req: ResetRequest) -> ResetResult:
@@ -123,6 +135,65 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
             raise _error(result.error.status, result.error.code, result.error.message)
         assert result.result is not None
         return result.result
+
+    # -- templates ---------------------------------------------------------------------------
+    @app.post("/v1/templates", response_model=TemplateInfo, dependencies=deps, openapi_extra={
+        "requestBody": {"required": True, "content": {
+            "application/json": {"schema": TemplateRequest.model_json_schema()},
+            "application/x-tar": {"schema": {"type": "string", "format": "binary"}},
+            "application/gzip": {"schema": {"type": "string", "format": "binary"}}}}})
+    async def create_template(request: Request, name: str = Query("", max_length=128)) -> TemplateInfo:
+        """Make a template from a leased slot (it continues as a fork of it), an allowed host
+        directory, a git repository, or an uploaded tar archive (the body itself)."""
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        try:
+            if ctype in TAR_TYPES:
+                return await host.upload_template(request.stream(), name, gzip=TAR_TYPES[ctype])
+            try:
+                req = TemplateRequest.model_validate_json(await request.body())
+            except ValidationError as exc:
+                problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
+                                     for e in exc.errors())
+                raise _error(422, "invalid_request", problems) from None
+            if req.source == "slot" and req.slot is not None:
+                slot_or_404(req.slot)
+            return await host.create_template(req)
+        except TemplateError as exc:
+            raise _error(exc.status, exc.code, str(exc)) from None
+        except LeaseError as exc:
+            raise _error(409, "lease_invalid", str(exc)) from None
+        except WorkspaceError as exc:
+            raise _error(503, "workspace_failed", str(exc)) from None
+
+    @app.get("/v1/templates", response_model=list[TemplateInfo], dependencies=deps)
+    async def templates() -> list[TemplateInfo]:
+        return host.templates()
+
+    @app.get("/v1/templates/{template_id}", response_model=TemplateInfo, dependencies=deps)
+    async def template(template_id: str) -> TemplateInfo:
+        try:
+            return host.template(template_id).info()
+        except TemplateError as exc:
+            raise _error(exc.status, exc.code, str(exc)) from None
+
+    @app.delete("/v1/templates/{template_id}", dependencies=deps)
+    async def delete_template(template_id: str) -> dict[str, Any]:
+        """Delete a template; refused (409 template_in_use) while any slot is built on it."""
+        try:
+            host.delete_template(template_id)
+        except TemplateError as exc:
+            raise _error(exc.status, exc.code, str(exc)) from None
+        return {"deleted": template_id}
+
+    @app.get("/v1/templates/{template_id}/archive", dependencies=deps, response_class=StreamingResponse,
+             responses={200: {"content": {"application/x-tar": {}}}})
+    async def template_archive(template_id: str) -> StreamingResponse:
+        """The template as a POSIX tar stream: upload it to another host to use it there."""
+        try:
+            stream = host.template_archive(template_id)
+        except TemplateError as exc:
+            raise _error(exc.status, exc.code, str(exc)) from None
+        return StreamingResponse(stream, media_type="application/x-tar")
 
     lease_header = Header(..., alias=LEASE_HEADER, min_length=1, max_length=256)
 
@@ -160,6 +231,18 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
     return app
 
 
-def wrap(app: FastAPI, host: SandboxHost) -> RequestGuard:
-    """Auth and body limit first, for every path (docs included: a host is not a public service)."""
-    return RequestGuard(app, max_body=host.cfg.max_body_bytes, token=host.cfg.token)  # type: ignore[arg-type]
+def wrap(app: FastAPI, host: SandboxHost) -> ASGIApp:
+    """Auth and body limit first, for every path (docs included: a host is not a public service).
+
+    Template tar uploads get their own, larger body limit (``max_template_bytes``)."""
+    default = RequestGuard(app, max_body=host.cfg.max_body_bytes, token=host.cfg.token)  # type: ignore[arg-type]
+    upload = RequestGuard(app, max_body=host.cfg.max_template_bytes, token=host.cfg.token)  # type: ignore[arg-type]
+
+    async def route(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path") == "/v1/templates":
+            for key, value in scope.get("headers", []):
+                if key == b"content-type" and value.split(b";")[0].strip().lower().decode() in TAR_TYPES:
+                    return await upload(scope, receive, send)
+        return await default(scope, receive, send)
+
+    return route

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import secrets
-import shutil
 import stat
 import time
 from pathlib import Path
@@ -17,6 +16,16 @@ from atropos.sandbox.bwrap import LIB_DIR, RUN_DIR, SANDBOX_ENV, SandboxPaths, b
 from atropos.sandbox.config import HostConfig
 from atropos.sandbox.protocol import LeaseInfo, SlotInfo, SlotState
 from atropos.sandbox.sandbox_process import SandboxDied, SandboxProcess
+from atropos.sandbox.workspace import (
+    MountNamespace,
+    Template,
+    WorkspaceError,
+    WorkspaceKind,
+    Workspaces,
+    copy_tree,
+    remove_tree,
+    walk_tree,
+)
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +33,10 @@ log = logging.getLogger(__name__)
 class Slot:
     """State machine: free -> leased -> resetting -> free (or quarantined when a reset fails)."""
 
-    def __init__(self, index: int, cfg: HostConfig, root: Path, uid: int | None, seccomp_path: str | None):
+    def __init__(self, index: int, cfg: HostConfig, root: Path, uid: int | None, seccomp_path: str | None,
+                 workspaces: Workspaces | None = None):
         self.index = index
+        self.workspaces = workspaces
         self.cfg = cfg
         self.uid = uid
         self.seccomp_path = seccomp_path
@@ -46,6 +57,15 @@ class Slot:
         self.lock = asyncio.Lock()  # one call at a time per slot, in arrival order
         self.sandbox: SandboxProcess | None = None
         self.terminal: SandboxProcess | None = None
+        self.killer: UidKiller | None = None  # shared by the host's slots
+        self.template: Template | None = None  # the template the workspace is built on
+        self.ws_kind: WorkspaceKind = "plain"
+        self.last_verified = ""
+
+    @property
+    def ov(self) -> Path:
+        """Overlay layers of a forked workspace: upper (the slot's writes), work, lower (mount point)."""
+        return self.dir / "ov"
 
     # -- layout ----------------------------------------------------------------------------
     def create_dirs(self) -> None:
@@ -55,6 +75,8 @@ class Slot:
             if d.exists() or d.is_symlink():
                 self._discard(d)
             self._fresh_dir(d)
+        if self.ov.exists() or self.ov.is_symlink():
+            self._discard(self.ov)
 
     def _fresh_dir(self, d: Path) -> None:
         d.mkdir(mode=0o700)
@@ -88,6 +110,7 @@ class Slot:
             network=self.network, calls=self.calls, detail=self.detail,
             leased_for_s=None if self.leased_at is None else round(time.monotonic() - self.leased_at, 3),
             sandbox_running=self.sandbox is not None and self.sandbox.alive,
+            template=None if self.template is None else self.template.id, workspace=self.ws_kind,
         )
 
     # -- sandboxes -------------------------------------------------------------------------
@@ -103,8 +126,13 @@ class Slot:
         return [*argv, self.cfg.python, "-I", "-S", f"{LIB_DIR}/supervisor.py", json.dumps(sup_cfg)]
 
     async def _start(self, extra: dict[str, Any], label: str, protocol: bool = True) -> SandboxProcess:
+        argv, uid = self._argv(extra), self.uid
+        if self.ws_kind == "overlay":
+            # The fork's overlay exists only in the workspace mount namespace: start bwrap in it
+            # (nsenter drops to the slot's uid itself on a root host, after entering).
+            argv, uid = [*self._ns().launcher(self.uid), *argv], None
         return await SandboxProcess.start(
-            self._argv(extra), uid=self.uid, protocol=protocol,
+            argv, uid=uid, protocol=protocol,
             seccomp_path=None if self.cfg.unsafe_no_isolation else self.seccomp_path, label=label,
         )
 
@@ -147,23 +175,22 @@ class Slot:
                 await proc.kill()
         self.sandbox = self.terminal = None
 
-    # -- reset -----------------------------------------------------------------------------
-    async def reset(self) -> tuple[bool, str]:
-        """Kill everything of the lease, restore the pristine workspace, and check the result."""
+    # -- reset ---------------------------------------------------------------------------
+    async def reset(self, template: Template | None = None) -> tuple[bool, str]:
+        """Kill everything of the lease, rebuild the workspace (empty, or a fresh fork of
+        ``template``) and check the result before the slot can be leased again."""
         self.state = "resetting"
         await self.stop_sandboxes()
         try:
-            if self.uid is not None:
-                survivors = await asyncio.to_thread(_kill_uid, self.uid)
-                if survivors:
-                    raise RuntimeError(f"processes of uid {self.uid} survived: {survivors}")
-            for d in (self.paths.workspace, self.paths.run_dir):
-                self._discard(d)
-                self._fresh_dir(d)
+            await self._kill_all()
+            await self._drop_workspace()
+            self._discard(self.paths.run_dir)
+            self._fresh_dir(self.paths.run_dir)
+            await self._build_workspace(template)
             problem = self._verify()
             if problem:
                 raise RuntimeError(problem)
-        except (OSError, RuntimeError) as exc:
+        except (OSError, RuntimeError, WorkspaceError) as exc:
             self.quarantine(f"reset failed: {exc}")
             return False, self.detail
         self.generation += 1
@@ -176,8 +203,77 @@ class Slot:
         self.detail = ""
         return True, ""
 
+    async def _kill_all(self) -> None:
+        if self.uid is not None:
+            if self.killer is not None:
+                survivors = await self.killer.kill(self.uid)
+            else:
+                survivors = await asyncio.to_thread(_kill_uid, self.uid)
+            if survivors:
+                raise RuntimeError(f"processes of uid {self.uid} survived: {survivors}")
+
+    def _ns(self) -> MountNamespace:
+        ns = None if self.workspaces is None else self.workspaces.ns
+        if ns is None or not ns.alive:
+            raise WorkspaceError("the workspace mount helper is not running")
+        return ns
+
+    def _real(self, p: Path) -> str:
+        return os.path.join(os.path.realpath(p.parent), p.name)
+
+    async def _drop_workspace(self) -> None:
+        """Unmount a fork (its upper layer goes to the trash with the rest): never walk or copy
+        into the dirty tree."""
+        if self.ws_kind == "overlay":
+            await self._ns().call({"op": "umount",
+                                   "targets": [self._real(self.paths.workspace), self._real(self.ov / "lower")]})
+        if self.template is not None:
+            self.template.users.discard(self.index)
+            self.template = None
+        self.ws_kind = "plain"
+        for d in (self.paths.workspace, self.ov):
+            if d.exists() or d.is_symlink():
+                self._discard(d)
+
+    async def _build_workspace(self, template: Template | None) -> None:
+        ws = self.paths.workspace
+        if template is None:
+            self._fresh_dir(ws)
+            return
+        template.users.add(self.index)  # before any await: a delete now sees it in use
+        self.template = template
+        if self.workspaces is not None and self.workspaces.mode == "overlay":
+            ns = self._ns()
+            ov, upper, work, lower = self.ov, self.ov / "upper", self.ov / "work", self.ov / "lower"
+            ov.mkdir(mode=0o700)
+            for d in (work, lower):
+                d.mkdir(mode=0o700)
+            self._fresh_dir(upper)
+            self._fresh_dir(ws)
+            targets = {self._real(ws), self._real(lower)}
+            if any(m.mountpoint in targets for m in ns.mounts()):
+                raise WorkspaceError("a mount is still in place before the fork; refusing to stack another")
+            self.ws_kind = "overlay"
+            idmap = None if ns.mode != "root" else [self.workspaces.owner, self.uid]
+            await ns.call({"op": "fork", "tree": str(template.tree), "lower": self._real(lower),
+                           "upper": self._real(upper), "work": self._real(work), "target": self._real(ws),
+                           "idmap": idmap})
+            return
+        # Copy mode: a fresh directory (cp creates it), then owner and manifest in one walk.
+        self.ws_kind = "copy"
+        await copy_tree(template.tree, ws, timeout=self.cfg.max_timeout_s * 6)
+        summary = await asyncio.to_thread(walk_tree, ws, chown_to=self.uid)
+        if self.uid is not None:
+            os.chown(ws, self.uid, self.uid)
+        os.chmod(ws, 0o700)
+        if summary.tree_hash != template.summary.tree_hash:
+            raise WorkspaceError(f"copy of template {template.id} differs from it "
+                                 f"({summary.tree_hash[:12]} != {template.summary.tree_hash[:12]})")
+
     def _verify(self) -> str:
-        for d in (self.paths.workspace, self.paths.run_dir):
+        """What a finished reset must show (see docs/templates.md, "What a reset verifies")."""
+        dirs = [self.paths.run_dir] + ([self.paths.workspace] if self.ws_kind == "plain" else [])
+        for d in dirs:
             st = os.lstat(d)
             if not stat.S_ISDIR(st.st_mode):
                 return f"{d} is not a directory after reset"
@@ -185,7 +281,84 @@ class Slot:
                 return f"{d} has owner {st.st_uid}, expected {self.uid}"
             if os.listdir(d):
                 return f"{d} is not empty after reset"
+        if self.ws_kind == "plain":
+            self.last_verified = "empty workspace and run dir, owned by the slot uid; no process of the slot uid"
+        elif self.ws_kind == "copy":
+            assert self.template is not None
+            st = os.lstat(self.paths.workspace)
+            if not stat.S_ISDIR(st.st_mode) or (self.uid is not None and st.st_uid != self.uid):
+                return "the copied workspace is not a directory owned by the slot"
+            self.last_verified = (f"fresh copy of template {self.template.id}: manifest hash "
+                                  f"{self.template.summary.tree_hash[:12]} matches")
+        else:
+            problem = self._verify_overlay()
+            if problem:
+                return problem
         return ""
+
+    def _verify_overlay(self) -> str:
+        assert self.template is not None
+        ns = self._ns()
+        ws, lower, upper, work = (self._real(p) for p in (self.paths.workspace, self.ov / "lower",
+                                                            self.ov / "upper", self.ov / "work"))
+        mounts = ns.mounts()
+        at_ws = [m for m in mounts if m.mountpoint == ws]
+        at_lower = [m for m in mounts if m.mountpoint == lower]
+        if len(at_ws) != 1 or at_ws[0].fstype != "overlay":
+            return f"expected exactly one overlay on {ws}, found {[(m.mount_id, m.fstype) for m in at_ws]}"
+        m = at_ws[0]
+        layers = (m.super_option("lowerdir"), m.super_option("upperdir"), m.super_option("workdir"))
+        if layers != (lower, upper, work):
+            return f"the overlay on {ws} has unexpected layers {layers}"
+        if len(at_lower) != 1 or "ro" not in at_lower[0].options.split(","):
+            return f"expected exactly one read-only template mount on {lower}"
+        if not at_lower[0].root.endswith(f"/templates/{self.template.id}/tree"):
+            return f"the lower layer is {at_lower[0].root}, not template {self.template.id}"
+        if ns.mode == "root" and "idmapped" not in at_lower[0].options.split(","):
+            return "the template layer is not idmapped"
+        st = os.lstat(upper)
+        if not stat.S_ISDIR(st.st_mode) or (self.uid is not None and st.st_uid != self.uid):
+            return "the upper layer is not a directory owned by the slot"
+        if os.listdir(upper):
+            return "the upper layer is not empty after reset"
+        self.last_verified = (f"fresh overlay (mount {m.mount_id}, none before it) of template {self.template.id}: "
+                              "empty upper layer, read-only template layer; no process of the slot")
+        return ""
+
+    # -- templates -------------------------------------------------------------------------
+    async def snapshot(self, name: str) -> Template:
+        """Make a template of this (leased) slot's workspace; the slot continues as a fresh
+        fork of it under the same lease. Every process of the slot is stopped first: a
+        snapshot of a tree that is still being written is not a snapshot."""
+        mgr = self.workspaces
+        assert mgr is not None
+        await self.stop_sandboxes()
+        await self._kill_all()
+        kind, ws = self.ws_kind, self.paths.workspace
+        source = mgr.ns.proc_path(Path(self._real(ws))) if kind == "overlay" and mgr.ns is not None else None
+
+        async def fill(tree: Path) -> None:
+            if source is not None:
+                await copy_tree(source, tree, timeout=self.cfg.max_timeout_s * 6)
+            else:
+                os.rename(ws, tree)  # the slot's own tree, nobody left to write it: O(1)
+
+        try:
+            template = await mgr.build("slot", name, fill)
+        except BaseException as exc:
+            if not ws.exists():
+                self.quarantine(f"snapshot failed after the workspace was taken: {exc}")
+            raise
+        try:
+            await self._drop_workspace()
+            await self._build_workspace(template)
+            problem = self._verify()
+            if problem:
+                raise RuntimeError(problem)
+        except (OSError, RuntimeError, WorkspaceError) as exc:
+            self.quarantine(f"re-fork after snapshot failed: {exc}")
+            raise WorkspaceError(self.detail) from exc
+        return template
 
     def quarantine(self, why: str) -> None:
         log.error("slot %d quarantined: %s", self.index, why)
@@ -196,25 +369,61 @@ class Slot:
 
 def _kill_uid(uid: int) -> list[int]:
     """SIGKILL every process of ``uid`` (a per-slot uid owns nothing else) and report survivors."""
+    return _kill_uids({uid}).get(uid, [])
+
+
+def _kill_uids(uids: set[int]) -> dict[int, list[int]]:
+    """SIGKILL every process of these uids and wait until they are gone; survivors per uid.
+
+    Each process found is opened as a pidfd first (no pid-reuse race), killed through it, and
+    waited for by polling the pidfds (the kernel says when each one has exited: no sleeping
+    and rescanning while a pid namespace is torn down). A rescan then catches anything forked
+    between the scan and the kill; one /proc scan per round serves every uid of a burst.
+    """
+    import select
     import signal
 
-    survivors: list[int] = []
-    for attempt in range(20):
-        pids = [pid for pid in _pids_of_uid(uid)]
-        if not pids:
-            return []
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        survivors = pids
-        time.sleep(0.005 * (attempt + 1))
-    return [pid for pid in _pids_of_uid(uid) if pid in survivors]
+    survivors: dict[int, list[int]] = {}
+    for _ in range(20):
+        found = _pids_of_uids(uids)
+        if not found:
+            return {}
+        fds: list[int] = []
+        for pids in found.values():
+            for pid in pids:
+                try:
+                    fd = os.pidfd_open(pid)
+                except OSError:  # already gone
+                    continue
+                try:
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                except OSError:
+                    pass
+                fds.append(fd)
+        try:
+            poller = select.poll()
+            for fd in fds:
+                poller.register(fd, select.POLLIN)
+            waiting, deadline = len(fds), time.monotonic() + 1.0
+            while waiting and time.monotonic() < deadline:
+                events = poller.poll(max(1, int((deadline - time.monotonic()) * 1000)))
+                for fd, _ in events:
+                    poller.unregister(fd)
+                    waiting -= 1
+        finally:
+            for fd in fds:
+                os.close(fd)
+        survivors = found
+    left = _pids_of_uids(uids)
+    return {uid: [p for p in pids if p in survivors.get(uid, [])] for uid, pids in left.items()}
 
 
 def _pids_of_uid(uid: int) -> list[int]:
-    found = []
+    return _pids_of_uids({uid}).get(uid, [])
+
+
+def _pids_of_uids(uids: set[int]) -> dict[int, list[int]]:
+    found: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -222,12 +431,46 @@ def _pids_of_uid(uid: int) -> list[int]:
             with open(f"/proc/{name}/status", "rb") as fh:
                 for line in fh:
                     if line.startswith(b"Uid:"):
-                        if int(line.split()[1]) == uid and not _is_zombie(name):
-                            found.append(int(name))
+                        uid = int(line.split()[1])
+                        if uid in uids and not _is_zombie(name):
+                            found.setdefault(uid, []).append(int(name))
                         break
         except OSError:
             continue
     return found
+
+
+class UidKiller:
+    """Coalesces the process sweeps of concurrent resets (a GRPO group of 16 forks at once) into
+    one /proc scan per round instead of one per slot."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, list[asyncio.Future[list[int]]]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def kill(self, uid: int) -> list[int]:
+        future: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+        self._pending.setdefault(uid, []).append(future)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run())
+        return await future
+
+    async def _run(self) -> None:
+        await asyncio.sleep(0)  # let the rest of a burst join this round
+        while self._pending:
+            batch, self._pending = self._pending, {}
+            try:
+                result = await asyncio.to_thread(_kill_uids, set(batch))
+            except Exception as exc:
+                for futures in batch.values():
+                    for f in futures:
+                        if not f.done():
+                            f.set_exception(exc)
+                continue
+            for uid, futures in batch.items():
+                for f in futures:
+                    if not f.done():
+                        f.set_result(result.get(uid, []))
 
 
 def _is_zombie(pid: str) -> bool:
@@ -243,4 +486,4 @@ def delete_trash(trash: Path) -> None:
     if not trash.exists():
         return
     for entry in trash.iterdir():
-        shutil.rmtree(entry, ignore_errors=True)
+        remove_tree(entry)

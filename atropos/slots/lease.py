@@ -6,12 +6,13 @@ import asyncio
 import secrets
 import time
 from collections.abc import Awaitable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from atropos.backends.base import HostInfo
-from atropos.errors import HostUnavailable, LeaseError
+from atropos.errors import HostUnavailable, LeaseError, ResetFailed
 from atropos.sandbox.client import HostClient
-from atropos.sandbox.protocol import CallResult, ToolCall
+from atropos.sandbox.protocol import CallResult, ResetResult, TemplateInfo, ToolCall
 
 if TYPE_CHECKING:
     from atropos.slots.pool import SlotPool
@@ -57,6 +58,32 @@ class PoolHost:
         return task.result()
 
 
+@dataclass(eq=False)
+class PoolTemplate:
+    """A workspace template usable on every host of the pool.
+
+    It is made on one host (from a leased slot after setup, or from a dir/git/tar source) and
+    shipped to another host the first time a slot there is forked from it: the origin streams
+    its tar archive, the other host unpacks it, and the manifest hashes must match. Shipping
+    (rather than re-running the setup on each host) keeps every rollout of a group on exactly
+    the same bytes, and costs nothing when the group fits on one host, which the pool prefers.
+    """
+
+    name: str
+    info: TemplateInfo  # of the origin copy
+    copies: dict[str, str] = field(default_factory=dict)  # host id -> template id on that host
+    shipping: dict[str, asyncio.Future[str]] = field(default_factory=dict, repr=False)
+    deleted: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def tree_hash(self) -> str:
+        return self.info.tree_hash
+
+
 class Lease:
     """One slot held by one trajectory until ``release()``; tool calls go to that slot only."""
 
@@ -73,6 +100,7 @@ class Lease:
         self.released = False
         self.lost: str | None = None
         self.calls = 0
+        self.template: PoolTemplate | None = None  # the template the workspace is a fork of
 
     def __repr__(self) -> str:
         return f"Lease({self.trajectory_id!r} -> {self.host.id}/{self.slot} gen {self.generation})"
@@ -135,6 +163,30 @@ class Lease:
     async def archive(self, path: str = ".") -> bytes:
         self.check()
         return await self.host.guard(self.host.client.archive(self.slot, self.token, path))
+
+    async def reset(self, template: PoolTemplate | None = None, *, network: bool | None = None) -> ResetResult:
+        """Restart this lease's workspace, keeping the lease: empty, or a fresh copy-on-write
+        fork of ``template`` (shipped to this host first if it was made elsewhere). Every
+        process of the slot is killed. A failed reset loses the lease (ResetFailed)."""
+        self.check()
+        template_id = None if template is None else await self.pool.template_on(template, self.host)
+        try:
+            result = await self.host.guard(self.host.client.reset(
+                self.slot, self.token, trajectory_id=self.trajectory_id, network=network, template=template_id))
+        except HostUnavailable:
+            self.pool.suspect(self.host)
+            raise
+        if not result.ok or result.lease is None:
+            self.lost = f"reset failed, slot quarantined: {result.detail}"
+            self.host.quarantined += 1
+            if self.host.leases.get(self.slot) is self:
+                del self.host.leases[self.slot]
+            raise ResetFailed(f"{self!r}: {result.detail}")
+        self.token, self.generation = result.lease.lease, result.lease.generation
+        if network is not None:
+            self.network = network
+        self.template = template
+        return result
 
     async def release(self) -> None:
         await self.pool.release(self)

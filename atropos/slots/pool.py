@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,9 +23,10 @@ from pydantic import BaseModel
 from atropos.backends.base import Backend, HostInfo
 from atropos.errors import AtroposSandboxError, HostUnavailable, LeaseError, SlotUnavailable
 from atropos.sandbox.client import HostClient
+from atropos.sandbox.workspace import TemplateInUse, UnknownTemplate, WorkspaceError
 from atropos.slots.audit import LeaseAudit
 from atropos.slots.config import PoolConfig
-from atropos.slots.lease import Lease, PoolHost
+from atropos.slots.lease import Lease, PoolHost, PoolTemplate
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,8 @@ class _Waiter:
     ids: list[str]
     network: bool
     future: asyncio.Future[list[Lease]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    colocate: bool = False
+    prefer: frozenset[str] = frozenset()
 
 
 class HostStatus(BaseModel):
@@ -225,7 +228,10 @@ class SlotPool:
             self._spawn(self._add_host_logged())
             return
         now = time.monotonic()
-        for host in list(self.hosts.values()):
+        for host_id in self.backend.removal_order(list(self.hosts)):
+            host = self.hosts.get(host_id)
+            if host is None:
+                continue
             idle = not host.leases and len(host.free) == host.info.slots
             if not idle:
                 host.idle_since = None
@@ -250,10 +256,11 @@ class SlotPool:
     def free_count(self) -> int:
         return sum(len(h.free) for h in self.hosts.values() if not h.dead.is_set())
 
-    def _take(self, trajectory_id: str, network: bool) -> Lease:
+    def _take(self, trajectory_id: str, network: bool, host: PoolHost | None = None) -> Lease:
         # Spread over hosts (most free first): calls of different trajectories then rarely
         # share a host's CPU budget.
-        host = max((h for h in self.hosts.values() if h.free and not h.dead.is_set()), key=lambda h: len(h.free))
+        if host is None:
+            host = max((h for h in self.hosts.values() if h.free and not h.dead.is_set()), key=lambda h: len(h.free))
         slot, token, generation = host.free.pop()
         lease = Lease(self, host, slot, token, generation, trajectory_id, network)
         host.leases[slot] = lease
@@ -271,28 +278,60 @@ class SlotPool:
             if self.free_count() < len(waiter.ids):
                 return  # FIFO: a group at the head waits for its whole size
             self._waiters.popleft()
-            waiter.future.set_result([self._take(t, waiter.network) for t in waiter.ids])
+            waiter.future.set_result(self._take_group(waiter.ids, waiter.network, waiter.colocate, waiter.prefer))
 
-    async def lease(self, trajectory_id: str, timeout: float | None = None, *, network: bool = False) -> Lease:
-        """Lease one slot for a trajectory, waiting FIFO up to ``timeout`` seconds."""
-        return (await self.lease_many([trajectory_id], timeout, network=network))[0]
+    def _take_group(self, ids: list[str], network: bool, colocate: bool, prefer: frozenset[str]) -> list[Lease]:
+        """Take one slot per id; with ``colocate`` on as few hosts as possible, preferring hosts
+        in ``prefer`` (those that already hold the group's template: no shipping needed)."""
+        if not colocate:
+            return [self._take(t, network) for t in ids]
+        hosts = sorted((h for h in self.hosts.values() if h.free and not h.dead.is_set()),
+                       key=lambda h: (h.id in prefer, len(h.free)), reverse=True)
+        whole = [h for h in hosts if len(h.free) >= len(ids)]
+        order = whole[:1] or hosts
+        leases: list[Lease] = []
+        for host in order:
+            while host.free and len(leases) < len(ids):
+                leases.append(self._take(ids[len(leases)], network, host))
+        return leases
+
+    async def lease(self, trajectory_id: str, timeout: float | None = None, *, network: bool = False,
+                    template: PoolTemplate | None = None) -> Lease:
+        """Lease one slot for a trajectory, waiting FIFO up to ``timeout`` seconds; with
+        ``template`` the slot starts as a copy-on-write fork of it."""
+        return (await self.lease_many([trajectory_id], timeout, network=network, template=template))[0]
 
     async def lease_many(self, trajectory_ids: Sequence[str], timeout: float | None = None, *,
-                         network: bool = False) -> list[Lease]:
-        """Lease one slot per id, all or nothing (a GRPO group starts together)."""
+                         network: bool = False, template: PoolTemplate | None = None,
+                         colocate: bool | None = None) -> list[Lease]:
+        """Lease one slot per id, all or nothing (a GRPO group starts together).
+
+        ``template``: every slot starts as a fresh copy-on-write fork of it. ``colocate``
+        (default: when a template is given) puts the group on as few hosts as possible,
+        preferring hosts that already hold the template."""
         if not self._running:
             raise SlotUnavailable("the pool is not running")
         ids = list(trajectory_ids)
+        colocate = template is not None if colocate is None else colocate
+        prefer = frozenset(template.copies) if template is not None else frozenset()
         if not self._waiters and self.free_count() >= len(ids):
-            leases = [self._take(t, network) for t in ids]
+            leases = self._take_group(ids, network, colocate, prefer)
         else:
-            leases = await self._wait(ids, network, self.cfg.lease_timeout_s if timeout is None else timeout)
-        if network:
+            leases = await self._wait(ids, network, self.cfg.lease_timeout_s if timeout is None else timeout,
+                                      colocate, prefer)
+        if template is not None:
+            try:
+                await asyncio.gather(*(lease.reset(template, network=network or None) for lease in leases))
+            except BaseException:
+                await asyncio.gather(*(self.release(lease) for lease in leases), return_exceptions=True)
+                raise
+        elif network:
             await asyncio.gather(*(self._enable_network(lease) for lease in leases))
         return leases
 
-    async def _wait(self, ids: list[str], network: bool, timeout: float) -> list[Lease]:
-        waiter = _Waiter(ids, network)
+    async def _wait(self, ids: list[str], network: bool, timeout: float, colocate: bool = False,
+                    prefer: frozenset[str] = frozenset()) -> list[Lease]:
+        waiter = _Waiter(ids, network, colocate=colocate, prefer=prefer)
         self._waiters.append(waiter)
         self._scale.set()
         try:
@@ -361,12 +400,101 @@ class SlotPool:
 
     @contextlib.asynccontextmanager
     async def leased(self, trajectory_id: str, timeout: float | None = None, *,
-                     network: bool = False) -> AsyncIterator[Lease]:
-        lease = await self.lease(trajectory_id, timeout, network=network)
+                     network: bool = False, template: PoolTemplate | None = None) -> AsyncIterator[Lease]:
+        lease = await self.lease(trajectory_id, timeout, network=network, template=template)
         try:
             yield lease
         finally:
             await self.release(lease)
+
+    # -- templates -------------------------------------------------------------------------
+    async def template_from_lease(self, lease: Lease, name: str = "") -> PoolTemplate:
+        """Snapshot a leased slot's workspace (e.g. after a group's setup ran in it) as a
+        template. The lease stays valid; its workspace becomes a fresh fork of the template."""
+        lease.check()
+        try:
+            info = await lease.host.guard(lease.host.client.template_from_slot(lease.slot, lease.token, name=name))
+        except HostUnavailable:
+            self.suspect(lease.host)
+            raise
+        template = PoolTemplate(name=name, info=info, copies={lease.host.id: info.id})
+        lease.template = template
+        log.info("template %s (%s) made from %r: %d files, %.1f MB", info.id, name, lease, info.files,
+                 info.bytes / 1e6)
+        return template
+
+    async def create_template(self, source: str, *, name: str = "", **fields: Any) -> PoolTemplate:
+        """A template from a host-side source ("dir": path=, "git": url=, ref=, depth=) on one host."""
+        host = self._template_host()
+        info = await host.guard(host.client.create_template(source, name=name, **fields))
+        return PoolTemplate(name=name, info=info, copies={host.id: info.id})
+
+    async def upload_template(self, data: bytes | AsyncIterable[bytes], *, name: str = "",
+                              gzip: bool = False) -> PoolTemplate:
+        """A template from a tar archive, unpacked on one host (shipped to others on use)."""
+        host = self._template_host()
+        info = await host.guard(host.client.upload_template(data, name=name, gzip=gzip))
+        return PoolTemplate(name=name, info=info, copies={host.id: info.id})
+
+    def _template_host(self) -> PoolHost:
+        live = [h for h in self.hosts.values() if not h.dead.is_set()]
+        if not live:
+            raise HostUnavailable("the pool has no live host")
+        return max(live, key=lambda h: len(h.free))
+
+    async def template_on(self, template: PoolTemplate, host: PoolHost) -> str:
+        """The template's id on ``host``, shipping it there first (once) if needed."""
+        if template.deleted:
+            raise UnknownTemplate(f"template {template.id} was deleted")
+        if host.id in template.copies:
+            return template.copies[host.id]
+        pending = template.shipping.get(host.id)
+        if pending is None:
+            pending = asyncio.ensure_future(self._ship(template, host))
+            template.shipping[host.id] = pending
+            pending.add_done_callback(lambda _f: template.shipping.pop(host.id, None))
+        return await asyncio.shield(pending)
+
+    async def _ship(self, template: PoolTemplate, host: PoolHost) -> str:
+        sources = [self.hosts[h] for h in template.copies if h in self.hosts and not self.hosts[h].dead.is_set()]
+        if not sources:
+            raise WorkspaceError(f"template {template.id}: no live host holds it any more")
+        source = sources[0]
+        t0 = time.perf_counter()
+        stream = source.client.template_archive(template.copies[source.id])
+        info = await host.guard(host.client.upload_template(stream, name=template.name))
+        if info.tree_hash != template.tree_hash:
+            await host.client.delete_template(info.id)
+            raise WorkspaceError(f"template {template.id} shipped to {host.id} arrived different "
+                                 f"({info.tree_hash[:12]} != {template.tree_hash[:12]})")
+        template.copies[host.id] = info.id
+        log.info("template %s shipped %s -> %s (%.1f MB) in %.0f ms", template.id, source.id, host.id,
+                 info.bytes / 1e6, (time.perf_counter() - t0) * 1000)
+        return info.id
+
+    async def fork(self, lease: Lease, template: PoolTemplate) -> None:
+        """Reset a lease to a fresh copy-on-write fork of ``template`` (the lease is kept)."""
+        await lease.reset(template)
+
+    async def delete_template(self, template: PoolTemplate) -> None:
+        """Delete every host's copy. Copies still in use (a slot built on them) stay and are
+        logged; release or reset those slots first."""
+        template.deleted = True
+        for pending in list(template.shipping.values()):
+            with contextlib.suppress(BaseException):
+                await pending
+        for host_id, template_id in list(template.copies.items()):
+            host = self.hosts.get(host_id)
+            if host is None or host.dead.is_set():
+                template.copies.pop(host_id, None)
+                continue
+            try:
+                await host.guard(host.client.delete_template(template_id))
+                template.copies.pop(host_id, None)
+            except UnknownTemplate:
+                template.copies.pop(host_id, None)
+            except (TemplateInUse, HostUnavailable) as exc:
+                log.warning("template %s on %s not deleted: %s", template_id, host_id, exc)
 
     # -- status ----------------------------------------------------------------------------
     def count_call(self, n: int = 1) -> None:

@@ -1,0 +1,258 @@
+"""The mount helper: holds every workspace overlay of one sandbox host in a private mount namespace.
+
+Started by the host (``python3 -I -S mounthelper.py MODE HOST_PID``); speaks JSON lines on
+stdin/stdout, one request at a time. Standard library only.
+
+Why a separate process: ``setns``/``unshare`` of a mount namespace is refused to a multithreaded
+process (the host runs threads), and mounts made in the host's own namespace would outlive a
+crashed host. Here the kernel removes every mount when the namespace dies, i.e. when this
+helper and every sandbox started inside it (``nsenter``) are gone; sandboxes die with the host
+(bwrap ``--die-with-parent``) and this helper too (parent-death signal, EOF on stdin).
+
+MODE ``root``: the host is uid 0. A new mount namespace only; lower layers are *idmapped*
+read-only clones of the template (template owner uid -> slot uid), so each slot's agent owns
+the files it sees while the template on disk belongs to a uid no slot runs as.
+
+MODE ``userns``: the host is an unprivileged uid (the Docker backend: uid 1000, no
+capability). A new user namespace mapping only our own uid to 0, plus a mount namespace in it;
+overlays are mounted with ``-o userxattr`` (kernel >= 5.11). Nothing here gains a privilege
+outside: the namespace's root is our own uid.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from typing import Any
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUSER = 0x10000000
+MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x4000, 0x40000
+MNT_DETACH = 0x2
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
+# new mount API (the same numbers on every architecture since 5.2)
+SYS_OPEN_TREE, SYS_MOVE_MOUNT, SYS_MOUNT_SETATTR = 428, 429, 442
+OPEN_TREE_CLONE, AT_FDCWD, AT_EMPTY_PATH, AT_RECURSIVE = 1, -100, 0x1000, 0x8000
+MOVE_MOUNT_F_EMPTY_PATH = 0x4
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV, MOUNT_ATTR_IDMAP = 0x1, 0x2, 0x4, 0x100000
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+def _check(ret: int, what: str) -> int:
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return ret
+
+
+class Helper:
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.userns_fds: dict[tuple[int, int], int] = {}
+
+    # -- namespaces ------------------------------------------------------------------------
+    def enter(self, host_pid: int) -> None:
+        uid, gid = os.getuid(), os.getgid()
+        if self.mode == "userns":
+            _check(_libc.unshare(CLONE_NEWUSER | CLONE_NEWNS), "unshare(user, mount)")
+            _write("/proc/self/uid_map", f"0 {uid} 1\n")
+            _write("/proc/self/setgroups", "deny")
+            _write("/proc/self/gid_map", f"0 {gid} 1\n")
+            # New credentials made us non-dumpable, which would hide /proc/<us>/ns and
+            # /proc/<us>/root from the host (our owner). Nothing secret lives in this process.
+            _libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+        else:
+            _check(_libc.unshare(CLONE_NEWNS), "unshare(mount)")
+        # Private: nothing we mount leaks to the host, nothing the host mounts later reaches us.
+        _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "make / rprivate")
+        # The credential change above clears the parent-death signal: set it afterwards.
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != host_pid:
+            sys.exit(0)
+
+    def idmap_userns(self, owner: int, uid: int) -> int:
+        """A user namespace mapping ``owner`` -> ``uid`` (uids and gids), for idmapped mounts."""
+        key = (owner, uid)
+        if key in self.userns_fds:
+            return self.userns_fds[key]
+        rfd, wfd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            try:
+                os.close(wfd)
+                if _libc.unshare(CLONE_NEWUSER) != 0:
+                    os._exit(1)
+                os.read(rfd, 1)
+            finally:
+                os._exit(0)
+        os.close(rfd)
+        try:
+            mine = os.readlink("/proc/self/ns/user")
+            deadline = time.monotonic() + 5
+            while os.readlink(f"/proc/{pid}/ns/user") == mine:
+                if time.monotonic() > deadline:
+                    raise OSError(errno.ETIMEDOUT, "idmap user namespace did not appear")
+                time.sleep(0.0002)
+            _write(f"/proc/{pid}/uid_map", f"{owner} {uid} 1\n")
+            _write(f"/proc/{pid}/gid_map", f"{owner} {uid} 1\n")
+            fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+        finally:
+            os.close(wfd)
+            os.waitpid(pid, 0)
+        self.userns_fds[key] = fd
+        return fd
+
+    # -- mounts ----------------------------------------------------------------------------
+    def clone_lower(self, tree: str, lower: str, idmap: list[int] | None) -> None:
+        """A read-only (and, as root, idmapped) clone of the template tree at ``lower``."""
+        fd = _check(_libc.syscall(SYS_OPEN_TREE, AT_FDCWD, tree.encode(),
+                                  OPEN_TREE_CLONE | os.O_CLOEXEC | AT_RECURSIVE), f"open_tree({tree})")
+        try:
+            attr = _MountAttr(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, 0, 0, 0)
+            if idmap is not None:
+                attr.attr_set |= MOUNT_ATTR_IDMAP
+                attr.userns_fd = self.idmap_userns(int(idmap[0]), int(idmap[1]))
+            _check(_libc.syscall(SYS_MOUNT_SETATTR, fd, b"", AT_EMPTY_PATH | AT_RECURSIVE, ctypes.byref(attr),
+                                 ctypes.sizeof(attr)), "mount_setattr")
+            _check(_libc.syscall(SYS_MOVE_MOUNT, fd, b"", AT_FDCWD, lower.encode(), MOVE_MOUNT_F_EMPTY_PATH),
+                   f"move_mount(-> {lower})")
+        finally:
+            os.close(fd)
+
+    def mount_overlay(self, lower: str, upper: str, work: str, target: str) -> None:
+        # volatile: no syncs to the upper fs (also not at umount, which otherwise costs a journal
+        # commit of the host fs per reset); the upper layer is thrown away anyway.
+        opts = f"lowerdir={lower},upperdir={upper},workdir={work},volatile"
+        if self.mode == "userns":
+            # Unprivileged overlays keep their metadata in user.* xattrs and cannot create
+            # directory redirects: renaming a directory that came from the template fails with
+            # EXDEV there (mv and shutil.move fall back to copying; `git mv` of such a dir fails).
+            opts += ",userxattr"
+        else:
+            # redirect_dir=on lets a fork rename template directories; metacopy and index stay
+            # off. All of that metadata lives in the upper dir, which a reset drops whole.
+            opts += ",redirect_dir=on,metacopy=off,index=off"
+        _check(_libc.mount(b"overlay", target.encode(), b"overlay", MS_NOSUID | MS_NODEV, opts.encode()),
+               f"mount overlay on {target}")
+
+    def umount(self, target: str) -> str:
+        """Unmount everything stacked on ``target``; 'detached' when a reference kept it busy."""
+        how = "none"
+        for _ in range(16):
+            if _libc.umount2(target.encode(), 0) == 0:
+                how = "unmounted" if how == "none" else how
+                continue
+            err = ctypes.get_errno()
+            if err == errno.EINVAL:  # not a mount point (any more)
+                return how
+            if err == errno.EBUSY:
+                _check(_libc.umount2(target.encode(), MNT_DETACH), f"umount2({target}, MNT_DETACH)")
+                how = "detached"
+                continue
+            raise OSError(err, f"umount {target}: {os.strerror(err)}")
+        raise OSError(errno.EBUSY, f"{target}: more than 16 stacked mounts")
+
+    # -- requests --------------------------------------------------------------------------
+    def handle(self, req: dict[str, Any]) -> dict[str, Any]:
+        op = req.get("op")
+        if op == "ping":
+            return {"pong": True}
+        if op == "fork":
+            self.clone_lower(req["tree"], req["lower"], req.get("idmap"))
+            try:
+                self.mount_overlay(req["lower"], req["upper"], req["work"], req["target"])
+            except OSError:
+                self.umount(req["lower"])
+                raise
+            return {}
+        if op == "umount":
+            return {"results": {t: self.umount(t) for t in req["targets"]}}
+        if op == "probe":
+            return self.probe(req["dir"], req.get("idmap"))
+        raise ValueError(f"unknown op {op!r}")
+
+    def probe(self, base: str, idmap: list[int] | None) -> dict[str, Any]:
+        """Fork a tiny template and check copy-up, whiteouts and opaque directories work."""
+        tree, lower, upper, work, merged = (os.path.join(base, n) for n in ("tree", "lower", "upper", "work", "ws"))
+        for d in (tree + "/d", lower, upper, work, merged):
+            os.makedirs(d)
+        _write(tree + "/f", "template\n")
+        _write(tree + "/d/g", "x\n")
+        if idmap is not None:
+            os.chown(tree, idmap[0], idmap[0])
+            for p in (tree + "/f", tree + "/d", tree + "/d/g"):
+                os.chown(p, idmap[0], idmap[0])
+            os.chown(upper, idmap[1], idmap[1])
+        try:
+            t0 = time.perf_counter()
+            self.handle({"op": "fork", "tree": tree, "lower": lower, "upper": upper, "work": work,
+                         "target": merged, "idmap": idmap})
+            ms = (time.perf_counter() - t0) * 1000
+            try:
+                if idmap is not None and os.lstat(merged + "/f").st_uid != idmap[1]:
+                    raise OSError(errno.EPERM, "idmapped lower layer shows the wrong owner")
+                with open(merged + "/f", "a") as fh:
+                    fh.write("fork\n")
+                shutil.rmtree(merged + "/d")
+                os.mkdir(merged + "/d")
+                if os.listdir(merged + "/d"):
+                    raise OSError(errno.EIO, "opaque directories do not work (no xattr support on the upper fs?)")
+                with open(tree + "/f") as fh:
+                    if fh.read() != "template\n":
+                        raise OSError(errno.EIO, "a write in the fork reached the template")
+            finally:
+                self.handle({"op": "umount", "targets": [merged, lower]})
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        return {"fork_ms": round(ms, 3)}
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(text)
+
+
+def main() -> None:
+    mode, host_pid = sys.argv[1], int(sys.argv[2])
+    helper = Helper(mode)
+    out = sys.stdout
+    try:
+        helper.enter(host_pid)
+    except OSError as exc:
+        out.write(json.dumps({"ok": False, "error": str(exc)}) + "\n")
+        out.flush()
+        return
+    out.write(json.dumps({"ok": True, "result": {"ready": True, "pid": os.getpid()}}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        req: dict[str, Any] = {}
+        try:
+            req = json.loads(line)
+            t0 = time.perf_counter()
+            result = helper.handle(req)
+            result["ms"] = round((time.perf_counter() - t0) * 1000, 3)
+            reply: dict[str, Any] = {"ok": True, "result": result}
+        except (OSError, KeyError, TypeError, ValueError) as exc:
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        reply["id"] = req.get("id") if isinstance(req, dict) else None
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,647 @@
+"""Workspace templates and copy-on-write forks of them (see docs/templates.md).
+
+A *template* is an immutable directory tree on the host (``<data>/templates/<id>/tree``): made
+from a slot after its setup, from a host directory, a tar stream or a git repository. A slot
+*forked* from a template sees it through kernel overlayfs: the template is the lower layer (a
+read-only, and on root hosts idmapped, clone), the slot gets a private upper layer. Writes stay
+in the upper layer; resetting the slot drops it. Where overlays cannot be mounted the host falls
+back to copying the template into a fresh directory (``cp -a --reflink=auto``).
+
+All overlays of a host live in the private mount namespace of one helper process
+(``mounthelper.py``); sandboxes of forked slots are started inside it with ``nsenter``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import stat
+import time
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from atropos.errors import AtroposSandboxError, InfrastructureError
+from atropos.sandbox.protocol import TemplateInfo
+
+log = logging.getLogger(__name__)
+
+WorkspaceMode = Literal["overlay", "copy"]
+WorkspaceKind = Literal["plain", "overlay", "copy"]
+HELPER = Path(__file__).with_name("mounthelper.py")
+TOOL_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+# -- errors ------------------------------------------------------------------------------------
+class TemplateError(AtroposSandboxError):
+    """A template request that cannot be served; ``code``/``status`` map onto the HTTP error."""
+
+    code = "template_error"
+    status = 400
+
+
+class UnknownTemplate(TemplateError):
+    code, status = "unknown_template", 404
+
+
+class TemplateInUse(TemplateError):
+    code, status = "template_in_use", 409
+
+
+class TemplateSourceError(TemplateError):
+    code, status = "template_source_invalid", 400
+
+
+class TemplateBuildFailed(TemplateError):
+    """The source could not be turned into a tree (git clone failed, corrupt archive, ...)."""
+
+    code, status = "template_failed", 400
+
+
+class WorkspaceError(InfrastructureError):
+    """Mounting, unmounting or copying a workspace failed (the slot is quarantined)."""
+
+
+# -- trees -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TreeSummary:
+    tree_hash: str
+    files: int
+    dirs: int
+    others: int
+    bytes: int
+
+
+def walk_tree(root: Path, *, chown_to: int | None = None) -> TreeSummary:
+    """Hash a tree's manifest (and, with ``chown_to``, give every entry to that uid/gid).
+
+    The manifest is, per entry below ``root`` in sorted order: relative path, type, permission
+    bits, and for regular files size and mtime (whole seconds), for symlinks the target, for
+    devices the device number. Contents are not read: a copy made by ``cp -a`` or ``tar`` carries
+    size and mtime along, so a partial copy, a leftover file or a file modified afterwards
+    changes the hash, at the cost of one ``lstat`` per entry. Owners are not part of it (each
+    slot sees the tree as its own). Symlinks are never followed; ``lchown`` is used.
+    """
+    h = hashlib.sha256()
+    files = dirs = others = size = 0
+    base = os.fsencode(root)
+    stack: list[bytes] = [b""]
+    while stack:
+        rel_dir = stack.pop()
+        path = base + b"/" + rel_dir if rel_dir else base
+        with os.scandir(path) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        subdirs: list[bytes] = []
+        for entry in entries:
+            rel = rel_dir + b"/" + entry.name if rel_dir else entry.name
+            full = base + b"/" + rel
+            st = entry.stat(follow_symlinks=False)
+            if chown_to is not None and (st.st_uid != chown_to or st.st_gid != chown_to):
+                os.chown(full, chown_to, chown_to, follow_symlinks=False)
+                if st.st_mode & (stat.S_ISUID | stat.S_ISGID) and not stat.S_ISLNK(st.st_mode):
+                    st = os.lstat(full)  # chown clears set-id bits
+            mode = st.st_mode
+            perms = stat.S_IMODE(mode)
+            if stat.S_ISDIR(mode):
+                dirs += 1
+                line = b"d %o" % perms
+                subdirs.append(rel)
+            elif stat.S_ISREG(mode):
+                files += 1
+                size += st.st_size
+                line = b"f %o %d %d" % (perms, st.st_size, int(st.st_mtime))
+            elif stat.S_ISLNK(mode):
+                others += 1
+                line = b"l " + os.readlink(full)
+            else:
+                others += 1
+                line = b"o %o %o %d" % (stat.S_IFMT(mode), perms, st.st_rdev)
+            h.update(rel + b"\0" + line + b"\n")
+        stack.extend(reversed(subdirs))
+    return TreeSummary(h.hexdigest(), files, dirs, others, size)
+
+
+def remove_tree(path: Path) -> None:
+    """rmtree that also gets through directories without write or search permission (a
+    non-root host owns but cannot enter overlay's 000 work dirs); never follows symlinks."""
+    tried: set[str] = set()
+
+    def fix(_func: Any, p: str, _exc: Any) -> None:
+        if p in tried:
+            return
+        tried.add(p)
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            if os.path.isdir(p) and not os.path.islink(p):
+                os.chmod(p, 0o700)
+                shutil.rmtree(p, onerror=fix)
+            else:
+                os.unlink(p)
+        except OSError:
+            pass
+
+    if path.is_symlink() or not path.exists():
+        path.unlink(missing_ok=True)
+        return
+    shutil.rmtree(path, onerror=fix)
+
+
+async def run_tool(argv: list[str], *, timeout: float, user: int | None = None, cwd: Path | None = None,
+                   stdin: AsyncIterable[bytes] | None = None, env: dict[str, str] | None = None) -> str:
+    """Run a helper program (cp, tar, git); raise WorkspaceError with its stderr on failure."""
+    ids: dict[str, Any] = {"user": user, "group": user, "extra_groups": []} if user is not None else {}
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=cwd,
+        env=env if env is not None else {"PATH": TOOL_PATH, "LANG": "C.UTF-8"}, umask=0o022, **ids,
+    )
+
+    async def feed() -> None:
+        assert proc.stdin is not None and stdin is not None
+        try:
+            async for chunk in stdin:
+                proc.stdin.write(chunk)
+                await proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        finally:
+            proc.stdin.close()
+
+    try:
+        feeder = asyncio.ensure_future(feed()) if stdin is not None else None
+        out, err = await asyncio.wait_for(proc.communicate() if stdin is None else _wait_out(proc), timeout)
+        if feeder is not None:
+            await feeder
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise WorkspaceError(f"{argv[0]} took longer than {timeout:g}s") from None
+    except BaseException:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        raise
+    if proc.returncode != 0:
+        text = err.decode(errors="replace").strip()[-2000:]
+        raise WorkspaceError(f"{os.path.basename(argv[0])} failed (exit {proc.returncode}): {text}")
+    return out.decode(errors="replace")
+
+
+async def _wait_out(proc: asyncio.subprocess.Process) -> tuple[bytes, bytes]:
+    assert proc.stdout is not None and proc.stderr is not None
+    out, err = await asyncio.gather(proc.stdout.read(), proc.stderr.read())
+    await proc.wait()
+    return out, err
+
+
+async def copy_tree(src: str | Path, dst: Path, *, timeout: float = 3600) -> None:
+    """``cp -a --reflink=auto src dst`` into a path that must not exist yet (never into a tree)."""
+    if os.path.lexists(dst):  # noqa: ASYNC240 - one lstat
+        raise WorkspaceError(f"refusing to copy into existing {dst}")
+    await run_tool(["cp", "-a", "--reflink=auto", "-T", "--", str(src), str(dst)], timeout=timeout)
+
+
+# -- mountinfo ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MountEntry:
+    mount_id: int
+    root: str
+    mountpoint: str
+    options: str
+    fstype: str
+    super_options: str
+
+    def super_option(self, key: str) -> str | None:
+        for item in self.super_options.split(","):
+            k, _, v = item.partition("=")
+            if k == key:
+                return v
+        return None
+
+
+def _unescape(s: str) -> str:
+    out, i = [], 0
+    while i < len(s):
+        if s[i] == "\\" and i + 3 < len(s) and s[i + 1:i + 4].isdigit():
+            out.append(chr(int(s[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(s[i])
+            i += 1
+    return "".join(out)
+
+
+def read_mountinfo(pid: int | str = "self") -> list[MountEntry]:
+    entries = []
+    with open(f"/proc/{pid}/mountinfo") as fh:
+        for line in fh:
+            left, _, right = line.partition(" - ")
+            a, b = left.split(), right.split()
+            entries.append(MountEntry(int(a[0]), _unescape(a[3]), _unescape(a[4]), a[5], b[0],
+                                      b[2] if len(b) > 2 else ""))
+    return entries
+
+
+# -- the mount namespace -----------------------------------------------------------------------
+class MountNamespace:
+    """Client of the mount helper process (one per host)."""
+
+    def __init__(self, mode: Literal["root", "userns"], nsenter: str, python: str, script: Path) -> None:
+        self.mode = mode
+        self.nsenter = nsenter
+        self.python = python
+        self.script = script
+        self.proc: asyncio.subprocess.Process | None = None
+        self.pid = 0
+        self._stderr = b""
+        self._stderr_task: asyncio.Task[None] | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._next_id = 0
+        self._dead = ""
+
+    async def start(self) -> None:
+        # Spawned from the event-loop thread: the helper's parent-death signal follows that thread.
+        self.proc = await asyncio.create_subprocess_exec(
+            self.python, "-I", "-S", str(self.script), self.mode, str(os.getpid()),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={"PATH": TOOL_PATH, "LANG": "C.UTF-8"},
+        )
+        self._stderr_task = asyncio.create_task(self._drain())
+        ready = await self._read(10.0)
+        if not ready.get("ok"):
+            await self.stop()
+            raise WorkspaceError(f"mount helper: {ready.get('error')}")
+        self.pid = int(ready["result"]["pid"])
+        self._reader = asyncio.create_task(self._read_replies())
+
+    async def _read_replies(self) -> None:
+        """Requests are pipelined (the helper answers in order, each carrying its id)."""
+        try:
+            while True:
+                reply = await self._read(None)
+                future = self._waiting.pop(int(reply.get("id", -1)), None)
+                if future is not None and not future.done():
+                    future.set_result(reply)
+        except (WorkspaceError, ValueError) as exc:
+            self._dead = str(exc)
+            for future in self._waiting.values():
+                if not future.done():
+                    future.set_exception(WorkspaceError(self._dead))
+            self._waiting.clear()
+
+    async def _drain(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        while chunk := await self.proc.stderr.read(4096):
+            self._stderr = (self._stderr + chunk)[-4096:]
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None and not self._dead
+
+    async def _read(self, timeout: float | None) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdout is not None
+        try:
+            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        except asyncio.TimeoutError:
+            raise WorkspaceError(f"mount helper did not answer within {timeout:g}s") from None
+        if not line:
+            await asyncio.sleep(0.01)
+            raise WorkspaceError(f"mount helper exited: {self._stderr.decode(errors='replace').strip()}")
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    async def call(self, req: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+        if not self.alive or self._dead:
+            raise WorkspaceError(f"the mount helper is not running {self._dead}".strip())
+        assert self.proc is not None and self.proc.stdin is not None
+        self._next_id += 1
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._waiting[self._next_id] = future
+        self.proc.stdin.write(json.dumps({**req, "id": self._next_id}).encode() + b"\n")
+        try:
+            await self.proc.stdin.drain()
+            reply = await asyncio.wait_for(asyncio.shield(future), timeout)
+        except asyncio.TimeoutError:
+            raise WorkspaceError(f"mount helper did not answer within {timeout:g}s") from None
+        except ConnectionError as exc:
+            raise WorkspaceError(f"mount helper pipe closed: {exc}") from None
+        if not reply.get("ok"):
+            raise WorkspaceError(f"mount helper: {reply.get('error')}")
+        result: dict[str, Any] = reply["result"]
+        return result
+
+    def mounts(self) -> list[MountEntry]:
+        return read_mountinfo(self.pid)
+
+    def proc_path(self, path: Path) -> str:
+        """The path as seen inside the namespace (for the host, which lives outside it)."""
+        return f"/proc/{self.pid}/root{path}"
+
+    def launcher(self, uid: int | None) -> list[str]:
+        """argv prefix that starts a program inside the namespace (dropping to ``uid`` as root)."""
+        if self.mode == "root":
+            assert uid is not None, "a root host always runs slots as their own uid"
+            return [self.nsenter, f"--mount=/proc/{self.pid}/ns/mnt", f"--setuid={uid}", f"--setgid={uid}", "--"]
+        return [self.nsenter, f"--user=/proc/{self.pid}/ns/user", f"--mount=/proc/{self.pid}/ns/mnt",
+                "--preserve-credentials", "--"]
+
+    async def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.returncode is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+                await asyncio.wait_for(self.proc.wait(), 5)
+            except (asyncio.TimeoutError, ConnectionError):
+                self.proc.kill()
+                await self.proc.wait()
+        for task in (self._stderr_task, self._reader):
+            if task is not None:
+                task.cancel()
+
+
+# -- templates ---------------------------------------------------------------------------------
+@dataclass
+class Template:
+    id: str
+    name: str
+    source: str
+    tree: Path
+    summary: TreeSummary
+    created_at: float
+    prepare_ms: float
+    users: set[int] = field(default_factory=set)  # slot indices whose workspace is built on it
+    readers: int = 0  # archive downloads in progress
+
+    def info(self) -> TemplateInfo:
+        s = self.summary
+        return TemplateInfo(id=self.id, name=self.name, source=self.source, created_at=self.created_at,
+                            files=s.files, dirs=s.dirs, others=s.others, bytes=s.bytes, tree_hash=s.tree_hash,
+                            prepare_ms=round(self.prepare_ms, 3), users=sorted(self.users))
+
+
+class TemplateStore:
+    """Templates of one host. The directory is private to the host user (0700): on a root host
+    no slot uid can even reach it; overlays read it with the mounter's credentials."""
+
+    def __init__(self, root: Path, owner: int | None, trash: Path) -> None:
+        self.dir = root / "templates"
+        self.owner = owner
+        self.trash = trash
+        self.templates: dict[str, Template] = {}
+
+    def prepare(self) -> None:
+        self.dir.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+        for entry in self.dir.iterdir():  # templates never survive a host restart
+            self.trash.mkdir(exist_ok=True)
+            os.rename(entry, self.trash / f"template-{entry.name}-{secrets.token_hex(4)}")
+
+    def new_dir(self) -> tuple[str, Path]:
+        tid = f"tpl-{secrets.token_hex(6)}"
+        d = self.dir / tid
+        d.mkdir(mode=0o700)
+        return tid, d
+
+    def abandon(self, d: Path) -> None:
+        if d.exists():
+            self.trash.mkdir(exist_ok=True)
+            os.rename(d, self.trash / f"template-{d.name}-{secrets.token_hex(4)}")
+
+    def get(self, tid: str) -> Template:
+        try:
+            return self.templates[tid]
+        except KeyError:
+            raise UnknownTemplate(f"unknown template {tid!r}") from None
+
+    def delete(self, tid: str) -> None:
+        t = self.get(tid)
+        if t.users or t.readers:
+            who = f"slot(s) {sorted(t.users)}" if t.users else f"{t.readers} archive download(s)"
+            raise TemplateInUse(f"template {tid} is in use by {who}; reset or release them first")
+        del self.templates[tid]
+        self.abandon(t.tree.parent)
+
+
+def source_dir_allowed(path: str, allowed: list[Path]) -> Path:
+    """Resolve a host path and require it under one of the configured source directories."""
+    if not allowed:
+        raise TemplateSourceError("this host accepts no host directories as template sources "
+                                  "(start it with --template-source-dir)")
+    real = Path(os.path.realpath(path))
+    for root in allowed:
+        root_real = Path(os.path.realpath(root))
+        if real == root_real or root_real in real.parents:
+            return real
+    raise TemplateSourceError(f"{path} is not under an allowed template source directory")
+
+
+# -- the host's workspace service --------------------------------------------------------------
+class Workspaces:
+    """Decides overlay vs copy mode, owns the mount namespace and the template store, and makes
+    templates from host-side sources. Slot-side fork/reset logic lives in ``slot.py``."""
+
+    def __init__(self, cfg: Any, root: Path, *, owner: int | None, probe_uid: int | None, trash: Path) -> None:
+        self.cfg = cfg
+        self.root = root
+        self.owner = owner  # uid owning template files on a root host (no slot runs as it)
+        self.probe_uid = probe_uid
+        self.store = TemplateStore(root, owner, trash)
+        self.mode: WorkspaceMode = "copy"
+        self.detail = ""
+        self.ns: MountNamespace | None = None
+        self.fork_probe_ms: float | None = None
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.store.prepare)
+        wanted = self.cfg.workspace_mode
+        if wanted == "copy":
+            self._fallback("copy mode forced by configuration (--workspace-mode copy)", warn=False)
+            return
+        if self.cfg.unsafe_no_isolation:
+            self._fallback("no overlays without isolation (--unsafe-no-isolation)", warn=False)
+            return
+        try:
+            nsenter = shutil.which("nsenter", path=TOOL_PATH)
+            if nsenter is None:
+                raise WorkspaceError("nsenter (util-linux) not found")
+            # The helper is stdlib-only: run it with the sandbox's system python from a copy in
+            # the data dir, both reachable by whatever uid the host runs as.
+            script = self.root / "mounthelper.py"
+            tmp = script.with_name(script.name + ".tmp")
+            tmp.write_bytes(HELPER.read_bytes())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, script)
+            ns = MountNamespace("root" if os.geteuid() == 0 else "userns", nsenter, self.cfg.python, script)
+            await ns.start()
+            try:
+                probe_dir = self.root / f"probe-{secrets.token_hex(4)}"
+                idmap = [self.owner, self.probe_uid] if ns.mode == "root" else None
+                result = await ns.call({"op": "probe", "dir": str(probe_dir), "idmap": idmap})
+            except WorkspaceError:
+                await ns.stop()
+                raise
+        except (WorkspaceError, OSError, ValueError) as exc:
+            if wanted == "overlay":
+                raise WorkspaceError(f"overlay workspaces unavailable (--workspace-mode overlay): {exc}") from exc
+            self._fallback(f"overlayfs unavailable: {exc}", warn=True)
+            return
+        self.ns = ns
+        self.mode = "overlay"
+        self.fork_probe_ms = float(result.get("fork_ms", 0.0))
+        how = ("idmapped template layers in a private mount namespace" if ns.mode == "root"
+               else "unprivileged user+mount namespace, userxattr")
+        self.detail = f"overlayfs copy-on-write forks ({how}); probe fork {self.fork_probe_ms} ms"
+        log.info("workspace: %s", self.detail)
+
+    def _fallback(self, why: str, *, warn: bool) -> None:
+        self.mode, self.ns, self.detail = "copy", None, why
+        (log.warning if warn else log.info)(
+            "workspace: %s; template forks are full copies (cp -a --reflink=auto into a fresh dir), "
+            "slower and using disk per fork", why)
+
+    async def stop(self) -> None:
+        if self.ns is not None:
+            await self.ns.stop()
+
+    def problem(self) -> str:
+        """Non-empty when forks cannot work any more (the mount helper died)."""
+        if self.mode == "overlay" and (self.ns is None or not self.ns.alive):
+            return "the workspace mount helper died; forked slots cannot be reset"
+        return ""
+
+    def mount_count(self) -> int | None:
+        """Mounts below the data dir in the workspace namespace: two per forked slot, no more."""
+        if self.ns is None or not self.ns.alive:
+            return None
+        prefix = os.path.realpath(self.root) + "/"
+        try:
+            return sum(1 for m in self.ns.mounts() if m.mountpoint.startswith(prefix))
+        except OSError:
+            return None
+
+    # -- building templates ----------------------------------------------------------------
+    async def build(self, source: str, name: str, fill: Any) -> Template:
+        """Make a template: ``fill(tree)`` creates ``tree`` (which does not exist yet)."""
+        t0 = time.perf_counter()
+        tid, d = self.store.new_dir()
+        tree = d / "tree"
+        try:
+            try:
+                await fill(tree)
+            except WorkspaceError as exc:
+                if source == "slot":
+                    raise
+                raise TemplateBuildFailed(str(exc)) from exc
+            summary = await asyncio.to_thread(self._seal, tree)
+        except BaseException:
+            await asyncio.to_thread(self.store.abandon, d)
+            raise
+        template = Template(tid, name, source, tree, summary, time.time(), (time.perf_counter() - t0) * 1000)
+        self.store.templates[tid] = template
+        log.info("template %s (%s%s): %d files, %d dirs, %.1f MB, hash %s, %.0f ms", tid, source,
+                 f" {name!r}" if name else "", summary.files, summary.dirs, summary.bytes / 1e6,
+                 summary.tree_hash[:12], template.prepare_ms)
+        return template
+
+    def _seal(self, tree: Path) -> TreeSummary:
+        st = os.lstat(tree)
+        if not stat.S_ISDIR(st.st_mode):
+            raise TemplateSourceError("the template source is not a directory")
+        summary = walk_tree(tree, chown_to=self.owner)
+        if self.owner is not None:
+            os.chown(tree, self.owner, self.owner)
+        os.chmod(tree, 0o755)
+        return summary
+
+    def _new_tree(self, tree: Path) -> None:
+        tree.mkdir(mode=0o755)
+        if self.owner is not None:
+            os.chown(tree, self.owner, self.owner)
+
+    async def from_dir(self, path: str, name: str) -> Template:
+        src = source_dir_allowed(path, self.cfg.template_source_dirs)
+        if not src.is_dir():
+            raise TemplateSourceError(f"{path} is not a directory")
+
+        async def fill(tree: Path) -> None:
+            await copy_tree(src, tree, timeout=self.cfg.max_timeout_s * 6)
+
+        return await self.build("dir", name, fill)
+
+    async def from_git(self, url: str, ref: str | None, depth: int | None, name: str) -> Template:
+        local = url.startswith("/") or url.startswith("file://")
+        if local:
+            src = source_dir_allowed(url.removeprefix("file://"), self.cfg.template_source_dirs)
+            url, user = str(src), None  # an operator-allowed directory: read it as the host user
+        else:
+            scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+            if scheme not in ("https", "http", "git"):
+                raise TemplateSourceError("git URLs must be https://, http://, git:// or an allowed local path")
+            user = self.owner  # untrusted remote content: clone as the unprivileged template uid
+        if ref is not None and ref.startswith("-"):
+            raise TemplateSourceError("invalid git ref")
+        config = ["-c", "protocol.allow=never", "-c", "protocol.https.allow=always", "-c", "protocol.http.allow=always",
+                  "-c", "protocol.git.allow=always", "-c", "safe.directory=*", "-c", "core.hooksPath=/dev/null"]
+        if local:
+            config += ["-c", "protocol.file.allow=always"]
+        clone = ["git", *config, "clone", "--quiet", "--no-hardlinks"]
+        if depth is not None:
+            clone += ["--depth", str(depth)]
+            if ref is not None:
+                clone += ["--branch", ref]
+        env = {"PATH": TOOL_PATH, "LANG": "C.UTF-8", "HOME": "/nonexistent", "GIT_CONFIG_NOSYSTEM": "1",
+               "GIT_TERMINAL_PROMPT": "0", "GIT_ASKPASS": "/bin/false", "GIT_SSH_COMMAND": "/bin/false"}
+        timeout = self.cfg.max_timeout_s
+
+        async def fill(tree: Path) -> None:
+            self._new_tree(tree)
+            await run_tool([*clone, "--", url, "."], timeout=timeout, user=user, cwd=tree, env=env)
+            if ref is not None and depth is None:
+                await run_tool(["git", *config, "checkout", "--quiet", "--detach", ref, "--"], timeout=timeout,
+                               user=user, cwd=tree, env=env)
+
+        return await self.build("git", name, fill)
+
+    async def from_tar(self, stream: AsyncIterable[bytes], name: str, *, gzip: bool) -> Template:
+        async def fill(tree: Path) -> None:
+            self._new_tree(tree)
+            # Extracted as an unprivileged uid (root hosts) with GNU tar's defaults: no absolute
+            # or `..` member names, links that point out are created last.
+            argv = ["tar", "-x", "-f", "-", "--same-permissions", "--no-same-owner", "--delay-directory-restore"]
+            if gzip:
+                argv.insert(2, "-z")
+            await run_tool(argv, timeout=self.cfg.max_timeout_s * 6, user=self.owner, cwd=tree, stdin=stream)
+
+        return await self.build("tar", name, fill)
+
+    async def archive(self, template: Template) -> AsyncIterator[bytes]:
+        """Stream the template as an uncompressed POSIX tar (for shipping it to another host)."""
+        template.readers += 1
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                "tar", "-c", "-f", "-", "--format=posix", "--numeric-owner", "-C", str(template.tree), ".",
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                env={"PATH": TOOL_PATH, "LANG": "C.UTF-8"},
+            )
+            assert proc.stdout is not None and proc.stderr is not None
+            try:
+                while chunk := await proc.stdout.read(1 << 20):
+                    yield chunk
+                err = await proc.stderr.read()
+                if await proc.wait() != 0:
+                    raise WorkspaceError(f"tar of template {template.id} failed: {err.decode(errors='replace')}")
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+        finally:
+            template.readers -= 1
