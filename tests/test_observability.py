@@ -122,3 +122,32 @@ async def test_json_logs_carry_ids_and_never_the_token(server: str) -> None:
     assert calls and all(c["trajectory_id"] == "log-traj" and c["call_id"] and c["lease"] for c in calls)
     text = stream.getvalue()
     assert TOKEN not in text and lid not in text
+
+
+async def test_host_metrics_after_known_activity(host) -> None:  # type: ignore[no-untyped-def]
+    client = host.client()
+    headers = {"Authorization": f"Bearer {host.token}"}
+    async with httpx.AsyncClient(base_url=host.address, timeout=60) as http:
+        assert (await http.get("/metrics")).status_code == 401  # host metrics need the token
+        before = scrape((await http.get("/metrics", headers=headers)).text)
+        lease = await client.lease("metrics-traj")
+        from atropos.sandbox.protocol import ToolCall
+
+        for i in range(2):
+            await client.call(ToolCall(id=str(i), slot=lease.slot, lease=lease.lease, tool="bash",
+                                       args={"command": "true"}))
+        await client.call(ToolCall(id="x", slot=lease.slot, lease=lease.lease, tool="read_file",
+                                   args={"path": "missing"}))
+        await client.release(lease.slot, lease.lease)
+        after = scrape((await http.get("/metrics", headers=headers)).text)
+    await client.aclose()
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("atropos_host_calls_total", tool="bash", outcome="ok") == 2
+    assert delta("atropos_host_calls_total", tool="read_file", outcome="not_found") == 1
+    assert delta("atropos_host_call_seconds_count", tool="bash") == 2
+    assert delta("atropos_host_leases_total") == 1
+    assert delta("atropos_host_resets_total", result="ok") == 1

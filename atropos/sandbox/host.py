@@ -19,7 +19,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from atropos import __version__
+from atropos import __version__, metrics
 from atropos.errors import IsolationUnavailable, LeaseError, SlotUnavailable, ToolError
 from atropos.sandbox import seccomp
 from atropos.sandbox.config import HostConfig
@@ -175,6 +175,7 @@ class SandboxHost:
                      "hard_output": 1 << 20}, timeout=15,
                 )
                 exec_ms = (time.perf_counter() - t0) * 1000
+                metrics.HOST_HEALTH_SECONDS.observe(exec_ms / 1000)
                 if not frame.get("ok") or frame["result"].get("exit_code") != 0:
                     ok, detail = False, f"health exec failed: {frame}"
             except SandboxDied as exc:
@@ -236,6 +237,7 @@ class SandboxHost:
             await slot.stop_sandboxes()  # the warm sandbox has no network; restart on first use
         elif template is not None and not req.network:
             self._schedule_prewarm(slot)
+        metrics.HOST_LEASES.inc()
         log.info("lease slot=%d generation=%d trajectory=%s template=%s", slot.index, slot.generation,
                  req.trajectory_id, req.template)
         return info
@@ -255,6 +257,7 @@ class SandboxHost:
         async with self._resetting(), slot.lock:
             ok, detail = await slot.reset(template)
         self._schedule_trash()
+        metrics.HOST_RESETS.labels("ok" if ok else "quarantined").inc()
         result = ResetResult(slot=index, ok=ok, quarantined=not ok, detail=detail,
                              duration_ms=round((time.perf_counter() - t0) * 1000, 3),
                              template=req.template if ok else None, verified=slot.last_verified if ok else "")
@@ -384,7 +387,11 @@ class SandboxHost:
             result.error = ErrorInfo(code="invalid_arguments", message=str(exc), status=422)
         except SandboxDied as exc:
             result.error = ErrorInfo(code="sandbox_failed", message=str(exc), status=503)
-        result.duration_ms = round((time.perf_counter() - t0) * 1000, 3)
+        elapsed = time.perf_counter() - t0
+        result.duration_ms = round(elapsed * 1000, 3)
+        outcome = "ok" if result.ok else (result.error.code if result.error else "error")
+        metrics.HOST_CALLS.labels(call.tool, outcome).inc()
+        metrics.HOST_CALL_SECONDS.labels(call.tool).observe(elapsed)
         return result
 
     async def _request(self, slot: Slot, payload: dict[str, Any], timeout: float) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from atropos import __version__
+from atropos import __version__, metrics
 from atropos.asgi import ASGIApp, Receive, RequestGuard, Send, http_error, install_error_handlers
 from atropos.errors import LeaseError, SlotUnavailable
 from atropos.sandbox.host import SandboxHost
@@ -76,6 +76,12 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
     async def health() -> JSONResponse:
         info = await host.health()
         return JSONResponse(info.model_dump(), status_code=200 if info.ok else 503)
+
+    @app.get("/metrics", dependencies=deps, response_class=Response)
+    async def prometheus() -> Response:
+        """Prometheus metrics of this host (needs the token like every host route)."""
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/slots", response_model=list[SlotInfo], dependencies=deps)
     async def slots() -> list[SlotInfo]:
