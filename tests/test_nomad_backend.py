@@ -260,8 +260,9 @@ async def test_pool_scales_up_and_down(fake: FakeNomad) -> None:
                     and set(allocs) == set(pool.hosts) | set(backend.spare_ids()))
 
         await until(settled, what="dropped hosts stopped")
-        running = fake.driver.running_pids()  # type: ignore[attr-defined]
-        assert len(running) == job_count(fake, job_id)
+        # a stopped allocation's process takes a moment to exit (SIGTERM, then the kill timeout)
+        await until(lambda: len(fake.driver.running_pids()) == job_count(fake, job_id),  # type: ignore[attr-defined]
+                    timeout=20, what="stopped hosts' processes to exit")
         spares = len(backend.spare_ids())
 
         # Demand again: spares are adopted first (warm, no scale call), then the group scales.
