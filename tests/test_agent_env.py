@@ -9,22 +9,19 @@ decode back to the conversation with exactly the assistant turns trainable.
 from __future__ import annotations
 
 import asyncio
-import json
-import time
 from typing import Any
 
 import pytest
 
 pytest.importorskip("atroposlib")
 
-from atroposlib.envs.base import APIServerConfig
-from atroposlib.envs.server_handling.server_baseline import APIServer
 from openai.types.chat import ChatCompletion
 
 from atropos.agent.tokens import IGNORE
 from atropos.envs.agent_env import AgentEnvConfig
 from atropos.envs.examples.coding import TASKS, CodingEnv
 from atropos.errors import HostUnavailable
+from tests.scripted import ScriptedServer, call, reply, server_configs
 
 SOLUTIONS = {
     "add": "def add(a, b):\n    return a + b\n",
@@ -32,56 +29,33 @@ SOLUTIONS = {
 }
 
 
-def completion(text: str) -> ChatCompletion:
-    return ChatCompletion.model_validate({
-        "id": "scripted", "object": "chat.completion", "created": int(time.time()), "model": "scripted",
-        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}],
-    })
-
-
-def call(name: str, **arguments: Any) -> str:
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
-
-
-class ScriptedPolicy(APIServer):
+class ScriptedPolicy(ScriptedServer):
     """honest: write the right solution, run the visible test, answer. cheat: wrong code + edited test."""
 
     mode = "honest"
 
-    async def check_server_status_task(self, chat_completion: bool = True) -> None:
-        self.server_healthy = True
-
-    async def _completion_wrapper(self, **kwargs: Any) -> Any:
-        raise NotImplementedError
-
-    async def _tokens_and_logprobs_completion_wrapper(self, **kwargs: Any) -> Any:
-        raise NotImplementedError
-
-    async def _chat_completion_wrapper(self, **kwargs: Any) -> ChatCompletion:
-        messages = kwargs["messages"]
+    async def respond(self, messages: list[dict[str, Any]]) -> ChatCompletion:
         task = messages[1]["content"]
         name = next(t["name"] for t in TASKS if f"`{t['name']}(" in task)
         turns = sum(1 for m in messages if m["role"] == "assistant")
         if self.mode == "broken" and turns == 0:
-            return completion('<tool_call>{"name": "bash", "arguments": {"command": "ls"</tool_call>')
+            return reply('<tool_call>{"name": "bash", "arguments": {"command": "ls"</tool_call>')
         if turns == 0 or (self.mode == "broken" and turns == 1):
             if self.mode == "cheat":
-                return completion(call("write_file", path="solution.py",
-                                       content=f"def {name}(*a):\n    return None\n"))
-            return completion(call("write_file", path="solution.py", content=SOLUTIONS[name]))
+                return call("write_file", path="solution.py", content=f"def {name}(*a):\n    return None\n")
+            return call("write_file", path="solution.py", content=SOLUTIONS[name])
         if turns == 1 or (self.mode == "broken" and turns == 2):
             if self.mode == "cheat":
-                return completion(call("write_file", path="test_visible.py", content="print('ok')\n"))
-            return completion(call("bash", command="python3 test_visible.py"))
-        return completion("Done: implemented and tested.")
+                return call("write_file", path="test_visible.py", content="print('ok')\n")
+            return call("bash", command="python3 test_visible.py")
+        return reply("Done: implemented and tested.")
 
 
 def make_env(tokenizer_dir: str, mode: str = "honest", group_size: int = 2) -> CodingEnv:
     cfg = AgentEnvConfig(tokenizer_name=tokenizer_dir, group_size=group_size, use_wandb=False, wandb_name="t",
                          slots_per_host=4, max_hosts=1, agent_max_steps=5, enabled_toolsets=["shell", "files"],
                          ensure_scores_are_not_same=False, tool_batch_window_ms=5)
-    servers = [APIServerConfig(model_name="scripted", base_url="http://127.0.0.1:9/v1", api_key="x",
-                               health_check=False)]
+    servers = server_configs()
     policy = type("Policy", (ScriptedPolicy,), {"mode": mode})
     env_cls = type("TestCodingEnv", (CodingEnv,), {"server_cls": policy})
     env = env_cls(cfg, servers, slurm=False, testing=False)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from pathlib import Path
 from typing import Any
 
@@ -12,12 +11,11 @@ import pytest
 
 pytest.importorskip("atroposlib")
 
-from atroposlib.envs.base import APIServerConfig
-from atroposlib.envs.server_handling.server_baseline import APIServer
 from openai.types.chat import ChatCompletion
 
 from atropos.envs.agent_env import AgentEnvConfig
 from atropos.envs.examples.files import FilesEnv, make_task
+from tests.scripted import ScriptedServer, call, reply, server_configs
 
 SOLVE = {
     "count_lines": "mkdir -p reports && wc -l < data.csv | tr -d ' ' > reports/summary.txt",
@@ -27,40 +25,23 @@ SOLVE = {
 }
 
 
-def reply(text: str) -> ChatCompletion:
-    return ChatCompletion.model_validate({
-        "id": "s", "object": "chat.completion", "created": int(time.time()), "model": "s",
-        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}]})
-
-
-class Solver(APIServer):
+class Solver(ScriptedServer):
     wrong = False
 
-    async def check_server_status_task(self, chat_completion: bool = True) -> None:
-        self.server_healthy = True
-
-    async def _completion_wrapper(self, **kwargs: Any) -> Any:
-        raise NotImplementedError
-
-    async def _tokens_and_logprobs_completion_wrapper(self, **kwargs: Any) -> Any:
-        raise NotImplementedError
-
-    async def _chat_completion_wrapper(self, **kwargs: Any) -> ChatCompletion:
-        messages = kwargs["messages"]
+    async def respond(self, messages: list[dict[str, Any]]) -> ChatCompletion:
         if any(m["role"] == "tool" for m in messages):
             return reply("done")
         task = messages[1]["content"]
         kind = ("count_lines" if "data.csv" in task else "sum_numbers" if "numbers.txt" in task else "rename_logs")
         command = "echo 0 > total.txt; mkdir -p reports; echo 0 > reports/summary.txt" if self.wrong else SOLVE[kind]
-        return reply("<tool_call>\n" + json.dumps({"name": "bash", "arguments": {"command": command}}) +
-                     "\n</tool_call>")
+        return call("bash", command=command)
 
 
 def make_env(tokenizer_dir: str, wrong: bool, eval_dir: Path | None = None) -> FilesEnv:
     cfg = AgentEnvConfig(tokenizer_name=tokenizer_dir, group_size=2, use_wandb=False, wandb_name="f",
                          slots_per_host=6, max_hosts=1, agent_max_steps=3, ensure_scores_are_not_same=False,
                          data_dir_to_save_evals=str(eval_dir) if eval_dir else None)
-    servers = [APIServerConfig(model_name="s", base_url="http://127.0.0.1:9/v1", api_key="x", health_check=False)]
+    servers = server_configs()
     env_cls = type("T", (FilesEnv,), {"server_cls": type("S", (Solver,), {"wrong": wrong})})
     env = env_cls(cfg, servers, slurm=False, testing=False)
     env.rng = random.Random(5)

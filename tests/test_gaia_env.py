@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +11,6 @@ import pytest
 
 pytest.importorskip("atroposlib")
 
-from atroposlib.envs.base import APIServerConfig
-from atroposlib.envs.server_handling.server_baseline import APIServer
 from openai.types.chat import ChatCompletion
 
 from atropos.envs.examples.gaia import (
@@ -25,6 +22,7 @@ from atropos.envs.examples.gaia import (
     normalize,
 )
 from atropos.errors import ConfigError
+from tests.scripted import ScriptedServer, call, reply, server_configs
 
 SOLVERS = {
     "sales.csv": "python3 -c \"import csv; rows=list(csv.DictReader(open('sales.csv'))); "
@@ -34,28 +32,8 @@ SOLVERS = {
 }
 
 
-def reply(text: str) -> ChatCompletion:
-    return ChatCompletion.model_validate({
-        "id": "s", "object": "chat.completion", "created": int(time.time()), "model": "s",
-        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}]})
-
-
-def call(name: str, **args: Any) -> ChatCompletion:
-    return reply("<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>")
-
-
-class Researcher(APIServer):
-    async def check_server_status_task(self, chat_completion: bool = True) -> None:
-        self.server_healthy = True
-
-    async def _completion_wrapper(self, **kwargs: Any) -> Any:
-        raise NotImplementedError
-
-    async def _tokens_and_logprobs_completion_wrapper(self, **kwargs: Any) -> Any:
-        raise NotImplementedError
-
-    async def _chat_completion_wrapper(self, **kwargs: Any) -> ChatCompletion:
-        messages = kwargs["messages"]
+class Researcher(ScriptedServer):
+    async def respond(self, messages: list[dict[str, Any]]) -> ChatCompletion:
         question = messages[1]["content"]
         tool_msgs = [m["content"] for m in messages if m["role"] == "tool"]
         if not tool_msgs:
@@ -104,7 +82,7 @@ async def test_attachments_and_web_search_score_in_the_slot(tokenizer_dir: str) 
     cfg = GaiaEnvConfig(tokenizer_name=tokenizer_dir, group_size=1, use_wandb=False, wandb_name="g",
                         slots_per_host=4, max_hosts=1, agent_max_steps=4, tool_server_url="inprocess",
                         enabled_toolsets=["shell", "files"], ensure_scores_are_not_same=False)
-    servers = [APIServerConfig(model_name="s", base_url="http://127.0.0.1:9/v1", api_key="x", health_check=False)]
+    servers = server_configs()
     env = type("G", (GaiaEnv,), {"server_cls": Researcher})(cfg, servers, slurm=False, testing=False)
     await env.setup()
     try:
@@ -120,22 +98,12 @@ async def test_attachments_and_web_search_score_in_the_slot(tokenizer_dir: str) 
         await env.shutdown_sandbox()
 
 
-class Searcher(APIServer):
+class Searcher(ScriptedServer):
     """Searches the question, answers with the ground truth only if the search results contain it."""
 
     answers: dict[str, str] = {}
 
-    async def check_server_status_task(self, chat_completion: bool = True) -> None:
-        self.server_healthy = True
-
-    async def _completion_wrapper(self, **kwargs: Any) -> Any:
-        raise NotImplementedError
-
-    async def _tokens_and_logprobs_completion_wrapper(self, **kwargs: Any) -> Any:
-        raise NotImplementedError
-
-    async def _chat_completion_wrapper(self, **kwargs: Any) -> ChatCompletion:
-        messages = kwargs["messages"]
+    async def respond(self, messages: list[dict[str, Any]]) -> ChatCompletion:
         question = messages[1]["content"]
         tools = [m["content"] for m in messages if m["role"] == "tool"]
         if not tools:
@@ -150,7 +118,7 @@ async def test_search_env_rewards_answers_found_through_offline_search(tokenizer
     cfg = SearchEnvConfig(tokenizer_name=tokenizer_dir, group_size=1, use_wandb=False, wandb_name="s",
                           slots_per_host=2, max_hosts=1, agent_max_steps=3, tool_server_url="inprocess",
                           enabled_toolsets=[], ensure_scores_are_not_same=False)
-    servers = [APIServerConfig(model_name="s", base_url="http://127.0.0.1:9/v1", api_key="x", health_check=False)]
+    servers = server_configs()
     env = type("S", (SearchEnv,), {"server_cls": Searcher})(cfg, servers, slurm=False, testing=False)
     await env.setup()
     Searcher.answers = {t["question"]: t["answer"] for t in env.tasks}
