@@ -110,8 +110,11 @@ def parse_openai(message: dict[str, Any]) -> ParseResult:
     """From an OpenAI chat message with ``tool_calls`` (arguments are JSON strings there)."""
     result = ParseResult(content=strip_reasoning(str(message.get("content") or "")).strip())
     for i, tc in enumerate(message.get("tool_calls") or []):
-        fn = (tc or {}).get("function") or {}
-        call = _call_from_obj({"name": fn.get("name"), "arguments": fn.get("arguments")}, i, tc.get("id"))
+        fn = tc.get("function") if isinstance(tc, dict) else None
+        if not isinstance(fn, dict):
+            result.errors.append(f"tool call #{i + 1}: expected an object with a \"function\" object")
+            continue
+        call = _call_from_obj({"name": fn.get("name"), "arguments": fn.get("arguments")}, i, str(tc.get("id") or ""))
         if isinstance(call, str):
             result.errors.append(call)
         else:

@@ -86,6 +86,7 @@ def _os_failure(exc: OSError, path: str) -> ToolFailure:
         errno.ENOSPC: ("no_space", f"{path}: no space left in the workspace"),
         errno.EFBIG: ("too_large", f"{path}: file size limit reached"),
         errno.EEXIST: ("exists", f"{path}: already exists"),
+        errno.ENXIO: ("not_regular", f"{path}: not a regular file (a FIFO or device)"),
     }
     code, message = codes.get(exc.errno or 0, ("os_error", f"{path}: {exc.strerror}"))
     return ToolFailure(code, message)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from atropos.backends.base import HostInfo
-from atropos.errors import HostUnavailable, LeaseError, ResetFailed
+from atropos.errors import HostUnavailable, InfrastructureError, LeaseError, ResetFailed, ToolError
 from atropos.sandbox.client import HostClient
 from atropos.sandbox.protocol import CallResult, ResetResult, TemplateInfo, ToolCall
 
@@ -128,15 +128,16 @@ class Lease:
         self.calls += 1
         self.pool.count_call()
         try:
-            return await self.host.guard(self.host.client.call(call))
+            result = await self.host.guard(self.host.client.call(call))
         except HostUnavailable:
             self.pool.suspect(self.host)
             raise
+        if result.error is not None and result.error.code == "sandbox_failed":
+            raise InfrastructureError(result.error.message)  # the platform failed, not the tool
+        return result
 
     async def ok(self, tool: str, args: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
-        """Like ``call`` but raise ToolError-style LeaseError-free exceptions on a failed tool."""
-        from atropos.errors import ToolError
-
+        """Like ``call``, but a failed tool raises ToolError and only the structured result is returned."""
         result = await self.call(tool, args, **kw)
         if not result.ok or result.result is None:
             assert result.error is not None

@@ -224,6 +224,9 @@ class ToolExecutor:
                 result = await fut
                 if result.error is not None and result.error.code == "lease_invalid":
                     raise LeaseError(result.error.message)
+                if result.error is not None and result.error.code == "sandbox_failed":
+                    # the slot's sandbox did not answer or start: the platform's failure, not the model's
+                    raise InfrastructureError(result.error.message)
                 ok, text = format_result(call.name, result)
                 outcomes[i] = ToolOutcome(call_id=call.id, name=call.name, ok=ok, content=text, raw=result.result,
                                           duration_ms=result.duration_ms)
@@ -234,6 +237,11 @@ class ToolExecutor:
         return done
 
     def _queue(self, host: PoolHost) -> _HostQueue:
+        for host_id, stale in list(self._queues.items()):  # forget hosts that died or were removed
+            if stale.host.dead.is_set() or host_id not in self.pool.hosts:
+                if not stale.items:
+                    stale.task.cancel()
+                    del self._queues[host_id]
         queue = self._queues.get(host.id)
         if queue is None or queue.host is not host:
             queue = self._queues[host.id] = _HostQueue(self, host)

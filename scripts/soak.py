@@ -1,0 +1,300 @@
+#!/usr/bin/env python3
+"""Soak: random trajectories through a ToolExecutor on the local backend for a while, with figures.
+
+Each of ``--concurrency`` workers loops: a new trajectory leases a slot (on its first call), makes
+1-20 calls drawn from bash / write_file / read_file / terminal, checks every result, and releases.
+Every ``--report-every`` seconds it prints throughput, p50/p99 call latency, and the RSS of this
+process and of the hosts (server process, and the whole tree with its sandboxes). At the end it
+checks the invariants: every result correct, no infrastructure error, no lease held, no slot leased
+twice, nothing quarantined, and nothing of the pool left once it stopped.
+
+    .venv/bin/python scripts/soak.py                       # 10 minutes
+    .venv/bin/python scripts/soak.py --duration 60
+    .venv/bin/python scripts/soak.py --trajectories 1000 --concurrency 1000 --calls 10 --tools bash
+        # the 1,000 x 10 load (tests/test_executor.py) with memory figures
+
+Exit status 0 when every invariant holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import resource
+import secrets
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from atropos.backends.local import LocalBackend, LocalBackendConfig  # noqa: E402
+from atropos.errors import InfrastructureError  # noqa: E402
+from atropos.slots.audit import double_leases  # noqa: E402
+from atropos.slots.config import PoolConfig  # noqa: E402
+from atropos.slots.pool import SlotPool  # noqa: E402
+from atropos.tools.executor import AgentToolCall, ExecutorConfig, ToolExecutor  # noqa: E402
+from tests.pool_backends import DATA_ROOT  # noqa: E402
+from tests.test_chaos import eventually, pool_leftovers  # noqa: E402
+
+TOOLS = ("bash", "write_file", "read_file", "terminal")
+
+
+def vm_kb(pid: int | str, key: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@dataclass
+class Stats:
+    trajectories: int = 0
+    calls: int = 0
+    wrong: int = 0
+    infra: int = 0
+    other: int = 0
+    by_tool: Counter[str] = field(default_factory=Counter)
+    latencies: list[float] = field(default_factory=list)  # ms, since the last report
+    all_latencies: list[float] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    peak_host_kb: int = 0
+    peak_tree_kb: int = 0
+
+    def problem(self, text: str) -> None:
+        if len(self.problems) < 30:
+            self.problems.append(text)
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.pool_id = f"soak{secrets.token_hex(3)}"
+        self.backend = LocalBackend(LocalBackendConfig(
+            slots_per_host=args.slots, pool_id=self.pool_id, data_root=DATA_ROOT, max_timeout_s=120))
+        self.pool = SlotPool(self.backend, PoolConfig(
+            pool_id=self.pool_id, min_hosts=args.hosts, max_hosts=args.hosts, lease_timeout_s=3600,
+            health_interval_s=2.0))
+        self.ex = ToolExecutor(self.pool, cfg=ExecutorConfig(lease_timeout_s=3600))
+        self.stats = Stats()
+        self.tools = [t.strip() for t in args.tools.split(",")]
+        self.started = 0.0
+        self.stop = asyncio.Event()
+
+    # -- one trajectory -----------------------------------------------------------------------
+    async def call(self, tid: str, name: str, arguments: dict[str, Any]) -> str | None:
+        t0 = time.perf_counter()
+        try:
+            out = await self.ex.execute(tid, AgentToolCall(id="c", name=name, arguments=arguments))
+        except InfrastructureError as exc:
+            self.stats.infra += 1
+            self.stats.problem(f"{tid} {name}: infrastructure error {exc}")
+            return None
+        except Exception as exc:
+            self.stats.other += 1
+            self.stats.problem(f"{tid} {name}: {type(exc).__name__}: {exc}")
+            return None
+        ms = (time.perf_counter() - t0) * 1000
+        self.stats.latencies.append(ms)
+        self.stats.all_latencies.append(ms)
+        self.stats.calls += 1
+        self.stats.by_tool[name] += 1
+        if not out.ok:
+            self.stats.wrong += 1
+            self.stats.problem(f"{tid} {name}{arguments}: failed: {out.content[:200]}")
+            return None
+        return out.content
+
+    async def trajectory(self, tid: str) -> None:
+        rng = self.rng
+        written: dict[str, str] = {}
+        n = self.args.calls or rng.randint(1, 20)
+        for _ in range(n):
+            tool = rng.choice(self.tools)
+            if tool == "read_file" and not written:
+                tool = "write_file" if "write_file" in self.tools else "bash"
+            marker = secrets.token_hex(6)
+            if tool == "bash":
+                out = await self.call(tid, "bash", {"command": f"echo {marker} | tr a-f A-F"})
+                ok = out is None or out == marker.upper()
+            elif tool == "write_file":
+                path = f"dir{rng.randint(0, 3)}/f{rng.randint(0, 9)}.txt"
+                content = f"{tid}:{marker}\n" * rng.randint(1, 50)
+                out = await self.call(tid, "write_file", {"path": path, "content": content})
+                if out is not None:
+                    written[path] = content
+                ok = True
+            elif tool == "read_file":
+                path = rng.choice(sorted(written))
+                out = await self.call(tid, "read_file", {"path": path})
+                ok = out is None or out == written[path]
+            else:
+                out = await self.call(tid, "terminal", {"input": f"echo {marker}-$((6*7))", "wait_ms": 3000})
+                seen = out or ""
+                for _ in range(3):  # the prompt can come back before tmux flushed the output
+                    if out is None or f"{marker}-42" in seen:
+                        break
+                    more = await self.call(tid, "terminal", {"input": "", "wait_ms": 1000})
+                    seen += more or ""
+                ok = out is None or f"{marker}-42" in seen
+            if not ok:
+                self.stats.wrong += 1
+                self.stats.problem(f"{tid} {tool}: wrong result {out!r:.200}")
+        try:
+            await self.ex.release_trajectory(tid)
+        except Exception as exc:
+            self.stats.other += 1
+            self.stats.problem(f"release of {tid}: {type(exc).__name__}: {exc}")
+        self.stats.trajectories += 1
+
+    async def worker(self) -> None:
+        while not self.stop.is_set():
+            if self.args.trajectories and self.started >= self.args.trajectories:
+                return
+            self.started += 1
+            await self.trajectory(f"soak-{secrets.token_hex(5)}")
+
+    # -- reporting -----------------------------------------------------------------------------
+    def memory(self) -> dict[str, float]:
+        host_kb = tree_kb = 0
+        for host_id in list(self.pool.hosts):
+            pid = self.backend.pid(host_id)
+            if pid is None:
+                continue
+            host_kb = max(host_kb, vm_kb(pid, "VmRSS"))
+            self.stats.peak_host_kb = max(self.stats.peak_host_kb, vm_kb(pid, "VmHWM"))
+            tree_kb += sum(vm_kb(p, "VmRSS") for p in descendants(pid))
+        self.stats.peak_tree_kb = max(self.stats.peak_tree_kb, tree_kb)
+        return {"self_rss_mb": vm_kb("self", "VmRSS") / 1024,
+                "self_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "host_rss_max_mb": host_kb / 1024, "hosts_tree_rss_mb": tree_kb / 1024}
+
+    async def reporter(self, t0: float) -> None:
+        last_t, last_calls = t0, 0
+        while not self.stop.is_set():
+            try:
+                await asyncio.wait_for(self.stop.wait(), self.args.report_every)
+            except asyncio.TimeoutError:
+                pass
+            now = time.monotonic()
+            lat, self.stats.latencies = self.stats.latencies, []
+            mem = await asyncio.to_thread(self.memory)
+            status = self.pool.status()
+            print(json.dumps({
+                "t_s": round(now - t0), "trajectories": self.stats.trajectories, "calls": self.stats.calls,
+                "calls_per_s": round((self.stats.calls - last_calls) / max(now - last_t, 1e-9), 1),
+                "p50_ms": round(percentile(lat, 0.5), 1), "p99_ms": round(percentile(lat, 0.99), 1),
+                **{k: round(v, 1) for k, v in mem.items()},
+                "leased": status.leased, "free": status.free, "quarantined": status.quarantined,
+                "errors": self.stats.wrong + self.stats.infra + self.stats.other,
+            }), flush=True)
+            last_t, last_calls = now, self.stats.calls
+
+    # -- run ----------------------------------------------------------------------------------
+    async def run(self) -> int:
+        t0 = time.monotonic()
+        await self.pool.start()
+        print(json.dumps({"event": "started", "pool_id": self.pool_id, "hosts": self.args.hosts,
+                          "slots": self.args.hosts * self.args.slots, "concurrency": self.args.concurrency,
+                          "start_s": round(time.monotonic() - t0, 1)}), flush=True)
+        t0 = time.monotonic()
+        reporter = asyncio.create_task(self.reporter(t0))
+        workers = [asyncio.create_task(self.worker()) for _ in range(self.args.concurrency)]
+        if self.args.trajectories:
+            await asyncio.gather(*workers)
+        else:
+            await asyncio.sleep(self.args.duration)
+            self.stop.set()  # workers finish their current trajectory
+            await asyncio.gather(*workers)
+        wall = time.monotonic() - t0
+        self.stop.set()
+        await reporter
+        return await self.finish(wall)
+
+    async def finish(self, wall: float) -> int:
+        mem = await asyncio.to_thread(self.memory)
+        status = self.pool.status()
+        dl = double_leases(self.pool.audit.events)
+        await self.ex.close()
+        await self.pool.stop()
+        left = await eventually(lambda: pool_leftovers("local", self.pool_id))
+        s = self.stats
+        figures = {
+            "event": "final", "wall_s": round(wall, 1), "trajectories": s.trajectories, "calls": s.calls,
+            "calls_per_s": round(s.calls / wall, 1), "p50_ms": round(percentile(s.all_latencies, 0.5), 1),
+            "p99_ms": round(percentile(s.all_latencies, 0.99), 1), "by_tool": dict(s.by_tool),
+            "wrong_results": s.wrong, "infra_errors": s.infra, "other_errors": s.other,
+            "leases_held_at_end": status.leased, "quarantined": status.quarantined, "double_leases": len(dl),
+            "orphans_after_stop": len(left), "self_peak_rss_mb": round(mem["self_peak_mb"], 1),
+            "host_peak_rss_mb": round(s.peak_host_kb / 1024, 1),
+            "hosts_tree_peak_rss_mb": round(s.peak_tree_kb / 1024, 1),
+        }
+        print(json.dumps(figures), flush=True)
+        for p in s.problems + dl[:10] + left[:10]:
+            print(f"  problem: {p}", flush=True)
+        root = DATA_ROOT / self.pool_id
+        if root.exists() and not any(p.is_dir() for p in root.iterdir()):
+            for log in root.iterdir():
+                log.unlink()
+            root.rmdir()
+        clean = not (s.wrong or s.infra or s.other or status.leased or status.quarantined or dl or left)
+        return 0 if clean else 1
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of load (default %(default)s)")
+    p.add_argument("--trajectories", type=int, default=0, help="run exactly this many instead of --duration")
+    p.add_argument("--concurrency", type=int, default=64, help="trajectories at once (default %(default)s)")
+    p.add_argument("--calls", type=int, default=0, help="calls per trajectory (default: random 1-20)")
+    p.add_argument("--tools", default=",".join(TOOLS), help="comma-separated mix (default %(default)s)")
+    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--slots", type=int, default=16, help="slots per host")
+    p.add_argument("--report-every", type=float, default=30.0)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.exit(asyncio.run(Soak(args).run()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,560 @@
+"""Fuzzing: the tool-call parser and path resolution (hypothesis), the HTTP APIs (schemathesis).
+
+* ``parse_hermes`` never raises; every call it emits round-trips; text with N well-formed calls
+  yields exactly those N calls (``</tool_call>`` inside a JSON string included); malformed JSON
+  yields an error, never a silent final answer.
+* Path resolution through a real slot: random relative/absolute paths with ``..``, ``.``, planted
+  symlinks (to ``/``, ``..``, another slot, host paths), long components, NUL and unicode go through
+  ``read_file``/``write_file``/``stat``/``list_dir`` and the raw file endpoint. Canary files planted
+  outside the workspace on the host side are never returned or modified, nothing outside the
+  workspace changes, and every failure is a clean error code (never a 5xx).
+* The sandbox host's OpenAPI (fetched with the bearer token) and the ToolServer's, over a real local
+  pool: no 5xx (``not_a_server_error``) and responses conform to the documented schema and content
+  type. Examples per operation are bounded (``ATROPOS_FUZZ_EXAMPLES``) to keep the module ~2 minutes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import requests
+import schemathesis
+import uvicorn
+from conftest import RunningHost, start_host, stop_host
+from hypothesis import HealthCheck, given, settings
+from hypothesis import errors as hypothesis_errors
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.core.failures import FailureGroup
+from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance
+
+from atropos.agent.parsing import CLOSE, OPEN, ParseResult, parse_hermes, parse_openai
+from atropos.api.server import ToolServerSettings, create_tool_server
+from atropos.slots.config import PoolConfig
+from atropos.slots.pool import SlotPool
+from tests.pool_backends import make_backend
+
+EXAMPLES = int(os.environ.get("ATROPOS_FUZZ_EXAMPLES", "40"))  # per API operation and generation mode
+PATH_EXAMPLES = int(os.environ.get("ATROPOS_FUZZ_PATH_EXAMPLES", "300"))
+
+# =====================================================================================================
+# 1. The tool-call parser
+# =====================================================================================================
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TAGS = [OPEN, CLOSE, THINK_OPEN, THINK_CLOSE]
+
+# Text made of the parser's own vocabulary: tags, JSON punctuation, whole calls and junk.
+soup = st.lists(
+    st.sampled_from([*TAGS, "{", "}", "[", "]", '"', "\\", ":", ",", " ", "\n", "null", "1", "x",
+                     '{"name": "bash", "arguments": {"command": "ls"}}', '{"name": "', '"arguments": ',
+                     '{"name": "a", "arguments": "{\\"k\\": 1}"}', '{"name": 3}', '"</tool_call>"'])
+    | st.text(max_size=4),
+    max_size=40,
+).map("".join)
+
+
+def _no_tags(text: str) -> bool:
+    return all(tag not in text for tag in TAGS)
+
+
+# Strings inside a call may hold anything, tool-call tags included (but see the <think> xfail below).
+tricky_text = st.lists(st.sampled_from([OPEN, CLOSE, "{", "}", '"', "\\", "\n", "\u2028", "é", "\x00"])
+                       | st.text(max_size=6), max_size=6).map("".join).filter(lambda s: THINK_OPEN not in s)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | tricky_text,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(tricky_text, inner, max_size=3),
+    max_leaves=8,
+)
+calls = st.fixed_dictionaries({
+    "name": st.text(min_size=1, max_size=16).filter(lambda s: THINK_OPEN not in s),
+    "arguments": st.dictionaries(tricky_text, json_values, max_size=4),
+})
+filler = st.text(max_size=30).filter(_no_tags)
+DUMPS_OPTIONS: list[dict[str, Any]] = [{}, {"ensure_ascii": False}, {"indent": 2}, {"separators": (",", ":")}]
+dumps_options = st.sampled_from(DUMPS_OPTIONS)
+
+
+def render(call: dict[str, Any], opts: dict[str, Any], pad: str = "\n") -> str:
+    return f"{OPEN}{pad}{json.dumps(call, **opts)}{pad}{CLOSE}"
+
+
+def _check_shape(result: ParseResult) -> None:
+    assert isinstance(result.content, str)
+    assert result.is_final == (not result.calls and not result.errors)
+    for call in result.calls:
+        assert isinstance(call.name, str) and call.name
+        assert isinstance(call.arguments, dict)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text() | soup)
+def test_parse_hermes_never_raises(text: str) -> None:
+    _check_shape(parse_hermes(text))
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=soup)
+def test_every_emitted_call_round_trips(text: str) -> None:
+    for call in parse_hermes(text).calls:
+        again = parse_hermes(render({"name": call.name, "arguments": call.arguments}, {}))
+        assert again.errors == []
+        assert [(c.name, c.arguments) for c in again.calls] == [(call.name, call.arguments)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), n=st.integers(0, 5))
+def test_n_well_formed_calls_yield_exactly_n_calls(data: st.DataObject, n: int) -> None:
+    wanted = [data.draw(calls) for _ in range(n)]
+    fillers = [data.draw(filler) for _ in range(n + 1)]
+    pads = [data.draw(st.sampled_from(["", "\n", " \n\t"])) for _ in range(n)]
+    text = fillers[0] + "".join(render(c, data.draw(dumps_options), p) + f for c, p, f in
+                                zip(wanted, pads, fillers[1:], strict=True))
+    result = parse_hermes(text)
+    assert result.errors == []
+    assert [(c.name, c.arguments) for c in result.calls] == [(c["name"], c["arguments"]) for c in wanted]
+    assert len({c.id for c in result.calls}) == n
+    assert result.content == "".join(fillers).strip()
+    assert result.is_final == (n == 0)
+
+
+def _malformed(body: str) -> bool:
+    try:
+        json.loads(body.strip())  # the parser skips the same (unicode) whitespace as str.strip
+    except ValueError:
+        return True
+    return False
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_malformed_json_is_an_error_never_a_final_answer(data: st.DataObject) -> None:
+    good = json.dumps(data.draw(calls), **data.draw(dumps_options))
+    how = data.draw(st.sampled_from(["truncate", "insert", "delete", "replace"]))
+    at = data.draw(st.integers(0, len(good) - 1))
+    junk = data.draw(st.sampled_from(["{", "}", '"', ",", ":", "x", "]", "\\", "'", "\x00"]))
+    body = {"truncate": good[:at], "insert": good[:at] + junk + good[at:], "delete": good[:at] + good[at + 1:],
+            "replace": good[:at] + junk + good[at + 1:]}[how]
+    if not _malformed(body):
+        return
+    text = data.draw(filler) + render({"name": "x", "arguments": {}}, {}) * data.draw(st.integers(0, 1)) + \
+        f"{OPEN}{body}{CLOSE}" + data.draw(filler)
+    result = parse_hermes(text)
+    assert not result.is_final, f"a malformed call became a final answer: {text!r}"
+    assert result.errors, f"malformed JSON produced no error: {body!r}"
+
+
+def test_close_tag_inside_a_json_string_is_not_the_end_of_the_call() -> None:
+    call = {"name": "bash", "arguments": {"command": f"echo '{CLOSE}' && echo '{OPEN}{{\"name\": 1}}{CLOSE}'"}}
+    result = parse_hermes(f"I will run it.\n{render(call, {})}\nthen {render(call, {'ensure_ascii': False})}")
+    assert result.errors == []
+    assert [c.arguments for c in result.calls] == [call["arguments"]] * 2
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG parse_hermes: strip_reasoning() removes '<think>...' before the JSON-aware scan, so a call whose "
+    "arguments contain the string '<think>' (e.g. code that prints the tag) is cut and reported as malformed"))
+def test_think_tag_inside_a_json_string_does_not_break_the_call() -> None:
+    call = {"name": "bash", "arguments": {"command": "grep -n '<think>' model_output.txt"}}
+    result = parse_hermes(render(call, {}))
+    assert result.errors == []
+    assert [c.arguments for c in result.calls] == [call["arguments"]]
+
+
+@pytest.mark.parametrize("message", [
+    {"content": "", "tool_calls": [None]},
+    {"content": "", "tool_calls": ["bash"]},
+    {"content": "", "tool_calls": [{"id": "c1", "function": "bash"}]},
+])
+def test_parse_openai_turns_malformed_tool_calls_into_errors(message: dict[str, Any]) -> None:
+    result = parse_openai(message)
+    assert result.errors and not result.is_final
+
+
+# =====================================================================================================
+# 2. Path resolution through a real slot: nothing outside the workspace is ever read or written
+# =====================================================================================================
+CLEAN_CODES = {"not_found", "invalid_path", "path_escape", "is_directory", "not_regular", "permission_denied",
+               "exists", "too_large", "invalid_arguments", "invalid_request", "no_space", "not_a_directory"}
+ENXIO_TEXT = os.strerror(6)  # "No such device or address"
+# Text that exists inside the sandbox but outside the workspace: returning it means an escape.
+SANDBOX_SECRETS = ("sandbox:x:1000:1000", "The per-slot supervisor", "--unshare-all", "127.0.0.1 localhost sandbox")
+
+
+@dataclass
+class PathRig:
+    root: Path  # private directory: the host's data dir lives in it (so its parent is watched too)
+    host: RunningHost
+    http: httpx.Client
+    slot: int
+    lease: str
+    canary_name: str
+    canary_text: str
+    canaries: list[Path]
+    workspace: Path
+    baseline: dict[str, str] = field(default_factory=dict)
+    codes: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def call(self, tool: str, **args: Any) -> dict[str, Any]:
+        body = {"id": "f", "slot": self.slot, "lease": self.lease, "tool": tool, "args": args}
+        resp = self.http.post("/v1/call", json=body)
+        assert resp.status_code == 200, resp.text
+        out: dict[str, Any] = resp.json()
+        return out
+
+    def outside_snapshot(self) -> dict[str, str]:
+        """Every file, directory and link under the private root except the fuzzed workspace."""
+        snap: dict[str, str] = {}
+        skip = {self.workspace, self.root / "data" / "trash"}
+        for dirpath, dirnames, filenames in os.walk(self.root, followlinks=False):
+            here = Path(dirpath)
+            dirnames[:] = [d for d in dirnames if here / d not in skip]
+            for name in dirnames + filenames:
+                p = here / name
+                st_ = p.lstat()
+                if p.is_symlink():
+                    snap[str(p)] = f"link:{os.readlink(p)}"
+                elif p.is_file():
+                    snap[str(p)] = f"file:{st_.st_size}:{st_.st_mtime_ns}:{hashlib.sha256(p.read_bytes()).hexdigest()}"
+                else:
+                    snap[str(p)] = f"dir:{st_.st_mode:o}"
+        return snap
+
+
+@pytest.fixture(scope="module")
+def path_rig() -> Iterator[PathRig]:
+    token = secrets.token_hex(4)
+    root = Path(f"/tmp/atropos-fuzz-{os.getpid()}-{token}")
+    root.mkdir(mode=0o711)
+    data = root / "data"
+    host = start_host(data, slots=3, extra=["--log-level", "WARNING"])
+    http = httpx.Client(base_url=host.address, headers={"Authorization": f"Bearer {host.token}"}, timeout=60)
+    try:
+        mine = http.post("/v1/leases", json={"trajectory_id": "fuzz-paths", "slot": 0}).json()
+        other = http.post("/v1/leases", json={"trajectory_id": "fuzz-neighbour", "slot": 1}).json()
+        name, text = f"CANARY-{token}", f"canary-secret-{token}"
+        other_ws = data / "slots" / str(other["slot"]) / "ws"
+        canaries = [root / name, data / name, data / "slots" / "0" / name, data / "slots" / name, other_ws / name]
+        for c in canaries:
+            c.write_text(text)
+        rig = PathRig(root=root, host=host, http=http, slot=mine["slot"], lease=mine["lease"], canary_name=name,
+                      canary_text=text, canaries=canaries, workspace=data / "slots" / "0" / "ws")
+        setup = rig.call("bash", command=" && ".join([
+            "mkdir -p d/e", "echo inside > f.txt", "echo deep > d/e/g.txt", "ln -s .. up", "ln -s / root",
+            f"ln -s {root / name} abs_canary", f"ln -s ../{name} rel_canary", f"ln -s ../../{name} up2_canary",
+            f"ln -s {other_ws} other_ws", f"ln -s {other_ws / name} other_canary", "ln -s loop loop",
+            "ln -s nowhere dangling", "ln -s /etc etc", "ln -s /proc/self proc_self", "ln -s /run/atropos lib",
+            "ln -s ../../../../../../../.. deep_up", "ln -s d/e de", "ln -s /dev/zero zero", "mkfifo fifo",
+        ]))
+        assert setup["ok"] and setup["result"]["exit_code"] == 0, setup
+        rig.baseline = rig.outside_snapshot()
+        yield rig
+        print(f"\npath fuzz outcomes: {dict(rig.codes.most_common())}")
+    finally:
+        http.close()
+        stop_host(host)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# Names that exist in the fuzzed workspace (planted above) or outside it, and hostile spellings.
+STRUCTURE = ["..", ".", "", "d", "e", "f.txt", "g.txt", "up", "root", "de", "deep_up", "abs_canary", "rel_canary",
+             "up2_canary", "other_ws", "other_canary", "loop", "dangling", "etc", "passwd", "hosts", "proc_self",
+             "environ", "cmdline", "lib", "supervisor.py", "zero", "fifo", "slots", "data", "ws", "run", "0", "1"]
+HOSTILE = ["x" * 255, "y" * 256, "é", "日本語", "\u202e", "~", "%2e%2e", "..\\..", " ", "\n", "*", "-", "\x01",
+           "a\x00b", "\x00", "\ufffd", "../" * 40, "./" * 600]
+# Paths every run must try (the random ones rarely hit all of these).
+NASTY_PATHS = ["../../CANARY", "/etc/passwd", "root/etc/passwd", "up/up/up/etc/passwd", "lib/supervisor.py",
+               "/run/atropos/supervisor.py", "proc_self/environ", "proc_self/cmdline", "/proc/1/cmdline",
+               "abs_canary", "rel_canary", "up2_canary", "other_canary", "other_ws/CANARY", "deep_up/f.txt",
+               "up/f.txt", "root/d/e/g.txt", "de/g.txt", "loop", "dangling", "zero", "fifo", "etc/hosts",
+               "/workspace/f.txt", "/../../../../f.txt", "d/../../../f.txt", "x" * 300, "a" * 5000, "f.txt\x00.png"]
+
+
+@st.composite
+def paths(draw: st.DrawFn, canary_name: str = "") -> str:
+    part = st.one_of(st.sampled_from(STRUCTURE), st.sampled_from(STRUCTURE), st.sampled_from(STRUCTURE),
+                     st.sampled_from(HOSTILE), st.text(min_size=1, max_size=10))
+    parts = draw(st.lists(part, min_size=1, max_size=6))
+    if canary_name and draw(st.integers(0, 3)) == 0:
+        parts.append(canary_name)
+    return ("/" if draw(st.booleans()) else "") + "/".join(parts) + ("/" if draw(st.integers(0, 4)) == 0 else "")
+
+
+def _clean(rig: PathRig, what: str, out: dict[str, Any]) -> None:
+    if out["ok"]:
+        rig.codes[f"ok {what.split('(')[0]}"] += 1
+        return
+    err = out["error"]
+    rig.codes[err["code"]] += 1
+    assert err["status"] < 500, f"{what}: server-side error {err}"
+    if err["code"] == "os_error" and ENXIO_TEXT in err["message"]:
+        return  # writing to the planted FIFO: see test_writing_to_a_fifo_is_a_not_regular_error
+    assert err["code"] in CLEAN_CODES, f"{what}: unexpected error code {err}"
+
+
+def _no_secret(rig: PathRig, what: str, text: str) -> None:
+    assert rig.canary_text not in text, f"{what} returned a canary planted outside the workspace"
+    for secret in SANDBOX_SECRETS:
+        assert secret not in text, f"{what} returned text from outside the workspace ({secret!r})"
+
+
+@settings(max_examples=PATH_EXAMPLES, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_file_tools_never_reach_outside_the_workspace(path_rig: PathRig, data: st.DataObject) -> None:
+    check_path(path_rig, data.draw(paths(path_rig.canary_name), label="path"))
+
+
+@pytest.mark.parametrize("path", NASTY_PATHS)
+def test_known_escape_paths_stay_inside(path_rig: PathRig, path: str) -> None:
+    check_path(path_rig, path.replace("CANARY", path_rig.canary_name))
+
+
+def check_path(rig: PathRig, path: str) -> None:
+    """Every file tool on ``path``: clean outcome, nothing from outside returned, nothing outside changed."""
+    marker = f"written-{secrets.token_hex(4)}"
+
+    read = rig.call("read_file", path=path)
+    _clean(rig, f"read_file({path!r})", read)
+    if read["ok"]:
+        content = read["result"]["content"]
+        if read["result"]["encoding"] == "base64":
+            content = base64.b64decode(content).decode("utf-8", "replace")
+        _no_secret(rig, f"read_file({path!r})", content)
+    _clean(rig, f"stat({path!r})", rig.call("stat", path=path))
+    listing = rig.call("list_dir", path=path)
+    _clean(rig, f"list_dir({path!r})", listing)
+    if listing["ok"]:
+        # Whatever it listed is a directory of the workspace: every name exists somewhere in it.
+        names = {e["name"] for e in listing["result"]["entries"]}
+        assert names <= _all_names(rig.workspace), \
+            f"list_dir({path!r}) listed a directory outside the workspace: {sorted(names)[:10]}"
+
+    raw = rig.http.get(f"/v1/slots/{rig.slot}/files", params={"path": path},
+                       headers={"X-Atropos-Lease": rig.lease})
+    assert raw.status_code < 500, f"GET files?path={path!r}: {raw.status_code} {raw.text[:300]}"
+    if raw.status_code == 200:
+        _no_secret(rig, f"GET files?path={path!r}", raw.content.decode("utf-8", "replace"))
+    else:
+        code = raw.json()["error"]["code"]
+        rig.codes[code] += 1
+        assert code in CLEAN_CODES, f"GET files?path={path!r}: {raw.text[:300]}"
+
+    if rig.canary_name not in path:  # a file of that name inside the workspace would be legitimate
+        wrote = rig.call("write_file", path=path, content=marker)
+        _clean(rig, f"write_file({path!r})", wrote)
+        put = rig.http.put(f"/v1/slots/{rig.slot}/files", params={"path": path}, content=marker.encode(),
+                           headers={"X-Atropos-Lease": rig.lease})
+        assert put.status_code < 500, f"PUT files?path={path!r}: {put.status_code} {put.text[:300]}"
+        if wrote["ok"] or put.status_code == 200:
+            assert _workspace_holds(rig.workspace, marker), f"write_file({path!r}) wrote outside the workspace"
+
+    for canary in rig.canaries:
+        assert canary.read_text() == rig.canary_text, f"canary {canary} was modified"
+    now = rig.outside_snapshot()
+    changed = {k for k in set(now) | set(rig.baseline) if now.get(k) != rig.baseline.get(k)}
+    assert not changed, f"{path!r} changed things outside the workspace: {sorted(changed)[:5]}"
+
+
+def test_writing_to_a_fifo_is_a_not_regular_error(path_rig: PathRig) -> None:
+    out = path_rig.call("write_file", path="fifo", content="x")
+    assert not out["ok"]
+    assert out["error"]["code"] == "not_regular", out["error"]
+
+
+def _all_names(root: Path) -> set[str]:
+    return {name for _, dirs, files in os.walk(root, followlinks=False) for name in dirs + files}
+
+
+def _workspace_holds(workspace: Path, marker: str) -> bool:
+    for dirpath, _, files in os.walk(workspace, followlinks=False):
+        for name in files:
+            p = Path(dirpath) / name
+            if p.is_file() and not p.is_symlink() and p.stat().st_size == len(marker) and \
+                    p.read_text(errors="replace") == marker:
+                return True
+    return False
+
+
+# =====================================================================================================
+# 3. The HTTP APIs: schemathesis against the host's and the ToolServer's own OpenAPI documents
+# =====================================================================================================
+Adjust = Callable[[Any], None]
+
+
+@dataclass
+class FuzzReport:
+    cases: int = 0
+    statuses: collections.Counter[int] = field(default_factory=collections.Counter)
+    failures: list[str] = field(default_factory=list)
+
+
+def fuzz_operations(schema: Any, base_url: str, auth: dict[str, str], *, examples: int,
+                    fixed: Callable[[Any], dict[str, Any] | None] = lambda op: None,
+                    adjust: Adjust = lambda case: None,
+                    after: Callable[[Any, requests.Response], None] = lambda case, resp: None) -> FuzzReport:
+    """Run every operation of ``schema`` with positive and negative data (and, where ``fixed`` gives
+    parameters such as a real slot and lease, once more with those to get past the lease check)."""
+    report = FuzzReport()
+    with requests.Session() as session:
+        for result in schema.get_all_operations():
+            op = result.ok()
+            passes: list[tuple[GenerationMode, dict[str, Any]]] = [(GenerationMode.POSITIVE, {})]
+            raw = schema.raw_schema["paths"][op.path][op.method.lower()]
+            if raw.get("requestBody") or any(p["name"].lower() != "authorization" for p in raw.get("parameters", [])):
+                passes.append((GenerationMode.NEGATIVE, {}))  # else there is nothing to break but the token
+            extra = fixed(op)
+            if extra is not None:
+                passes.append((GenerationMode.POSITIVE, extra))
+            for mode, params in passes:
+                try:
+                    _fuzz_operation(op, mode, params, report, session, base_url, auth, examples, adjust, after)
+                except hypothesis_errors.Unsatisfiable:
+                    pass  # e.g. no negative data exists for an operation without parameters
+    return report
+
+
+def _fuzz_operation(op: Any, mode: GenerationMode, params: dict[str, Any], report: FuzzReport,
+                    session: requests.Session, base_url: str, auth: dict[str, str], examples: int,
+                    adjust: Adjust, after: Callable[[Any, requests.Response], None]) -> None:
+    checks = [not_a_server_error, response_schema_conformance, content_type_conformance]
+    name = f"{op.method.upper()} {op.path} [{mode.value}{', fixed ' + ','.join(params) if params else ''}]"
+    strategy = op.as_strategy(generation_mode=mode, path_parameters=params.get("path_parameters"),
+                              headers={"authorization": auth["Authorization"], **params.get("headers", {})})
+
+    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(case=strategy)
+    def run(case: Any) -> None:
+        adjust(case)
+        report.cases += 1
+        try:
+            resp = case.call(base_url=base_url, session=session, headers=auth, timeout=60)
+        except requests.RequestException as exc:
+            report.failures.append(f"{name}: transport error {exc}")
+            return
+        report.statuses[resp.status_code] += 1
+        try:
+            case.validate_response(resp, checks=checks, headers=auth)
+        except (Exception, FailureGroup) as exc:
+            report.failures.append(f"{name}: {str(exc)[:1500]}")
+        after(case, resp)
+
+    run()
+
+
+def _print(name: str, report: FuzzReport) -> None:
+    print(f"\n{name}: {report.cases} cases, statuses {dict(sorted(report.statuses.items()))}, "
+          f"{len(report.failures)} failure(s)")
+    for failure in report.failures[:10]:
+        print(f"  {failure}")
+
+
+@pytest.fixture(scope="module")
+def fuzz_host() -> Iterator[RunningHost]:
+    data = Path(f"/tmp/atropos-fuzzapi-{os.getpid()}-{secrets.token_hex(3)}")
+    host = start_host(data, slots=4, extra=["--log-level", "WARNING"])
+    yield host
+    stop_host(host)
+    shutil.rmtree(data, ignore_errors=True)
+
+
+def test_host_api_has_no_server_errors_and_conforms_to_its_schema(fuzz_host: RunningHost) -> None:
+    auth = {"Authorization": f"Bearer {fuzz_host.token}"}
+    assert requests.get(f"{fuzz_host.address}/openapi.json", timeout=30).status_code == 401
+    schema = schemathesis.openapi.from_url(f"{fuzz_host.address}/openapi.json", headers=auth, timeout=30)
+    with httpx.Client(base_url=fuzz_host.address, headers=auth, timeout=60) as http:
+        # A slot we hold, so a third pass gets past the lease check into the tools themselves.
+        mine = http.post("/v1/leases", json={"trajectory_id": "fuzz-api", "slot": 0}).json()
+    slot, lease = mine["slot"], mine["lease"]
+
+    def fixed(op: Any) -> dict[str, Any] | None:
+        if op.path.startswith("/v1/slots/{slot}/") and not op.path.endswith(("/reset", "/release")):
+            return {"path_parameters": {"slot": slot}, "headers": {"X-Atropos-Lease": lease}}
+        if op.path in ("/v1/call", "/v1/calls"):
+            return {}
+        return None
+
+    def adjust(case: Any) -> None:
+        # /v1/call(s) carry slot and lease in the body: aim about half of them at our slot.
+        body = case.body
+        items: list[Any] = [body]
+        if isinstance(body, dict) and isinstance(body.get("calls"), list):
+            items = body["calls"]
+        for item in items:
+            if isinstance(item, dict) and "lease" in item and secrets.randbelow(2):
+                item["slot"], item["lease"] = slot, lease
+
+    report = fuzz_operations(schema, fuzz_host.address, auth, examples=EXAMPLES, fixed=fixed, adjust=adjust)
+    _print("host API", report)
+    assert report.failures == []
+    assert report.statuses[200] > 0
+
+
+@dataclass
+class ToolServerRig:
+    url: str
+    token: str
+
+
+@pytest.fixture(scope="module")
+def tool_server() -> Iterator[ToolServerRig]:
+    """A ToolServer over a real local pool, served by uvicorn in a thread with its own event loop."""
+    token = secrets.token_urlsafe(16)
+    pool = SlotPool(make_backend("local", slots=4), PoolConfig(min_hosts=1, max_hosts=1, lease_timeout_s=5))
+    app = create_tool_server(pool, ToolServerSettings(token=token, max_body_bytes=1 << 20), manage_pool=True)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    for _ in range(1200):
+        if server.started or not thread.is_alive():
+            break
+        threading.Event().wait(0.1)
+    assert server.started, "the ToolServer did not start"
+    yield ToolServerRig(f"http://127.0.0.1:{port}", token)
+    server.should_exit = True
+    thread.join(60)
+
+
+def test_tool_server_api_has_no_server_errors_and_conforms_to_its_schema(tool_server: ToolServerRig) -> None:
+    auth = {"Authorization": f"Bearer {tool_server.token}"}
+    schema = schemathesis.openapi.from_url(f"{tool_server.url}/openapi.json", headers=auth, timeout=30)
+    with httpx.Client(base_url=tool_server.url, headers=auth, timeout=60) as http:
+        lease_id = http.post("/v1/slots", json={"trajectory_id": "fuzz-ts"}).json()["lease_id"]
+
+    def fixed(op: Any) -> dict[str, Any] | None:
+        if "{lease_id}" in op.path and op.method.upper() != "DELETE":
+            return {"path_parameters": {"lease_id": lease_id}}
+        return None
+
+    def adjust(case: Any) -> None:
+        # Never wait long for a slot: leases the fuzzer takes are handed back (see after()).
+        if isinstance(case.body, dict) and isinstance(case.body.get("timeout_s"), int | float):
+            case.body["timeout_s"] = min(case.body["timeout_s"], 1.0)
+
+    def after(case: Any, resp: requests.Response) -> None:
+        if case.operation.path == "/v1/slots" and case.method.upper() == "POST" and resp.status_code == 200:
+            requests.delete(f"{tool_server.url}/v1/slots/{resp.json()['lease_id']}", headers=auth, timeout=60)
+
+    report = fuzz_operations(schema, tool_server.url, auth, examples=EXAMPLES, fixed=fixed, adjust=adjust,
+                             after=after)
+    _print("ToolServer API", report)
+    assert report.failures == []
+    assert report.statuses[200] > 0
