@@ -41,7 +41,8 @@ def _v1_routes() -> list[tuple[str, str]]:
         for method in route.methods or ()
     )
     assert routes, "no API routes found"
-    assert all(path.startswith("/v1/") for _, path in routes), routes
+    # everything is versioned but the Prometheus scrape path (which needs the token too)
+    assert all(path.startswith("/v1/") or path == "/metrics" for _, path in routes), routes
     return routes
 
 
