@@ -183,7 +183,7 @@ async def run(quick: bool) -> ScenarioResult:
                 problems.append(f"reset not ok/verified: {result.detail}")
             return result
 
-        host.client.reset = recording_reset  # type: ignore[method-assign]
+        host.client.reset = recording_reset
         slots_dir = data_dir / "slots"
         for r in range(rounds + 1):  # round 0 is a warm-up (first sandboxes in the namespace)
             await _settle(host.client)  # forks start from a warm, idle pool (all sandboxes prewarmed)
@@ -230,7 +230,7 @@ async def run(quick: bool) -> ScenarioResult:
         await lease.release()
         if dirty:
             problems.append(f"{dirty} resets left the previous lease's changes behind")
-        host.client.reset = original  # type: ignore[method-assign]
+        host.client.reset = original
         await pool.delete_template(template)
     finally:
         await pool.stop()

@@ -22,17 +22,13 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests.pool_backends import docker_problem  # noqa: E402
-from tests.test_chaos import Figures, run_host_kills, run_pool_kills  # noqa: E402
-
-Job = Coroutine[Any, Any, Figures]
+from tests.test_chaos import Figures, run_chaos  # noqa: E402
 
 
 def parse_mix(text: str) -> dict[str, float]:
@@ -67,36 +63,29 @@ async def run(args: argparse.Namespace) -> int:
     print(json.dumps({"event": "plan", **counts}), flush=True)
     t0 = time.monotonic()
 
+    shown: dict[str, int] = {}
+
     def progress(fig: Figures) -> None:
+        for p in fig.problems[shown.get(fig.scenario, 0):]:  # as they happen, not only at the end
+            print(f"  problem [{fig.scenario}]: {p}", flush=True)
+        shown[fig.scenario] = len(fig.problems)
         if fig.iterations % args.report_every == 0:
             print(json.dumps({"t_s": round(time.monotonic() - t0), "scenario": fig.scenario,
                               "iterations": fig.iterations, "calls": fig.calls, "lost": fig.lost,
                               "collateral": fig.collateral, "orphans": fig.orphans,
                               "double_leases": fig.double_leases}), flush=True)
 
-    jobs: list[Job] = []
-    for name, n in counts.items():
-        if n <= 0:
-            continue
-        if name == "pool":
-            jobs.append(run_pool_kills("local", n, seed=args.seed, progress=progress))
-        else:
-            jobs.append(run_host_kills(name, n, seed=args.seed, hosts=args.hosts, progress=progress))
-    if args.sequential:
-        figures = [await job for job in jobs]
-    else:  # separate pools: one scenario's waits are another's work
-        figures = list(await asyncio.gather(*jobs))
+    figures = await run_chaos(counts, seed=args.seed, hosts=args.hosts, sequential=args.sequential,
+                              progress=progress)
     total = Figures("total")
     for fig in figures:
         print(json.dumps({"event": "scenario", **fig.summary()}), flush=True)
-        for p in fig.problems:
-            print(f"  problem: {p}", flush=True)
         total.merge(fig)
     total.wall_s = time.monotonic() - t0
     summary = total.summary()
     print(json.dumps({"event": "final", "iterations": summary["iterations"], "calls": summary["calls"],
                       "correct": summary["correct"], "infra_errors": summary["infra_errors"],
-                      "died_with_pool": summary["died_with_pool"], "infra_as_result": total.infra_as_result,
+                      "died_with_pool": summary["died_with_pool"], "infra_unkilled": total.infra_unkilled,
                       "lost_results": total.lost + total.collateral,
                       "orphans": total.orphans, "double_leases": total.double_leases,
                       "peak_host_rss_mb": summary["peak_host_rss_mb"], "peak_self_rss_mb": summary["peak_self_rss_mb"],

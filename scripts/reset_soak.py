@@ -101,7 +101,8 @@ def start_host(args: argparse.Namespace) -> tuple[Path, Path, subprocess.Popen[b
     token = secrets.token_urlsafe(16)
     proc = subprocess.Popen(
         [sys.executable, "-m", "atropos.sandbox", "--port", "0", "--slots", "2", "--data-dir", str(work / "host"),
-         "--log-level", "WARNING", "--template-source-dir", str(src), "--workspace-mode", args.workspace_mode],
+         "--log-level", "WARNING", "--template-source-dir", str(src), "--workspace-mode", args.workspace_mode,
+         "--parent-pid", str(os.getpid())],
         stdout=subprocess.PIPE, env={**os.environ, "ATROPOS_SANDBOX_TOKEN": token},
         cwd=Path(__file__).resolve().parent.parent)
     assert proc.stdout is not None
@@ -154,8 +155,11 @@ async def soak(args: argparse.Namespace, work: Path, src: Path, proc: subprocess
             lease = r.lease
             if (i + 1) % args.report_every == 0 or i + 1 == args.cycles:
                 rate = (i + 1) / (time.monotonic() - t_start)
+                health = await c.health()
                 print(f"{i + 1:>6} cycles  reset p50 {pct(times, 50):.1f} ms  p99 {pct(times, 99):.1f} ms  "
-                      f"({rate:.1f} cycles/s, load {os.getloadavg()[0]:.1f})", flush=True)
+                      f"({rate:.1f} cycles/s, load {os.getloadavg()[0]:.1f})  now: workspace mounts "
+                      f"{health.mounts}, processes {len(tree_pids(proc.pid))}, data-dir entries "
+                      f"{disk(data_dir)[1]}", flush=True)
         await c.release(lease.slot, lease.lease)
         await settle(c, data_dir)
         after = {"host mounts": host_mounts(work), "workspace mounts": (await c.health()).mounts,

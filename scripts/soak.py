@@ -93,8 +93,9 @@ class Stats:
     infra: int = 0
     other: int = 0
     by_tool: Counter[str] = field(default_factory=Counter)
-    latencies: list[float] = field(default_factory=list)  # ms, since the last report
+    latencies: list[float] = field(default_factory=list)  # ms per call (slot already leased), since the last report
     all_latencies: list[float] = field(default_factory=list)
+    lease_waits: list[float] = field(default_factory=list)  # ms from a trajectory's start to its slot
     problems: list[str] = field(default_factory=list)
     peak_host_kb: int = 0
     peak_tree_kb: int = 0
@@ -147,6 +148,14 @@ class Soak:
     async def trajectory(self, tid: str) -> None:
         rng = self.rng
         written: dict[str, str] = {}
+        t0 = time.perf_counter()
+        try:
+            await self.ex.lease_for(tid)  # waiting for a slot is not part of a call's latency
+        except Exception as exc:
+            self.stats.other += 1
+            self.stats.problem(f"{tid}: no slot: {type(exc).__name__}: {exc}")
+            return
+        self.stats.lease_waits.append((time.perf_counter() - t0) * 1000)
         n = self.args.calls or rng.randint(1, 20)
         for _ in range(n):
             tool = rng.choice(self.tools)
@@ -262,6 +271,8 @@ class Soak:
             "event": "final", "wall_s": round(wall, 1), "trajectories": s.trajectories, "calls": s.calls,
             "calls_per_s": round(s.calls / wall, 1), "p50_ms": round(percentile(s.all_latencies, 0.5), 1),
             "p99_ms": round(percentile(s.all_latencies, 0.99), 1), "by_tool": dict(s.by_tool),
+            "lease_wait_p50_ms": round(percentile(s.lease_waits, 0.5), 1),
+            "lease_wait_p99_ms": round(percentile(s.lease_waits, 0.99), 1),
             "wrong_results": s.wrong, "infra_errors": s.infra, "other_errors": s.other,
             "leases_held_at_end": status.leased, "quarantined": status.quarantined, "double_leases": len(dl),
             "orphans_after_stop": len(left), "self_peak_rss_mb": round(mem["self_peak_mb"], 1),

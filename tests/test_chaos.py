@@ -39,7 +39,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,7 +60,6 @@ IN_FLIGHT = 64
 SLEEPS = ("0.05", "0.1", "0.2", "0.3", "0.4", "0.6")
 CALL_DEADLINE_S = 90.0  # lease wait + call: a call without an outcome by then is a lost result
 CLEANUP_DEADLINE_S = 20.0  # what a dead host or pool left must be gone by then
-SANDBOX_FAILED = "error (sandbox_failed)"  # how a failed host-side sandbox reads to the model today
 DOCKER_POOL_LABEL = "io.atropos-sandbox.pool"  # atropos.backends.docker.LABEL_POOL (no docker SDK import here)
 
 # Iterations of the CI test: 100 in total (scripts/chaos_soak.py runs 1000).
@@ -77,14 +76,13 @@ class Figures:
     kills: int = 0
     calls: int = 0
     correct: int = 0
-    infra_errors: int = 0  # calls that failed with InfrastructureError because their host died
-    # Known bug (test_a_frozen_sandbox_is_an_infrastructure_error_not_an_observation): a sandbox that did not
-    # answer or start in time comes back as a failed *result* ("error (sandbox_failed): ..."), not as an
-    # InfrastructureError. Seen only under heavy load; counted apart so the figures show it.
-    infra_as_result: int = 0
+    infra_errors: int = 0  # calls that failed with an InfrastructureError (their host was killed, mostly)
+    # InfrastructureErrors other than HostUnavailable on hosts nobody killed: e.g. a slot's sandbox that
+    # did not start within its 15 s under a CPU-starved box. Honest failures, reported, not asserted on.
+    infra_unkilled: int = 0
     died_with_pool: int = 0  # pool kills: calls whose caller (the pool process) was killed first
     lost: int = 0  # no outcome, a wrong result, or an exception that is not an InfrastructureError
-    collateral: int = 0  # calls that failed on a host nobody killed
+    collateral: int = 0  # calls that failed with HostUnavailable on a host nobody killed
     orphans: int = 0
     double_leases: int = 0
     peak_host_rss_kb: int = 0
@@ -97,9 +95,8 @@ class Figures:
             self.problems.append(text)
 
     def merge(self, other: Figures) -> None:
-        for name in ("iterations", "kills", "calls", "correct", "infra_errors", "infra_as_result", "died_with_pool",
-                     "lost",
-                     "collateral", "orphans", "double_leases"):
+        for name in ("iterations", "kills", "calls", "correct", "infra_errors", "infra_unkilled",
+                     "died_with_pool", "lost", "collateral", "orphans", "double_leases"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.peak_host_rss_kb = max(self.peak_host_rss_kb, other.peak_host_rss_kb)
         self.wall_s += other.wall_s
@@ -148,6 +145,7 @@ class Snapshot:
     """One look at the machine: live processes (pid, argv), mounts of every mount namespace, containers."""
 
     processes: list[tuple[int, str]]
+    parents: dict[int, int]
     mounts: list[str]
     containers: dict[str, list[str]]
 
@@ -155,19 +153,22 @@ class Snapshot:
     def take(cls, *, mounts: bool = True, docker_pools: tuple[str, ...] = ()) -> Snapshot:
         me = os.getpid()
         procs: list[tuple[int, str]] = []
+        parents: dict[int, int] = {}
         namespaces: dict[str, str] = {}  # one process per mount namespace: its mountinfo is the namespace's
         for name in os.listdir("/proc"):
             if not name.isdigit() or int(name) == me:
                 continue
             try:
                 with open(f"/proc/{name}/stat", "rb") as fh:
-                    if fh.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                        continue  # a zombie is dead: it holds no mount and runs nothing
+                    state, ppid = fh.read().rsplit(b")", 1)[1].split()[:2]
+                if state == b"Z":
+                    continue  # a zombie is dead: it holds no mount and runs nothing
+                parents[int(name)] = int(ppid)
                 with open(f"/proc/{name}/cmdline", "rb") as fh:
                     cmd = fh.read().replace(b"\0", b" ").decode("utf-8", "replace")
                 if mounts:
                     namespaces.setdefault(os.readlink(f"/proc/{name}/ns/mnt"), name)
-            except (OSError, IndexError):
+            except (OSError, IndexError, ValueError):
                 continue
             procs.append((int(name), cmd))
         lines: list[str] = []
@@ -177,7 +178,7 @@ class Snapshot:
             except OSError:
                 continue
             lines += [f"{ns}: {line}" for line in text.splitlines()]
-        return cls(procs, lines, {pool: docker_containers(pool) for pool in docker_pools})
+        return cls(procs, parents, lines, {pool: docker_containers(pool) for pool in docker_pools})
 
     def processes_mentioning(self, needle: str) -> list[str]:
         """Host servers (``--data-dir``) and bwrap sandboxes (``--bind``) whose argv names ``needle``."""
@@ -193,10 +194,6 @@ def docker_containers(pool_id: str) -> list[str]:
     return [n for n in out.stdout.split() if n]
 
 
-def processes_mentioning(needle: str) -> list[str]:
-    return Snapshot.take(mounts=False).processes_mentioning(needle)
-
-
 def host_leftovers(snap: Snapshot, kind: str, pool_id: str, host_id: str, pid: int | None) -> list[str]:
     """What a dead host left behind (empty once fully cleaned up)."""
     if kind == "docker":
@@ -210,14 +207,17 @@ def host_leftovers(snap: Snapshot, kind: str, pool_id: str, host_id: str, pid: i
     return left
 
 
-def pool_leftovers(kind: str, pool_id: str) -> list[str]:
+def pool_leftovers(kind: str, pool_id: str, *, processes_only: bool = False) -> list[str]:
     """Everything of a pool that still exists (empty once the pool is stopped or reaped)."""
     if kind == "docker":
         return [f"container {c}" for c in docker_containers(pool_id)]
-    snap = Snapshot.take()
+    snap = Snapshot.take(mounts=not processes_only)
     root = DATA_ROOT / pool_id
+    left = snap.processes_mentioning(str(root))
+    if processes_only:
+        return left
     dirs = [f"data dir {p}" for p in root.iterdir() if p.is_dir()] if root.exists() else []
-    return snap.processes_mentioning(str(root)) + snap.mounts_mentioning(f"{DATA_ROOT.name}/{pool_id}") + dirs
+    return left + snap.mounts_mentioning(f"{DATA_ROOT.name}/{pool_id}") + dirs
 
 
 def running_host_ids(snap: Snapshot, kind: str, pool_id: str) -> set[str]:
@@ -272,10 +272,12 @@ class HostChaos:
                  full_release_every: int = 10) -> None:
         self.kind = kind
         self.pool_id = f"chaos{kind[0]}{secrets.token_hex(3)}"
-        self.backend: Backend = make_backend(kind, slots=slots, pool_id=self.pool_id)
+        self.backend: Backend
         if kind == "local":  # no prewarm: replacing a killed host costs less (slots start on first use)
             self.backend = LocalBackend(LocalBackendConfig(slots_per_host=slots, pool_id=self.pool_id,
                                                            data_root=DATA_ROOT, max_timeout_s=120, prewarm=False))
+        else:
+            self.backend = make_backend(kind, slots=slots, pool_id=self.pool_id)
         self.pool = SlotPool(self.backend, PoolConfig(
             pool_id=self.pool_id, min_hosts=hosts, max_hosts=hosts, health_interval_s=2.0, health_timeout_s=10.0,
             lease_timeout_s=CALL_DEADLINE_S, start_retry_s=0.5, scale_down_idle_s=3600))
@@ -310,14 +312,10 @@ class HostChaos:
             out = await asyncio.wait_for(
                 self.ex.execute(tid, bash(f"sleep {self.rng.choice(SLEEPS)}; echo {want}")), CALL_DEADLINE_S)
             outcome = "ok" if out.ok and out.content == want else f"wrong result for {tid}: {out.content[:200]!r}"
-            if out.content.startswith(SANDBOX_FAILED):
-                outcome = "infra-as-result"
         except HostUnavailable:
-            outcome = "infra"
-        except InfrastructureError:
-            # a slot's sandbox that did not answer or start in time (CPU-starved box): an honest
-            # infrastructure error on a host nobody killed, counted apart from host deaths
-            outcome = "infra-as-result"
+            outcome = "host-down"
+        except InfrastructureError as exc:
+            outcome = f"infra: {exc}"
         except asyncio.TimeoutError:
             outcome = f"{tid}: no outcome within {CALL_DEADLINE_S:g}s"
         except Exception as exc:
@@ -363,14 +361,16 @@ class HostChaos:
                     retire.append(tid)
                 continue
             retire.append(tid)
-            if outcome == "infra-as-result":
-                fig.infra_as_result += 1
-                fig.problem(f"iteration {it}: known bug, infrastructure failure returned as a result on {host_id}")
-            elif outcome == "infra":
+            if outcome == "host-down" or outcome.startswith("infra: "):
                 fig.infra_errors += 1
-                if host_id not in self.killed:
+                if host_id in self.killed:
+                    pass
+                elif outcome == "host-down":
                     fig.collateral += 1
-                    fig.problem(f"iteration {it}: infrastructure error on {host_id}, which nobody killed")
+                    fig.problem(f"iteration {it}: HostUnavailable on {host_id}, which nobody killed")
+                else:
+                    fig.infra_unkilled += 1
+                    fig.problem(f"iteration {it}: {outcome[:200]} (on {host_id}, not killed)")
             else:
                 fig.lost += 1
                 fig.problem(f"iteration {it}: {outcome}")
@@ -474,13 +474,19 @@ class HostChaos:
 
 
 async def run_host_kills(kind: str, iterations: int, *, seed: int = 0, hosts: int = 6, slots: int = 16,
-                         progress: Callable[[Figures], None] | None = None) -> Figures:
+                         progress: Callable[[Figures], None] | None = None,
+                         started: asyncio.Event | None = None) -> Figures:
     """``iterations`` host kills with 64 calls in flight. Spare hosts (6 x 16 slots for 64 calls) let
-    the next iterations run at full width while the pool replaces the hosts killed before."""
+    the next iterations run at full width while the pool replaces the hosts killed before.
+    ``started`` is set once the pool's hosts are up (or failed to come up)."""
     t0 = time.monotonic()
     chaos = HostChaos(kind, hosts=hosts, slots=slots, seed=seed)
     try:
-        await chaos.start()
+        try:
+            await chaos.start()
+        finally:
+            if started is not None:
+                started.set()
         chaos.fig.setup_s = time.monotonic() - t0
         for it in range(iterations):
             await chaos.iteration(it)
@@ -500,6 +506,7 @@ from atropos.slots.config import PoolConfig
 from atropos.slots.pool import SlotPool
 from atropos.tools.executor import AgentToolCall, ExecutorConfig, ToolExecutor
 from atropos.backends.local import LocalBackend, LocalBackendConfig
+from atropos.errors import InfrastructureError
 from tests.pool_backends import DATA_ROOT, make_backend
 
 def say(**kw):
@@ -524,8 +531,13 @@ async def main():
         # one turn of several calls: they are all in flight at once and run in order on the slot
         batch = range(t, calls, slots)
         wants = {{i: "out-%s-%d" % (pool_id, i) for i in batch}}
-        outs = await ex.execute_many("pk-%d" % t, [AgentToolCall(id=str(i), name="bash", arguments={{
-            "command": "sleep %s; echo %s" % (rng.choice(sleeps), wants[i])}}) for i in batch])
+        try:
+            outs = await ex.execute_many("pk-%d" % t, [AgentToolCall(id=str(i), name="bash", arguments={{
+                "command": "sleep %s; echo %s" % (rng.choice(sleeps), wants[i])}}) for i in batch])
+        except InfrastructureError as exc:
+            for i in batch:
+                say(event="result", i=i, ok=False, content="", want=wants[i], infra=str(exc))
+            return
         for out in outs:
             i = int(out.call_id)
             say(event="result", i=i, ok=out.ok, content=out.content, want=wants[i])
@@ -635,11 +647,12 @@ async def _check_pool_kill(kind: str, pool_id: str, reported: list[dict[str, Any
             fig.lost += 1
             fig.problem(f"pool iteration {it}: call {r['i']} reported twice")
         seen.add(r["i"])
-        if r["ok"] and r["content"] == r["want"]:
+        if r.get("infra"):
+            fig.infra_errors += 1
+            fig.infra_unkilled += 1
+            fig.problem(f"pool iteration {it}: call {r['i']}: {r['infra'][:200]}")
+        elif r["ok"] and r["content"] == r["want"]:
             fig.correct += 1
-        elif r["content"].startswith(SANDBOX_FAILED):
-            fig.infra_as_result += 1
-            fig.problem(f"pool iteration {it}: known bug, infrastructure failure returned as a result")
         else:
             fig.lost += 1
             fig.problem(f"pool iteration {it}: call {r['i']} returned {r['content'][:200]!r}, want {r['want']!r}")
@@ -647,7 +660,7 @@ async def _check_pool_kill(kind: str, pool_id: str, reported: list[dict[str, Any
 
     if kind == "local":
         # Local hosts die with their pool (parent-death signal) and take their sandboxes along.
-        alive = await eventually(lambda: processes_mentioning(str(DATA_ROOT / pool_id)))
+        alive = await eventually(lambda: pool_leftovers(kind, pool_id, processes_only=True))
         fig.orphans += len(alive)
         for item in alive:
             fig.problem(f"pool iteration {it}: {item} outlived its pool")
@@ -677,22 +690,36 @@ def chaos_plan(local: int, docker: int, pool: int) -> dict[str, int]:
     return {"local": local, "docker": docker, "pool": pool}
 
 
-async def run_chaos(plan: dict[str, int], *, seed: int = 0) -> list[Figures]:
+async def run_chaos(plan: dict[str, int], *, seed: int = 0, hosts: int = 6, sequential: bool = False,
+                    progress: Callable[[Figures], None] | None = None) -> list[Figures]:
     """The three scenarios at once (they use separate pools): a 2-CPU box spends the waits of one on the
-    work of another. Each scenario checks its own invariants; the figures come back per scenario."""
-    jobs = []
-    if plan["local"]:
-        jobs.append(run_host_kills("local", plan["local"], seed=seed + 1))
-    if plan["docker"]:
-        jobs.append(run_host_kills("docker", plan["docker"], seed=seed + 2))
-    if plan["pool"]:
-        jobs.append(run_pool_kills("local", plan["pool"], seed=seed + 3))
+    work of another. The Docker pool starts first, alone (six containers starting next to everything
+    else can miss their start deadline). Each scenario checks its own invariants."""
+    docker_up = asyncio.Event()
+    if not plan.get("docker"):
+        docker_up.set()
+
+    async def after_docker(job: Coroutine[Any, Any, Figures]) -> Figures:
+        await docker_up.wait()
+        return await job
+
+    jobs: list[Coroutine[Any, Any, Figures]] = []
+    if plan.get("docker"):
+        jobs.append(run_host_kills("docker", plan["docker"], seed=seed + 2, hosts=hosts, progress=progress,
+                                   started=docker_up))
+    if plan.get("local"):
+        jobs.append(after_docker(run_host_kills("local", plan["local"], seed=seed + 1, hosts=hosts,
+                                                progress=progress)))
+    if plan.get("pool"):
+        jobs.append(after_docker(run_pool_kills("local", plan["pool"], seed=seed + 3, progress=progress)))
+    if sequential:
+        docker_up.set()
+        return [await job for job in jobs]
     return list(await asyncio.gather(*jobs))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.xfail(strict=False, reason="under heavy CPU load, sandbox starts can time out on hosts nobody killed; being reworked (see session note)")
 async def test_chaos_100_iterations_lose_nothing_and_leak_nothing() -> None:
     """100 iterations: kill -9 local hosts, docker kill containers, SIGKILL pools, 64 calls in flight each."""
     plan = chaos_plan(LOCAL_HOST_KILLS, DOCKER_HOST_KILLS, POOL_KILLS)
@@ -707,8 +734,7 @@ async def test_chaos_100_iterations_lose_nothing_and_leak_nothing() -> None:
     assert total.iterations == sum(plan.values()) and total.kills == total.iterations
     assert total.calls == IN_FLIGHT * total.iterations
     # Exactly one outcome per call: its own result, an infrastructure error, or its caller died first.
-    assert total.correct + total.infra_errors + total.infra_as_result + total.died_with_pool == total.calls, \
-        total.problems
+    assert total.correct + total.infra_errors + total.died_with_pool == total.calls, total.problems
     assert total.clean, total.problems  # no lost result, no collateral failure, no orphan, no double lease
     for fig in figures:
         if fig.scenario.endswith("host-kill"):
@@ -742,18 +768,13 @@ async def test_executor_drops_the_queues_of_dead_hosts() -> None:
     finally:
         await ex.close()
         await pool.stop()
+        _remove_empty_root(backend.cfg.pool_id)  # type: ignore[attr-defined]
 
 
 def _sandbox_supervisors(host_pid: int, workspace_marker: str) -> list[int]:
     """Supervisor processes of the slot whose bwrap binds ``workspace_marker`` (descendants of the host)."""
     snap = Snapshot.take(mounts=False)
-    parents: dict[int, int] = {}
-    for pid, _ in snap.processes:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                parents[pid] = int(fh.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
+    parents = snap.parents
     def under(pid: int, ancestor: int) -> bool:
         while pid in parents and pid > 1:
             if pid == ancestor:
@@ -785,8 +806,7 @@ async def test_a_frozen_sandbox_is_an_infrastructure_error_not_an_observation() 
         for pid in stopped:
             os.kill(pid, signal.SIGSTOP)  # the platform's fault: nothing of the trajectory runs in there now
         with pytest.raises(InfrastructureError):
-            outcome = await ex.execute("t", AgentToolCall(id="r", name="read_file", arguments={"path": "f.txt"}))
-            print(f"the model would read: {outcome.content!r}")
+            await ex.execute("t", AgentToolCall(id="r", name="read_file", arguments={"path": "f.txt"}))
     finally:
         for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
@@ -794,15 +814,9 @@ async def test_a_frozen_sandbox_is_an_infrastructure_error_not_an_observation() 
         await ex.release_trajectory("t")
         await ex.close()
         await pool.stop()
+        _remove_empty_root(backend.cfg.pool_id)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG SandboxProcess.kill: it SIGKILLs only the outer bwrap. Killed between clone() and the write that "
-    "releases its child (a few ms after spawn; a third of the time in a tight loop), bwrap leaves the child "
-    "blocked forever in read(child_wait_fd), reparented to init, holding its namespaces, the host's pipes and "
-    "the (deleted) seccomp file. Chaos saw one outlive a SIGKILLed pool and the next pool's reaping. Fix: start "
-    "bwrap with start_new_session=True and kill its process group (os.killpg): the child has not called "
-    "setsid yet; and have LocalBackend.stop_host/reap_orphans kill processes whose argv names the host dir"))
 async def test_killing_a_starting_sandbox_leaves_no_process_behind() -> None:
     from importlib import resources
 
@@ -844,9 +858,10 @@ async def test_killing_a_starting_sandbox_leaves_no_process_behind() -> None:
         for _ in range(30):
             try:
                 # kill() awaits the exit *and* the pipes' EOF (asyncio): a stuck child holding them hangs it
-                await asyncio.wait_for(start_and_kill(), 5.0)
+                await asyncio.wait_for(start_and_kill(), 3.0)
             except asyncio.TimeoutError:
                 hung += 1
+                break
         await asyncio.sleep(1.0)
         left = leftovers()
         assert not left and not hung, f"{len(left)} sandbox process(es) outlived their kill, {hung} kill(s) hung"

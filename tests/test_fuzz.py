@@ -25,6 +25,7 @@ import secrets
 import shutil
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +51,7 @@ from atropos.slots.config import PoolConfig
 from atropos.slots.pool import SlotPool
 from tests.pool_backends import make_backend
 
-EXAMPLES = int(os.environ.get("ATROPOS_FUZZ_EXAMPLES", "40"))  # per API operation and generation mode
+EXAMPLES = int(os.environ.get("ATROPOS_FUZZ_EXAMPLES", "25"))  # per API operation and generation mode
 PATH_EXAMPLES = int(os.environ.get("ATROPOS_FUZZ_PATH_EXAMPLES", "300"))
 
 # =====================================================================================================
@@ -402,6 +403,7 @@ class FuzzReport:
     cases: int = 0
     statuses: collections.Counter[int] = field(default_factory=collections.Counter)
     failures: list[str] = field(default_factory=list)
+    seconds: collections.Counter[str] = field(default_factory=collections.Counter)  # per operation and pass
 
 
 def fuzz_operations(schema: Any, base_url: str, auth: dict[str, str], *, examples: int,
@@ -422,10 +424,13 @@ def fuzz_operations(schema: Any, base_url: str, auth: dict[str, str], *, example
             if extra is not None:
                 passes.append((GenerationMode.POSITIVE, extra))
             for mode, params in passes:
+                t0 = time.monotonic()
                 try:
                     _fuzz_operation(op, mode, params, report, session, base_url, auth, examples, adjust, after)
                 except hypothesis_errors.Unsatisfiable:
                     pass  # e.g. no negative data exists for an operation without parameters
+                report.seconds[f"{op.method.upper()} {op.path} [{mode.value}{'+fixed' if params else ''}]"] += \
+                    time.monotonic() - t0
     return report
 
 
@@ -459,7 +464,8 @@ def _fuzz_operation(op: Any, mode: GenerationMode, params: dict[str, Any], repor
 
 def _print(name: str, report: FuzzReport) -> None:
     print(f"\n{name}: {report.cases} cases, statuses {dict(sorted(report.statuses.items()))}, "
-          f"{len(report.failures)} failure(s)")
+          f"{len(report.failures)} failure(s); slowest: "
+          + ", ".join(f"{k} {v:.1f}s" for k, v in report.seconds.most_common(4)))
     for failure in report.failures[:10]:
         print(f"  {failure}")
 

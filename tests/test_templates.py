@@ -682,3 +682,30 @@ async def test_fork_sandboxes_stay_confined(which: str, source: Path, request: p
         finally:
             await release(s)
         await c.delete_template(t.id)
+
+
+@pytest.mark.docker
+async def test_docker_host_forks_in_a_user_namespace() -> None:
+    """The Docker backend's host runs as uid 1000 without capabilities: forks still are overlays."""
+    from atropos.slots.config import PoolConfig
+    from atropos.slots.pool import SlotPool
+    from tests.pool_backends import make_backend
+
+    async with SlotPool(make_backend("docker", slots=4), PoolConfig(min_hosts=1, max_hosts=1)) as pool:
+        host = next(iter(pool.hosts.values()))
+        health = await host.client.health()
+        assert health.workspace_mode == "overlay", health.workspace_detail
+        setup, *others = await pool.lease_many(["d0", "d1", "d2"], colocate=True)
+        await setup.bash("mkdir -p proj/sub && echo v1 > proj/file && echo x > proj/sub/x")
+        template = await pool.template_from_lease(setup)
+        await asyncio.gather(*(pool.fork(lease, template) for lease in others))
+        await others[0].bash("echo mine > proj/mine && rm -r proj/sub")
+        seen = await others[1].bash("ls proj; cat proj/file")
+        assert seen["stdout"].split() == ["file", "sub", "v1"]
+        await others[0].reset(template)
+        assert (await others[0].bash("ls proj"))["stdout"].split() == ["file", "sub"]
+        for lease in (setup, *others):
+            await lease.release()
+        await pool.delete_template(template)
+        health = await host.client.health()
+        assert health.mounts == 0 and health.templates == 0

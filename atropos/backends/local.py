@@ -104,6 +104,7 @@ class LocalBackend(Backend):
         self._procs.pop(host_id, None)
         data_dir = self._dirs.pop(host_id, None)
         if data_dir is not None:
+            await asyncio.to_thread(kill_processes_naming, data_dir)
             await asyncio.to_thread(shutil.rmtree, data_dir, True)
 
     async def alive(self, host_id: str) -> bool:
@@ -131,6 +132,7 @@ class LocalBackend(Backend):
             if len(parts) < 3 or not parts[-2].isdigit() or entry.name in self._dirs:
                 continue
             if int(parts[-2]) != os.getpid() and not pid_alive(int(parts[-2])):
+                await asyncio.to_thread(kill_processes_naming, entry)
                 await asyncio.to_thread(shutil.rmtree, entry, True) if entry.is_dir() else entry.unlink()
                 reaped += 1
         return reaped
@@ -138,6 +140,28 @@ class LocalBackend(Backend):
     async def close(self) -> None:
         await asyncio.gather(*(self.stop_host(h) for h in list(self._procs)))
 
+
+def kill_processes_naming(data_dir: Path) -> int:
+    """SIGKILL every process whose argv names ``data_dir``: what a SIGKILLed host may leave.
+
+    A bwrap killed (with its host) between clone() and releasing its child leaves that child blocked
+    for good, reparented to init, before --die-with-parent applies to it; its argv is bwrap's."""
+    needle = str(data_dir).encode() + b"/"
+    killed = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as fh:
+                if needle not in fh.read():
+                    continue
+            os.kill(int(name), signal.SIGKILL)
+            killed += 1
+        except (OSError, ValueError):
+            continue
+    if killed:
+        log.warning("killed %d leftover process(es) of %s", killed, data_dir)
+    return killed
 
 
 def _tail(path: Path, n: int = 2000) -> str:

@@ -23,6 +23,7 @@ import uvicorn
 from atropos.errors import AtroposSandboxError
 from atropos.sandbox.config import HostConfig, Limits
 from atropos.sandbox.host import SandboxHost
+from atropos.sandbox.sandbox_process import SandboxProcess
 from atropos.sandbox.server import create_app, wrap
 
 TOKEN_ENV = "ATROPOS_SANDBOX_TOKEN"
@@ -95,13 +96,19 @@ async def serve(cfg: HostConfig, prewarm: bool = True) -> None:
     try:
         await server.serve(sockets=[sock])
     finally:
-        await host.stop()
+        try:
+            await host.stop()
+        finally:
+            SandboxProcess.kill_all()  # sandboxes whose start was cancelled by the shutdown
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg, args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # SIGTERM (a backend's stop, the pool's death) must run host.stop(): uvicorn handles it while it
+    # serves, then re-raises it with this handler; before that (prewarm) it lands here directly.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if args.parent_pid:
         _die_with_parent(args.parent_pid)
     try:
@@ -109,6 +116,12 @@ def main(argv: list[str] | None = None) -> None:
     except AtroposSandboxError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    finally:
+        SandboxProcess.kill_all()
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

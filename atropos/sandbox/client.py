@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Sequence
 from typing import Any, NoReturn
 
 import httpx
@@ -150,7 +150,7 @@ class HostClient:
     async def delete_template(self, template_id: str) -> None:
         await self._send("DELETE", f"/v1/templates/{template_id}")
 
-    async def template_archive(self, template_id: str, *, timeout: float = 3600) -> AsyncIterator[bytes]:
+    async def template_archive(self, template_id: str, *, timeout: float = 3600) -> AsyncGenerator[bytes, None]:
         """Stream a template as an uncompressed tar (chunks as they arrive)."""
         try:
             async with self._http.stream("GET", f"/v1/templates/{template_id}/archive",

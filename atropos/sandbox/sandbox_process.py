@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
+import signal
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +17,7 @@ from atropos.errors import InfrastructureError
 log = logging.getLogger(__name__)
 FRAME = struct.Struct(">I")
 MAX_FRAME = 96 << 20  # > base64 of the largest archive or read (see HostConfig)
+KILL_WAIT_S = 5.0
 
 
 class SandboxDied(InfrastructureError):
@@ -24,8 +27,13 @@ class SandboxDied(InfrastructureError):
 class SandboxProcess:
     """A long-lived sandboxed supervisor. Requests are serialised by the owning slot's lock."""
 
+    # Process groups of every sandbox this process started and has not reaped: what kill_all() kills
+    # when the host exits with sandboxes still starting (their tasks cancelled mid-start).
+    _groups: set[int] = set()
+
     def __init__(self, proc: asyncio.subprocess.Process, label: str) -> None:
         self.proc = proc
+        SandboxProcess._groups.add(proc.pid)
         self.label = label
         self._stderr_tail = b""
         self._stderr_task = asyncio.create_task(self._drain_stderr())
@@ -62,6 +70,9 @@ class SandboxProcess:
                 env={},  # bwrap's own PID 1 keeps this environment: it must be empty
                 pass_fds=fds,
                 limit=MAX_FRAME,
+                # Its own process group: killed while it starts, bwrap leaves a child blocked before
+                # --die-with-parent applies; killpg reaches that child too.
+                start_new_session=True,
                 **ids,
             )
         except OSError as exc:
@@ -77,7 +88,22 @@ class SandboxProcess:
         except SandboxDied:
             await sandbox.kill()
             raise
+        except BaseException:  # cancelled mid-start: nobody else knows this sandbox, so kill it now
+            sandbox._signal_group()
+            raise
         return sandbox
+
+    @classmethod
+    def kill_all(cls) -> None:
+        """SIGKILL every sandbox still running; for the host's last words (no waiting, no event loop)."""
+        for pgid in list(cls._groups):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        cls._groups.clear()
+
+    def _signal_group(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the group outlives a reaped leader: no pid reuse
 
     @property
     def alive(self) -> bool:
@@ -135,11 +161,16 @@ class SandboxProcess:
             raise SandboxDied(f"{self.label}: sandbox pipe closed") from exc
 
     async def kill(self) -> None:
-        """SIGKILL the outer bwrap; with a PID namespace that takes every process inside along."""
-        if self.proc.returncode is None:
-            try:
-                self.proc.kill()
-            except ProcessLookupError:
-                pass
-        await self.proc.wait()
+        """SIGKILL bwrap's process group; with a PID namespace that takes every process inside along."""
+        self._signal_group()
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            # asyncio's wait() also waits for the pipes' EOF; a process that escaped the group and holds
+            # them must not hang the slot's lock for good.
+            await asyncio.wait_for(self.proc.wait(), KILL_WAIT_S)
+        except asyncio.TimeoutError:
+            log.error("%s: sandbox pipes still open %.0fs after SIGKILL", self.label, KILL_WAIT_S)
+        else:
+            SandboxProcess._groups.discard(self.proc.pid)
         self._stderr_task.cancel()

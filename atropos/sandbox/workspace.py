@@ -462,6 +462,8 @@ class Workspaces:
 
     async def start(self) -> None:
         await asyncio.to_thread(self.store.prepare)
+        for leftover in self.root.glob("probe-*"):  # of a host that died while probing
+            await asyncio.to_thread(remove_tree, leftover)
         wanted = self.cfg.workspace_mode
         if wanted == "copy":
             self._fallback("copy mode forced by configuration (--workspace-mode copy)", warn=False)

@@ -461,8 +461,8 @@ class SlotPool:
             raise WorkspaceError(f"template {template.id}: no live host holds it any more")
         source = sources[0]
         t0 = time.perf_counter()
-        stream = source.client.template_archive(template.copies[source.id])
-        info = await host.guard(host.client.upload_template(stream, name=template.name))
+        async with contextlib.aclosing(source.client.template_archive(template.copies[source.id])) as stream:
+            info = await host.guard(host.client.upload_template(stream, name=template.name))
         if info.tree_hash != template.tree_hash:
             await host.client.delete_template(info.id)
             raise WorkspaceError(f"template {template.id} shipped to {host.id} arrived different "
