@@ -923,8 +923,6 @@ async def test_r31_memory_hog_memoryerror(slot: LeasedSlot, host: RunningHost) -
     assert (await slot.sh("echo ok"))["stdout"] == "ok\n"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a slot can lower its oom_score_adj from 1000 back to 0 (the host's "
-                                       "value), undoing 'under memory pressure the sandbox dies, never the host'")
 async def test_r31_oom_priority_cannot_be_lowered(slot: LeasedSlot, host: RunningHost) -> None:
     host_adj = int(Path(f"/proc/{host.proc.pid}/oom_score_adj").read_text())
     out = await slot.sh(f"cat /proc/self/oom_score_adj; echo {host_adj} > /proc/self/oom_score_adj; "

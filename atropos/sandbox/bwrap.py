@@ -75,8 +75,9 @@ def bwrap_argv(bwrap: str, paths: SandboxPaths, limits: Limits, *, network: bool
         argv += ["--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf",
                  "--ro-bind-try", "/etc/nsswitch.conf", "/etc/nsswitch.conf"]
     # bwrap's own root and /dev are uncapped tmpfs: read-only, or a slot could fill host RAM
-    # through /etc or /run. Last, so every mount point above already exists.
-    argv += ["--remount-ro", "/dev", "--remount-ro", "/"]
+    # through /etc or /run. /proc read-only: a slot cannot lower its oom_score_adj (or write any
+    # other per-process knob). Last, so every mount point above already exists.
+    argv += ["--remount-ro", "/proc", "--remount-ro", "/dev", "--remount-ro", "/"]
     for key, value in SANDBOX_ENV.items():
         argv += ["--setenv", key, value]
     argv.append("--")

@@ -27,6 +27,10 @@ from atropos.sandbox.workspace import (
     walk_tree,
 )
 
+CHOOM = "/usr/bin/choom"  # util-linux: on every Debian/Ubuntu
+HAVE_CHOOM = os.path.exists(CHOOM)
+SANDBOX_OOM_SCORE_ADJ = 1000  # under memory pressure the sandbox dies, never the host
+
 log = logging.getLogger(__name__)
 
 
@@ -131,6 +135,10 @@ class Slot:
             # The fork's overlay exists only in the workspace mount namespace: start bwrap in it
             # (nsenter drops to the slot's uid itself on a root host, after entering).
             argv, uid = [*self._ns().launcher(self.uid), *argv], None
+        if HAVE_CHOOM:
+            # Raised before bwrap starts (raising needs no privilege); /proc is read-only inside, so
+            # nothing in the slot can lower it and make the host the OOM killer's victim.
+            argv = [CHOOM, "-n", str(SANDBOX_OOM_SCORE_ADJ), "--", *argv]
         return await SandboxProcess.start(
             argv, uid=uid, protocol=protocol,
             seccomp_path=None if self.cfg.unsafe_no_isolation else self.seccomp_path, label=label,

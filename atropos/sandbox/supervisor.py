@@ -605,11 +605,6 @@ def main() -> None:
         os.dup2(devnull, std)
     os.set_inheritable(rfd, False)
     os.set_inheritable(wfd, False)
-    try:
-        with open("/proc/self/oom_score_adj", "w") as fh:
-            fh.write("1000")  # under memory pressure the sandbox dies, never the host
-    except OSError:
-        pass
     _apply_limits(cfg.get("limits", {}))
     if cfg.get("exec"):
         os.execvpe(cfg["exec"][0], cfg["exec"], dict(cfg.get("env", {})))
