@@ -11,7 +11,8 @@ other tenants).
 
 Baseline in the same run: the machine's own ceiling for this work, ``bash -c true`` forked and
 exec'd back to back by one process per core with nothing else around it (no sandbox, no HTTP, no
-pool). No sandbox can beat it; the ratio says what share of it our whole stack reaches.
+pool). No sandbox can beat it; the ratio says what share of it our whole stack reaches. A last row
+runs ``stat`` (no process spawned) to show what the stack itself sustains.
 
 Target (shared/design.md): >= 1,500 calls/s on 2 cores.
 """
@@ -87,12 +88,13 @@ async def _floor(duration: float) -> Row:
     return row
 
 
-async def _window(pool: object, window_ms: float, duration: float) -> Row:
+async def _window(pool: object, window_ms: float, duration: float, tool: str = "bash") -> Row:
     from atropos.tools.executor import AgentToolCall, ExecutorConfig, ToolExecutor
 
     ex = ToolExecutor(pool, cfg=ExecutorConfig(tool_batch_window_ms=window_ms))  # type: ignore[arg-type]
-    call = AgentToolCall(id="c", name="bash", arguments={"command": "true"})
-    tids = [f"tp-{window_ms:g}-{i}" for i in range(TRAJECTORIES)]
+    args = {"command": "true"} if tool == "bash" else {"path": "."}
+    call = AgentToolCall(id="c", name=tool, arguments=args)
+    tids = [f"tp-{tool}-{window_ms:g}-{i}" for i in range(TRAJECTORIES)]
     try:
         for _ in range(3):  # warm-up: leases every slot, opens the connections
             await asyncio.gather(*(ex.execute(t, call) for t in tids))
@@ -126,8 +128,11 @@ async def _window(pool: object, window_ms: float, duration: float) -> Row:
         await ex.close()
     rate = calls / elapsed
     busy = (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1])
-    row = Row(f"batch window {window_ms:g} ms", lat, throughput=rate, target=f">= {TARGET:,.0f} calls/s",
-              passed=rate >= TARGET)
+    if tool == "bash":
+        row = Row(f"batch window {window_ms:g} ms", lat, throughput=rate, target=f">= {TARGET:,.0f} calls/s",
+                  passed=rate >= TARGET)
+    else:  # no process spawned: what the stack itself (executor, HTTP, host, supervisor) sustains
+        row = Row(f"{tool} (no spawn), batch window {window_ms:g} ms", lat, throughput=rate)
     row.extra = {"calls": calls, "failed": failures, "seconds": round(elapsed, 2), "requests": requests,
                  "requests_per_call": round(requests / sent, 3) if sent else None,
                  "pool_cpu_ms_per_call": round(self_cpu / calls * 1e3, 3) if calls else None,
@@ -150,10 +155,11 @@ async def run(quick: bool) -> ScenarioResult:
     try:
         for w in WINDOWS_MS:
             res.rows.append(await _window(pool, w, duration))
+        res.rows.append(await _window(pool, WINDOWS_MS[-1], duration, tool="stat"))
     finally:
         await pool.stop()
         shutil.rmtree(BENCH_ROOT / "local" / pool.cfg.pool_id, ignore_errors=True)
-    ours = [r for r in res.rows if not r.baseline]
+    ours = [r for r in res.rows if r.target]
     best = max(ours, key=lambda r: r.throughput or 0.0)
     floor = res.rows[0].throughput or 0.0
     res.targets.append(Target(f">= {TARGET:,.0f} calls/s (64 trajectories, trivial calls)",
