@@ -3,6 +3,8 @@ parsing, and one error body shape (``{"error": {"code", "message", "status"}}``)
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import json
 from collections.abc import Awaitable, Callable, Iterable
@@ -15,6 +17,8 @@ from fastapi.responses import JSONResponse
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[dict[str, Any], Receive, Send], Awaitable[None]]
+DRAIN_BYTES = 16 << 20  # overshoot of an oversized body read before answering 413
+DRAIN_S = 5.0
 
 
 def error_body(status: int, code: str, message: str) -> dict[str, Any]:
@@ -79,12 +83,13 @@ class RequestGuard:
             if name == b"content-length" and value.isdigit() and int(value) > self.max_body:
                 return await _too_large(send, self.max_body)
         seen = 0
-        state = {"exceeded": False, "started": False}
+        state = {"exceeded": False, "started": False, "more": True}
 
         async def limited() -> dict[str, Any]:
             nonlocal seen
             message = await receive()
             seen += len(message.get("body", b""))
+            state["more"] = message["type"] == "http.request" and bool(message.get("more_body"))
             if seen > self.max_body:
                 state["exceeded"] = True
                 return {"type": "http.disconnect"}  # the app stops reading; we answer below
@@ -103,8 +108,22 @@ class RequestGuard:
             if not state["exceeded"]:
                 raise
         if state["exceeded"] and not state["started"]:
-            # Part of the body is still unread on the socket: do not reuse the connection.
+            # A client still sending when the connection closes sees a broken pipe, not our 413:
+            # read (and drop) a bounded overshoot first. What remains unread closes the connection.
+            if state["more"]:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(_drain(receive, DRAIN_BYTES), DRAIN_S)
             await _too_large(send, self.max_body, [(b"connection", b"close")])
+
+
+async def _drain(receive: Receive, budget: int) -> None:
+    while budget > 0:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        budget -= len(message.get("body", b""))
+        if not message.get("more_body"):
+            return
 
 
 async def _too_large(send: Send, limit: int, extra: Iterable[tuple[bytes, bytes]] = ()) -> None:

@@ -151,6 +151,15 @@ job "atropos-sandbox" {
         readonly_rootfs = true
         pids_limit      = var.pids_limit
 
+        # slirp4netns: slots leased with network get their own network namespace behind NAT
+        # (atropos.sandbox.network); without the device they share the container's namespace.
+        devices = [
+          {
+            host_path      = "/dev/net/tun"
+            container_path = "/dev/net/tun"
+          }
+        ]
+
         # mode is decimal (HCL has no octal): 1023 = 01777. The server creates /slots/data as uid 1000.
         mount {
           type     = "tmpfs"

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 say() { printf '[setup] %s\n' "$*" >&2; }
 
-APT_PACKAGES=(bubblewrap tmux libseccomp2 git procps util-linux ca-certificates python3 python3-venv)
+APT_PACKAGES=(bubblewrap slirp4netns tmux libseccomp2 git procps util-linux ca-certificates python3 python3-venv)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

@@ -166,7 +166,7 @@ async def assert_healthy(host: RunningHost) -> None:
 
 @pytest.fixture
 async def net_slot(host: RunningHost) -> AsyncIterator[LeasedSlot]:
-    """A slot leased WITH network (shares the host's network namespace by design)."""
+    """A slot leased WITH network (its own network namespace behind slirp4netns)."""
     client = host.client()
     leased = LeasedSlot(client, await client.lease(f"net-{secrets.token_hex(4)}", network=True))
     try:
@@ -605,8 +605,41 @@ async def test_r16_vsock_refused(slot: LeasedSlot) -> None:
     assert res["stdout"].strip() == str(errno.EAFNOSUPPORT), res
 
 
+def _host_address() -> str:
+    """An address of this machine that is not loopback (where a NAT'd slot can reach a host service)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.250", 9))  # no packet is sent: this only picks the outgoing interface
+        return str(probe.getsockname()[0])
+
+
+async def test_r15_network_slot_has_egress_but_not_host_loopback(net_slot: LeasedSlot) -> None:
+    """Leased with network, a slot reaches the outside through its own namespace's NAT, yet no
+    service bound to the host's loopback (the host API, a model server) is reachable from it."""
+    addr = _host_address()
+    if addr.startswith("127."):
+        pytest.skip("this machine has no non-loopback address to stand in for 'the outside'")
+    outside = socket.socket()
+    outside.bind((addr, 0))
+    outside.listen(4)
+    inside_only = socket.socket()
+    inside_only.bind(("127.0.0.1", 0))
+    inside_only.listen(4)
+    try:
+        got = await _connect(net_slot, "socket.AF_INET", (addr, outside.getsockname()[1]))
+        assert got["ok"], f"egress from a network slot failed: {got}"
+        for target in (("127.0.0.1", inside_only.getsockname()[1]), ("10.0.2.2", inside_only.getsockname()[1])):
+            got = await _connect(net_slot, "socket.AF_INET", target)
+            assert not got["ok"], f"host loopback service reachable from a network slot via {target}: {got}"
+        out = await net_slot.sh("cat /etc/resolv.conf; cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '")
+        assert "nameserver 10.0.2.3" in out["stdout"] and "tap0" in out["stdout"].split(), out
+    finally:
+        outside.close()
+        inside_only.close()
+
+
 async def test_r14_network_slot_needs_host_token(net_slot: LeasedSlot, host: RunningHost) -> None:
-    """A slot leased with network shares the host's loopback; the API must still refuse it."""
+    """A network slot cannot reach the host API (it has its own namespace), and were it shared
+    (``--network-isolation shared``), the API would still refuse it without the token."""
     port = int(host.address.rsplit(":", 1)[1])
     code = (
         "import urllib.request, urllib.error\n"
@@ -622,8 +655,6 @@ async def test_r14_network_slot_needs_host_token(net_slot: LeasedSlot, host: Run
     assert all(x == "401" or x.startswith("refused") for x in lines), res
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: network slots use --share-net, i.e. the host's network namespace, "
-                                       "so host abstract unix sockets (and loopback services) are reachable")
 async def test_r15_network_slot_cannot_reach_host_abstract_socket(net_slot: LeasedSlot) -> None:
     name = f"\0atropos-iso-{secrets.token_hex(6)}"
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -236,3 +236,40 @@ async def test_restarted_pool_reaps_orphans_of_a_killed_pool(kind: str) -> None:
 def _host_process_running(host_id: str) -> bool:
     out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     return host_id in out
+
+
+def _outside_address() -> str:
+    """A non-loopback address of this machine: reachable from a NAT'd slot (local or in a container)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.250", 9))  # no packet is sent: this only picks the outgoing interface
+        return str(probe.getsockname()[0])
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+async def test_network_lease_reaches_out_and_the_next_lease_is_offline_again(kind: str) -> None:
+    import socket
+
+    addr = _outside_address()
+    if addr.startswith("127."):
+        pytest.skip("this machine has no non-loopback address to stand in for 'the outside'")
+    server = socket.socket()
+    server.bind((addr, 0))
+    server.listen(8)
+    port = server.getsockname()[1]
+    probe = (f"python3 -c \"import socket; socket.create_connection(('{addr}', {port}), timeout=5); print('up')\" "
+             "2>&1 | tail -1")
+    try:
+        async with SlotPool(make_backend(kind, slots=1), pool_cfg()) as pool:
+            async with pool.leased("online", network=True) as lease:
+                out = await lease.bash(probe)
+                assert out["stdout"].strip() == "up", out
+                # Its own namespace: a tap device behind NAT, not the host's (or container's) interfaces.
+                dev = await lease.bash("tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | sort")
+                assert dev["stdout"].split() == ["lo", "tap0"], dev
+            async with pool.leased("offline") as lease:  # the same (only) slot, reset
+                out = await lease.bash(probe)
+                assert "Network is unreachable" in out["stdout"], out
+    finally:
+        server.close()

@@ -107,6 +107,8 @@ class DockerBackend(Backend):
             memswap_limit=c.memory_bytes,
             nano_cpus=int(c.cpus * 1e9),
             port_bindings={CONTAINER_PORT: ("127.0.0.1", None)},
+            # slirp4netns gives slots leased with network their own namespace (atropos.sandbox.network)
+            devices=["/dev/net/tun:/dev/net/tun:rwm"] if os.path.exists("/dev/net/tun") else None,
         )
         # `--security-opt systempaths=unconfined` of the CLI: lets bwrap mount a fresh /proc. The
         # Engine API spells it as empty masked/read-only path lists (the SDK has no keyword for it).

@@ -279,6 +279,8 @@ def render_job(cfg: NomadBackendConfig, count: int = 0, *, token: str | None = N
             "readonly_rootfs": True,
             "pids_limit": c.pids_limit,
             "mount": tmpfs,
+            # slirp4netns: slots leased with network get their own namespace (atropos.sandbox.network)
+            "devices": [{"host_path": "/dev/net/tun", "container_path": "/dev/net/tun"}],
         },
         "Resources": {"CPU": c.cpu, "MemoryMB": c.memory},
         "KillTimeout": 10 * NS,

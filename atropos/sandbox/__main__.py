@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
                    help="DEVELOPMENT ONLY: run slots without bubblewrap")
     p.add_argument("--no-prewarm", action="store_true", help="start slot sandboxes on first use only")
     p.add_argument("--parent-pid", type=int, help="exit when this process (the pool) dies")
+    p.add_argument("--network-isolation", choices=("auto", "private", "shared"), default="auto",
+                   help="network slots: private namespace behind slirp4netns, or the host's (see HostConfig)")
     p.add_argument("--workspace-mode", choices=("auto", "overlay", "copy"), default="auto",
                    help="template forks: overlayfs copy-on-write, or full copies (default %(default)s)")
     p.add_argument("--template-source-dir", type=Path, action="append", default=[],
@@ -61,7 +63,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
         slots=args.slots, data_dir=args.data_dir, host=args.host, port=args.port, token=token,
         uid_base=args.uid_base, max_timeout_s=args.max_timeout, unsafe_no_isolation=args.unsafe_no_isolation,
         limits=Limits(nproc=args.nproc, address_space_bytes=args.memory),
-        workspace_mode=args.workspace_mode, template_source_dirs=args.template_source_dir,
+        workspace_mode=args.workspace_mode, network_isolation=args.network_isolation,
+        template_source_dirs=args.template_source_dir,
     )
     return cfg, args
 

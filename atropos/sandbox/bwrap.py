@@ -35,12 +35,16 @@ class SandboxPaths:
     etc_dir: Path
 
 
-def bwrap_argv(bwrap: str, paths: SandboxPaths, limits: Limits, *, network: bool, seccomp_fd: int) -> list[str]:
+def bwrap_argv(bwrap: str, paths: SandboxPaths, limits: Limits, *, network: bool, seccomp_fd: int,
+               private_net: bool = False) -> list[str]:
     """Arguments that start a hardened sandbox; the command to run inside is appended by the caller.
 
     Start it with ``env={}`` (bwrap's own PID 1 keeps the caller's environment, readable from
     ``/proc/1/environ``) and as an unprivileged uid (a uid-0 caller makes ``--uid`` cosmetic).
     Never put secrets in this argv: it is visible in ``/proc/1/cmdline`` inside.
+    With ``network`` and ``private_net`` the sandbox keeps its own network namespace and waits
+    for ``atropos.sandbox.network`` to plug slirp4netns in (``{info_fd}``/``{block_fd}``
+    placeholders: the caller substitutes the descriptors).
     """
     argv = [
         bwrap,
@@ -70,7 +74,11 @@ def bwrap_argv(bwrap: str, paths: SandboxPaths, limits: Limits, *, network: bool
         "--uid", "1000", "--gid", "1000", "--hostname", "sandbox",
         "--seccomp", str(seccomp_fd),
     ]
-    if network:
+    if network and private_net:
+        argv += ["--ro-bind", str(paths.etc_dir / "resolv.conf"), "/etc/resolv.conf",
+                 "--ro-bind-try", "/etc/nsswitch.conf", "/etc/nsswitch.conf",
+                 "--info-fd", "{info_fd}", "--block-fd", "{block_fd}"]
+    elif network:
         argv[argv.index("--unshare-all") + 1 : argv.index("--unshare-all") + 1] = ["--share-net"]
         argv += ["--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf",
                  "--ro-bind-try", "/etc/nsswitch.conf", "/etc/nsswitch.conf"]

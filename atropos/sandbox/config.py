@@ -68,6 +68,10 @@ class HostConfig(BaseModel):
     template_source_dirs: list[Path] = Field(
         default_factory=list, description="host directories templates may be made from (dir and local git sources)")
     max_template_bytes: int = Field(16 << 30, ge=1 << 20, description="largest template tar upload")
+    network_isolation: Literal["auto", "private", "shared"] = Field(
+        "auto", description="slots leased with network: their own network namespace behind slirp4netns "
+                            "(private; the host's loopback unreachable) or the host's namespace (shared); auto "
+                            "picks private when slirp4netns and /dev/net/tun are present, else shared with a warning")
 
     @field_validator("token")
     @classmethod

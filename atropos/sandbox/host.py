@@ -23,6 +23,8 @@ from atropos import __version__, metrics
 from atropos.errors import IsolationUnavailable, LeaseError, SlotUnavailable, ToolError
 from atropos.sandbox import seccomp
 from atropos.sandbox.config import HostConfig
+from atropos.sandbox.network import DNS as SLIRP_DNS
+from atropos.sandbox.network import private_network_available
 from atropos.sandbox.protocol import (
     CallResult,
     ErrorInfo,
@@ -73,6 +75,7 @@ class SandboxHost:
         self.total_calls = 0
         self.stopping = False
         self.workspaces: Workspaces | None = None
+        self.private_net = False  # resolved from cfg.network_isolation by start()
         self.killer = UidKiller()
         # Prewarming sandboxes competes for CPU with resets still running: during a burst (a
         # group of forks, a wave of releases) it waits until the burst is over (or 0.25 s).
@@ -86,6 +89,7 @@ class SandboxHost:
             check_isolation(self.cfg)
         else:
             log.warning("!!! UNSAFE: slots run WITHOUT isolation (development only); never run untrusted code !!!")
+        self.private_net = resolve_network_isolation(self.cfg)
         if self.is_root:
             # slots, the health slot, and the uid that owns template files (no sandbox runs as it)
             self.uid_base, self._uid_lock_fd = claim_uid_block(self.cfg.slots + 2, self.cfg.uid_base)
@@ -112,6 +116,7 @@ class SandboxHost:
         uid = None if self.uid_base is None else self.uid_base + index
         slot = Slot(index, self.cfg, self.root, uid, self.seccomp_path, self.workspaces)
         slot.killer = self.killer
+        slot.private_net = self.private_net
         if name:
             slot.dir = self.root / name
             slot.paths = type(slot.paths)(workspace=slot.dir / "ws", run_dir=slot.dir / "run",
@@ -135,6 +140,7 @@ class SandboxHost:
                                b"nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
         _write(etc / "group", b"sandbox:x:1000:\nnogroup:x:65534:\n")
         _write(etc / "hosts", b"127.0.0.1 localhost sandbox\n::1 localhost\n")
+        _write(etc / "resolv.conf", f"nameserver {SLIRP_DNS}\n".encode())  # private-network slots
         if not self.cfg.unsafe_no_isolation:
             self.seccomp_path = str(seccomp.write_filter(root / "seccomp.bpf"))
 
@@ -233,8 +239,9 @@ class SandboxHost:
             if not ok:
                 raise WorkspaceError(f"slot {slot.index}: fork of template {template.id} failed: {detail}")
         info = slot.grant(req.trajectory_id, req.network)
-        if req.network and slot.sandbox is not None:
-            await slot.stop_sandboxes()  # the warm sandbox has no network; restart on first use
+        if req.network:
+            async with slot.lock:  # after a prewarm still starting: it has no network either
+                await slot.stop_sandboxes()  # the first call starts one with network
         elif template is not None and not req.network:
             self._schedule_prewarm(slot)
         metrics.HOST_LEASES.inc()
@@ -467,6 +474,20 @@ def _write(path: Path, data: bytes) -> None:
     tmp.write_bytes(data)
     os.chmod(tmp, 0o644)
     os.replace(tmp, path)
+
+
+def resolve_network_isolation(cfg: HostConfig) -> bool:
+    """True when network slots get a private namespace; refuses 'private' where it cannot work."""
+    if cfg.unsafe_no_isolation or cfg.network_isolation == "shared":
+        return False
+    problem = private_network_available()
+    if problem is None:
+        return True
+    if cfg.network_isolation == "private":
+        raise IsolationUnavailable(f"--network-isolation private: {problem}")
+    log.warning("slots leased with network will share this host's network namespace (its loopback "
+                "services are reachable from them): %s", problem)
+    return False
 
 
 def check_isolation(cfg: HostConfig) -> None:

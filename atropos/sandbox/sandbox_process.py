@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from atropos.errors import InfrastructureError
+from atropos.sandbox.network import NetworkSetupFailed, SlirpHandshake
 
 log = logging.getLogger(__name__)
 FRAME = struct.Struct(">I")
@@ -35,6 +36,7 @@ class SandboxProcess:
         self.proc = proc
         SandboxProcess._groups.add(proc.pid)
         self.label = label
+        self.companion: asyncio.subprocess.Process | None = None  # slirp4netns of a network sandbox
         self._stderr_tail = b""
         self._stderr_task = asyncio.create_task(self._drain_stderr())
 
@@ -48,16 +50,20 @@ class SandboxProcess:
         label: str,
         protocol: bool = True,
         ready_timeout: float = 15.0,
+        network: SlirpHandshake | None = None,
+        network_uid: int | None = None,
     ) -> SandboxProcess:
-        """Start a sandbox; with ``protocol`` False it runs a plain program (e.g. the tmux server)."""
-        fds: tuple[int, ...] = ()
-        argv = list(argv)
+        """Start a sandbox; with ``protocol`` False it runs a plain program (e.g. the tmux server).
+
+        With ``network`` the sandbox gets a private network (slirp4netns run as ``network_uid``)
+        before anything runs inside it."""
+        fds: dict[str, int] = dict(network.sandbox_fds) if network is not None else {}
         seccomp_fd = -1
         if seccomp_path is not None:
             # bwrap consumes the descriptor's offset, so every sandbox gets a fresh one.
-            seccomp_fd = os.open(seccomp_path, os.O_RDONLY)
-            fds = (seccomp_fd,)
-            argv = [str(seccomp_fd) if a == "{seccomp_fd}" else a for a in argv]
+            seccomp_fd = fds["seccomp_fd"] = os.open(seccomp_path, os.O_RDONLY)
+        placeholders = {f"{{{name}}}": str(fd) for name, fd in fds.items()}
+        argv = [placeholders.get(a, a) for a in argv]
         ids: dict[str, Any] = {}
         if uid is not None:
             ids = {"user": uid, "group": uid, "extra_groups": []}
@@ -68,7 +74,7 @@ class SandboxProcess:
                 stdout=asyncio.subprocess.PIPE if protocol else asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
                 env={},  # bwrap's own PID 1 keeps this environment: it must be empty
-                pass_fds=fds,
+                pass_fds=tuple(fds.values()),
                 limit=MAX_FRAME,
                 # Its own process group: killed while it starts, bwrap leaves a child blocked before
                 # --die-with-parent applies; killpg reaches that child too.
@@ -76,15 +82,25 @@ class SandboxProcess:
                 **ids,
             )
         except OSError as exc:
+            if network is not None:
+                network.close()
             raise SandboxDied(f"{label}: cannot start sandbox: {exc}") from exc
         finally:
             if seccomp_fd >= 0:
                 os.close(seccomp_fd)
         sandbox = cls(proc, label)
-        if not protocol:
-            return sandbox
         try:
-            await sandbox._read_frame(ready_timeout)
+            if network is not None:
+                network.spawned()
+                try:
+                    sandbox.companion = await network.attach(network_uid, label, ready_timeout)
+                finally:
+                    network.close()
+            if protocol:
+                await sandbox._read_frame(ready_timeout)
+        except NetworkSetupFailed as exc:
+            await sandbox.kill()
+            raise SandboxDied(str(exc)) from exc
         except SandboxDied:
             await sandbox.kill()
             raise
@@ -173,4 +189,11 @@ class SandboxProcess:
             log.error("%s: sandbox pipes still open %.0fs after SIGKILL", self.label, KILL_WAIT_S)
         else:
             SandboxProcess._groups.discard(self.proc.pid)
+        if self.companion is not None:
+            # It exits by itself at the sandbox's death (EOF on its exit pipe); reap it.
+            try:
+                await asyncio.wait_for(self.companion.wait(), KILL_WAIT_S)
+            except asyncio.TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    self.companion.kill()
         self._stderr_task.cancel()

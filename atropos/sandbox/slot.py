@@ -14,6 +14,7 @@ from typing import Any
 
 from atropos.sandbox.bwrap import LIB_DIR, RUN_DIR, SANDBOX_ENV, SandboxPaths, bwrap_argv
 from atropos.sandbox.config import HostConfig
+from atropos.sandbox.network import SlirpHandshake
 from atropos.sandbox.protocol import LeaseInfo, SlotInfo, SlotState
 from atropos.sandbox.sandbox_process import SandboxDied, SandboxProcess
 from atropos.sandbox.workspace import (
@@ -54,6 +55,7 @@ class Slot:
         self.lease_token: str | None = None
         self.trajectory_id: str | None = None
         self.network = False
+        self.private_net = False  # set by the host: network slots get their own namespace
         self.leased_at: float | None = None
         self.calls = 0
         self.detail = ""
@@ -125,7 +127,7 @@ class Slot:
                            isolated=False, env={**SANDBOX_ENV, "HOME": str(self.paths.workspace)})
             return [self.cfg.python, "-I", "-S", str(self.paths.lib_dir / "supervisor.py"), json.dumps(sup_cfg)]
         argv = bwrap_argv(self.cfg.bwrap, self.paths, self.cfg.limits, network=self.network,
-                          seccomp_fd=-1)
+                          seccomp_fd=-1, private_net=self.private_net)
         argv[argv.index("-1")] = "{seccomp_fd}"
         return [*argv, self.cfg.python, "-I", "-S", f"{LIB_DIR}/supervisor.py", json.dumps(sup_cfg)]
 
@@ -142,6 +144,9 @@ class Slot:
         return await SandboxProcess.start(
             argv, uid=uid, protocol=protocol,
             seccomp_path=None if self.cfg.unsafe_no_isolation else self.seccomp_path, label=label,
+            network=(SlirpHandshake.create() if self.network and self.private_net
+                     and not self.cfg.unsafe_no_isolation else None),
+            network_uid=self.uid,
         )
 
     async def ensure_sandbox(self) -> SandboxProcess:

@@ -382,7 +382,8 @@ class SlotPool:
 
     async def _reset_back(self, host: PoolHost, lease: Lease) -> None:
         try:
-            result = await host.guard(host.client.reset(lease.slot, lease.token,
+            # network=False: a free slot never keeps the network a previous lease had.
+            result = await host.guard(host.client.reset(lease.slot, lease.token, network=False,
                                                         trajectory_id=f"pool:{self.cfg.pool_id}"))
         except HostUnavailable:
             self.suspect(host)
