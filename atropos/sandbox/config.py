@@ -50,6 +50,9 @@ class HostConfig(BaseModel):
     max_timeout_s: float = Field(600.0, gt=0)
     max_output_bytes: int = Field(64 << 10, ge=1024, description="kept per stream (head+tail) per call")
     hard_output_bytes: int = Field(256 << 20, ge=1 << 20, description="a call printing more is killed")
+    session_grace_s: float = Field(
+        3.0, gt=0, le=60, description="python_session: how long code may take to stop after its timeout "
+                                      "interrupt before the session is killed (and restarted empty)")
     max_body_bytes: int = Field(32 << 20, ge=1 << 16, description="largest request body accepted (413 over)")
     max_read_bytes: int = Field(8 << 20, ge=1024, le=64 << 20, description="largest file read through the API")
     max_write_bytes: int = Field(16 << 20, ge=1024, description="largest file write through the API")

@@ -39,7 +39,7 @@ from atropos.sandbox.protocol import (
     ToolCall,
 )
 from atropos.sandbox.sandbox_process import SandboxDied
-from atropos.sandbox.slot import Slot, UidKiller, delete_trash
+from atropos.sandbox.slot import SessionLost, Slot, UidKiller, delete_trash
 from atropos.sandbox.tools import clamp_timeout, supervisor_request, validate_args
 from atropos.sandbox.workspace import Template, TemplateSourceError, WorkspaceError, Workspaces
 
@@ -131,8 +131,8 @@ class SandboxHost:
             owned_dir(root / sub, 0o711 if sub != "trash" else 0o700)
         lib = root / "lib"
         os.chmod(lib, 0o755)
-        source = resources.files("atropos.sandbox").joinpath("supervisor.py").read_bytes()
-        _write(lib / "supervisor.py", source)
+        for script in ("supervisor.py", "session.py"):  # the python_session driver runs in the sandbox too
+            _write(lib / script, resources.files("atropos.sandbox").joinpath(script).read_bytes())
         _write(lib / "tmux.conf", TMUX_CONF.encode())
         etc = root / "etc"
         os.chmod(etc, 0o755)
@@ -404,6 +404,11 @@ class SandboxHost:
     async def _request(self, slot: Slot, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
         try:
             return await slot.request(payload, timeout + 10)
+        except SessionLost as exc:
+            if self.stopping:
+                raise
+            log.info("slot %d: python session lost during a call: %s", slot.index, exc)
+            return {"ok": True, "result": session_lost_result(exc, timeout, self.cfg.session_grace_s)}
         except SandboxDied as exc:
             if payload.get("op") != "exec" or slot.sandbox is None or self.stopping:
                 raise
@@ -416,6 +421,24 @@ class SandboxHost:
                 "stderr": "[the command killed its own sandbox; it was restarted, workspace files are kept]\n",
                 "stdout_bytes": 0, "stderr_bytes": 0, "stdout_truncated": False, "stderr_truncated": False,
                 "duration_ms": 0.0, "sandbox_restarted": True}}
+
+
+def session_lost_result(exc: SessionLost, timeout: float, grace: float) -> dict[str, Any]:
+    """What a python_session call returns when its interpreter had to be killed or died."""
+    if exc.timed_out:
+        why = (f"the code did not stop within {grace:g}s of its {timeout:g}s timeout interrupt (it ignored or "
+               "swallowed it), so the session was killed")
+    else:
+        why = "the Python session exited during the call (os._exit, a crash, or out of memory)"
+    message = (f"{why}; it was restarted: variables, imports and this call's output are lost "
+               "(workspace files are kept)")
+    return {
+        "stdout": "", "stderr": "", "value": None,
+        "error": {"type": "SessionRestarted", "message": message, "traceback": ""},
+        "timed_out": exc.timed_out, "output_limited": False, "restarted": True, "session_started": False,
+        "stdout_bytes": 0, "stderr_bytes": 0, "stdout_truncated": False, "stderr_truncated": False,
+        "execution_count": 0, "duration_ms": 0.0,
+    }
 
 
 UID_LOCK_DIR = Path("/run/atropos-sandbox/uids")

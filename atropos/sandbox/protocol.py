@@ -98,6 +98,7 @@ class SlotInfo(BaseModel):
     leased_for_s: float | None = None
     calls: int = 0
     sandbox_running: bool = False
+    session_running: bool = Field(False, description="a python_session interpreter is alive in the slot")
     detail: str = ""
     template: str | None = Field(None, description="the template this workspace is a fork of")
     workspace: WorkspaceKindName = Field("plain", description="plain dir | overlay fork | copy of a template")

@@ -35,6 +35,16 @@ SANDBOX_OOM_SCORE_ADJ = 1000  # under memory pressure the sandbox dies, never th
 log = logging.getLogger(__name__)
 
 
+class SessionLost(SandboxDied):
+    """The python_session interpreter died or was killed during a call (it ignored its timeout
+    interrupt, exited, crashed, ran out of memory). The code's outcome, not the platform's: the
+    host answers with a ``restarted`` result; the next call starts an empty session."""
+
+    def __init__(self, message: str, *, timed_out: bool) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
 class Slot:
     """State machine: free -> leased -> resetting -> free (or quarantined when a reset fails)."""
 
@@ -63,6 +73,7 @@ class Slot:
         self.lock = asyncio.Lock()  # one call at a time per slot, in arrival order
         self.sandbox: SandboxProcess | None = None
         self.terminal: SandboxProcess | None = None
+        self.session: SandboxProcess | None = None  # the python_session interpreter, started on first use
         self.killer: UidKiller | None = None  # shared by the host's slots
         self.template: Template | None = None  # the template the workspace is built on
         self.ws_kind: WorkspaceKind = "plain"
@@ -116,23 +127,25 @@ class Slot:
             network=self.network, calls=self.calls, detail=self.detail,
             leased_for_s=None if self.leased_at is None else round(time.monotonic() - self.leased_at, 3),
             sandbox_running=self.sandbox is not None and self.sandbox.alive,
+            session_running=self.session is not None and self.session.alive,
             template=None if self.template is None else self.template.id, workspace=self.ws_kind,
         )
 
     # -- sandboxes -------------------------------------------------------------------------
-    def _argv(self, extra: dict[str, Any]) -> list[str]:
+    def _argv(self, extra: dict[str, Any], script: str) -> list[str]:
         sup_cfg = {"limits": self.cfg.limits.rlimits(), "env": SANDBOX_ENV, **extra}
         if self.cfg.unsafe_no_isolation:
             sup_cfg.update(workspace=str(self.paths.workspace), run_dir=str(self.paths.run_dir),
                            isolated=False, env={**SANDBOX_ENV, "HOME": str(self.paths.workspace)})
-            return [self.cfg.python, "-I", "-S", str(self.paths.lib_dir / "supervisor.py"), json.dumps(sup_cfg)]
+            return [self.cfg.python, "-I", "-S", str(self.paths.lib_dir / script), json.dumps(sup_cfg)]
         argv = bwrap_argv(self.cfg.bwrap, self.paths, self.cfg.limits, network=self.network,
                           seccomp_fd=-1, private_net=self.private_net)
         argv[argv.index("-1")] = "{seccomp_fd}"
-        return [*argv, self.cfg.python, "-I", "-S", f"{LIB_DIR}/supervisor.py", json.dumps(sup_cfg)]
+        return [*argv, self.cfg.python, "-I", "-S", f"{LIB_DIR}/{script}", json.dumps(sup_cfg)]
 
-    async def _start(self, extra: dict[str, Any], label: str, protocol: bool = True) -> SandboxProcess:
-        argv, uid = self._argv(extra), self.uid
+    async def _start(self, extra: dict[str, Any], label: str, protocol: bool = True,
+                     script: str = "supervisor.py") -> SandboxProcess:
+        argv, uid = self._argv(extra, script), self.uid
         if self.ws_kind == "overlay":
             # The fork's overlay exists only in the workspace mount namespace: start bwrap in it
             # (nsenter drops to the slot's uid itself on a root host, after entering).
@@ -172,7 +185,38 @@ class Slot:
                 raise SandboxDied(f"slot {self.index}: terminal did not start")
             await asyncio.sleep(0.01)
 
+    async def _session_request(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """A python_session call: in the slot's own interpreter sandbox (a third one, same uid and
+        workspace, its own PID namespace), started on first use and kept until reset or release."""
+        if payload.get("restart") and self.session is not None:
+            await self.session.kill()
+            self.session = None
+        started = self.session is None or not self.session.alive
+        if started:
+            if self.session is not None:
+                await self.session.kill()  # it died between calls: reap it before starting another
+            self.session = await self._start({}, f"slot {self.index} python session", script="session.py")
+        proc = self.session
+        assert proc is not None
+        # The driver interrupts the code itself at its timeout; the grace is how long the code
+        # gets to stop before we stop waiting and kill it.
+        deadline = float(payload["timeout"]) + self.cfg.session_grace_s
+        t0 = time.monotonic()
+        try:
+            frame = await proc.request(payload, deadline)
+        except SandboxDied as exc:
+            if self.session is not proc:
+                raise  # stopped from outside (reset, release, host stop): not the code's doing
+            await proc.kill()
+            self.session = None
+            raise SessionLost(str(exc), timed_out=time.monotonic() - t0 >= deadline - 0.05) from exc
+        if frame.get("ok") and isinstance(frame.get("result"), dict):
+            frame["result"].update(session_started=started, restarted=False)
+        return frame
+
     async def request(self, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+        if payload.get("op") == "session":
+            return await self._session_request(payload)
         if payload.get("op") == "terminal":
             await self.ensure_terminal()
             payload = {**payload, "offset": self.term_offset}
@@ -183,10 +227,13 @@ class Slot:
         return frame
 
     async def stop_sandboxes(self) -> None:
-        for proc in (self.sandbox, self.terminal):
+        # The session goes too: the next lease must never see this trajectory's variables (the
+        # supervisor's kill(-1) only reaches its own sandbox's PID namespace).
+        procs = (self.sandbox, self.terminal, self.session)
+        self.sandbox = self.terminal = self.session = None
+        for proc in procs:
             if proc is not None:
                 await proc.kill()
-        self.sandbox = self.terminal = None
 
     # -- reset ---------------------------------------------------------------------------
     async def reset(self, template: Template | None = None) -> tuple[bool, str]:

@@ -38,6 +38,16 @@ class PythonArgs(_Args):
     timeout_s: float | None = Field(None, gt=0, description="seconds before it is killed")
 
 
+class PythonSessionArgs(_Args):
+    """Run Python code in a persistent interpreter: variables, imports and functions survive between
+    calls, like a notebook. The value of a final expression is shown. A timeout interrupts the code
+    (KeyboardInterrupt) and keeps the session; restart=true starts from an empty one."""
+
+    code: str = Field("", description="Python source to run in the session")
+    timeout_s: float | None = Field(None, gt=0, description="seconds before the running code is interrupted")
+    restart: bool = Field(False, description="discard the session's state and start a fresh interpreter first")
+
+
 class ReadFileArgs(_Args):
     """Read a file of the workspace."""
 
@@ -111,6 +121,7 @@ TOOLS: dict[str, ToolSpec] = {
     for spec in (
         ToolSpec("bash", BashArgs, "exec", timed=True),
         ToolSpec("python", PythonArgs, "exec", timed=True),
+        ToolSpec("python_session", PythonSessionArgs, "session", timed=True),
         ToolSpec("read_file", ReadFileArgs, "read_file"),
         ToolSpec("write_file", WriteFileArgs, "write_file"),
         ToolSpec("edit_file", EditFileArgs, "edit_file"),
@@ -167,6 +178,11 @@ def supervisor_request(tool: str, args: _Args, timeout: float, cfg: HostConfig) 
             "max_output": cfg.max_output_bytes, "hard_output": cfg.hard_output_bytes,
             "cpu_seconds": cfg.limits.cpu_seconds_per_call,
         }
+    if isinstance(args, PythonSessionArgs):
+        if "\0" in args.code:
+            raise ToolInputError("the code contains a NUL byte")
+        return {"op": "session", "code": args.code, "restart": args.restart, "timeout": timeout,
+                "max_output": cfg.max_output_bytes, "hard_output": cfg.hard_output_bytes}
     payload: dict[str, Any] = {"op": TOOLS[tool].op, **args.model_dump()}
     if isinstance(args, ReadFileArgs | EditFileArgs):
         payload["max_bytes"] = cfg.max_read_bytes

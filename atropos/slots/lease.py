@@ -147,6 +147,12 @@ class Lease:
     async def bash(self, command: str, *, timeout_s: float | None = None) -> dict[str, Any]:
         return await self.ok("bash", {"command": command}, timeout_s=timeout_s)
 
+    async def python_session(self, code: str, *, restart: bool = False,
+                             timeout_s: float | None = None) -> dict[str, Any]:
+        """Run code in the slot's persistent Python session (state survives between calls; a
+        failing cell is a result with ``error`` set, not an exception)."""
+        return await self.ok("python_session", {"code": code, "restart": restart}, timeout_s=timeout_s)
+
     async def read_file(self, path: str) -> str:
         return str((await self.ok("read_file", {"path": path}))["content"])
 

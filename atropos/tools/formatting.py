@@ -28,6 +28,27 @@ def format_exec(r: dict[str, Any]) -> str:
     return "\n".join(parts) if parts else "(no output)"
 
 
+def format_session(r: dict[str, Any]) -> str:
+    """A python_session result as a notebook cell's output: prints, the final value, the error."""
+    parts = []
+    if r.get("stdout"):
+        parts.append(str(r["stdout"]).rstrip("\n"))
+    if r.get("stderr"):
+        parts.append("[stderr]\n" + str(r["stderr"]).rstrip("\n"))
+    if r.get("value") is not None:
+        parts.append(f"Out: {r['value']}")
+    err = r.get("error") or {}
+    if r.get("restarted"):
+        parts.append(f"[session restarted: {err.get('message', 'the session was lost')}]")
+    elif err:
+        parts.append(str(err.get("traceback") or f"{err.get('type')}: {err.get('message')}").rstrip("\n"))
+    elif r.get("timed_out"):  # the code caught its interrupt and finished anyway
+        parts.append("[timed out: the code was interrupted; the session is kept]")
+    if r.get("output_limited") and not r.get("restarted"):
+        parts.append("[output limit reached: the code was interrupted]")
+    return "\n".join(parts) if parts else "(no output)"
+
+
 def format_result(tool: str, result: CallResult) -> tuple[bool, str]:
     """(ok, text). ``ok`` is False when the tool could not do what was asked."""
     notes = "".join(f"\n[note: {n}]" for n in result.notes)
@@ -39,6 +60,9 @@ def format_result(tool: str, result: CallResult) -> tuple[bool, str]:
     if tool in ("bash", "python"):
         ok = not r.get("timed_out") and r.get("exit_code") == 0
         return ok, format_exec(r) + notes
+    if tool == "python_session":
+        ok = not r.get("error") and not r.get("timed_out") and not r.get("restarted")
+        return ok, format_session(r) + notes
     if tool == "read_file":
         if r.get("encoding") == "base64":
             text = base64.b64decode(r["content"]).decode("utf-8", "replace").translate(_CONTROL_TO_MARK)

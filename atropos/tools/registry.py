@@ -14,7 +14,7 @@ Kind = Literal["sandbox", "external"]
 
 # Which toolset each sandbox tool belongs to; `archive` is for programs (REST), not the model.
 SANDBOX_TOOLSETS: dict[str, str] = {
-    "bash": "shell", "python": "python", "terminal": "terminal",
+    "bash": "shell", "python": "python", "python_session": "python", "terminal": "terminal",
     "read_file": "files", "write_file": "files", "edit_file": "files", "list_dir": "files", "stat": "files",
 }
 DEFAULT_TOOLSETS = ("shell", "python", "files", "terminal")

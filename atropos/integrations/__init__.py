@@ -1,0 +1,1 @@
+"""Bridges from third-party agent frameworks onto slots (each one an optional extra)."""
