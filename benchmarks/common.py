@@ -110,6 +110,7 @@ class Row:
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     n: int | None = None  # defaults to len(samples_ms)
+    base: str | None = None  # name of the row its ``x base`` ratio divides by (default: the baseline row)
 
     @property
     def count(self) -> int:
@@ -128,7 +129,7 @@ class Row:
             "name": self.name, "n": self.count, "latency_ms": summarize(self.samples_ms),
             "throughput_per_s": self.throughput, "value": self.value, "unit": self.unit,
             "baseline": self.baseline, "target": self.target or None, "passed": self.passed,
-            "note": self.note or None, "extra": self.extra,
+            "note": self.note or None, "extra": self.extra, "ratio_base": self.base,
         }
 
 
@@ -161,7 +162,7 @@ class ScenarioResult:
         return next((r for r in self.rows if r.baseline and r.samples_ms), None)
 
     def ratio(self, row: Row) -> float | None:
-        base = self.baseline
+        base = self.row(row.base) if row.base else self.baseline
         if base is None or not row.samples_ms or not base.p50:
             return None
         return row.p50 / base.p50
@@ -363,8 +364,8 @@ def host_pids(pool: Any) -> list[int]:
 
 
 # -- docker ----------------------------------------------------------------------------------
-def docker_problem(image: str = DOCKER_IMAGE) -> str | None:
-    """Why Docker cannot be benchmarked here, or None when an engine and the image exist."""
+def docker_problem(image: str | None = DOCKER_IMAGE) -> str | None:
+    """Why Docker cannot be benchmarked here, or None when an engine and the image (if any) exist."""
     if shutil.which("docker") is None:
         return "no engine (docker CLI not installed)"
     try:
@@ -373,6 +374,8 @@ def docker_problem(image: str = DOCKER_IMAGE) -> str | None:
         return f"no engine ({exc})"
     if info.returncode != 0:
         return "no engine (`docker info` failed)"
+    if image is None:
+        return None
     img = subprocess.run(["docker", "image", "inspect", image], capture_output=True, timeout=20)
     if img.returncode != 0:
         return f"no image {image} (scripts/build_image.sh builds it)"

@@ -24,7 +24,8 @@ from benchmarks.common import (
     write_png,
 )
 
-SCENARIOS = ("call_latency", "lease", "throughput", "reset", "memory", "fleet_docker", "agent_step", "fork")
+SCENARIOS = ("call_latency", "lease", "throughput", "reset", "memory", "fleet_docker", "agent_step", "fork",
+             "peers")
 
 
 def main(argv: list[str] | None = None) -> int:
