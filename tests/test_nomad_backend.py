@@ -209,7 +209,12 @@ async def test_stop_host_removes_exactly_that_allocation(stubbed: FakeNomad, clo
     await backend.stop_host(by_index[0])
     assert job_count(fake, job_id) == 2 and backend.stats["alloc_stop"] == 1
     spare = await until(lambda: backend.spare_ids(), what="a spare")
-    assert fake.allocation(spare[0])["PreviousAllocation"] == by_index[0]
+    info = fake.allocation(spare[0])
+    assert info.get("PreviousAllocation") == by_index[0], (
+        f"spare {spare[0]} is not by_index[0]'s replacement: {info.get('Name')} {info.get('ClientStatus')} "
+        f"prev={info.get('PreviousAllocation')}; allocs: "
+        f"{[(a['ID'][:8], a['Name'], a['DesiredStatus'], a['ClientStatus']) for a in fake.allocations(job_id)]}; "
+        f"hosts: {[h[:8] for h in by_index.values()]}")
     assert fake.allocation(by_index[1])["DesiredStatus"] == "run"
 
     # The next start adopts the spare: no scale call, a fresh host on the same name.

@@ -939,6 +939,9 @@ class NomadBackend(Backend):
             resp = await self._request("POST", f"/v1/allocation/{alloc_id}/stop")
             if resp.status_code in (200, 404):
                 self._retired.discard(alloc_id)
+                # Stopping: until the watch shows it, the cache still says running, and it must
+                # not pass for a spare that the next start_host would adopt.
+                self._removing.add(alloc_id)
                 self.stats["alloc_stop"] += 1
                 log.info("stopped Nomad allocation %s (%s); its replacement is a spare", alloc_id[:8],
                          alloc.get("Name"))
