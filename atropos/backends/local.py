@@ -17,6 +17,7 @@ from atropos.backends.base import Backend, HostInfo, new_token, pid_alive
 from atropos.errors import HostUnavailable, IsolationUnavailable
 from atropos.sandbox.config import default_data_dir
 from atropos.sandbox.host import owned_dir
+from atropos.sandbox.sandbox_process import kill_processes_naming
 
 log = logging.getLogger(__name__)
 
@@ -139,29 +140,6 @@ class LocalBackend(Backend):
 
     async def close(self) -> None:
         await asyncio.gather(*(self.stop_host(h) for h in list(self._procs)))
-
-
-def kill_processes_naming(data_dir: Path) -> int:
-    """SIGKILL every process whose argv names ``data_dir``: what a SIGKILLed host may leave.
-
-    A bwrap killed (with its host) between clone() and releasing its child leaves that child blocked
-    for good, reparented to init, before --die-with-parent applies to it; its argv is bwrap's."""
-    needle = str(data_dir).encode() + b"/"
-    killed = 0
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as fh:
-                if needle not in fh.read():
-                    continue
-            os.kill(int(name), signal.SIGKILL)
-            killed += 1
-        except (OSError, ValueError):
-            continue
-    if killed:
-        log.warning("killed %d leftover process(es) of %s", killed, data_dir)
-    return killed
 
 
 def _tail(path: Path, n: int = 2000) -> str:

@@ -10,12 +10,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import functools
 import json
 import logging
 import os
 import signal
 import socket
 import sys
+import threading
+import time
 from pathlib import Path
 
 import uvicorn
@@ -23,10 +26,11 @@ import uvicorn
 from atropos.errors import AtroposSandboxError
 from atropos.sandbox.config import HostConfig, Limits
 from atropos.sandbox.host import SandboxHost
-from atropos.sandbox.sandbox_process import SandboxProcess
+from atropos.sandbox.sandbox_process import SandboxProcess, kill_processes_naming
 from atropos.sandbox.server import create_app, wrap
 
 TOKEN_ENV = "ATROPOS_SANDBOX_TOKEN"
+SHUTDOWN_GRACE_S = 5.0  # after SIGTERM: then whatever still runs of this host is killed
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Namespace]:
@@ -111,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # SIGTERM (a backend's stop, the pool's death) must run host.stop(): uvicorn handles it while it
     # serves, then re-raises it with this handler; before that (prewarm) it lands here directly.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, functools.partial(_exit_on_sigterm, cfg.data_dir))
     if args.parent_pid:
         _die_with_parent(args.parent_pid)
     try:
@@ -121,10 +125,23 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     finally:
         SandboxProcess.kill_all()
+        kill_processes_naming(cfg.data_dir)
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
+def _exit_on_sigterm(data_dir: Path, signum: int, frame: object) -> None:
+    # A sandbox whose start the shutdown cancels is killed by asyncio's own cleanup, which kills
+    # only bwrap; a child bwrap had not released yet then blocks for good, holding the pipes that
+    # cleanup waits for. Past a grace period, kill everything of this host and leave.
+    threading.Thread(target=_last_resort, args=(data_dir,), daemon=True).start()
     raise SystemExit(128 + signum)
+
+
+def _last_resort(data_dir: Path) -> None:
+    time.sleep(SHUTDOWN_GRACE_S)
+    SandboxProcess.kill_all()
+    kill_processes_naming(data_dir)
+    time.sleep(2.0)
+    os._exit(1)
 
 
 if __name__ == "__main__":
