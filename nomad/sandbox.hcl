@@ -49,6 +49,12 @@ variable "workspace_bytes" {
   description = "size of the tmpfs holding every slot's workspace"
 }
 
+variable "slot_workspace_bytes" {
+  type        = number
+  default     = 134217728
+  description = "what one slot can write to its workspace (its own tmpfs, inside the one above)"
+}
+
 variable "pids_limit" {
   type    = number
   default = 4096
@@ -140,6 +146,7 @@ job "atropos-sandbox" {
         args = [
           "--host", "0.0.0.0", "--port", "8080", "--slots=${var.slots_per_host}",
           "--data-dir", "/slots/data", "--max-timeout=${var.max_timeout_s}",
+          "--workspace-bytes=${var.slot_workspace_bytes}",
         ]
         init     = true
         cap_drop = ["ALL"]

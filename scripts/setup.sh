@@ -22,6 +22,15 @@ if ((${#missing[@]})); then
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# Network slots get a private namespace from slirp4netns, run as the slot's own uid: it must open
+# /dev/net/tun. udev gives the device mode 0666 on Debian/Ubuntu; machines without udev (VMs,
+# containers) leave it 0600. Opening it grants nothing by itself (creating a device needs
+# CAP_NET_ADMIN over the network namespace).
+if [[ "$(id -u)" -eq 0 && -c /dev/net/tun && "$(stat -c %a /dev/net/tun)" != "666" ]]; then
+    say "chmod 0666 /dev/net/tun (the udev default; slots' private networks need it)"
+    chmod 0666 /dev/net/tun
+fi
+
 PY="${PYTHON:-python3}"
 if [[ ! -x .venv/bin/python ]]; then
     say "creating .venv with $($PY --version)"

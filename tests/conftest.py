@@ -21,6 +21,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 
+# above RLIMIT_FSIZE (1 GiB), so the largest-file test meets that limit before the cap
+HOST_WORKSPACE_BYTES = 1536 << 20
+
+
 @dataclass
 class RunningHost:
     address: str
@@ -30,6 +34,30 @@ class RunningHost:
 
     def client(self, **kw: Any) -> HostClient:
         return HostClient(self.address, self.token, **kw)
+
+
+def helper_pid(data_dir: Path) -> int:
+    """The host's workspace mount helper (its mount namespace holds the slots' capped tmpfs
+    workspaces and the forks' overlays)."""
+    script = str(Path(os.path.realpath(data_dir)) / "mounthelper.py").encode()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if script in Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0"):
+                    return int(name)
+            except OSError:
+                continue
+    raise AssertionError("no mount helper running for this host")
+
+
+def slot_path(data_dir: Path, slot: int, sub: str = "ws") -> Path:
+    """Host-side path of what slot ``slot`` sees as its workspace (``ws``) or run dir (``run``):
+    through the mount helper's namespace, where the slot's capped tmpfs is mounted."""
+    real = Path(os.path.realpath(data_dir)) / "slots" / str(slot) / sub
+    try:
+        return Path(f"/proc/{helper_pid(data_dir)}/root{real}")
+    except AssertionError:  # no helper: an uncapped host (--workspace-bytes 0, no isolation)
+        return real
 
 
 def start_host(data_dir: Path, slots: int = 8, extra: list[str] | None = None) -> RunningHost:
@@ -61,7 +89,7 @@ def stop_host(host: RunningHost) -> None:
 @pytest.fixture(scope="session")
 def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningHost]:
     data = Path(f"/tmp/atropos-test-{os.getpid()}-{secrets.token_hex(3)}")
-    running = start_host(data, slots=8)
+    running = start_host(data, slots=8, extra=["--workspace-bytes", str(HOST_WORKSPACE_BYTES)])
     yield running
     stop_host(running)
 

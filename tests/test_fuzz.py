@@ -36,7 +36,7 @@ import pytest
 import requests
 import schemathesis
 import uvicorn
-from conftest import RunningHost, start_host, stop_host
+from conftest import RunningHost, slot_path, start_host, stop_host
 from hypothesis import HealthCheck, given, settings
 from hypothesis import errors as hypothesis_errors
 from hypothesis import strategies as st
@@ -250,11 +250,14 @@ def path_rig() -> Iterator[PathRig]:
         other = http.post("/v1/leases", json={"trajectory_id": "fuzz-neighbour", "slot": 1}).json()
         name, text = f"CANARY-{token}", f"canary-secret-{token}"
         other_ws = data / "slots" / str(other["slot"]) / "ws"
-        canaries = [root / name, data / name, data / "slots" / "0" / name, data / "slots" / name, other_ws / name]
+        # the neighbour's canary goes where it sees its workspace (its capped tmpfs); symlinks below
+        # name the path an attacker would guess, the slot's directory on the host
+        canaries = [root / name, data / name, data / "slots" / "0" / name, data / "slots" / name,
+                    slot_path(data, other["slot"]) / name]
         for c in canaries:
             c.write_text(text)
         rig = PathRig(root=root, host=host, http=http, slot=mine["slot"], lease=mine["lease"], canary_name=name,
-                      canary_text=text, canaries=canaries, workspace=data / "slots" / "0" / "ws")
+                      canary_text=text, canaries=canaries, workspace=slot_path(data, 0))
         setup = rig.call("bash", command=" && ".join([
             "mkdir -p d/e", "echo inside > f.txt", "echo deep > d/e/g.txt", "ln -s .. up", "ln -s / root",
             f"ln -s {root / name} abs_canary", f"ln -s ../{name} rel_canary", f"ln -s ../../{name} up2_canary",

@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import LeasedSlot, RunningHost, start_host, stop_host
+from conftest import HOST_WORKSPACE_BYTES, LeasedSlot, RunningHost, slot_path, start_host, stop_host
 
 from atropos.errors import LeaseError
 from atropos.sandbox.protocol import CallResult, ToolCall
@@ -46,12 +46,13 @@ x86_64 = pytest.mark.skipif(platform.machine() != "x86_64", reason="raw x86_64 s
 NPROC = 256  # Limits().nproc default
 FSIZE = 1 << 30  # Limits().file_size_bytes default
 SHM, TMP = 64 << 20, 256 << 20
+WORKSPACE_CAP, WORKSPACE_INODES = HOST_WORKSPACE_BYTES, 1 << 18  # the session host's cap; default inodes
 
 
 # -- helpers -------------------------------------------------------------------------------------
 def ws_of(host: RunningHost, s: LeasedSlot) -> Path:
     """Host-side path of a slot's workspace."""
-    return host.data_dir / "slots" / str(s.lease.slot) / "ws"
+    return slot_path(host.data_dir, s.lease.slot)
 
 
 def uid_of(host: RunningHost, s: LeasedSlot) -> int:
@@ -929,9 +930,10 @@ async def test_r30_fork_bomb_bounded(slot: LeasedSlot, host: RunningHost) -> Non
     try:
         while not task.done():
             # A /proc scan is not atomic: while the bomb churns, it counts processes that died
-            # during the scan next to their successors. The smaller of two scans still bounds
-            # any real growth (an escape would show in both).
-            scans = [len(await asyncio.to_thread(procs_of_uid, uid)) for _ in range(2)]
+            # during the scan next to their successors (seen: +11 over two scans on a loaded
+            # CI machine). The smallest of three scans still bounds any real growth: an escape
+            # from RLIMIT_NPROC runs to thousands within the call's 15 s, in every scan.
+            scans = [len(await asyncio.to_thread(procs_of_uid, uid)) for _ in range(3)]
             host_peak = max(host_peak, min(scans))
             t0 = time.monotonic()
             h = await asyncio.wait_for(client.health(), 10)
@@ -945,7 +947,8 @@ async def test_r30_fork_bomb_bounded(slot: LeasedSlot, host: RunningHost) -> Non
     peak = int(r.result["stdout"].split()[1])  # type: ignore[index]
     assert peak >= 64, f"premise: the bomb really forked ({peak})"
     assert peak <= NPROC + 5, f"fork bomb reached {peak} processes inside"
-    assert host_peak <= NPROC + 10, f"host saw {host_peak} processes of the slot uid"
+    # + the slot's processes outside the bomb's namespace (bwrap, its init) and the scan's churn
+    assert host_peak <= NPROC + 32, f"host saw {host_peak} processes of the slot uid"
     assert max(health_ms) < 5000, health_ms
     assert await wait_until(lambda: len(procs_of_uid(uid)) <= baseline, 5), procs_of_uid(uid)
     assert (await slot.sh("echo after"))["stdout"] == "after\n"
@@ -980,16 +983,30 @@ async def test_r32_file_size_limit(slot: LeasedSlot, host: RunningHost) -> None:
     assert not (ws_of(host, slot) / "big2").exists() or (ws_of(host, slot) / "big2").stat().st_size <= FSIZE
 
 
-@pytest.mark.xfail(strict=True, reason="GAP (row 33): no per-slot disk quota; a slot sees (and can fill) "
-                                       "the whole host filesystem with many files just under RLIMIT_FSIZE")
-async def test_r33_workspace_disk_is_quota_bounded(slot: LeasedSlot, host: RunningHost) -> None:
-    res = await run_py(slot, "import os\ns = os.statvfs('/workspace')\nprint(s.f_blocks * s.f_frsize, "
-                             "s.f_bavail * s.f_frsize)")
-    total_in, avail_in = map(int, res["stdout"].split())
-    host_vfs = os.statvfs(host.data_dir)
-    host_total = host_vfs.f_blocks * host_vfs.f_frsize
-    # A quota (project quota, loop image, tmpfs) shows the slot a filesystem smaller than the host disk.
-    assert total_in < host_total * 0.5, f"the slot sees the host disk: {total_in >> 30} GiB, {avail_in >> 30} free"
+async def test_r33_workspace_disk_is_capped(slot_pair: tuple[LeasedSlot, LeasedSlot], host: RunningHost) -> None:
+    a, b = slot_pair
+    res = await run_py(a, "import os\ns = os.statvfs('/workspace')\nprint(s.f_blocks * s.f_frsize, s.f_files)")
+    total_in, inodes_in = map(int, res["stdout"].split())
+    assert total_in == WORKSPACE_CAP and inodes_in == WORKSPACE_INODES, "the slot sees the host disk"
+    # many files just under RLIMIT_FSIZE: the cap stops them, not the host's disk
+    host_free = os.statvfs(host.data_dir).f_bavail * os.statvfs(host.data_dir).f_frsize
+    out = await a.sh("for i in 1 2 3 4 5 6 7 8; do head -c 200M /dev/zero > f$i || break; done; "
+                     "echo written=$(du -sb . | cut -f1)", timeout_s=120)
+    written = int(out["stdout"].split("=")[1])
+    assert "No space left on device" in out["stderr"], out
+    assert WORKSPACE_CAP - (8 << 20) <= written <= WORKSPACE_CAP + (1 << 20), written  # du counts dirs too
+    assert os.statvfs(host.data_dir).f_bavail * os.statvfs(host.data_dir).f_frsize > host_free - (64 << 20), \
+        "the fill reached the host's disk"
+    # a million empty files: the inode cap stops them
+    out = await run_py(a, "import os\nn = 0\ntry:\n    while True:\n        open(f'e{n}', 'w').close(); n += 1\n"
+                          "except OSError as e:\n    print(n, e.errno)", timeout_s=120)
+    made, err = map(int, out["stdout"].split())
+    assert err == 28 and made < WORKSPACE_INODES, out  # ENOSPC
+    # the full slot's neighbour still writes; the full slot works again after a reset
+    assert (await b.sh("head -c 10M /dev/zero > x && echo ok"))["stdout"] == "ok\n"
+    r = await a.client.reset(a.lease.slot, a.lease.lease)
+    a.lease = r.lease
+    assert (await a.sh("ls | wc -l; head -c 10M /dev/zero > x && echo ok"))["stdout"] == "0\nok\n"
 
 
 async def test_r34_tmpfs_caps(slot: LeasedSlot) -> None:
@@ -1224,7 +1241,7 @@ async def test_r45_stale_lease_refused(host: RunningHost) -> None:
             assert r.error is not None and r.error.code == "lease_invalid"
             fresh.lease = res.lease
             await fresh.ok("write_file", path="mine.txt", content="fresh2")
-            assert (host.data_dir / "slots" / str(idx) / "ws" / "mine.txt").read_text() == "fresh2"
+            assert (slot_path(host.data_dir, idx) / "mine.txt").read_text() == "fresh2"
         finally:
             await client.release(idx, fresh.lease.lease)
     finally:

@@ -658,6 +658,7 @@ def test_sandbox_hcl_is_the_job_the_backend_registers() -> None:
     registered = backend.render_job(count=0)
     overrides = {"image": cfg.image, "host_count": 0, "slots_per_host": cfg.slots_per_host, "cpu": cfg.cpu,
                  "memory": cfg.memory, "workspace_bytes": cfg.workspace_bytes, "pids_limit": cfg.pids_limit,
+                 "slot_workspace_bytes": cfg.slot_workspace_bytes,
                  "max_timeout_s": cfg.max_timeout_s, "datacenters": cfg.datacenters,
                  "seccomp_profile": cfg.seccomp_profile, "runtime": cfg.runtime}
     from_hcl, defaults = hcl_to_api(HCL, overrides)
@@ -670,6 +671,7 @@ def test_sandbox_hcl_is_the_job_the_backend_registers() -> None:
     d = NomadBackendConfig()
     assert defaults == {"image": d.image, "host_count": 1, "slots_per_host": d.slots_per_host, "cpu": d.cpu,
                         "memory": d.memory, "workspace_bytes": d.workspace_bytes, "pids_limit": d.pids_limit,
+                        "slot_workspace_bytes": d.slot_workspace_bytes,
                         "max_timeout_s": d.max_timeout_s, "datacenters": d.datacenters,
                         "seccomp_profile": d.seccomp_profile, "runtime": d.runtime}
     plain, _ = hcl_to_api(HCL, {"host_count": 0})

@@ -27,10 +27,16 @@ def pool_cfg(**kw: object) -> PoolConfig:
 
 @pytest.mark.parametrize("kind", BACKENDS)
 async def test_lease_call_release_and_reuse_is_clean(kind: str) -> None:
-    async with SlotPool(make_backend(kind, slots=2), pool_cfg()) as pool:
+    backend = make_backend(kind, slots=2)
+    async with SlotPool(backend, pool_cfg()) as pool:
         async with pool.leased("traj-a") as lease:
             out = await lease.bash("echo secret-a > note.txt && pwd")
             assert out["stdout"].strip() == "/workspace"
+            # the backend's per-slot workspace cap reached the host: the slot sees its own tmpfs
+            df = await lease.bash("stat -f -c '%T %b %S' /workspace")
+            fstype, blocks, block_size = df["stdout"].split()
+            cap = backend.cfg.slot_workspace_bytes  # type: ignore[attr-defined]
+            assert fstype == "tmpfs" and int(blocks) * int(block_size) == cap, df
             assert (await lease.read_file("note.txt")).strip() == "secret-a"
             key = lease.key
             old_token = lease.token

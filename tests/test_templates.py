@@ -24,7 +24,7 @@ import pytest
 
 from atropos.errors import LeaseError
 from atropos.sandbox.client import HostClient
-from atropos.sandbox.protocol import TemplateInfo
+from atropos.sandbox.protocol import HealthInfo, TemplateInfo
 from atropos.sandbox.workspace import (
     TemplateBuildFailed,
     TemplateInUse,
@@ -33,11 +33,17 @@ from atropos.sandbox.workspace import (
     read_mountinfo,
     walk_tree,
 )
-from tests.conftest import LeasedSlot, RunningHost, start_host, stop_host
+from tests.conftest import LeasedSlot, RunningHost, helper_pid, slot_path, start_host, stop_host
 
 DIGEST = ("find . -mindepth 1 -printf '%y %m %P -> %l\\n' | LC_ALL=C sort | sha256sum | cut -c1-16; "
           "find . -type f -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum | sha256sum | cut -c1-16")
 SRC_ROOT = Path(f"/tmp/atropos-tpl-src-{os.getpid()}")
+
+
+def is_idle(health: HealthInfo) -> bool:
+    """No workspace mounts beyond the capped workspace and run dir of each slot (and the health
+    slot): every fork's template layer and overlay are gone."""
+    return (health.mounts or 0) == (2 * (health.slots + 1) if health.workspace_cap_bytes else 0)
 
 
 def host_digest(path: Path) -> str:
@@ -149,16 +155,6 @@ async def reset_to(s: LeasedSlot, template: str | None) -> tuple[LeasedSlot, Any
     return LeasedSlot(s.client, result.lease), result
 
 
-def helper_pid(data_dir: Path) -> int:
-    script = str(Path(os.path.realpath(data_dir)) / "mounthelper.py").encode()
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if script in Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0"):
-                    return int(name)
-            except OSError:
-                continue
-    raise AssertionError("no mount helper running for this host")
 
 
 # -- forks ---------------------------------------------------------------------------------------
@@ -271,7 +267,7 @@ async def test_templates_are_immutable_while_in_use(client: HostClient, source: 
         store = ov_host.data_dir / "templates"
         st = os.stat(store)
         assert st.st_uid == 0 and st.st_mode & 0o777 == 0o700
-        slot_uid = os.stat(ov_host.data_dir / "slots" / str(s.lease.slot) / "ov" / "upper").st_uid
+        slot_uid = os.stat(slot_path(ov_host.data_dir, s.lease.slot, "ov/upper")).st_uid
         assert slot_uid >= 1000 and os.stat(tree / "pkg" / "__init__.py").st_uid not in (0, slot_uid)
         probe = subprocess.run(["setpriv", f"--reuid={slot_uid}", f"--regid={slot_uid}", "--clear-groups", "cat",
                                 str(tree / "pkg" / "__init__.py")], capture_output=True, text=True)
@@ -420,18 +416,18 @@ async def test_many_reset_cycles_leave_no_mount_process_or_file(source: Path, cy
         host_mounts = sum(m.mountpoint.startswith(mine) for m in read_mountinfo())  # others' mounts come and go
         procs = len(_tree_pids(h.proc.pid))
         disk = _disk(h.data_dir)
-        assert (await c.health()).mounts == 0
+        assert is_idle(await c.health())
         s = LeasedSlot(c, await c.lease("leak"))
         for i in range(cycles):
             if i % 3 == 0:
                 await s.sh("mkdir -p w && for i in $(seq 20); do echo $i > w/f$i; done; echo x >> pkg/__init__.py; "
                            "sleep 300 & true" if i % 2 else "echo y > y")
             s, _ = await reset_to(s, t.id if i % 2 == 0 else None)
-        assert (await c.health()).mounts == 0  # the last reset was to an empty workspace
+        assert is_idle(await c.health())  # the last reset was to an empty workspace
         await c.release(s.lease.slot, s.lease.lease)
         await _settled(c, h.data_dir)
         health = await c.health()
-        assert health.ok and health.quarantined == 0 and health.mounts == 0
+        assert health.ok and health.quarantined == 0 and is_idle(health)
         # a root host never mounts in its own namespace
         assert sum(m.mountpoint.startswith(mine) for m in read_mountinfo()) == host_mounts == 0
         assert len(_tree_pids(h.proc.pid)) == procs
@@ -467,7 +463,7 @@ async def _fork_roundtrip(c: HostClient, source: Path, kind: str) -> TemplateInf
 async def test_copy_mode_fallback(copy_host: RunningHost, source: Path) -> None:
     async with copy_host.client() as c:
         health = await c.health()
-        assert health.workspace_mode == "copy" and "forced" in health.workspace_detail and health.mounts is None
+        assert health.workspace_mode == "copy" and "forced" in health.workspace_detail and is_idle(health)
         t = await _fork_roundtrip(c, source, "copy")
         await c.delete_template(t.id)
 
@@ -490,7 +486,7 @@ async def test_unprivileged_host_forks_in_a_user_namespace(userns_host: RunningH
             await release(s)
         for tid in (t.id, t2.id, t3.id):
             await c.delete_template(tid)
-        assert (await c.health()).mounts == 0
+        assert is_idle(await c.health())
     # an unprivileged host can still delete what its slots made read-only
     deadline = time.monotonic() + 30
     while list((userns_host.data_dir / "trash").iterdir()) and time.monotonic() < deadline:
@@ -539,7 +535,7 @@ async def test_group_of_8_forked_from_a_prepared_git_repo_across_two_hosts(tmp_p
         for host in pool.hosts.values():
             assert await host.client.templates() == []
             health = await host.client.health()
-            assert health.mounts == 0 and health.quarantined == 0
+            assert is_idle(health) and health.quarantined == 0
         assert double_leases(pool.audit.events) == []
 
         # lease_many with a template: the pool forks every slot itself, preferring the holders
@@ -644,7 +640,7 @@ async def test_agent_env_group_setup_runs_once_and_every_rollout_gets_a_fork(tmp
         assert env.pool is not None and env.pool.status().leased == 0
         for host in env.pool.hosts.values():
             assert await host.client.templates() == []  # the group's template is gone with the group
-            assert (await host.client.health()).mounts == 0
+            assert is_idle(await host.client.health())
     finally:
         await env.shutdown_sandbox()
 
@@ -708,4 +704,4 @@ async def test_docker_host_forks_in_a_user_namespace() -> None:
             await lease.release()
         await pool.delete_template(template)
         health = await host.client.health()
-        assert health.mounts == 0 and health.templates == 0
+        assert is_idle(health) and health.templates == 0

@@ -18,7 +18,7 @@ from importlib import resources
 from typing import Any
 
 import httpx
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from atropos.backends.base import Backend, HostInfo, new_token, pid_alive
 from atropos.errors import ConfigError, HostUnavailable
@@ -41,10 +41,18 @@ class DockerBackendConfig(BaseModel):
     memory_bytes: int = Field(4 << 30, ge=256 << 20)
     pids_limit: int = Field(4096, ge=64)
     workspace_bytes: int = Field(4 << 30, ge=64 << 20, description="size of the tmpfs holding all workspaces")
+    slot_workspace_bytes: int = Field(256 << 20, ge=1 << 20, description="what one slot can write (its own tmpfs)")
     max_timeout_s: float = 600.0
     start_timeout_s: float = 60.0
     docker_url: str | None = Field(None, description="Docker Engine URL; default from the environment")
     seccomp_profile: str | None = Field(None, description="path of the outer seccomp profile; default: shipped")
+
+    @model_validator(mode="after")
+    def _slot_fits(self) -> DockerBackendConfig:
+        if self.slot_workspace_bytes > self.workspace_bytes:
+            raise ValueError(f"slot_workspace_bytes ({self.slot_workspace_bytes}) exceeds workspace_bytes "
+                             f"({self.workspace_bytes}), the tmpfs holding every slot's workspace")
+        return self
 
 
 def boot_id() -> str:
@@ -122,7 +130,8 @@ class DockerBackend(Backend):
         created = api.create_container(
             c.image,
             command=["--host", "0.0.0.0", "--port", str(CONTAINER_PORT), "--slots", str(c.slots_per_host),
-                     "--data-dir", "/slots/data", "--max-timeout", str(c.max_timeout_s)],
+                     "--data-dir", "/slots/data", "--max-timeout", str(c.max_timeout_s),
+                     "--workspace-bytes", str(c.slot_workspace_bytes)],
             name=host_id,
             user=f"{SLOT_UID}:{SLOT_UID}",
             environment={"ATROPOS_SANDBOX_TOKEN": token},

@@ -27,6 +27,8 @@ class LocalBackendConfig(BaseModel):
     data_root: Path = Field(default_factory=lambda: default_data_dir() / "local")
     pool_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     max_timeout_s: float = 600.0
+    slot_workspace_bytes: int = Field(1 << 30, ge=0, description="what one slot can write to its workspace: its "
+                                                                 "own tmpfs (RAM); 0 = uncapped (the data disk)")
     prewarm: bool = True
     start_timeout_s: float = 60.0
     unsafe_no_isolation: bool = Field(False, description="DEVELOPMENT ONLY: no bubblewrap")
@@ -56,7 +58,8 @@ class LocalBackend(Backend):
         token = new_token()
         argv = [self.cfg.python, "-m", "atropos.sandbox", "--host", "127.0.0.1", "--port", "0",
                 "--slots", str(self.cfg.slots_per_host), "--data-dir", str(data_dir),
-                "--max-timeout", str(self.cfg.max_timeout_s), "--parent-pid", str(os.getpid())]
+                "--max-timeout", str(self.cfg.max_timeout_s), "--parent-pid", str(os.getpid()),
+                "--workspace-bytes", str(self.cfg.slot_workspace_bytes)]
         if not self.cfg.prewarm:
             argv.append("--no-prewarm")
         if self.cfg.unsafe_no_isolation:

@@ -54,7 +54,7 @@ from typing import Any, Literal
 from urllib.parse import quote
 
 import httpx
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from atropos import __version__
 from atropos.backends.base import Backend, HostInfo, new_token, pid_alive
@@ -111,6 +111,7 @@ class NomadBackendConfig(BaseModel):
     cpu: int = Field(2000, ge=100, description="CPU MHz reserved per host")
     memory: int = Field(4096, ge=256, description="MB per host: the container's hard limit (tmpfs counts)")
     workspace_bytes: int = Field(2 << 30, ge=64 << 20, description="size of the tmpfs holding all workspaces")
+    slot_workspace_bytes: int = Field(128 << 20, ge=1 << 20, description="what one slot can write (its own tmpfs)")
     pids_limit: int = Field(4096, ge=64)
     max_timeout_s: float = Field(600.0, gt=0)
     datacenters: list[str] = Field(default_factory=lambda: ["*"])
@@ -147,6 +148,13 @@ class NomadBackendConfig(BaseModel):
                 data[name] = [v.strip() for v in value.split(",") if v.strip()] if name == "datacenters" else value
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate(data)
+
+    @model_validator(mode="after")
+    def _slot_fits(self) -> NomadBackendConfig:
+        if self.slot_workspace_bytes > self.workspace_bytes:
+            raise ValueError(f"slot_workspace_bytes ({self.slot_workspace_bytes}) exceeds workspace_bytes "
+                             f"({self.workspace_bytes}), the tmpfs holding every slot's workspace")
+        return self
 
 
 class NomadAPIError(HostUnavailable):
@@ -269,7 +277,8 @@ def render_job(cfg: NomadBackendConfig, count: int = 0, *, token: str | None = N
             "image": c.image,
             "ports": [PORT_LABEL],
             "args": ["--host", "0.0.0.0", "--port", str(CONTAINER_PORT), f"--slots={c.slots_per_host}",
-                     "--data-dir", "/slots/data", f"--max-timeout={c.max_timeout_s:g}"],
+                     "--data-dir", "/slots/data", f"--max-timeout={c.max_timeout_s:g}",
+                     f"--workspace-bytes={c.slot_workspace_bytes}"],
             "init": True,
             "cap_drop": ["ALL"],
             # Nomad inlines the profile file of the client; `systempaths=unconfined` is a docker

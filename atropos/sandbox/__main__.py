@@ -46,6 +46,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
     p.add_argument("--max-timeout", type=float, default=defaults.max_timeout_s, help="largest per-call timeout (s)")
     p.add_argument("--nproc", type=int, default=Limits().nproc, help="processes per slot")
     p.add_argument("--memory", type=int, default=Limits().address_space_bytes, help="address space per process (bytes)")
+    p.add_argument("--workspace-bytes", type=int, default=Limits().workspace_bytes,
+                   help="cap on each slot's workspace, a tmpfs per slot (RAM); 0 = uncapped (default %(default)s)")
+    p.add_argument("--workspace-inodes", type=int, default=Limits().workspace_inodes,
+                   help="files a slot can create (default %(default)s)")
     p.add_argument("--unsafe-no-isolation", action="store_true",
                    help="DEVELOPMENT ONLY: run slots without bubblewrap")
     p.add_argument("--no-prewarm", action="store_true", help="start slot sandboxes on first use only")
@@ -66,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
     cfg = HostConfig(
         slots=args.slots, data_dir=args.data_dir, host=args.host, port=args.port, token=token,
         uid_base=args.uid_base, max_timeout_s=args.max_timeout, unsafe_no_isolation=args.unsafe_no_isolation,
-        limits=Limits(nproc=args.nproc, address_space_bytes=args.memory),
+        limits=Limits(nproc=args.nproc, address_space_bytes=args.memory, workspace_bytes=args.workspace_bytes,
+                      workspace_inodes=args.workspace_inodes),
         workspace_mode=args.workspace_mode, network_isolation=args.network_isolation,
         template_source_dirs=args.template_source_dir,
     )

@@ -20,6 +20,17 @@ class Limits(BaseModel):
     cpu_seconds_per_call: int = Field(600, ge=1, description="RLIMIT_CPU of each call's main process")
     tmp_bytes: int = Field(256 << 20, ge=1 << 20, description="size of the slot's private /tmp tmpfs")
     shm_bytes: int = Field(64 << 20, ge=1 << 20, description="size of the slot's /dev/shm tmpfs")
+    workspace_bytes: int = Field(
+        1 << 30, ge=0, description="cap on what a slot can write to its workspace: each slot's workspace (a "
+                                   "fork's upper layer) is its own tmpfs of this size, so the pages count against "
+                                   "RAM (and a container's memory limit); 0 = no cap (the data dir's disk)")
+    workspace_inodes: int = Field(1 << 18, ge=1024, description="files and directories a slot can create")
+
+    def workspace_quota(self, uid: int | None) -> dict[str, int | None] | None:
+        """The mount helper's view of the cap (None: uncapped)."""
+        if not self.workspace_bytes:
+            return None
+        return {"bytes": self.workspace_bytes, "inodes": self.workspace_inodes, "uid": uid}
 
     def rlimits(self) -> dict[str, int]:
         return {"nproc": self.nproc, "as": self.address_space_bytes, "fsize": self.file_size_bytes,

@@ -106,7 +106,7 @@ class SandboxHost:
         self.health_slot = self._make_slot(self.cfg.slots, name="health")
         self.health_slot.grant("health-check", network=False)
         for slot in [*self.slots, self.health_slot]:
-            await asyncio.to_thread(slot.create_dirs)
+            await slot.prepare()
         self._schedule_trash()
         probe = await self.health()
         if not probe.ok:
@@ -197,6 +197,8 @@ class SandboxHost:
             workspace_mode="copy" if ws is None else ws.mode, workspace_detail="" if ws is None else ws.detail,
             templates=0 if ws is None else len(ws.store.templates),
             mounts=None if ws is None else ws.mount_count(),
+            workspace_cap_bytes=self.cfg.limits.workspace_bytes if ws is not None and ws.capped else None,
+            workspace_cap_detail="" if ws is None else ws.cap_detail,
         )
 
     # -- leases ----------------------------------------------------------------------------

@@ -150,6 +150,15 @@ class Helper:
         _check(_libc.mount(b"overlay", target.encode(), b"overlay", MS_NOSUID | MS_NODEV, opts.encode()),
                f"mount overlay on {target}")
 
+    def mount_tmpfs(self, target: str, quota: dict[str, Any]) -> None:
+        """A size- and inode-capped tmpfs: a slot's whole writable workspace lives in one, so a
+        slot fills its cap (ENOSPC), never the host's disk; dropping it is one umount."""
+        opts = f"size={int(quota['bytes'])},nr_inodes={int(quota['inodes'])},mode=0700"
+        if quota.get("uid") is not None:
+            opts += f",uid={int(quota['uid'])},gid={int(quota['uid'])}"
+        _check(_libc.mount(b"tmpfs", target.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts.encode()),
+               f"mount tmpfs on {target}")
+
     def umount(self, target: str) -> str:
         """Unmount everything stacked on ``target``; 'detached' when a reference kept it busy."""
         how = "none"
@@ -173,23 +182,47 @@ class Helper:
         if op == "ping":
             return {"pong": True}
         if op == "fork":
+            return self.fork(req)
+        if op == "tmpfs":
+            self.mount_tmpfs(req["target"], req["quota"])
+            return {}
+        if op == "umount":
+            return {"results": {t: self.umount(t) for t in req["targets"]}}
+        if op == "probe":
+            return self.probe(req["dir"], req.get("idmap"), req.get("quota"))
+        raise ValueError(f"unknown op {op!r}")
+
+    def fork(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Overlay of a template. With ``quota`` the upper and work dirs (and the lower's mount
+        point) live in a capped tmpfs mounted on ``layers`` first, so a fork's writes are capped
+        like a plain workspace's."""
+        quota = req.get("quota")
+        layers = str(req.get("layers"))
+        if quota is not None:
+            self.mount_tmpfs(layers, quota)
+            for name in ("upper", "work", "lower"):
+                os.mkdir(os.path.join(layers, name), 0o700)
+            if quota.get("uid") is not None:
+                os.chown(os.path.join(layers, "upper"), int(quota["uid"]), int(quota["uid"]))
+        try:
             self.clone_lower(req["tree"], req["lower"], req.get("idmap"))
             try:
                 self.mount_overlay(req["lower"], req["upper"], req["work"], req["target"])
             except OSError:
                 self.umount(req["lower"])
                 raise
-            return {}
-        if op == "umount":
-            return {"results": {t: self.umount(t) for t in req["targets"]}}
-        if op == "probe":
-            return self.probe(req["dir"], req.get("idmap"))
-        raise ValueError(f"unknown op {op!r}")
+        except OSError:
+            if quota is not None:
+                self.umount(layers)
+            raise
+        return {}
 
-    def probe(self, base: str, idmap: list[int] | None) -> dict[str, Any]:
-        """Fork a tiny template and check copy-up, whiteouts and opaque directories work."""
-        tree, lower, upper, work, merged = (os.path.join(base, n) for n in ("tree", "lower", "upper", "work", "ws"))
-        for d in (tree + "/d", lower, upper, work, merged):
+    def probe(self, base: str, idmap: list[int] | None, quota: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Fork a tiny template and check copy-up, whiteouts and opaque directories work (with
+        ``quota``: on a capped tmpfs, as slots' forks will be)."""
+        tree, merged, layers = (os.path.join(base, n) for n in ("tree", "ws", "ov"))
+        lower, upper, work = (os.path.join(layers, n) for n in ("lower", "upper", "work"))
+        for d in (tree + "/d", merged, layers) + (() if quota is not None else (lower, upper, work)):
             os.makedirs(d)
         _write(tree + "/f", "template\n")
         _write(tree + "/d/g", "x\n")
@@ -197,11 +230,14 @@ class Helper:
             os.chown(tree, idmap[0], idmap[0])
             for p in (tree + "/f", tree + "/d", tree + "/d/g"):
                 os.chown(p, idmap[0], idmap[0])
-            os.chown(upper, idmap[1], idmap[1])
+            if quota is None:
+                os.chown(upper, idmap[1], idmap[1])
+        if quota is not None:
+            quota = {**quota, "uid": None if idmap is None else idmap[1]}
         try:
             t0 = time.perf_counter()
-            self.handle({"op": "fork", "tree": tree, "lower": lower, "upper": upper, "work": work,
-                         "target": merged, "idmap": idmap})
+            self.fork({"tree": tree, "lower": lower, "upper": upper, "work": work, "target": merged,
+                       "idmap": idmap, "quota": quota, "layers": layers})
             ms = (time.perf_counter() - t0) * 1000
             try:
                 if idmap is not None and os.lstat(merged + "/f").st_uid != idmap[1]:
@@ -216,7 +252,7 @@ class Helper:
                     if fh.read() != "template\n":
                         raise OSError(errno.EIO, "a write in the fork reached the template")
             finally:
-                self.handle({"op": "umount", "targets": [merged, lower]})
+                self.handle({"op": "umount", "targets": [merged, lower] + ([layers] if quota else [])})
         finally:
             shutil.rmtree(base, ignore_errors=True)
         return {"fork_ms": round(ms, 3)}

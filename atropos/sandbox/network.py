@@ -40,6 +40,10 @@ def private_network_available() -> str | None:
         return "slirp4netns is not installed (Debian/Ubuntu: apt-get install slirp4netns)"
     if not os.access("/dev/net/tun", os.R_OK | os.W_OK):
         return "/dev/net/tun is missing or not accessible (Docker: --device /dev/net/tun)"
+    if os.geteuid() == 0 and os.stat("/dev/net/tun").st_mode & 0o006 != 0o006:
+        # slirp4netns runs as the slot's uid (never as root), which then cannot open the device
+        return ("/dev/net/tun is not usable by the slots' uids: chmod 0666 /dev/net/tun (the mode udev "
+                "gives it on Debian/Ubuntu; scripts/setup.sh does it)")
     return None
 
 

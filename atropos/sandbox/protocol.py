@@ -118,7 +118,11 @@ class HealthInfo(BaseModel):
         "copy", description="how forks are made: overlayfs (copy-on-write) or full copies (fallback)")
     workspace_detail: str = Field("", description="why the host uses copies, when it does")
     templates: int = 0
-    mounts: int | None = Field(None, description="workspace mounts of this host (two per forked slot)")
+    mounts: int | None = Field(None, description="workspace mounts of this host (a capped workspace and run "
+                                                 "dir per slot, two more per forked slot)")
+    workspace_cap_bytes: int | None = Field(None, description="what each slot can write to its workspace "
+                                                              "(None: uncapped, the data dir's disk)")
+    workspace_cap_detail: str = ""
 
 
 class TemplateRequest(BaseModel):

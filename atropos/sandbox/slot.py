@@ -77,6 +77,7 @@ class Slot:
         self.killer: UidKiller | None = None  # shared by the host's slots
         self.template: Template | None = None  # the template the workspace is built on
         self.ws_kind: WorkspaceKind = "plain"
+        self.capped = False  # workspace (a fork's layers) and run dir are capped tmpfs mounts
         self.last_verified = ""
 
     @property
@@ -85,15 +86,24 @@ class Slot:
         return self.dir / "ov"
 
     # -- layout ----------------------------------------------------------------------------
-    def create_dirs(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.dir, 0o711)
-        for d in (self.paths.workspace, self.paths.run_dir):
-            if d.exists() or d.is_symlink():
-                self._discard(d)
-            self._fresh_dir(d)
-        if self.ov.exists() or self.ov.is_symlink():
-            self._discard(self.ov)
+    async def prepare(self) -> None:
+        """First workspace of a starting host (whatever an earlier host left goes to the trash)."""
+        def clear() -> None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            os.chmod(self.dir, 0o711)
+            for d in (self.paths.workspace, self.paths.run_dir, self.ov):
+                if d.exists() or d.is_symlink():
+                    self._discard(d)
+
+        await asyncio.to_thread(clear)
+        await self._build_workspace(None)
+
+    def _view(self, p: Path) -> Path:
+        """Where the host reaches ``p`` as the slot sees it: through the mount namespace when
+        ``p`` (or what holds it) is mounted there, else the path itself."""
+        if not self.capped and self.ws_kind != "overlay":
+            return p
+        return Path(self._ns().proc_path(Path(self._real(p))))
 
     def _fresh_dir(self, d: Path) -> None:
         d.mkdir(mode=0o700)
@@ -146,9 +156,9 @@ class Slot:
     async def _start(self, extra: dict[str, Any], label: str, protocol: bool = True,
                      script: str = "supervisor.py") -> SandboxProcess:
         argv, uid = self._argv(extra, script), self.uid
-        if self.ws_kind == "overlay":
-            # The fork's overlay exists only in the workspace mount namespace: start bwrap in it
-            # (nsenter drops to the slot's uid itself on a root host, after entering).
+        if self.ws_kind == "overlay" or self.capped:
+            # The fork's overlay and the capped tmpfs mounts exist only in the workspace mount
+            # namespace: start bwrap in it (nsenter drops to the slot's uid itself on a root host).
             argv, uid = [*self._ns().launcher(self.uid), *argv], None
         if HAVE_CHOOM:
             # Raised before bwrap starts (raising needs no privilege); /proc is read-only inside, so
@@ -172,7 +182,7 @@ class Slot:
             return
         run_dir = RUN_DIR if not self.cfg.unsafe_no_isolation else str(self.paths.run_dir)
         lib_dir = LIB_DIR if not self.cfg.unsafe_no_isolation else str(self.paths.lib_dir)
-        sock = self.paths.run_dir / "tmux.sock"
+        sock = self._view(self.paths.run_dir) / "tmux.sock"
         if sock.exists():
             sock.unlink()
         exec_argv = ["tmux", "-D", "-S", f"{run_dir}/tmux.sock", "-f", f"{lib_dir}/tmux.conf"]
@@ -244,8 +254,6 @@ class Slot:
         try:
             await self._kill_all()
             await self._drop_workspace()
-            self._discard(self.paths.run_dir)
-            self._fresh_dir(self.paths.run_dir)
             await self._build_workspace(template)
             problem = self._verify()
             if problem:
@@ -284,48 +292,73 @@ class Slot:
     async def _drop_workspace(self) -> None:
         """Unmount a fork (its upper layer goes to the trash with the rest): never walk or copy
         into the dirty tree."""
+        targets = []
         if self.ws_kind == "overlay":
-            await self._ns().call({"op": "umount",
-                                   "targets": [self._real(self.paths.workspace), self._real(self.ov / "lower")]})
+            targets += [self.paths.workspace, self.ov / "lower"]
+        if self.capped:
+            targets += [self.ov if self.ws_kind == "overlay" else self.paths.workspace, self.paths.run_dir]
+        if targets:
+            await self._ns().call({"op": "umount", "targets": [self._real(t) for t in targets]})
         if self.template is not None:
             self.template.users.discard(self.index)
             self.template = None
         self.ws_kind = "plain"
-        for d in (self.paths.workspace, self.ov):
+        self.capped = False
+        for d in (self.paths.workspace, self.ov, self.paths.run_dir):
             if d.exists() or d.is_symlink():
                 self._discard(d)
 
+    async def _mount_cap(self, target: Path, quota: dict[str, Any]) -> None:
+        self.capped = True  # before the await: a half-done mount is still unmounted by a drop
+        await self._ns().call({"op": "tmpfs", "target": self._real(target), "quota": quota})
+
     async def _build_workspace(self, template: Template | None) -> None:
-        ws = self.paths.workspace
+        ws, mgr = self.paths.workspace, self.workspaces
+        quota = self.cfg.limits.workspace_quota(self.uid) if mgr is not None and mgr.capped else None
+        self._fresh_dir(self.paths.run_dir)
+        if quota is not None:
+            # the terminal's log lives in the run dir: capped like /tmp, never on the host's disk
+            await self._mount_cap(self.paths.run_dir, {**quota, "bytes": self.cfg.limits.tmp_bytes,
+                                                       "inodes": 1024})
         if template is None:
             self._fresh_dir(ws)
+            if quota is not None:
+                await self._mount_cap(ws, quota)
             return
         template.users.add(self.index)  # before any await: a delete now sees it in use
         self.template = template
-        if self.workspaces is not None and self.workspaces.mode == "overlay":
+        if mgr is not None and mgr.mode == "overlay":
             ns = self._ns()
             ov, upper, work, lower = self.ov, self.ov / "upper", self.ov / "work", self.ov / "lower"
             ov.mkdir(mode=0o700)
-            for d in (work, lower):
-                d.mkdir(mode=0o700)
-            self._fresh_dir(upper)
+            fork_quota = quota if mgr.fork_capped else None
+            if fork_quota is None:  # else the helper makes them in the capped tmpfs it mounts on ov
+                for d in (work, lower):
+                    d.mkdir(mode=0o700)
+                self._fresh_dir(upper)
             self._fresh_dir(ws)
-            targets = {self._real(ws), self._real(lower)}
+            targets = {self._real(ws), self._real(lower), self._real(ov)}
             if any(m.mountpoint in targets for m in ns.mounts()):
                 raise WorkspaceError("a mount is still in place before the fork; refusing to stack another")
             self.ws_kind = "overlay"
-            idmap = None if ns.mode != "root" else [self.workspaces.owner, self.uid]
+            self.capped = self.capped or fork_quota is not None
+            idmap = None if ns.mode != "root" else [mgr.owner, self.uid]
             await ns.call({"op": "fork", "tree": str(template.tree), "lower": self._real(lower),
                            "upper": self._real(upper), "work": self._real(work), "target": self._real(ws),
-                           "idmap": idmap})
+                           "idmap": idmap, "quota": fork_quota, "layers": self._real(ov)})
             return
-        # Copy mode: a fresh directory (cp creates it), then owner and manifest in one walk.
+        # Copy mode: a fresh directory (cp creates it; with a cap, the fresh tmpfs is the
+        # directory), then owner and manifest in one walk.
         self.ws_kind = "copy"
-        await copy_tree(template.tree, ws, timeout=self.cfg.max_timeout_s * 6)
-        summary = await asyncio.to_thread(walk_tree, ws, chown_to=self.uid)
+        if quota is not None:
+            self._fresh_dir(ws)
+            await self._mount_cap(ws, quota)
+        view = self._view(ws)
+        await copy_tree(template.tree, view, timeout=self.cfg.max_timeout_s * 6, into_empty=quota is not None)
+        summary = await asyncio.to_thread(walk_tree, view, chown_to=self.uid)
         if self.uid is not None:
-            os.chown(ws, self.uid, self.uid)
-        os.chmod(ws, 0o700)
+            os.chown(view, self.uid, self.uid)
+        os.chmod(view, 0o700)
         if summary.tree_hash != template.summary.tree_hash:
             raise WorkspaceError(f"copy of template {template.id} differs from it "
                                  f"({summary.tree_hash[:12]} != {template.summary.tree_hash[:12]})")
@@ -333,7 +366,11 @@ class Slot:
     def _verify(self) -> str:
         """What a finished reset must show (see docs/templates.md, "What a reset verifies")."""
         dirs = [self.paths.run_dir] + ([self.paths.workspace] if self.ws_kind == "plain" else [])
-        for d in dirs:
+        if self.capped:
+            problem = self._verify_caps()
+            if problem:
+                return problem
+        for d in map(self._view, dirs):
             st = os.lstat(d)
             if not stat.S_ISDIR(st.st_mode):
                 return f"{d} is not a directory after reset"
@@ -345,7 +382,7 @@ class Slot:
             self.last_verified = "empty workspace and run dir, owned by the slot uid; no process of the slot uid"
         elif self.ws_kind == "copy":
             assert self.template is not None
-            st = os.lstat(self.paths.workspace)
+            st = os.lstat(self._view(self.paths.workspace))
             if not stat.S_ISDIR(st.st_mode) or (self.uid is not None and st.st_uid != self.uid):
                 return "the copied workspace is not a directory owned by the slot"
             self.last_verified = (f"fresh copy of template {self.template.id}: manifest hash "
@@ -354,6 +391,23 @@ class Slot:
             problem = self._verify_overlay()
             if problem:
                 return problem
+        return ""
+
+    def _verify_caps(self) -> str:
+        """Exactly one fresh capped tmpfs on each capped dir, of the configured size."""
+        lim = self.cfg.limits
+        capped = {self._real(self.paths.run_dir): lim.tmp_bytes}
+        ws_or_layers = self.ov if self.ws_kind == "overlay" else self.paths.workspace
+        if self.ws_kind != "overlay" or (self.workspaces is not None and self.workspaces.fork_capped):
+            capped[self._real(ws_or_layers)] = lim.workspace_bytes
+        mounts = self._ns().mounts()
+        for path, size in capped.items():
+            at = [m for m in mounts if m.mountpoint == path]
+            if len(at) != 1 or at[0].fstype != "tmpfs":
+                return f"expected exactly one tmpfs on {path}, found {[(m.mount_id, m.fstype) for m in at]}"
+            got = at[0].super_option("size")
+            if got is None or _size_bytes(got) != _page_round(size):
+                return f"the tmpfs on {path} has size {got}, expected {size} bytes"
         return ""
 
     def _verify_overlay(self) -> str:
@@ -376,10 +430,11 @@ class Slot:
             return f"the lower layer is {at_lower[0].root}, not template {self.template.id}"
         if ns.mode == "root" and "idmapped" not in at_lower[0].options.split(","):
             return "the template layer is not idmapped"
-        st = os.lstat(upper)
+        upper_view = self._view(self.ov / "upper")
+        st = os.lstat(upper_view)
         if not stat.S_ISDIR(st.st_mode) or (self.uid is not None and st.st_uid != self.uid):
             return "the upper layer is not a directory owned by the slot"
-        if os.listdir(upper):
+        if os.listdir(upper_view):
             return "the upper layer is not empty after reset"
         self.last_verified = (f"fresh overlay (mount {m.mount_id}, none before it) of template {self.template.id}: "
                               "empty upper layer, read-only template layer; no process of the slot")
@@ -395,7 +450,7 @@ class Slot:
         await self.stop_sandboxes()
         await self._kill_all()
         kind, ws = self.ws_kind, self.paths.workspace
-        source = mgr.ns.proc_path(Path(self._real(ws))) if kind == "overlay" and mgr.ns is not None else None
+        source = str(self._view(ws)) if kind == "overlay" or self.capped else None
 
         async def fill(tree: Path) -> None:
             if source is not None:
@@ -425,6 +480,17 @@ class Slot:
         self.state = "quarantined"
         self.lease_token = None
         self.detail = why
+
+
+def _page_round(n: int) -> int:
+    page = os.sysconf("SC_PAGE_SIZE")
+    return (n + page - 1) // page * page
+
+
+def _size_bytes(text: str) -> int:
+    """tmpfs reports ``size=`` in mountinfo as bytes with a k/m/g suffix."""
+    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(text[-1:].lower(), 1)
+    return int(text[:-1] if mult != 1 else text) * mult
 
 
 def _kill_uid(uid: int) -> list[int]:

@@ -200,9 +200,13 @@ async def _wait_out(proc: asyncio.subprocess.Process) -> tuple[bytes, bytes]:
     return out, err
 
 
-async def copy_tree(src: str | Path, dst: Path, *, timeout: float = 3600) -> None:
-    """``cp -a --reflink=auto src dst`` into a path that must not exist yet (never into a tree)."""
-    if os.path.lexists(dst):  # noqa: ASYNC240 - one lstat
+async def copy_tree(src: str | Path, dst: Path, *, timeout: float = 3600, into_empty: bool = False) -> None:
+    """``cp -a --reflink=auto src dst`` into a path that must not exist yet (never into a tree),
+    or with ``into_empty`` into an empty directory (a freshly mounted tmpfs)."""
+    if into_empty:
+        if os.listdir(dst):
+            raise WorkspaceError(f"refusing to copy into non-empty {dst}")
+    elif os.path.lexists(dst):  # noqa: ASYNC240 - one lstat
         raise WorkspaceError(f"refusing to copy into existing {dst}")
     await run_tool(["cp", "-a", "--reflink=auto", "-T", "--", str(src), str(dst)], timeout=timeout)
 
@@ -459,44 +463,105 @@ class Workspaces:
         self.detail = ""
         self.ns: MountNamespace | None = None
         self.fork_probe_ms: float | None = None
+        self.capped = False  # plain and copied workspaces are capped tmpfs mounts in the namespace
+        self.fork_capped = False  # forks' upper layers are too
+        self.cap_detail = ""
 
     async def start(self) -> None:
         await asyncio.to_thread(self.store.prepare)
         for leftover in self.root.glob("probe-*"):  # of a host that died while probing
             await asyncio.to_thread(remove_tree, leftover)
         wanted = self.cfg.workspace_mode
-        if wanted == "copy":
-            self._fallback("copy mode forced by configuration (--workspace-mode copy)", warn=False)
-            return
+        quota = self.cfg.limits.workspace_quota(None)
         if self.cfg.unsafe_no_isolation:
+            self._uncapped("no workspace cap without isolation (--unsafe-no-isolation)", warn=False)
             self._fallback("no overlays without isolation (--unsafe-no-isolation)", warn=False)
             return
+        if quota is None:
+            self._uncapped("workspaces uncapped by configuration (--workspace-bytes 0)", warn=False)
+        if wanted == "copy" and quota is None:
+            self._fallback("copy mode forced by configuration (--workspace-mode copy)", warn=False)
+            return
         try:
-            nsenter = shutil.which("nsenter", path=TOOL_PATH)
-            if nsenter is None:
-                raise WorkspaceError("nsenter (util-linux) not found")
-            # The helper is stdlib-only: run it with the sandbox's system python from a copy in
-            # the data dir, both reachable by whatever uid the host runs as.
-            script = self.root / "mounthelper.py"
-            tmp = script.with_name(script.name + ".tmp")
-            tmp.write_bytes(HELPER.read_bytes())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, script)
-            ns = MountNamespace("root" if os.geteuid() == 0 else "userns", nsenter, self.cfg.python, script)
-            await ns.start()
-            try:
-                probe_dir = self.root / f"probe-{secrets.token_hex(4)}"
-                idmap = [self.owner, self.probe_uid] if ns.mode == "root" else None
-                result = await ns.call({"op": "probe", "dir": str(probe_dir), "idmap": idmap})
-            except WorkspaceError:
-                await ns.stop()
-                raise
+            ns = await self._start_namespace()
         except (WorkspaceError, OSError, ValueError) as exc:
             if wanted == "overlay":
                 raise WorkspaceError(f"overlay workspaces unavailable (--workspace-mode overlay): {exc}") from exc
-            self._fallback(f"overlayfs unavailable: {exc}", warn=True)
+            if quota is not None:
+                self._uncapped(f"the mount helper cannot run: {exc}", warn=True)
+            self._fallback(f"overlayfs unavailable: {exc}" if wanted != "copy"
+                           else "copy mode forced by configuration (--workspace-mode copy)", warn=wanted != "copy")
             return
         self.ns = ns
+        if quota is not None:
+            await self._probe_cap(quota)
+        if wanted == "copy":
+            self._fallback("copy mode forced by configuration (--workspace-mode copy)", warn=False)
+        else:
+            await self._probe_overlay(wanted)
+        if not self.capped and self.mode != "overlay":
+            await ns.stop()  # nothing left for it to hold
+            self.ns = None
+
+    async def _start_namespace(self) -> MountNamespace:
+        nsenter = shutil.which("nsenter", path=TOOL_PATH)
+        if nsenter is None:
+            raise WorkspaceError("nsenter (util-linux) not found")
+        # The helper is stdlib-only: run it with the sandbox's system python from a copy in the
+        # data dir, both reachable by whatever uid the host runs as.
+        script = self.root / "mounthelper.py"
+        tmp = script.with_name(script.name + ".tmp")
+        tmp.write_bytes(HELPER.read_bytes())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, script)
+        ns = MountNamespace("root" if os.geteuid() == 0 else "userns", nsenter, self.cfg.python, script)
+        await ns.start()
+        return ns
+
+    async def _probe_cap(self, quota: dict[str, Any]) -> None:
+        """Mount and drop one capped tmpfs the way every slot will."""
+        assert self.ns is not None
+        probe_dir = self.root / f"probe-{secrets.token_hex(4)}"
+        probe_dir.mkdir(mode=0o700)
+        try:
+            uid = self.probe_uid if self.ns.mode == "root" else None
+            await self.ns.call({"op": "tmpfs", "target": str(probe_dir), "quota": {**quota, "uid": uid}})
+            await self.ns.call({"op": "umount", "targets": [str(probe_dir)]})
+        except WorkspaceError as exc:
+            self._uncapped(f"a capped tmpfs cannot be mounted: {exc}", warn=True)
+            return
+        finally:
+            await asyncio.to_thread(remove_tree, probe_dir)
+        self.capped = self.fork_capped = True
+        self.cap_detail = (f"each slot's workspace is its own tmpfs of {quota['bytes'] >> 20} MiB, "
+                           f"{quota['inodes']} inodes (RAM-backed)")
+
+    async def _probe_overlay(self, wanted: str) -> None:
+        assert self.ns is not None
+        ns = self.ns
+        idmap = [self.owner, self.probe_uid] if ns.mode == "root" else None
+        quota = self.cfg.limits.workspace_quota(None) if self.capped else None
+        result: dict[str, Any] | None = None
+        failure = ""
+        for q in ([quota, None] if quota is not None else [None]):
+            try:
+                probe_dir = self.root / f"probe-{secrets.token_hex(4)}"
+                result = await ns.call({"op": "probe", "dir": str(probe_dir), "idmap": idmap, "quota": q})
+            except WorkspaceError as exc:
+                failure = failure or str(exc)
+                continue
+            if q is None and quota is not None:
+                # e.g. tmpfs without user xattrs (kernels before 6.6) under an unprivileged host
+                self.fork_capped = False
+                log.warning("workspace: overlays on a capped tmpfs fail (%s); forked workspaces are NOT "
+                            "size-capped (their writes go to the data dir's disk)", failure)
+                self.cap_detail += f"; forks uncapped: {failure}"
+            break
+        if result is None:
+            if wanted == "overlay":
+                raise WorkspaceError(f"overlay workspaces unavailable (--workspace-mode overlay): {failure}")
+            self._fallback(f"overlayfs unavailable: {failure}", warn=True)
+            return
         self.mode = "overlay"
         self.fork_probe_ms = float(result.get("fork_ms", 0.0))
         how = ("idmapped template layers in a private mount namespace" if ns.mode == "root"
@@ -504,8 +569,15 @@ class Workspaces:
         self.detail = f"overlayfs copy-on-write forks ({how}); probe fork {self.fork_probe_ms} ms"
         log.info("workspace: %s", self.detail)
 
+    def _uncapped(self, why: str, *, warn: bool) -> None:
+        self.capped = self.fork_capped = False
+        self.cap_detail = why
+        if warn:
+            log.warning("workspace: slots' workspaces are NOT size-capped (a slot can fill the data dir's disk): %s",
+                        why)
+
     def _fallback(self, why: str, *, warn: bool) -> None:
-        self.mode, self.ns, self.detail = "copy", None, why
+        self.mode, self.detail = "copy", why
         (log.warning if warn else log.info)(
             "workspace: %s; template forks are full copies (cp -a --reflink=auto into a fresh dir), "
             "slower and using disk per fork", why)
@@ -516,12 +588,13 @@ class Workspaces:
 
     def problem(self) -> str:
         """Non-empty when forks cannot work any more (the mount helper died)."""
-        if self.mode == "overlay" and (self.ns is None or not self.ns.alive):
-            return "the workspace mount helper died; forked slots cannot be reset"
+        if (self.mode == "overlay" or self.capped) and (self.ns is None or not self.ns.alive):
+            return "the workspace mount helper died; slots' workspaces cannot be reset"
         return ""
 
     def mount_count(self) -> int | None:
-        """Mounts below the data dir in the workspace namespace: two per forked slot, no more."""
+        """Mounts below the data dir in the workspace namespace: a capped tmpfs per slot, plus the
+        template layer and the overlay per forked slot; no more."""
         if self.ns is None or not self.ns.alive:
             return None
         prefix = os.path.realpath(self.root) + "/"
