@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _THINK = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)
 
 
@@ -59,8 +60,11 @@ def _call_from_obj(obj: Any, index: int, call_id: str | None = None) -> ParsedCa
 
 
 def parse_hermes(text: str) -> ParseResult:
-    """Find every ``<tool_call>`` block; JSON-aware, so ``</tool_call>`` inside a string is fine."""
-    visible = strip_reasoning(text)
+    """Find every ``<tool_call>`` block outside reasoning blocks, in one left-to-right scan.
+
+    JSON-aware: ``</tool_call>`` or ``<think>`` inside a call's JSON strings is data, not markup.
+    """
+    visible = text
     result = ParseResult()
     decoder = json.JSONDecoder()
     pieces: list[str] = []
@@ -68,6 +72,12 @@ def parse_hermes(text: str) -> ParseResult:
     index = 0
     while True:
         start = visible.find(OPEN, pos)
+        think = visible.find(THINK_OPEN, pos)
+        if think >= 0 and (start < 0 or think < start):
+            pieces.append(visible[pos:think])  # a thought: skipped whole, calls in it are not run
+            close = visible.find(THINK_CLOSE, think)
+            pos = len(visible) if close < 0 else close + len(THINK_CLOSE)
+            continue
         if start < 0:
             pieces.append(visible[pos:])
             break
