@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import secrets
 import shutil
+import socket
 import subprocess
+import sys
 import tarfile
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,11 +26,14 @@ import pytest
 from conftest import RunningHost, start_host, stop_host
 from fastapi.routing import APIRoute
 
-from atropos.errors import LeaseError, SlotUnavailable
+from atropos.backends.local import LocalBackend, LocalBackendConfig
+from atropos.errors import HostUnavailable, IsolationUnavailable, LeaseError, SlotUnavailable
 from atropos.sandbox.config import HostConfig
-from atropos.sandbox.host import SandboxHost
+from atropos.sandbox.host import ISOLATION_FAILED, SandboxHost, check_isolation
 from atropos.sandbox.protocol import LEASE_HEADER, ToolCall
 from atropos.sandbox.server import create_app
+from atropos.sandbox.slot import Slot
+from atropos.sandbox.tools import clamp_timeout
 
 BODY_LIMIT = HostConfig().max_body_bytes
 
@@ -420,6 +427,30 @@ async def test_timeout_above_host_maximum_is_clamped(small_host: RunningHost) ->
             await client.release(lease.slot, lease.lease)
 
 
+def test_default_timeout_never_exceeds_the_maximum() -> None:
+    cfg = HostConfig(max_timeout_s=5)
+    assert cfg.default_timeout_s == 5
+    assert clamp_timeout(None, cfg) == (5.0, [])
+    assert clamp_timeout(None, HostConfig()) == (60.0, [])  # the default, when it is within the maximum
+    cfg.max_timeout_s = 2  # a config changed after validation is still clamped, and says so
+    timeout, notes = clamp_timeout(None, cfg)
+    assert timeout == 2 and len(notes) == 1 and "clamped" in notes[0] and "2s" in notes[0]
+
+
+async def test_call_without_timeout_gets_the_host_maximum_when_lower(small_host: RunningHost) -> None:
+    async with small_host.client() as client:
+        lease = await client.lease("default-clamp")
+        try:
+            t0 = time.monotonic()
+            result = await client.call(ToolCall(id="n", slot=lease.slot, lease=lease.lease, tool="bash",
+                                                args={"command": "sleep 30; echo not-reached"}))
+            assert result.ok, result.error
+            assert result.result is not None and result.result["timed_out"] is True
+            assert time.monotonic() - t0 < 20  # the host's 5 s, not the 60 s default
+        finally:
+            await client.release(lease.slot, lease.lease)
+
+
 # -- body limit ---------------------------------------------------------------------------------
 
 
@@ -601,3 +632,133 @@ async def test_failed_reset_quarantines_the_slot_for_good(tmp_path: Path) -> Non
             subprocess.run(["umount", "-l", str(mounted)], capture_output=True)
         stop_host(running)
         shutil.rmtree(data, ignore_errors=True)
+
+
+async def _plain_slot(tag: str, uid: int | None) -> Slot:
+    """A slot on its own (no host, no sandbox): enough to drive a reset of a plain workspace."""
+    root = _private_data_dir(tag)
+    root.mkdir(mode=0o711)
+    slot = Slot(0, HostConfig(token="t", data_dir=root), root, uid=uid, seccomp_path=None)
+    await slot.prepare()
+    slot.grant("trajectory", network=False)
+    return slot
+
+
+async def test_unexpected_error_during_reset_quarantines_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    slot = await _plain_slot("reset-bug", uid=None)
+    try:
+        async def broken(template: object) -> None:
+            raise ValueError("the helper answered nonsense")
+
+        monkeypatch.setattr(slot, "_build_workspace", broken)
+        ok, detail = await slot.reset()
+        assert ok is False
+        assert slot.state == "quarantined"  # not stuck in "resetting": neither free nor reported
+        assert slot.lease_token is None
+        assert "ValueError" in detail and "nonsense" in detail and slot.info().detail == detail
+    finally:
+        shutil.rmtree(slot.dir.parent.parent, ignore_errors=True)
+
+
+async def test_reset_verified_says_only_what_was_checked() -> None:
+    slot = await _plain_slot("verified-nonroot", uid=None)
+    try:
+        assert await slot.reset() == (True, "")
+        # a non-root host has no per-slot uid: nothing was swept by uid, and nothing owned by one
+        assert "uid" not in slot.last_verified.replace("no per-slot uid", "").replace("no uid sweep", "")
+        assert "no uid sweep" in slot.last_verified
+    finally:
+        shutil.rmtree(slot.dir.parent.parent, ignore_errors=True)
+    if os.geteuid() != 0:
+        return
+    slot = await _plain_slot("verified-root", uid=3_900_000 + os.getpid() % 1000)  # a uid nobody uses
+    try:
+        assert await slot.reset() == (True, "")
+        assert "owned by the slot uid" in slot.last_verified and "no process of the slot uid" in slot.last_verified
+    finally:
+        shutil.rmtree(slot.dir.parent.parent, ignore_errors=True)
+
+
+# -- starting: fail closed, and say why ---------------------------------------------------------
+
+
+def test_check_isolation_without_bwrap_fails_closed_saying_what_to_install() -> None:
+    with pytest.raises(IsolationUnavailable) as info:
+        check_isolation(HostConfig(bwrap="/nonexistent/bwrap"))
+    message = str(info.value)
+    assert "/nonexistent/bwrap" in message and "apt-get install bubblewrap" in message
+
+
+async def test_host_start_without_bwrap_marks_the_isolation_failure(tmp_path: Path) -> None:
+    host = SandboxHost(HostConfig(token="t", data_dir=tmp_path / "data", bwrap="/nonexistent/bwrap"))
+    with pytest.raises(IsolationUnavailable) as info:
+        await host.start()
+    assert str(info.value).startswith(ISOLATION_FAILED)
+    assert "apt-get install bubblewrap" in str(info.value)
+    assert not (tmp_path / "data").exists()  # it refused before touching anything
+
+
+def test_unsafe_no_isolation_warns_loudly() -> None:
+    data = _private_data_dir("unsafe")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "atropos.sandbox", "--port", "0", "--slots", "1", "--data-dir", str(data),
+         "--unsafe-no-isolation", "--workspace-bytes", "0", "--no-prewarm"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "ATROPOS_SANDBOX_TOKEN": "t"},
+    )
+    try:
+        assert proc.stdout is not None
+        ready = json.loads(proc.stdout.readline() or b"{}")
+        assert ready.get("isolation") == "none", ready
+    finally:
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=30)
+        shutil.rmtree(data, ignore_errors=True)
+    warnings = [line for line in stderr.decode().splitlines() if "UNSAFE" in line]
+    assert warnings, stderr.decode()
+    assert "WARNING" in warnings[0] or logging.getLevelName(logging.WARNING) in warnings[0]
+    assert "WITHOUT isolation" in warnings[0] and "untrusted" in warnings[0]
+
+
+def _local_backend(tag: str, **kw: Any) -> LocalBackend:
+    return LocalBackend(LocalBackendConfig(slots_per_host=1, prewarm=False, pool_id=tag,
+                                           data_root=_private_data_dir(tag), **kw))
+
+
+async def test_local_backend_port_in_use_is_a_start_error_naming_the_port() -> None:
+    backend = _local_backend("busy")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        backend.cfg.port = port
+        try:
+            with pytest.raises(HostUnavailable) as info:
+                await backend.start_host()
+        finally:
+            await backend.close()
+            shutil.rmtree(backend.cfg.data_root, ignore_errors=True)
+    message = str(info.value)
+    assert f"port {port}" in message and "in use" in message  # not misreported as missing isolation
+
+
+async def test_local_backend_without_bwrap_is_isolation_unavailable(tmp_path: Path) -> None:
+    # The backend's interpreter setting runs the real host, whose configured bwrap does not exist.
+    launcher = tmp_path / "python-without-bwrap"
+    launcher.write_text(
+        "#!/bin/sh\n"
+        f"exec {sys.executable} -c 'import functools, sys\n"
+        "from atropos.sandbox import __main__ as m\n"
+        "m.HostConfig = functools.partial(m.HostConfig, bwrap=\"/nonexistent/bwrap\")\n"
+        "m.main(sys.argv[3:])' \"$@\"\n"
+    )
+    launcher.chmod(0o755)
+    backend = _local_backend("nobwrap", python=str(launcher))
+    try:
+        with pytest.raises(IsolationUnavailable) as info:
+            await backend.start_host()
+    finally:
+        await backend.close()
+        shutil.rmtree(backend.cfg.data_root, ignore_errors=True)
+    message = str(info.value)
+    assert message.startswith(ISOLATION_FAILED)
+    assert "bubblewrap not found at /nonexistent/bwrap" in message and "apt-get install bubblewrap" in message

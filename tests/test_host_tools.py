@@ -9,12 +9,17 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import os
 import secrets
+import shutil
 import tarfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-from conftest import LeasedSlot
+import pytest
+from conftest import LeasedSlot, RunningHost, slot_path, start_host, stop_host
 
 from atropos.sandbox.protocol import CallResult, ToolCall
 
@@ -280,6 +285,50 @@ async def test_edit_file_shrinking_leaves_no_stale_tail(slot: LeasedSlot) -> Non
     assert (await slot.ok("read_file", path="s.txt"))["content"] == "keep x tail\n"
 
 
+@pytest.fixture(scope="module")
+def capped_host() -> Iterator[RunningHost]:
+    """One slot whose workspace is a 4 MiB tmpfs: filling it is quick."""
+    data = Path(f"/tmp/atropos-test-capped-{os.getpid()}-{secrets.token_hex(3)}")
+    running = start_host(data, slots=1, extra=["--workspace-bytes", str(4 << 20)])
+    yield running
+    stop_host(running)
+    shutil.rmtree(data, ignore_errors=True)
+
+
+async def test_edit_file_that_cannot_be_written_leaves_the_original_intact(capped_host: RunningHost) -> None:
+    async with capped_host.client() as client:
+        lease = await client.lease("edit-enospc")
+        s = LeasedSlot(client, lease)
+        try:
+            original = "x = 1\n" + "y" * (1 << 20) + "\n"
+            await s.ok("write_file", path="big.txt", content=original)
+            await s.sh("cat /dev/zero > fill 2>/dev/null; true")  # the workspace is full now
+            # the edit grows the file by a few pages: there is no room for them
+            grown = "x = " + "2" * 9000
+            code, message = _error(await s.call("edit_file", path="big.txt", old_string="x = 1", new_string=grown))
+            assert code == "no_space", message
+            assert "big.txt" in message
+            assert (await s.ok("read_file", path="big.txt"))["content"] == original
+            names = {e["name"] for e in (await s.ok("list_dir"))["entries"]}
+            assert names == {"big.txt", "fill"}  # nothing half-written left behind
+
+            # with room again the same edit succeeds, and the file keeps its mode
+            await s.sh("rm fill && chmod 640 big.txt")
+            await s.ok("edit_file", path="big.txt", old_string="x = 1", new_string=grown)
+            assert (await s.ok("read_file", path="big.txt"))["content"] == original.replace("x = 1", grown)
+            assert (await s.ok("stat", path="big.txt"))["mode"] == "0o640"
+            assert {e["name"] for e in (await s.ok("list_dir"))["entries"]} == {"big.txt"}
+        finally:
+            await client.release(lease.slot, s.lease.lease)
+
+
+async def test_edit_file_through_a_symlink_edits_the_target(slot: LeasedSlot) -> None:
+    await slot.sh("mkdir -p sub && printf 'v = 1\\n' > sub/real.py && ln -s sub/real.py link.py")
+    await slot.ok("edit_file", path="link.py", old_string="v = 1", new_string="v = 2")
+    assert (await slot.ok("read_file", path="sub/real.py"))["content"] == "v = 2\n"
+    assert (await slot.ok("stat", path="link.py"))["type"] == "symlink"  # still a link, not replaced
+
+
 # -- list_dir / stat ----------------------------------------------------------------------------
 
 
@@ -418,6 +467,30 @@ async def test_terminal_call_timeout_is_a_normal_result(slot: LeasedSlot) -> Non
     result = await slot.call("terminal", timeout_s=1, wait_ms=30_000)  # nothing will print
     assert result.ok, result.error
     assert result.result is not None and result.result["output"] == ""
+
+
+async def test_terminal_after_a_burst_shows_its_end_then_only_new_output(slot: LeasedSlot,
+                                                                          host: RunningHost) -> None:
+    log = slot_path(host.data_dir, slot.lease.slot, "run") / "terminal.log"
+    # ~2.7 MB of output: far over the output cap (64 KiB) and the old per-read window (8x the cap)
+    await slot.ok("terminal", input="seq 1 400000; echo burst-$((6 * 7))", wait_ms=200)
+    deadline = time.monotonic() + 120
+    while True:  # watched from outside the slot: until the shell is back at its prompt
+        with open(log, "rb") as fh:
+            fh.seek(max(0, os.fstat(fh.fileno()).st_size - 256))
+            end = fh.read()
+        if b"burst-42" in end and end.endswith(b"]$ "):
+            break
+        assert time.monotonic() < deadline, f"the burst never finished: {end!r}"
+        time.sleep(0.1)
+
+    out = await slot.ok("terminal", wait_ms=300)
+    assert "burst-42" in out["output"]  # the end of the burst, in the first read after it
+    assert out["truncated"] and "bytes truncated" in out["output"]
+    assert len(out["output"]) < MAX_OUTPUT + 200
+    after = await slot.ok("terminal", input="echo next-$((1 + 1))")
+    assert "next-2" in after["output"]
+    assert "burst-42" not in after["output"] and "39999" not in after["output"]
 
 
 # -- batching -----------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 from atropos.backends.base import Backend, HostInfo, new_token, pid_alive
 from atropos.errors import HostUnavailable, IsolationUnavailable
 from atropos.sandbox.config import default_data_dir
-from atropos.sandbox.host import owned_dir
+from atropos.sandbox.host import ISOLATION_FAILED, owned_dir
 from atropos.sandbox.sandbox_process import kill_processes_naming
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,8 @@ class LocalBackendConfig(BaseModel):
     data_root: Path = Field(default_factory=lambda: default_data_dir() / "local")
     pool_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     max_timeout_s: float = 600.0
+    port: int = Field(0, ge=0, le=65535, description="port each host listens on (127.0.0.1); 0 = any free port. "
+                                                     "A fixed port allows one host at a time")
     slot_workspace_bytes: int = Field(1 << 30, ge=0, description="what one slot can write to its workspace: its "
                                                                  "own tmpfs (RAM); 0 = uncapped (the data disk)")
     prewarm: bool = True
@@ -56,7 +58,7 @@ class LocalBackend(Backend):
         for d in (self.cfg.data_root, self.root):
             owned_dir(d, 0o711)
         token = new_token()
-        argv = [self.cfg.python, "-m", "atropos.sandbox", "--host", "127.0.0.1", "--port", "0",
+        argv = [self.cfg.python, "-m", "atropos.sandbox", "--host", "127.0.0.1", "--port", str(self.cfg.port),
                 "--slots", str(self.cfg.slots_per_host), "--data-dir", str(data_dir),
                 "--max-timeout", str(self.cfg.max_timeout_s), "--parent-pid", str(os.getpid()),
                 "--workspace-bytes", str(self.cfg.slot_workspace_bytes)]
@@ -82,13 +84,27 @@ class LocalBackend(Backend):
             ready = {}
         if ready.get("event") != "ready":
             await self.stop_host(host_id)
-            tail = _tail(log_path)
-            if "bubblewrap" in tail or "IsolationUnavailable" in tail or "sandbox" in tail:
-                raise IsolationUnavailable(f"local sandbox host failed to start: {tail}")
-            raise HostUnavailable(f"local sandbox host failed to start: {tail}")
+            raise self._start_error(_tail(log_path))
         log.info("local host %s ready on port %s (%d slots)", host_id, ready["port"], self.cfg.slots_per_host)
         return HostInfo(id=host_id, address=f"http://127.0.0.1:{ready['port']}", token=token,
                         slots=self.cfg.slots_per_host, labels={"backend": "local", "pid": str(proc.pid)})
+
+    def _start_error(self, tail: str) -> IsolationUnavailable | HostUnavailable:
+        """Why a host did not come up, from the end of its log.
+
+        Only the line ``__main__`` prints for an isolation failure (``error: isolation unavailable:
+        ...``, see ``ISOLATION_FAILED``) means "cannot confine here"; anything else (a port in use,
+        a crash) is a host that failed to start, said as such."""
+        lines = tail.splitlines()
+        marker = f"error: {ISOLATION_FAILED}"
+        for i, line in enumerate(lines):
+            if line.startswith(marker):
+                # the message may span lines (bwrap's own stderr is quoted in it)
+                return IsolationUnavailable("\n".join([line.removeprefix("error: "), *lines[i + 1:]]).strip())
+        if self.cfg.port and ("Address already in use" in tail or "[Errno 98]" in tail):
+            return HostUnavailable(f"local sandbox host failed to start: port {self.cfg.port} on 127.0.0.1 is "
+                                   "already in use (LocalBackendConfig.port; 0 picks a free one)")
+        return HostUnavailable(f"local sandbox host failed to start: {tail}")
 
     async def stop_host(self, host_id: str) -> None:
         proc = self._procs.get(host_id)

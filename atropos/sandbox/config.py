@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 
 class Limits(BaseModel):
@@ -57,7 +57,8 @@ class HostConfig(BaseModel):
     uid_base: int | None = Field(
         None, description="first per-slot uid when the host runs as root (slot i runs as uid_base+i)"
     )
-    default_timeout_s: float = Field(60.0, gt=0)
+    default_timeout_s: float = Field(60.0, gt=0, description="timeout of a call that names none "
+                                                            "(lowered to max_timeout_s when above it)")
     max_timeout_s: float = Field(600.0, gt=0)
     max_output_bytes: int = Field(64 << 10, ge=1024, description="kept per stream (head+tail) per call")
     hard_output_bytes: int = Field(256 << 20, ge=1 << 20, description="a call printing more is killed")
@@ -86,6 +87,14 @@ class HostConfig(BaseModel):
         "auto", description="slots leased with network: their own network namespace behind slirp4netns "
                             "(private; the host's loopback unreachable) or the host's namespace (shared); auto "
                             "picks private when slirp4netns and /dev/net/tun are present, else shared with a warning")
+
+    @model_validator(mode="after")
+    def _default_within_max(self) -> HostConfig:
+        # `--max-timeout 5` alone must mean what it says: a call without a timeout gets 5 s, not
+        # the 60 s default (an operator lowering the ceiling would otherwise not lower the floor).
+        if self.default_timeout_s > self.max_timeout_s:
+            self.default_timeout_s = self.max_timeout_s
+        return self
 
     @field_validator("token")
     @classmethod

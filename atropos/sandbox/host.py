@@ -53,6 +53,11 @@ set -g exit-empty off
 set -g default-terminal screen
 """
 
+# Every IsolationUnavailable leaving SandboxHost.start() begins with this, so a parent reading the
+# host's stderr (`error: <message>`, printed by __main__) can tell "cannot confine here" from any
+# other start failure (a port in use, a bad flag) without guessing from words in a traceback.
+ISOLATION_FAILED = "isolation unavailable: "
+
 # Status codes of supervisor error codes; everything else is a 400-class tool error.
 _STATUS = {"not_found": 404, "too_large": 413, "path_escape": 403, "permission_denied": 403}
 
@@ -85,6 +90,15 @@ class SandboxHost:
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        try:
+            await self._start()
+        except IsolationUnavailable as exc:
+            # the same exception (type and traceback kept), its message marked; see ISOLATION_FAILED
+            if not str(exc).startswith(ISOLATION_FAILED):
+                exc.args = (ISOLATION_FAILED + str(exc), *exc.args[1:])
+            raise
+
+    async def _start(self) -> None:
         if not self.cfg.unsafe_no_isolation:
             check_isolation(self.cfg)
         else:
@@ -517,22 +531,26 @@ def resolve_network_isolation(cfg: HostConfig) -> bool:
 
 def check_isolation(cfg: HostConfig) -> None:
     """Fail closed, with instructions, when bubblewrap cannot build our sandbox here."""
+    install = ("install it (Debian/Ubuntu: apt-get install bubblewrap). For development only, "
+               "--unsafe-no-isolation runs without any isolation.")
     if not Path(cfg.bwrap).exists():
-        raise IsolationUnavailable(
-            f"bubblewrap not found at {cfg.bwrap}: install it (Debian/Ubuntu: apt-get install bubblewrap). "
-            "For development only, --unsafe-no-isolation runs without any isolation."
-        )
+        raise IsolationUnavailable(f"bubblewrap not found at {cfg.bwrap}: {install}")
+    if not os.access(cfg.bwrap, os.X_OK) or not Path(cfg.bwrap).is_file():
+        raise IsolationUnavailable(f"bubblewrap at {cfg.bwrap} is not an executable file: {install}")
     if not Path(cfg.python).exists():
         raise IsolationUnavailable(f"{cfg.python} not found: the sandbox needs a python3 in /usr")
     if shutil.which("tmux") is None:
         log.warning("tmux not found: the terminal tool will not work (apt-get install tmux)")
     ids: dict[str, Any] = {"user": 65534, "group": 65534, "extra_groups": []} if os.geteuid() == 0 else {}
-    probe = subprocess.run(
-        [cfg.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-         "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
-         "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev", "true"],
-        env={}, capture_output=True, timeout=30, **ids,
-    )
+    try:
+        probe = subprocess.run(
+            [cfg.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+             "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
+             "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev", "true"],
+            env={}, capture_output=True, timeout=30, **ids,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise IsolationUnavailable(f"cannot run bubblewrap at {cfg.bwrap}: {exc}; {install}") from exc
     if probe.returncode != 0:
         raise IsolationUnavailable(
             "bubblewrap cannot create a sandbox here: "

@@ -27,16 +27,28 @@ class SandboxDied(InfrastructureError):
 
 
 class SandboxProcess:
-    """A long-lived sandboxed supervisor. Requests are serialised by the owning slot's lock."""
+    """A long-lived sandboxed supervisor. Requests are serialised by the owning slot's lock.
+
+    A request whose caller is cancelled (a client that disconnected from a streamed batch, a
+    caller's own timeout) abandons the sandbox: the call is still running inside and its reply
+    would be read as the answer to the next request, so the sandbox is killed at once (and with
+    it every process of the call) and the owner starts a fresh one for the next call. Replies
+    also echo the request's sequence number (``echoes_seq``), so a protocol out of step is caught
+    rather than answered with another call's output."""
 
     # Process groups of every sandbox this process started and has not reaped: what kill_all() kills
     # when the host exits with sandboxes still starting (their tasks cancelled mid-start).
     _groups: set[int] = set()
+    # Reaping tasks of abandoned sandboxes: referenced here so they are not garbage-collected.
+    _reapers: set[asyncio.Task[None]] = set()
 
-    def __init__(self, proc: asyncio.subprocess.Process, label: str) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, label: str, echoes_seq: bool = False) -> None:
         self.proc = proc
         SandboxProcess._groups.add(proc.pid)
         self.label = label
+        self.echoes_seq = echoes_seq
+        self._seq = 0
+        self._abandoned = False
         self.companion: asyncio.subprocess.Process | None = None  # slirp4netns of a network sandbox
         self._stderr_tail = b""
         self._stderr_task = asyncio.create_task(self._drain_stderr())
@@ -53,6 +65,7 @@ class SandboxProcess:
         ready_timeout: float = 15.0,
         network: SlirpHandshake | None = None,
         network_uid: int | None = None,
+        echoes_seq: bool = False,
     ) -> SandboxProcess:
         """Start a sandbox; with ``protocol`` False it runs a plain program (e.g. the tmux server).
 
@@ -89,7 +102,7 @@ class SandboxProcess:
         finally:
             if seccomp_fd >= 0:
                 os.close(seccomp_fd)
-        sandbox = cls(proc, label)
+        sandbox = cls(proc, label, echoes_seq=echoes_seq)
         try:
             if network is not None:
                 network.spawned()
@@ -124,7 +137,23 @@ class SandboxProcess:
 
     @property
     def alive(self) -> bool:
-        return self.proc.returncode is None
+        # An abandoned sandbox is dying (SIGKILL sent, not reaped yet): never hand it another call.
+        return self.proc.returncode is None and not self._abandoned
+
+    def abandon(self) -> None:
+        """Kill now and reap in the background: for a caller being cancelled, which must not wait.
+
+        The kill is synchronous, so by the time the caller's lock is released the sandbox (and the
+        call running in it) is already gone and ``alive`` is False for whoever comes next."""
+        if self._abandoned:
+            return
+        self._abandoned = True
+        self._signal_group()
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        task = asyncio.get_running_loop().create_task(self.kill())
+        SandboxProcess._reapers.add(task)
+        task.add_done_callback(SandboxProcess._reapers.discard)
 
     @property
     def pid(self) -> int:
@@ -163,14 +192,27 @@ class SandboxProcess:
         return frame
 
     async def request(self, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """Send one request and wait for its answer; any transport failure kills the sandbox."""
+        """Send one request and wait for its answer; any transport failure kills the sandbox, and
+        so does the caller's cancellation (see the class docstring)."""
         if not self.alive or self.proc.stdin is None:
             raise SandboxDied(f"{self.label}: sandbox is not running")
+        self._seq += 1
+        seq = self._seq
+        if self.echoes_seq:
+            payload = {**payload, "seq": seq}
         data = json.dumps(payload, separators=(",", ":")).encode()
         try:
             self.proc.stdin.write(FRAME.pack(len(data)) + data)
             await self.proc.stdin.drain()
-            return await self._read_frame(timeout)
+            frame = await self._read_frame(timeout)
+            if self.echoes_seq and frame.get("seq") != seq:
+                raise SandboxDied(f"{self.label}: reply out of step with its request "
+                                  f"(sequence {frame.get('seq')!r}, expected {seq})")
+            return frame
+        except asyncio.CancelledError:
+            # Mid-write or mid-call: either way the pipe no longer lines up with our requests.
+            self.abandon()
+            raise
         except (ConnectionError, SandboxDied) as exc:
             await self.kill()
             if isinstance(exc, SandboxDied):

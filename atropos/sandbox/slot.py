@@ -170,6 +170,8 @@ class Slot:
             network=(SlirpHandshake.create() if self.network and self.private_net
                      and not self.cfg.unsafe_no_isolation else None),
             network_uid=self.uid,
+            # the supervisor echoes each request's sequence number (the session driver does not)
+            echoes_seq=protocol and script == "supervisor.py",
         )
 
     async def ensure_sandbox(self) -> SandboxProcess:
@@ -250,8 +252,8 @@ class Slot:
         """Kill everything of the lease, rebuild the workspace (empty, or a fresh fork of
         ``template``) and check the result before the slot can be leased again."""
         self.state = "resetting"
-        await self.stop_sandboxes()
         try:
+            await self.stop_sandboxes()
             await self._kill_all()
             await self._drop_workspace()
             await self._build_workspace(template)
@@ -260,6 +262,12 @@ class Slot:
                 raise RuntimeError(problem)
         except (OSError, RuntimeError, WorkspaceError) as exc:
             self.quarantine(f"reset failed: {exc}")
+            return False, self.detail
+        except Exception as exc:
+            # A surprise (a bug, a malformed helper answer): the workspace is in an unknown state,
+            # and a slot left "resetting" would be neither leasable nor reported. Quarantine it.
+            log.exception("slot %d: unexpected error during reset", self.index)
+            self.quarantine(f"reset failed: {type(exc).__name__}: {exc}")
             return False, self.detail
         self.generation += 1
         self.lease_token = None
@@ -379,7 +387,8 @@ class Slot:
             if os.listdir(d):
                 return f"{d} is not empty after reset"
         if self.ws_kind == "plain":
-            self.last_verified = "empty workspace and run dir, owned by the slot uid; no process of the slot uid"
+            owner = ", owned by the slot uid" if self.uid is not None else ""
+            self.last_verified = f"empty workspace and run dir{owner}; {self._processes_checked()}"
         elif self.ws_kind == "copy":
             assert self.template is not None
             st = os.lstat(self._view(self.paths.workspace))
@@ -437,8 +446,16 @@ class Slot:
         if os.listdir(upper_view):
             return "the upper layer is not empty after reset"
         self.last_verified = (f"fresh overlay (mount {m.mount_id}, none before it) of template {self.template.id}: "
-                              "empty upper layer, read-only template layer; no process of the slot")
+                              f"empty upper layer, read-only template layer; {self._processes_checked()}")
         return ""
+
+    def _processes_checked(self) -> str:
+        """What the reset established about the old lease's processes, and no more than that."""
+        if self.uid is not None:
+            return "no process of the slot uid (swept by uid)"
+        # Without a per-slot uid (a non-root host) there is nothing to sweep by: what holds is that
+        # the slot's sandboxes were killed, and with them their PID namespaces.
+        return "the slot's sandboxes killed (no per-slot uid on a non-root host, so no uid sweep)"
 
     # -- templates -------------------------------------------------------------------------
     async def snapshot(self, name: str) -> Template:
@@ -472,6 +489,10 @@ class Slot:
                 raise RuntimeError(problem)
         except (OSError, RuntimeError, WorkspaceError) as exc:
             self.quarantine(f"re-fork after snapshot failed: {exc}")
+            raise WorkspaceError(self.detail) from exc
+        except Exception as exc:  # a surprise: the slot's workspace is gone all the same, never leave it leased
+            log.exception("slot %d: unexpected error re-forking after a snapshot", self.index)
+            self.quarantine(f"re-fork after snapshot failed: {type(exc).__name__}: {exc}")
             raise WorkspaceError(self.detail) from exc
         return template
 

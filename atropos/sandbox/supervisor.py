@@ -379,14 +379,60 @@ class Supervisor:
                 "or set replace_all",
             )
         updated = text.replace(old, new) if req.get("replace_all") else text.replace(old, new, 1)
-        fd = self._open(path, os.O_WRONLY | os.O_TRUNC | os.O_NONBLOCK | os.O_NOCTTY)
-        try:
-            os.write(fd, updated.encode())
-        except OSError as exc:
-            raise _os_failure(exc, path) from None
-        finally:
-            os.close(fd)
+        self._replace_file(path, updated.encode())
         return {"path": path, "replacements": count if req.get("replace_all") else 1}
+
+    def _replace_file(self, path: str, data: bytes) -> None:
+        """Give ``path`` the content ``data`` all at once: written in full to a new file beside it,
+        then renamed over it (mode kept). A failure (no space, file size limit, a short write)
+        leaves the original untouched, where truncating first would lose it."""
+        root = self._root_fd()
+        tmp_name: str | None = None
+        dir_fd = -1
+        try:
+            try:
+                # opened for writing only to be refused a file we may not write, as in place editing was
+                fd = _openat2(root, path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY)
+            except OSError as exc:
+                raise _os_failure(exc, path) from None
+            try:
+                st = os.fstat(fd)
+                # Where `path` really is (a symlink is edited at its target, as in place editing
+                # did); openat2 guaranteed that this is inside the workspace.
+                real = os.readlink(f"/proc/self/fd/{fd}")
+            finally:
+                os.close(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ToolFailure("not_regular", f"{path}: not a regular file")
+            rel = os.path.relpath(real, os.readlink(f"/proc/self/fd/{root}"))
+            parent, name = os.path.split(rel)
+            if rel.startswith("..") or not name:
+                raise ToolFailure("path_escape", f"{path}: resolves outside the workspace")
+            try:
+                dir_fd = _openat2(root, parent or ".", os.O_PATH | os.O_DIRECTORY)
+                tmp_name = f".{name[:200]}.edit-{os.getpid()}-{time.monotonic_ns()}"
+                tfd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                              0o600, dir_fd=dir_fd)
+                try:
+                    view = memoryview(data)
+                    while view:  # os.write may write less than asked (a short write): loop
+                        view = view[os.write(tfd, view):]
+                    os.fchmod(tfd, stat.S_IMODE(st.st_mode))
+                finally:
+                    os.close(tfd)
+                os.rename(tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                tmp_name = None
+            except OSError as exc:
+                raise _os_failure(exc, path) from None
+        finally:
+            if tmp_name is not None and dir_fd >= 0:
+                try:
+                    os.unlink(tmp_name, dir_fd=dir_fd)
+                except OSError:
+                    pass
+            if dir_fd >= 0:
+                os.close(dir_fd)
+            os.close(root)
 
     def list_dir(self, req: dict[str, Any]) -> dict[str, Any]:
         path = req.get("path") or "."
@@ -489,17 +535,12 @@ class Supervisor:
             elif now_size > offset and time.monotonic() - last_change >= settle:
                 break
         cap = int(req.get("max_output", 65536))
-        raw = b""
-        if size > offset:
-            with open(log, "rb") as fh:
-                fh.seek(offset)
-                raw = fh.read(min(size - offset, 8 * cap))
-        new_offset = offset + len(raw)
-        capture = Capture(cap)
-        capture.feed(raw)
-        text_out, truncated = capture.text()
-        return {"output": strip_ansi(text_out), "offset": new_offset, "truncated": truncated,
-                "bytes": len(raw)}
+        if size < offset:
+            offset = 0  # the log was truncated from inside the slot: what it holds now is all new
+        text_out, truncated = _read_region(log, offset, size, cap)
+        # Everything up to `size` counts as shown, even what the cap dropped: the next read starts
+        # at what is new then, never in the middle of an old burst.
+        return {"output": strip_ansi(text_out), "offset": size, "truncated": truncated, "bytes": size - offset}
 
     # -- protocol --------------------------------------------------------------------------
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -539,6 +580,25 @@ class _BoundedBuffer(io.BytesIO):
 def _open_nonblock(path: str) -> io.BufferedReader:
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     return os.fdopen(fd, "rb")
+
+
+def _read_region(path: str, start: int, end: int, cap: int) -> tuple[str, bool]:
+    """Bytes ``start:end`` of a file as text, keeping only the first and last ``cap/2`` bytes with a
+    marker between when the region is larger than ``cap``; reads no more than ``cap`` bytes."""
+    if end <= start:
+        return "", False
+    capture = Capture(cap)
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        if end - start <= cap:
+            capture.feed(fh.read(end - start))
+        else:
+            capture.feed(fh.read(capture.half))
+            fh.seek(end - capture.half)
+            # Capture counts what it is fed; the skipped middle is reported through `total`.
+            capture.total += end - start - 2 * capture.half
+            capture.feed(fh.read(capture.half))
+    return capture.text()
 
 
 PROMPT_END = b"]$ "
@@ -619,7 +679,10 @@ def main() -> None:
             req = json.loads(_read_exact(rfd, size))
         except EOFError:
             return
-        _write_frame(wfd, sup.handle(req))
+        reply = sup.handle(req)
+        if isinstance(req, dict) and "seq" in req:
+            reply["seq"] = req["seq"]  # the host checks it: a reply never answers another request
+        _write_frame(wfd, reply)
 
 
 if __name__ == "__main__":

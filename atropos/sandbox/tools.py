@@ -147,7 +147,15 @@ def validate_args(tool: str, raw: dict[str, Any]) -> _Args:
 
 
 def clamp_timeout(requested: float | None, cfg: HostConfig) -> tuple[float, list[str]]:
+    """The timeout a call runs with, never above the host's maximum, and a note when it was lowered."""
     if requested is None:
+        # HostConfig already keeps its default within the maximum; this holds for a config that
+        # was changed after validation too.
+        if cfg.default_timeout_s > cfg.max_timeout_s:
+            return cfg.max_timeout_s, [
+                f"this host's default timeout {cfg.default_timeout_s:g}s is above its maximum of "
+                f"{cfg.max_timeout_s:g}s; clamped"
+            ]
         return cfg.default_timeout_s, []
     if requested > cfg.max_timeout_s:
         return cfg.max_timeout_s, [
