@@ -1,38 +1,44 @@
-"""``atropos-sandbox``: run the ToolServer with a pool, manage a background pool, debug with one call.
-
-Exit codes (stable, for scripts): 0 success, 1 the command ran but failed (e.g. the tool call's own
-exit status for ``exec``), 2 bad usage or configuration, 3 infrastructure unavailable (no
-isolation, no engine, pool unreachable).
-
-Settings come from flags, then ``ATROPOS_SANDBOX_<FIELD>`` environment variables, then a
-``--config`` file (YAML or JSON) — flags win.
-"""
+"""atropos-sandbox: run the ToolServer with a pool, manage a background pool, debug with one call."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import errno
 import json
 import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
+import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from atropos.errors import AtroposSandboxError, ConfigError, InfrastructureError, IsolationUnavailable
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INFRA = 0, 1, 2, 3
 TOKEN_ENV = "ATROPOS_TOOLSERVER_TOKEN"
+SETTINGS_ENV_PREFIX = "ATROPOS_SANDBOX_"
+CONFIG_ENV = "ATROPOS_SANDBOX_CONFIG"
 REPO = Path(__file__).resolve().parent.parent
+log = logging.getLogger("atropos.cli")
 
 
 class ServeSettings(BaseModel):
+    """What ``serve`` (and ``pool up``, ``nomad render``) run with; every field is a flag, an
+    ``ATROPOS_SANDBOX_<FIELD>`` variable and a key of the ``--config`` file."""
+
+    # A typo'd key in a config file must fail loudly, not fall back to a default silently.
+    model_config = ConfigDict(extra="forbid")
+
     backend: Literal["local", "docker", "nomad"] = "local"
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -41,13 +47,78 @@ class ServeSettings(BaseModel):
     max_hosts: int = Field(4, ge=1)
     image: str = "atropos-sandbox:dev"
     nomad_address: str | None = None  # default: $NOMAD_ADDR, else http://127.0.0.1:4646
-    pool_id: str = "cli"
+    # names files in the state dir and Nomad job ids: no path separators
+    pool_id: str = Field("cli", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     allow_no_auth: bool = False
+    metrics_need_token: bool = False
     web_provider: Literal["offline", "http", "none"] = "offline"
     corpus_dir: Path | None = None
     web_base_url: str | None = None
     log_json: bool = False
     log_level: str = "INFO"
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        if value.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError("one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
+        return value.upper()
+
+
+class PoolReplyError(AtroposSandboxError):
+    """A background pool answered a request with an error status (the message is the pool's)."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(f"the pool answered {status} ({code}): {message}")
+        self.status = status
+        self.code = code
+
+    @property
+    def exit_code(self) -> int:
+        # The request itself was wrong (unknown tool, bad arguments, provider not configured): usage.
+        # A refused lease, no free slot, an overloaded or failing pool: infrastructure.
+        return EXIT_INFRA if self.status in (401, 409, 429) or (self.status >= 500 and self.status != 501) \
+            else EXIT_USAGE
+
+
+def _wrap(text: str, indent: str = "") -> str:
+    # RawDescriptionHelpFormatter keeps the epilog's layout but wraps nothing: wrap paragraphs here
+    return textwrap.fill(text, 100, subsequent_indent=indent, break_on_hyphens=False)
+
+
+def _settings_epilog() -> str:
+    names = ", ".join(ServeSettings.model_fields)
+    return _wrap(f"settings (flags win over ${SETTINGS_ENV_PREFIX}<SETTING> variables, which win over the --config "
+            f"file, a YAML or JSON object with these keys; ${CONFIG_ENV} names the file when --config is not "
+            f"given): {names}")
+
+
+EPILOG = f"""\
+exit codes (stable, for scripts):
+  0  success
+  1  the command ran but failed (exec: the tool call failed; for bash, exec exits with the
+     command's own status)
+  2  bad usage or configuration: unknown flag, invalid setting, missing or malformed --config
+     file, bad --args JSON, no token, a request the pool refused as malformed
+  3  infrastructure unavailable: no isolation on this machine, no Docker/Nomad, a pool that is
+     not up, not answering, refusing its token or out of slots, a port already in use
+
+configuration: flags, then environment variables, then the --config file (flags win)
+  --config FILE                YAML (.yaml/.yml) or JSON object, keys as below, e.g.
+                               {{"backend": "docker", "max_hosts": 8, "pool_id": "train"}}
+  {CONFIG_ENV:<28} the config file when --config is not given
+  {SETTINGS_ENV_PREFIX}<SETTING>    any setting, e.g. ATROPOS_SANDBOX_POOL_ID=train,
+                               ATROPOS_SANDBOX_MAX_HOSTS=8, ATROPOS_SANDBOX_LOG_JSON=true
+  {_wrap("settings: " + ", ".join(ServeSettings.model_fields), "            ")}
+
+environment:
+  {TOKEN_ENV:<28} bearer token `serve` requires of clients (`pool up` makes one
+                               and keeps it in a 0600 file in the state dir)
+  NOMAD_ADDR, NOMAD_TOKEN, ... the nomad backend's cluster (and ATROPOS_NOMAD_<FIELD>, e.g.
+                               ATROPOS_NOMAD_TOKEN_DELIVERY=env); see nomad/README.md
+  XDG_CACHE_HOME               state of background pools: $XDG_CACHE_HOME/atropos-sandbox/run
+                               (default ~/.cache/atropos-sandbox/run)
+"""
 
 
 def state_dir() -> Path:
@@ -59,46 +130,84 @@ def state_dir() -> Path:
 
 
 # -- settings ---------------------------------------------------------------------------------
-def load_settings(args: argparse.Namespace) -> ServeSettings:
-    data: dict[str, Any] = {}
-    if getattr(args, "config", None):
-        text = Path(args.config).read_text()
-        if args.config.endswith((".yaml", ".yml")):
+def read_config_file(path: str) -> dict[str, Any]:
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the config file {path}: {exc.strerror or exc}") from None
+    if file.suffix in (".yaml", ".yml"):
+        try:
             import yaml
+        except ImportError:
+            raise ConfigError(f"{path}: YAML config files need PyYAML (pip install pyyaml), or use JSON") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"the config file {path} is not valid YAML: {exc}") from None
+    else:
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"the config file {path} is not valid JSON: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"the config file {path} must hold an object of settings, not {type(data).__name__}")
+    return data
 
-            data.update(yaml.safe_load(text) or {})
-        else:
-            data.update(json.loads(text))
+
+def load_settings(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServeSettings:
+    """Flags over ``ATROPOS_SANDBOX_<FIELD>`` over the config file; every command resolves here."""
+    env = os.environ if environ is None else environ
+    data: dict[str, Any] = {}
+    config = getattr(args, "config", None) or env.get(CONFIG_ENV)
+    if config:
+        data.update(read_config_file(config))
     for name in ServeSettings.model_fields:
-        env = os.environ.get(f"ATROPOS_SANDBOX_{name.upper()}")
-        if env is not None:
-            data[name] = env
+        value = env.get(f"{SETTINGS_ENV_PREFIX}{name.upper()}")
+        if value is not None:
+            data[name] = value
     for name in ServeSettings.model_fields:
         value = getattr(args, name, None)
         if value is not None:
             data[name] = value
-    return ServeSettings.model_validate(data)
+    try:
+        return ServeSettings.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors())
+        where = f" (config file {config})" if config else ""
+        raise ConfigError(f"invalid settings{where}: {problems}") from None
 
 
 def add_settings_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML or JSON file with settings (flags override it)")
+    p.add_argument("--config", help=f"YAML or JSON file with settings (flags override it; default ${CONFIG_ENV})")
     p.add_argument("--backend", choices=["local", "docker", "nomad"], help="where sandbox hosts run (default local)")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument("--port", type=int, help="port (default 8000; pool up: 0 picks a free one)")
     p.add_argument("--slots-per-host", dest="slots_per_host", type=int, help="slots per host (default 16)")
     p.add_argument("--min-hosts", dest="min_hosts", type=int, help="hosts kept running (default 1)")
     p.add_argument("--max-hosts", dest="max_hosts", type=int, help="most hosts (default 4)")
     p.add_argument("--image", help="docker/nomad: sandbox image (default atropos-sandbox:dev)")
-    p.add_argument("--nomad-address", dest="nomad_address", help="nomad: agent address")
-    p.add_argument("--pool-id", dest="pool_id", help="names this pool's hosts (default cli)")
+    p.add_argument("--nomad-address", dest="nomad_address", help="nomad: agent address (default $NOMAD_ADDR)")
+    p.add_argument("--pool-id", dest="pool_id", help="names this pool's hosts and state (default cli)")
     p.add_argument("--web-provider", dest="web_provider", choices=["offline", "http", "none"],
                    help="web_search/web_extract provider (default offline corpus)")
     p.add_argument("--corpus-dir", dest="corpus_dir", type=Path, help="offline search corpus (default: built-in)")
     p.add_argument("--web-base-url", dest="web_base_url", help="http provider: the API base URL")
     p.add_argument("--allow-no-auth", dest="allow_no_auth", action="store_true", default=None,
                    help="DEVELOPMENT: no token (only on a loopback address)")
+    p.add_argument("--metrics-need-token", dest="metrics_need_token", action="store_true", default=None,
+                   help="/metrics requires the bearer token too (default: public; it holds no secret or id)")
     p.add_argument("--log-json", dest="log_json", action="store_true", default=None, help="JSON log lines")
     p.add_argument("--log-level", dest="log_level", help="log level (default INFO)")
+
+
+def add_pool_flags(p: argparse.ArgumentParser) -> None:
+    """The flags commands talking to a background pool need: which pool (same resolution as serve)."""
+    p.add_argument("--pool-id", dest="pool_id", help="which pool (default: $ATROPOS_SANDBOX_POOL_ID, the "
+                                                     "config file's pool_id, else cli)")
+    p.add_argument("--config", help=f"YAML or JSON settings file to take pool_id from (default ${CONFIG_ENV})")
 
 
 def setup_logging(settings: ServeSettings) -> None:
@@ -108,6 +217,21 @@ def setup_logging(settings: ServeSettings) -> None:
 
 
 # -- building the pieces ----------------------------------------------------------------------
+def nomad_config(s: ServeSettings) -> Any:
+    """The Nomad backend's config for these settings: ``serve`` and ``nomad render`` both use it,
+    so what render prints is what serve registers (NOMAD_*/ATROPOS_NOMAD_* apply to both)."""
+    from atropos.backends.nomad import NomadBackendConfig
+
+    overrides: dict[str, Any] = {"image": s.image, "slots_per_host": s.slots_per_host,
+                                 "job_id": f"atropos-{s.pool_id}"}
+    if s.nomad_address:
+        overrides["address"] = s.nomad_address
+    try:
+        return NomadBackendConfig.from_env(**overrides)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid Nomad settings (NOMAD_*/ATROPOS_NOMAD_*): {exc}") from None
+
+
 def build_pool(s: ServeSettings) -> Any:
     from atropos.backends.base import Backend
     from atropos.slots.config import PoolConfig
@@ -119,13 +243,9 @@ def build_pool(s: ServeSettings) -> Any:
 
         backend = DockerBackend(DockerBackendConfig(image=s.image, slots_per_host=s.slots_per_host, pool_id=s.pool_id))
     elif s.backend == "nomad":
-        from atropos.backends.nomad import NomadBackend, NomadBackendConfig
+        from atropos.backends.nomad import NomadBackend
 
-        overrides: dict[str, Any] = {"image": s.image, "slots_per_host": s.slots_per_host,
-                                     "job_id": f"atropos-{s.pool_id}"}
-        if s.nomad_address:
-            overrides["address"] = s.nomad_address
-        backend = NomadBackend(NomadBackendConfig.from_env(**overrides))  # NOMAD_ADDR/TOKEN/namespace/TLS
+        backend = NomadBackend(nomad_config(s))
     else:
         from atropos.backends.local import LocalBackend, LocalBackendConfig
 
@@ -147,7 +267,8 @@ def build_app(s: ServeSettings, token: str | None) -> Any:
                                                 base_url=s.web_base_url))
         externals = web_externals(provider)
     return create_tool_server(
-        build_pool(s), ToolServerSettings(token=token, allow_no_auth=s.allow_no_auth),
+        build_pool(s), ToolServerSettings(token=token, allow_no_auth=s.allow_no_auth,
+                                          public_metrics=not s.metrics_need_token),
         registry=ToolRegistry.default(with_web=with_web), externals=externals, manage_pool=True,
     )
 
@@ -164,7 +285,30 @@ def resolve_token(s: ServeSettings) -> str | None:
     return token
 
 
-# -- commands ---------------------------------------------------------------------------------
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before anything starts: a busy port is a clear exit 3, not uvicorn's ``sys.exit(1)``
+    after the pool already started its hosts."""
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot listen on {host!r}: {exc.strerror}") from None
+    # proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say so (else +40 ms per call)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise InfrastructureError(f"port {port} on {host} is already in use (another ToolServer or "
+                                      "`pool up`?); choose another with --port") from None
+        raise InfrastructureError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+# -- serve ------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -172,86 +316,253 @@ def cmd_serve(args: argparse.Namespace) -> int:
     setup_logging(s)
     token = resolve_token(s)
     app = build_app(s, token)
-    logging.getLogger("atropos.cli").info("ToolServer on http://%s:%d (backend %s)", s.host, s.port, s.backend)
-    config = uvicorn.Config(app, host=s.host, port=s.port, log_level="warning", lifespan="on",
-                            timeout_keep_alive=120)
+    sock = bind_socket(s.host, s.port)
+    port = sock.getsockname()[1]
+    log.info("ToolServer on %s (backend %s, pool %s)", client_url(s.host, port), s.backend, s.pool_id)
+    # log_config=None: uvicorn's records go through our (redacting, maybe JSON) root handler
+    config = uvicorn.Config(app, log_level="warning", log_config=None, lifespan="on", timeout_keep_alive=120)
     server = uvicorn.Server(config)
-    server.run()
-    return EXIT_OK if server.started else EXIT_INFRA
+    # uvicorn shuts down gracefully on SIGTERM (the pool stops its hosts), then re-raises the signal
+    # with the handler it found: make that a clean exit 0, not death by signal (-15) for scripts.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if not server.started:
+        print("error: the ToolServer did not start (the pool failed to start; see the log above)", file=sys.stderr)
+        return EXIT_INFRA
+    return EXIT_OK
 
 
-def _state_file(pool_id: str) -> Path:
-    return state_dir() / f"pool-{pool_id}.json"
+def _exit_cleanly(signum: int, _frame: object) -> None:
+    raise SystemExit(EXIT_OK)
+
+
+def client_url(host: str, port: int) -> str:
+    """Where a client on this machine reaches a server bound to ``host`` (wildcards -> loopback)."""
+    connect = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{connect}]:{port}" if ":" in connect else f"http://{connect}:{port}"
+
+
+# -- background pools -------------------------------------------------------------------------
+class PoolState(BaseModel):
+    """``pool-<id>.json`` in the state dir: how to reach (and stop) a background pool."""
+
+    pool_id: str
+    pid: int
+    url: str
+    token_file: Path
+    settings_file: Path | None = None
+    log: Path
+
+
+def _files(pool_id: str) -> dict[str, Path]:
+    d = state_dir()
+    return {"state": d / f"pool-{pool_id}.json", "token": d / f"pool-{pool_id}.token",
+            "settings": d / f"pool-{pool_id}.settings.json", "log": d / f"pool-{pool_id}.log"}
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Create ``path`` as 0600 from the start (no window where another user could read it)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def _read_state(pool_id: str) -> PoolState | None:
+    path = _files(pool_id)["state"]
+    try:
+        return PoolState.model_validate_json(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValidationError) as exc:
+        raise InfrastructureError(f"the state file {path} is unreadable or corrupt ({exc.__class__.__name__}); "
+                                  f"`atropos-sandbox pool down --pool-id {pool_id}` removes it") from None
+
+
+def _remove_files(pool_id: str, keep_log: bool = True) -> None:
+    for name, path in _files(pool_id).items():
+        if name != "log" or not keep_log:
+            path.unlink(missing_ok=True)
+
+
+def _is_pool_process(pid: int) -> bool:
+    """Alive and still our ``serve`` (a pid can be reused after the pool died)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"atropos.cli" in argv and b"serve" in argv
+
+
+def _stop_process_group(pgid: int, running: Callable[[], bool], grace_s: float) -> None:
+    """SIGTERM the pool's process group (it leads its own session), SIGKILL after ``grace_s``.
+    SIGTERM first: the pool's shutdown stops its hosts and containers. ``running`` is not
+    ``kill(pid, 0)``: that succeeds on a zombie, which a child of ours is until we wait for it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if running():
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
 
 
 def cmd_pool_up(args: argparse.Namespace) -> int:
-    s = load_settings(args)
-    state = _state_file(s.pool_id)
-    if state.exists() and _alive(json.loads(state.read_text()).get("pid", -1)):
-        print(f"pool {s.pool_id} is already up ({state})", file=sys.stderr)
-        return EXIT_OK
-    token = secrets.token_urlsafe(32)
-    port = s.port or 8000
-    log_path = state_dir() / f"pool-{s.pool_id}.log"
-    argv = [sys.executable, "-m", "atropos.cli", "serve", "--backend", s.backend, "--host", s.host,
-            "--port", str(port), "--slots-per-host", str(s.slots_per_host), "--min-hosts", str(s.min_hosts),
-            "--max-hosts", str(s.max_hosts), "--pool-id", s.pool_id, "--image", s.image,
-            "--web-provider", s.web_provider]
-    with open(log_path, "ab") as log_file:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
-                                env={**os.environ, TOKEN_ENV: token}, start_new_session=True)
-    url = f"http://{s.host}:{port}"
-    token_file = state_dir() / f"pool-{s.pool_id}.token"
-    token_file.write_text(token)
-    os.chmod(token_file, 0o600)
-    state.write_text(json.dumps({"pid": proc.pid, "url": url, "token_file": str(token_file), "log": str(log_path)}))
-    deadline = time.monotonic() + 120
     import httpx
 
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            print(f"pool failed to start; log: {log_path}\n{_tail(log_path)}", file=sys.stderr)
-            state.unlink(missing_ok=True)
-            return EXIT_INFRA
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).json().get("ok"):
-                print(f"pool {s.pool_id} up at {url} (pid {proc.pid}); token in {token_file}")
-                return EXIT_OK
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.3)
-    print(f"pool did not become healthy in time; log: {log_path}", file=sys.stderr)
+    s = load_settings(args)
+    files = _files(s.pool_id)
+    old = _read_state(s.pool_id)
+    if old is not None and _is_pool_process(old.pid):
+        print(f"pool {s.pool_id} is already up at {old.url} (pid {old.pid})", file=sys.stderr)
+        return EXIT_OK
+    _remove_files(s.pool_id)  # leftovers of a pool that died without `pool down`
+    if s.port == 0:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            s = s.model_copy(update={"port": probe.getsockname()[1]})
+    token = secrets.token_urlsafe(32)
+    # The child reads exactly the settings validated here (flags + env + --config), from a private
+    # file: nothing is dropped on the way, and the token is on no command line (argv is public).
+    _write_private(files["settings"], s.model_dump_json(indent=2))
+    _write_private(files["token"], token)
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith(SETTINGS_ENV_PREFIX)}
+    child_env[TOKEN_ENV] = token
+    argv = [sys.executable, "-m", "atropos.cli", "serve", "--config", str(files["settings"])]
+    with open(files["log"], "ab") as log_file:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+                                env=child_env, start_new_session=True)
+    url = client_url(s.host, s.port)
+    state = PoolState(pool_id=s.pool_id, pid=proc.pid, url=url, token_file=files["token"],
+                      settings_file=files["settings"], log=files["log"])
+    _write_private(files["state"], state.model_dump_json())
+    deadline = time.monotonic() + args.timeout
+    try:
+        while time.monotonic() < deadline:
+            code = proc.poll()
+            if code is not None:
+                print(f"error: pool {s.pool_id} exited with status {code} while starting; log: {files['log']}\n"
+                      f"{_tail(files['log'])}", file=sys.stderr)
+                _remove_files(s.pool_id)
+                return EXIT_USAGE if code == EXIT_USAGE else EXIT_INFRA
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                health = httpx.get(f"{url}/healthz", timeout=2).json()
+                if isinstance(health, dict) and health.get("ok"):
+                    print(f"pool {s.pool_id} up at {url} (pid {proc.pid}); token in {files['token']}")
+                    return EXIT_OK
+            time.sleep(0.3)
+    except BaseException:  # Ctrl-C while waiting: leave nothing running behind
+        _stop_process_group(proc.pid, lambda: proc.poll() is None, 20)
+        proc.wait()
+        _remove_files(s.pool_id)
+        raise
+    _stop_process_group(proc.pid, lambda: proc.poll() is None, 20)
+    proc.wait()
+    _remove_files(s.pool_id)
+    print(f"error: pool {s.pool_id} did not become healthy within {args.timeout:g}s; stopped it (pid {proc.pid}); "
+          f"log: {files['log']}\n{_tail(files['log'])}", file=sys.stderr)
     return EXIT_INFRA
 
 
-def _connection(pool_id: str) -> tuple[str, str]:
-    state = _state_file(pool_id)
-    if not state.exists():
+class PoolConnection(BaseModel):
+    pool_id: str
+    url: str
+    token: str = Field(repr=False)
+
+
+def _connection(pool_id: str) -> PoolConnection:
+    state = _read_state(pool_id)
+    if state is None:
         raise InfrastructureError(f"no pool {pool_id!r} is up (start one with `atropos-sandbox pool up`)")
-    info = json.loads(state.read_text())
-    return info["url"], Path(info["token_file"]).read_text().strip()
+    if not _is_pool_process(state.pid):
+        raise InfrastructureError(f"pool {pool_id!r} is not running (pid {state.pid} is gone); its log: {state.log}; "
+                                  f"`atropos-sandbox pool down --pool-id {pool_id}` clears its state")
+    try:
+        token = state.token_file.read_text().strip()
+    except OSError as exc:
+        raise InfrastructureError(f"cannot read the token of pool {pool_id!r} ({state.token_file}): "
+                                  f"{exc.strerror or exc}") from None
+    return PoolConnection(pool_id=pool_id, url=state.url, token=token)
+
+
+class PoolHttp:
+    """Requests to a background pool with every failure mapped to a named error (no tracebacks)."""
+
+    def __init__(self, conn: PoolConnection) -> None:
+        import httpx
+
+        self.conn = conn
+        self._http = httpx.Client(base_url=conn.url, headers={"Authorization": f"Bearer {conn.token}"},
+                                  timeout=httpx.Timeout(None, connect=10))
+
+    def __enter__(self) -> PoolHttp:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._http.close()
+
+    def request(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+        import httpx
+
+        where = f"pool {self.conn.pool_id!r} at {self.conn.url}"
+        try:
+            resp = self._http.request(method, path, **kw)
+        except httpx.TransportError as exc:
+            raise InfrastructureError(f"{where} does not answer ({exc.__class__.__name__}: {exc}); "
+                                      "is it up? `atropos-sandbox pool status`") from None
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        if resp.status_code == 401:
+            raise InfrastructureError(f"{where} refused our token (401): it is not the pool this state belongs to; "
+                                      "`pool down` and `pool up` again")
+        err = body.get("error") if isinstance(body, dict) else None
+        if resp.status_code >= 400 and isinstance(err, dict):
+            raise PoolReplyError(resp.status_code, str(err.get("code", "error")), str(err.get("message", "")))
+        if resp.status_code >= 400 or not isinstance(body, dict):  # not our error shape: not our pool
+            raise InfrastructureError(f"{where} answered {method} {path} with {resp.status_code} and no JSON object "
+                                      f"({resp.headers.get('content-type', 'no content type')}): is that port "
+                                      "another service?")
+        return body
+
+
+def _pool_id(args: argparse.Namespace) -> tuple[str, bool]:
+    """(pool id, whether anyone asked for it) through the same resolution as ``serve``."""
+    s = load_settings(args)
+    return s.pool_id, "pool_id" in s.model_fields_set
 
 
 def cmd_pool_status(args: argparse.Namespace) -> int:
-    import httpx
+    from atropos.slots.pool import PoolStatus
 
-    url, token = _connection(args.pool_id or "cli")
+    pool_id, _ = _pool_id(args)
+    with PoolHttp(_connection(pool_id)) as http:
+        body = http.request("GET", "/v1/status")
     try:
-        status = httpx.get(f"{url}/v1/status", headers={"Authorization": f"Bearer {token}"}, timeout=10).json()
-    except httpx.HTTPError as exc:
-        raise InfrastructureError(f"pool at {url} does not answer: {exc}") from exc
-    if args.json:
-        print(json.dumps(status, indent=2))
-        return EXIT_OK
-    print(render_status(status))
+        PoolStatus.model_validate(body)
+    except ValidationError as exc:
+        raise InfrastructureError(f"pool {pool_id!r} answered /v1/status with an unexpected shape: "
+                                  f"{exc.error_count()} problem(s), e.g. {exc.errors()[0]['msg']}") from None
+    print(json.dumps(body, indent=2) if args.json else render_status(body))
     return EXIT_OK
 
 
 def render_status(status: dict[str, Any]) -> str:
     lines = [f"pool {status['pool_id']} ({status['backend']}): {status['free']} free, {status['leased']} leased, "
              f"{status['quarantined']} quarantined, {status['waiting']} waiting, "
-             f"{status['calls_per_s']:.1f} calls/s, {status['calls_total']} calls, {status['leases_total']} leases",
-             f"{'HOST':<34} {'HEALTH':<8} {'FREE':>5} {'LEASED':>6} {'QUAR':>5} {'OLDEST LEASE':>13} {'PROBE ms':>9}"]
+             f"{status['calls_per_s']:.1f} calls/s, {status['calls_total']} calls, {status['leases_total']} leases"]
+    events = [f"{status[k]} {label}" for k, label in (("scale_ups", "scale-ups"), ("scale_downs", "scale-downs"),
+                                                      ("quarantines", "quarantines"), ("lost_hosts", "lost hosts"))
+              if k in status]
+    if events:
+        lines.append("events: " + ", ".join(events))
+    lines.append(f"{'HOST':<34} {'HEALTH':<8} {'FREE':>5} {'LEASED':>6} {'QUAR':>5} {'OLDEST LEASE':>13} "
+                 f"{'PROBE ms':>9}")
     for h in status["hosts"]:
         oldest = "-" if h["oldest_lease_s"] is None else f"{h['oldest_lease_s']:.0f}s"
         probe = "-" if h["health_ms"] is None else f"{h['health_ms']:.1f}"
@@ -263,50 +574,68 @@ def render_status(status: dict[str, Any]) -> str:
 
 
 def cmd_pool_down(args: argparse.Namespace) -> int:
-    pool_id = args.pool_id or "cli"
-    state = _state_file(pool_id)
-    if not state.exists():
+    pool_id, _ = _pool_id(args)
+    try:
+        state = _read_state(pool_id)
+    except InfrastructureError as exc:  # corrupt state: nothing we can stop, clear it
+        print(f"warning: {exc}; removing it", file=sys.stderr)
+        state = None
+        _remove_files(pool_id)
+    if state is None:
         print(f"no pool {pool_id!r} is up", file=sys.stderr)
         return EXIT_OK
-    info = json.loads(state.read_text())
-    pid = int(info["pid"])
-    if _alive(pid):
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 60
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
-    state.unlink(missing_ok=True)
-    Path(info["token_file"]).unlink(missing_ok=True)
+    if _is_pool_process(state.pid):
+        _stop_process_group(state.pid, lambda: _is_pool_process(state.pid), 60)
+    _remove_files(pool_id)
     print(f"pool {pool_id} is down")
     return EXIT_OK
 
 
+# -- exec -------------------------------------------------------------------------------------
+def _tool_args(args: argparse.Namespace) -> dict[str, Any]:
+    if args.args:
+        try:
+            parsed = json.loads(args.args)
+        except ValueError as exc:
+            raise ConfigError(f"--args is not valid JSON: {exc}") from None
+        if not isinstance(parsed, dict):
+            raise ConfigError(f"--args must be a JSON object of the tool's arguments, not {type(parsed).__name__}")
+        return parsed
+    if args.tool == "bash":
+        if not args.command:
+            raise ConfigError("nothing to run: give the command (`exec -- 'python3 -V'`) or --args")
+        return {"command": " ".join(args.command)}
+    return {}
+
+
 def cmd_exec(args: argparse.Namespace) -> int:
     """One tool call in a fresh lease: through a running pool if one is up, else an ephemeral one."""
-    command = " ".join(args.command)
-    tool_args = json.loads(args.args) if args.args else {"command": command} if args.tool == "bash" else {}
-    if _state_file(args.pool_id or "cli").exists():
-        import httpx
-
-        url, token = _connection(args.pool_id or "cli")
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=None) as http:
-            if args.tool.startswith("web_"):
-                resp = http.post(f"/v1/tools/{args.tool}/invoke", json={"args": tool_args})
-                body = resp.json()
-                if resp.status_code >= 400:
-                    print(f"error: {body.get('error', {}).get('message', resp.text)}", file=sys.stderr)
-                    return EXIT_FAILED
-                return _print_call(body.get("content", ""), None, bool(body.get("ok")))
-            lease = http.post("/v1/slots", json={"trajectory_id": "cli-exec", "network": args.network}).json()
-            try:
-                out = http.post(f"/v1/slots/{lease['lease_id']}/call",
-                                json={"tool": args.tool, "args": tool_args, "timeout_s": args.timeout}).json()
-            finally:
-                http.delete(f"/v1/slots/{lease['lease_id']}")
-        return _print_call(out.get("content", ""), out.get("result"), out.get("ok", False))
+    tool_args = _tool_args(args)
+    pool_id, asked = _pool_id(args)
+    if _read_state(pool_id) is not None:
+        with PoolHttp(_connection(pool_id)) as http:
+            return _exec_in_pool(http, args, tool_args)
+    if asked:  # a pool named by flag, env or config that is not up: never silently run elsewhere
+        raise InfrastructureError(f"no pool {pool_id!r} is up (start one with `atropos-sandbox pool up`)")
     return asyncio.run(_exec_ephemeral(args.tool, tool_args, args.timeout, args.network))
+
+
+def _exec_in_pool(http: PoolHttp, args: argparse.Namespace, tool_args: dict[str, Any]) -> int:
+    if args.tool.startswith("web_"):
+        body = http.request("POST", f"/v1/tools/{args.tool}/invoke", json={"args": tool_args})
+        return _print_call(str(body.get("content", "")), None, bool(body.get("ok")))
+    lease = http.request("POST", "/v1/slots", json={"trajectory_id": f"cli-exec-{secrets.token_hex(4)}",
+                                                    "network": args.network, "timeout_s": args.lease_timeout})
+    lease_id = str(lease["lease_id"])
+    try:
+        out = http.request("POST", f"/v1/slots/{lease_id}/call",
+                           json={"tool": args.tool, "args": tool_args, "timeout_s": args.timeout})
+    finally:
+        try:
+            http.request("DELETE", f"/v1/slots/{lease_id}")
+        except AtroposSandboxError as exc:  # never mask the call's own outcome; the pool reaps idle leases
+            print(f"warning: could not release the lease: {exc}", file=sys.stderr)
+    return _print_call(str(out.get("content", "")), out.get("result"), bool(out.get("ok")))
 
 
 async def _exec_ephemeral(tool: str, tool_args: dict[str, Any], timeout: float | None, network: bool) -> int:
@@ -329,105 +658,162 @@ def _print_call(text: str, result: dict[str, Any] | None, ok: bool) -> int:
         sys.stderr.write(result.get("stderr") or "")
         code = result.get("exit_code")
         return int(code) if isinstance(code, int) else EXIT_FAILED
-    print(text)
+    print(text, file=sys.stdout if ok else sys.stderr)
     return EXIT_OK if ok else EXIT_FAILED
 
 
+# -- image, nomad, bench ----------------------------------------------------------------------
 def cmd_image_build(args: argparse.Namespace) -> int:
     script = REPO / "scripts" / "build_image.sh"
     if not script.exists():
-        print("image build needs a source checkout (scripts/build_image.sh)", file=sys.stderr)
+        print("error: image build needs a source checkout (scripts/build_image.sh)", file=sys.stderr)
         return EXIT_USAGE
     env = {**os.environ, **({"IMAGE_TAG": args.tag} if args.tag else {})}
     return subprocess.call(["bash", str(script)], env=env)
 
 
-def cmd_nomad_render(args: argparse.Namespace) -> int:
-    from atropos.backends.nomad import NomadBackendConfig, render_job
+def render_nomad_job(s: ServeSettings) -> dict[str, Any]:
+    """What ``serve --backend nomad`` registers for these settings, minus what exists only per
+    running pool: the owner ``Meta`` (pid, boot id) and, with ``token_delivery=env``, the token
+    (a placeholder here: a rendered file must never carry a live secret)."""
+    from atropos.backends.nomad import render_job
 
-    cfg = NomadBackendConfig(image=args.image or "atropos-sandbox:dev",
-                             **({"slots_per_host": args.slots_per_host} if args.slots_per_host else {}))
-    print(json.dumps({"Job": render_job(cfg)}, indent=2))
+    return {"Job": render_job(nomad_config(s), 0)}
+
+
+def cmd_nomad_render(args: argparse.Namespace) -> int:
+    print(json.dumps(render_nomad_job(load_settings(args)), indent=2))
     return EXIT_OK
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if not (REPO / "benchmarks" / "run.py").exists():
-        print("bench needs a source checkout (benchmarks/)", file=sys.stderr)
+        print("error: bench needs a source checkout (benchmarks/)", file=sys.stderr)
         return EXIT_USAGE
     return subprocess.call([sys.executable, "-m", "benchmarks.run", *args.rest], cwd=REPO)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, ValueError):
-        return False
-    except PermissionError:
-        return True
-    return True
+def bench_args(extra: list[str], rest: list[str]) -> list[str]:
+    """``bench`` forwards everything after it: unknown options argparse set aside come first (they
+    preceded the first positional), then the remainder; one leading ``--`` is ours, not theirs."""
+    forwarded = [*extra, *rest]
+    if forwarded[:1] == ["--"]:
+        forwarded = forwarded[1:]
+    return forwarded
 
 
+# -- helpers ----------------------------------------------------------------------------------
 def _tail(path: Path, n: int = 1500) -> str:
+    from atropos.logs import redact
+
     try:
-        return path.read_text(errors="replace")[-n:]
+        return redact(path.read_text(errors="replace")[-n:])
     except OSError:
         return ""
 
 
+def _command(parent: Any, name: str, help_text: str, description: str, epilog: str | None = None
+             ) -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter  # keeps the epilogs' layout; _wrap does the wrapping
+    sub: argparse.ArgumentParser = parent.add_parser(name, help=help_text, description=_wrap(description),
+                                                     epilog=epilog, formatter_class=fmt)
+    return sub
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="atropos-sandbox", description=__doc__,
+    p = argparse.ArgumentParser(prog="atropos-sandbox", description=__doc__, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    serve = sub.add_parser("serve", help="run the ToolServer (external tools + REST slot API) with a pool")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    settings_epilog = _settings_epilog() + "\n\n" + _wrap(
+        "exit codes: 0 ok, 1 failed, 2 usage/config, 3 infrastructure (atropos-sandbox --help has the details)")
+
+    serve = _command(sub, "serve", "run the ToolServer (external tools + REST slot API) with a pool",
+                     "Run the ToolServer with a pool in the foreground: REST slot API, web tools, /metrics, "
+                     f"/status. Clients must send ${TOKEN_ENV} as a bearer token.", settings_epilog)
     add_settings_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
-    pool = sub.add_parser("pool", help="a pool (with its ToolServer) in the background")
-    pool_sub = pool.add_subparsers(dest="pool_cmd", required=True)
-    up = pool_sub.add_parser("up", help="start a pool in the background")
+    pool = _command(sub, "pool", "a pool (with its ToolServer) in the background",
+                    "A pool with its ToolServer in the background; its state (0600 token and settings files, "
+                    "the log) is kept in the state dir.")
+    pool_sub = pool.add_subparsers(dest="pool_cmd", required=True, metavar="COMMAND")
+    up = _command(pool_sub, "up", "start a pool in the background",
+                  "Start `serve` in the background with these settings (a token is generated) and wait until "
+                  "it is healthy.", settings_epilog)
     add_settings_flags(up)
+    up.add_argument("--timeout", type=float, default=120.0,
+                    help="seconds to wait for the pool to be healthy; past it the pool is stopped (default 120)")
     up.set_defaults(func=cmd_pool_up)
-    for name, func, help_text in (("status", cmd_pool_status, "hosts, health, slots, lease ages, calls/s"),
-                                  ("down", cmd_pool_down, "stop the background pool and everything it made")):
-        sp = pool_sub.add_parser(name, help=help_text)
-        sp.add_argument("--pool-id", dest="pool_id", help="which pool (default cli)")
-        if name == "status":
-            sp.add_argument("--json", action="store_true", help="machine-readable output")
-        sp.set_defaults(func=func)
+    status = _command(pool_sub, "status", "hosts, health, slots, lease ages, calls/s",
+                      "The pool at a glance: hosts, health, slots free/leased/quarantined, the oldest lease per "
+                      "host, calls/s, scaling events.")
+    add_pool_flags(status)
+    status.add_argument("--json", action="store_true", help="machine-readable output (the /v1/status body)")
+    status.set_defaults(func=cmd_pool_status)
+    down = _command(pool_sub, "down", "stop the background pool and everything it made",
+                    "Stop the background pool (its hosts and containers go with it) and remove its state. A "
+                    "pool that is not up is not an error.")
+    add_pool_flags(down)
+    down.set_defaults(func=cmd_pool_down)
 
-    ex = sub.add_parser("exec", help="run one tool call in a fresh lease (debugging)")
+    ex = _command(sub, "exec", "run one tool call in a fresh lease (debugging)",
+                  "Run one tool call in a fresh lease: in the background pool if it is up, else in an "
+                  "ephemeral local one. For bash, the exit status is the command's own.",
+                  "examples:\n  atropos-sandbox exec -- 'python3 -V'\n"
+                  "  atropos-sandbox exec --tool read_file --args '{\"path\": \"a.txt\"}'\n"
+                  "  atropos-sandbox exec --tool web_search --args '{\"query\": \"tar\"}'   (needs a pool)")
     ex.add_argument("--tool", default="bash", help="tool name (default bash)")
-    ex.add_argument("--args", help="tool arguments as JSON (default: the command for bash)")
+    ex.add_argument("--args", help="tool arguments as a JSON object (default: the command, for bash)")
     ex.add_argument("--timeout", type=float, help="call timeout in seconds")
+    ex.add_argument("--lease-timeout", dest="lease_timeout", type=float, default=60.0,
+                    help="pool: seconds to wait for a free slot (default 60)")
     ex.add_argument("--network", action="store_true", help="let the call reach the network")
-    ex.add_argument("--pool-id", dest="pool_id", help="use this background pool (default cli, if up)")
+    add_pool_flags(ex)
     ex.add_argument("command", nargs="*", help="the bash command")
     ex.set_defaults(func=cmd_exec)
 
-    image = sub.add_parser("image", help="sandbox image")
-    image_sub = image.add_subparsers(dest="image_cmd", required=True)
-    build = image_sub.add_parser("build", help="build the sandbox image (local base without a registry)")
+    image = _command(sub, "image", "sandbox image", "The sandbox image the docker and nomad backends run.")
+    image_sub = image.add_subparsers(dest="image_cmd", required=True, metavar="COMMAND")
+    build = _command(image_sub, "build", "build the sandbox image (local base without a registry)",
+                     "Build the sandbox image with scripts/build_image.sh (a debootstrap base, no registry), "
+                     "showing its progress.")
     build.add_argument("--tag", help="image tag (default atropos-sandbox:dev)")
     build.set_defaults(func=cmd_image_build)
 
-    nomad = sub.add_parser("nomad", help="Nomad helpers")
-    nomad_sub = nomad.add_subparsers(dest="nomad_cmd", required=True)
-    render = nomad_sub.add_parser("render", help="print the job JSON the backend registers")
-    render.add_argument("--image")
-    render.add_argument("--slots-per-host", dest="slots_per_host", type=int)
+    nomad = _command(sub, "nomad", "Nomad helpers", "Helpers for the nomad backend.")
+    nomad_sub = nomad.add_subparsers(dest="nomad_cmd", required=True, metavar="COMMAND")
+    render = _command(
+        nomad_sub, "render", "print the job JSON the backend registers",
+        "Print the job JSON ({\"Job\": ...}, for the HTTP API or `nomad job run -json`) that `serve --backend "
+        "nomad` registers with the same settings: the job id is atropos-<pool_id>; NOMAD_* and "
+        "ATROPOS_NOMAD_<FIELD> (e.g. ATROPOS_NOMAD_TOKEN_DELIVERY=env) apply. The owner Meta and, with "
+        "token_delivery=env, the host token exist per running pool and are not printed.", settings_epilog)
+    render.add_argument("--config", help=f"YAML or JSON settings file (default ${CONFIG_ENV})")
+    render.add_argument("--image", help="sandbox image (default atropos-sandbox:dev)")
+    render.add_argument("--slots-per-host", dest="slots_per_host", type=int, help="slots per host (default 16)")
+    render.add_argument("--pool-id", dest="pool_id", help="the pool; the job id is atropos-<pool_id> (default cli)")
     render.set_defaults(func=cmd_nomad_render)
 
-    bench = sub.add_parser("bench", help="run the benchmarks (arguments go to benchmarks.run)")
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench = _command(sub, "bench", "run the benchmarks (arguments go to benchmarks.run)",
+                     "Run `python -m benchmarks.run` with every argument after `bench`, e.g. `atropos-sandbox "
+                     "bench --quick`; `atropos-sandbox bench -- --help` shows its options.")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for benchmarks.run")
     bench.set_defaults(func=cmd_bench)
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    p = parser()
+    args, extra = p.parse_known_args(argv)
+    if args.cmd == "bench":
+        args.rest = bench_args(extra, args.rest)
+    elif extra:
+        p.parse_args(argv)  # the standard "unrecognized arguments" message and exit 2
     try:
         code = args.func(args)
+    except PoolReplyError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = exc.exit_code
     except (ConfigError, ValidationError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = EXIT_USAGE

@@ -137,3 +137,43 @@ async def test_in_process_asgi_mode() -> None:
 def test_refuses_to_run_without_a_token_unless_told() -> None:
     with pytest.raises(ValueError):
         create_tool_server(None, ToolServerSettings())  # type: ignore[arg-type]
+
+
+async def test_external_calls_are_counted_by_their_real_outcome() -> None:
+    """ok, a provider's ok=False, refused arguments, a provider outage (503) and a crash (500) each
+    count under their own outcome; before, every invocation that returned counted as ok."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from atropos.errors import InfrastructureError, ToolInputError
+
+    async def flaky(args: dict[str, Any]) -> InvokeResponse:
+        mode = args.get("text")
+        if mode == "refuse":
+            raise ToolInputError("text must not be 'refuse'")
+        if mode == "outage":
+            raise InfrastructureError("provider down")
+        if mode == "crash":
+            raise RuntimeError("bug")
+        return InvokeResponse(ok=mode != "fail", content=str(mode))
+
+    pool = SlotPool(make_backend("local", slots=1), PoolConfig(min_hosts=0, max_hosts=1))
+    app = create_tool_server(pool, ToolServerSettings(token=TOKEN), registry=_registry(),
+                             externals={"echo_external": flaky})
+
+    def counts(text: str) -> dict[str, float]:
+        return {s.labels["outcome"]: s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if s.name == "atropos_external_tool_calls_total"
+                and s.labels.get("tool") == "echo_external"}
+
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)  # type: ignore[arg-type]
+    async with httpx.AsyncClient(transport=transport, base_url="http://ts",
+                                 headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        before = counts((await http.get("/metrics")).text)
+        statuses = {}
+        for mode in ("x", "fail", "refuse", "outage", "crash"):
+            resp = await http.post("/v1/tools/echo_external/invoke", json={"args": {"text": mode}})
+            statuses[mode] = resp.status_code
+        after = counts((await http.get("/metrics")).text)
+    assert statuses == {"x": 200, "fail": 200, "refuse": 422, "outage": 503, "crash": 500}
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert delta == {"ok": 1, "failed": 1, "invalid_arguments": 1, "infrastructure": 1, "error": 1}

@@ -1,8 +1,10 @@
 """ToolServer: external tools (secrets and internet stay here) and the REST slot API.
 
 Any agent framework, in any language, can lease a slot, call sandbox tools on it, read files
-and release it over plain HTTP. Every route but ``/healthz`` needs the bearer token unless the
-server was explicitly started without one on loopback for development.
+and release it over plain HTTP. Every route needs the bearer token except ``/healthz``, the API docs,
+the ``/status`` page shell (it fetches its data with the token from the URL fragment) and, unless
+``public_metrics`` is off, ``/metrics`` (see ``atropos.metrics`` for why). A server started without a
+token (``allow_no_auth``, loopback development only) opens everything.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pydantic import BaseModel, Field, ValidationError
 from atropos import __version__, metrics
 from atropos.asgi import RequestGuard, http_error, install_error_handlers
 from atropos.errors import InfrastructureError, LeaseError, SlotUnavailable, ToolError
+from atropos.logs import call_fields
 from atropos.slots.lease import Lease
 from atropos.slots.pool import PoolStatus, SlotPool
 from atropos.tools.formatting import format_result
@@ -48,6 +51,8 @@ class ToolServerSettings(BaseModel):
     max_body_bytes: int = Field(32 << 20, ge=1024)
     max_concurrency: int = Field(512, ge=1, description="requests in progress at once; more get 429")
     rest_lease_idle_s: float = Field(1800.0, gt=0, description="REST leases unused this long are released")
+    public_metrics: bool = Field(True, description="/metrics without the token (it holds no secret or id; "
+                                                   "see atropos.metrics)")
 
 
 class InvokeRequest(BaseModel):
@@ -134,11 +139,9 @@ def create_tool_server(
         if manage_pool:
             await pool.start()
         reaper = asyncio.create_task(reap_idle())
-        collector = metrics.register_pool(pool)
         try:
             yield
         finally:
-            metrics.unregister(collector)
             reaper.cancel()
             for held in list(leases.values()):
                 await pool.release(held.lease)
@@ -148,6 +151,7 @@ def create_tool_server(
 
     app = FastAPI(title="atropos-sandbox ToolServer", version=__version__, lifespan=lifespan)
     app.state.pool = pool
+    pool_metrics = metrics.pool_registry(pool)  # this app's own: see atropos.metrics
     app.state.rest_leases = leases
 
     async def auth(authorization: str = Header("", description="Bearer <token>")) -> None:
@@ -202,14 +206,21 @@ def create_tool_server(
         handler = externals.get(name)
         if handler is None:
             raise _error(501, "not_configured", f"{name} has no provider configured on this server")
+        outcome = "error"  # an unexpected exception: the 500 handler answers, the count says so
         try:
             result: InvokeResponse = await handler(req.args)
-            metrics.EXTERNAL_CALLS.labels(name, "ok").inc()
-        except ValidationError as exc:
-            raise _error(422, "invalid_arguments", _validation_message(exc)) from None
-        except ToolError as exc:
-            raise _error(422, "invalid_arguments", str(exc)) from None
-        return result
+            outcome = "ok" if result.ok else "failed"
+            return result
+        except (ValidationError, ToolError) as exc:  # what the model asked for cannot run as asked
+            outcome = "invalid_arguments"
+            message = _validation_message(exc) if isinstance(exc, ValidationError) else str(exc)
+            raise _error(422, "invalid_arguments", message) from None
+        except InfrastructureError:
+            outcome = "infrastructure"
+            raise  # 503 through the app's handler
+        finally:
+            metrics.EXTERNAL_CALLS.labels(name, outcome).inc()
+            log.info("external call %s %s", name, outcome, extra=call_fields(tool=name, outcome=outcome))
 
     @app.get("/v1/status", response_model=PoolStatus, dependencies=deps)
     async def status() -> PoolStatus:
@@ -219,9 +230,9 @@ def create_tool_server(
     async def recent_calls() -> dict[str, Any]:
         return {"calls": list(recent)}
 
-    @app.get("/metrics", response_class=Response)
+    @app.get("/metrics", response_class=Response, dependencies=[] if settings.public_metrics else deps)
     async def prometheus() -> Response:
-        body, content_type = metrics.exposition()
+        body, content_type = metrics.exposition(pool_metrics)
         return Response(body, media_type=content_type)
 
     @app.get("/status", response_class=HTMLResponse)
@@ -245,25 +256,37 @@ def create_tool_server(
             raise _error(503, "no_free_slot", str(exc), headers={"Retry-After": "5"}) from None
         lease_id = secrets.token_urlsafe(24)
         leases[lease_id] = _RestLease(lease)
+        log.info("slot leased", extra=call_fields(trajectory_id=req.trajectory_id, lease=fingerprint(lease_id),
+                                                  slot=lease.slot, host=lease.host.id))
         return SlotLeaseResponse(lease_id=lease_id, trajectory_id=req.trajectory_id, network=req.network)
 
     @app.post("/v1/slots/{lease_id}/call", response_model=SlotCallResponse, dependencies=deps)
     async def slot_call(lease_id: str, req: SlotCallRequest) -> SlotCallResponse:
         lease = held(lease_id)
         tool = registry.get(req.tool)
-        if tool is None or tool.kind != "sandbox":
-            if req.tool != "archive":
-                raise _error(404, "unknown_tool", f"no sandbox tool named {req.tool!r}")
+        if (tool is None or tool.kind != "sandbox") and req.tool != "archive":
+            metrics.SLOT_CALLS.labels(metrics.UNKNOWN_TOOL, "unknown_tool").inc()
+            raise _error(404, "unknown_tool", f"no sandbox tool named {req.tool!r}")
+        ids = call_fields(trajectory_id=lease.trajectory_id, lease=fingerprint(lease_id), tool=req.tool,
+                          slot=lease.slot, host=lease.host.id)
         try:
             result = await lease.call(req.tool, req.args, timeout_s=req.timeout_s)
         except LeaseError as exc:
+            metrics.SLOT_CALLS.labels(req.tool, "lease_invalid").inc()
+            log.warning("slot call %s refused: lease invalid", req.tool, extra={**ids, "outcome": "lease_invalid"})
             raise _error(409, "lease_invalid", str(exc)) from None
+        except InfrastructureError as exc:
+            metrics.SLOT_CALLS.labels(req.tool, "infrastructure").inc()
+            log.warning("slot call %s failed: %s", req.tool, exc, extra={**ids, "outcome": "infrastructure"})
+            raise
         ok, content = format_result(req.tool, result)
         outcome = "ok" if ok else (result.error.code if result.error else "failed")
-        metrics.SLOT_CALLS.labels(req.tool, "ok" if ok else "error").inc()
-        log.info("slot call %s %s in %.1f ms", req.tool, outcome, result.duration_ms, extra={
-            "trajectory_id": lease.trajectory_id, "lease": fingerprint(lease_id), "call_id": result.id,
-            "tool": req.tool, "slot": lease.slot, "host": lease.host.id})
+        # "error" = the tool ran and failed (exit 1, file missing); arguments the tool refused are their
+        # own outcome: a model sending bad calls is a different problem from commands that fail.
+        counted = "ok" if ok else "invalid_arguments" if outcome == "invalid_arguments" else "error"
+        metrics.SLOT_CALLS.labels(req.tool, counted).inc()
+        log.info("slot call %s %s in %.1f ms", req.tool, outcome, result.duration_ms,
+                 extra={**ids, "call_id": result.id, "outcome": outcome})
         recent.append({"ts": time.time(), "trajectory_id": lease.trajectory_id, "tool": req.tool,
                        "outcome": outcome, "duration_ms": result.duration_ms})
         return SlotCallResponse(ok=ok, content=content, result=result.result,
@@ -315,10 +338,15 @@ def create_tool_server(
         if entry is None:
             raise _error(404, "unknown_lease", "no such lease (released, expired or never granted)")
         await pool.release(entry.lease)
+        log.info("slot released", extra=call_fields(trajectory_id=entry.lease.trajectory_id,
+                                                    lease=fingerprint(lease_id), slot=entry.lease.slot,
+                                                    host=entry.lease.host.id))
         return ReleaseResponse(released=True)
 
     # Docs stay readable without a token (they hold no secret); everything else needs it.
-    public = {"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json", "/metrics", "/status"}
+    public = {"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json", "/status"}
+    if settings.public_metrics:
+        public.add("/metrics")
     guard = RequestGuard(app, max_body=settings.max_body_bytes, token=settings.token or None,  # type: ignore[arg-type]
                          public=public)
     guard.fastapi = app  # type: ignore[attr-defined]

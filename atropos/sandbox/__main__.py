@@ -12,7 +12,6 @@ import asyncio
 import ctypes
 import functools
 import json
-import logging
 import os
 import signal
 import socket
@@ -24,6 +23,7 @@ from pathlib import Path
 import uvicorn
 
 from atropos.errors import AtroposSandboxError
+from atropos.logs import configure
 from atropos.sandbox.config import HostConfig, Limits
 from atropos.sandbox.host import SandboxHost
 from atropos.sandbox.sandbox_process import SandboxProcess, kill_processes_naming
@@ -60,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
                    help="template forks: overlayfs copy-on-write, or full copies (default %(default)s)")
     p.add_argument("--template-source-dir", type=Path, action="append", default=[],
                    help="host directory templates may be made from (repeatable; default: none)")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="log level (default %(default)s)")
+    p.add_argument("--log-json", action="store_true", help="one JSON object per log line (stderr)")
     args = p.parse_args(argv)
     token = os.environ.pop(TOKEN_ENV, "")  # scrub: nothing we start should inherit it
     if args.token_file:
@@ -116,8 +117,8 @@ async def serve(cfg: HostConfig, prewarm: bool = True) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     cfg, args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # the same redacting handler as the pool side: a host's stderr lands in the pool's logs
+    configure(level=args.log_level, json_lines=args.log_json)
     # SIGTERM (a backend's stop, the pool's death) must run host.stop(): uvicorn handles it while it
     # serves, then re-raises it with this handler; before that (prewarm) it lands here directly.
     signal.signal(signal.SIGTERM, functools.partial(_exit_on_sigterm, cfg.data_dir))
