@@ -150,6 +150,9 @@ job "atropos-sandbox" {
         ]
         init     = true
         cap_drop = ["ALL"]
+        # resources.cpu below is only a share (CPU weight) unless this makes it a CFS quota: a hard cap,
+        # so one busy host cannot starve its neighbours (isolation.md).
+        cpu_hard_limit = true
         # seccomp=<path> is read on the client and inlined by Nomad. Docker's
         # `--security-opt systempaths=unconfined` is a CLI option: the Engine API that Nomad calls
         # rejects it ("invalid --security-opt 2"), so /proc is unmasked by the runtime instead.

@@ -9,11 +9,13 @@ tool call below goes through an address the pool found through the Nomad API.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import re
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -51,7 +53,9 @@ REAL_NOMAD = {k: v for k, v in os.environ.items() if k.startswith("NOMAD_")}  # 
 
 @pytest.fixture(autouse=True)
 def _no_nomad_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("NOMAD_ADDR", "NOMAD_TOKEN", "NOMAD_NAMESPACE", "NOMAD_REGION"):
+    # NomadBackendConfig.from_env and python-nomad read NOMAD_ADDR/TOKEN/NAMESPACE/REGION/CACERT/
+    # CLIENT_CERT/CLIENT_KEY/SKIP_VERIFY...: none may leak into a test (REAL_NOMAD keeps them).
+    for var in [v for v in os.environ if v.startswith("NOMAD_")]:
         monkeypatch.delenv(var, raising=False)
 
 
@@ -305,13 +309,16 @@ async def test_allocation_crash_mid_call_is_an_infrastructure_error_and_replaced
             await lease.bash("true")
         await lease.release()
         after = await pool.lease("after", timeout=30)
-        # A new allocation under the same name: Nomad's rescheduled replacement (adopted), or, when
-        # the pool gave the dead host back before Nomad noticed the crash, the one the count brings.
+        # Nomad's rescheduled replacement (same name, PreviousAllocation = the crashed one), adopted
+        # without a scale call: the backend never lowers the count over a host that merely stopped
+        # answering while Nomad still called it running (it gives Nomad SUSPECT_GRACE_S to notice).
         assert after.host.id != old
         new_alloc = fake.allocation(after.host.id)
-        assert new_alloc["Name"] == old_name and new_alloc.get("PreviousAllocation") in (None, old)
+        assert new_alloc["Name"] == old_name and new_alloc["PreviousAllocation"] == old
         gone = fake.allocation(old)
-        assert gone["ClientStatus"] == "failed" or gone["DesiredStatus"] == "stop"
+        assert gone["ClientStatus"] == "failed" and gone["NextAllocation"] == after.host.id
+        # No count change for it: the one scale-up is the pool's first host.
+        assert job_count(fake, job_id) == 1 and backend.stats["scale_down"] == 0 and backend.stats["scale_up"] == 1
         assert (await after.bash("ls -A | wc -l"))["stdout"].strip() == "0"  # nothing of the victim's
         await after.release()
         assert old not in pool.hosts
@@ -452,6 +459,258 @@ async def test_nomad_unreachable_during_a_run(fake: FakeNomad) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Token delivery through a Nomad variable (the default), TLS + region + namespace + ACL
+# ---------------------------------------------------------------------------------------------
+
+SLOT_ENV_PROBE = ("env; echo ---; cat /proc/1/environ 2>/dev/null | tr '\\0' '\\n'; echo ---; "
+                  "cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'; true")
+
+
+async def assert_token_never_in_a_slot(lease: Any) -> None:
+    token = lease.host.info.token
+    out = await lease.bash(SLOT_ENV_PROBE)
+    assert out["exit_code"] == 0 and "---" in out["stdout"]
+    assert token not in out["stdout"] and "ATROPOS_SANDBOX_TOKEN" not in out["stdout"]
+    assert token not in out["stderr"]
+
+
+async def test_pool_with_the_token_in_a_nomad_variable(fake: FakeNomad) -> None:
+    """The default delivery end to end: the variable nomad/jobs/<job>, a template with env = true
+    renders it into the host's environment, the host pops it, and no slot ever sees it."""
+    backend = backend_on(fake, slots=2, token_delivery="variable")
+    job_id = backend.cfg.job_id
+    async with SlotPool(backend, pool_cfg()) as pool:
+        job = httpx.get(f"{fake.address}/v1/job/{job_id}").json()
+        task = job["TaskGroups"][0]["Tasks"][0]
+        assert not (task["Env"] or {}).get("ATROPOS_SANDBOX_TOKEN")  # not in the job: readable by job readers
+        [tmpl] = task["Templates"]
+        assert tmpl["Envvars"] is True and f'nomadVar "nomad/jobs/{job_id}"' in tmpl["EmbeddedTmpl"]
+        lease = await pool.lease("t")
+        variable = fake.variable(f"nomad/jobs/{job_id}")
+        assert variable is not None and variable["Items"] == {"token": lease.host.info.token}
+        assert (await lease.bash("echo via-variable"))["stdout"] == "via-variable\n"  # the host took that token
+        await assert_token_never_in_a_slot(lease)
+        await lease.release()
+    assert fake.variable(f"nomad/jobs/{job_id}") is None  # close() removes it with the job
+
+
+def make_tls(tmp: Path) -> tuple[str, str, str]:
+    """A throwaway CA and a server certificate for 127.0.0.1/localhost: (ca, cert, key) paths."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: cannot make the test CA for the TLS test")
+    ca_key, ca, key, csr, cert, ext = (str(tmp / n) for n in ("ca.key", "ca.pem", "srv.key", "srv.csr", "srv.pem",
+                                                               "srv.ext"))
+    Path(ext).write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=critical,CA:FALSE\n"
+                         "keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
+                         "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    for argv in (["req", "-x509", *ec, "-keyout", ca_key, "-out", ca, "-days", "2", "-subj", "/CN=atropos test CA",
+                  "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign"],
+                 ["req", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=localhost"],
+                 ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert,
+                  "-days", "2", "-extfile", ext]):
+        subprocess.run(["openssl", *argv], check=True, capture_output=True, timeout=60)
+    return ca, cert, key
+
+
+async def test_pool_over_tls_with_region_namespace_and_acl_token(tmp_path: Path) -> None:
+    from tests.pool_backends import nomad_data_dir, sandbox_host_argv
+
+    ca, cert, key = make_tls(tmp_path)
+    data = nomad_data_dir(secrets.token_hex(4))
+    driver = ProcessDriver(sandbox_host_argv(data), log_dir=str(data), kill_timeout=0.5)
+    with FakeNomad(driver=driver, time_scale=0.02, tls=(cert, key), region="eu-west", acl_enabled=True) as fake:
+        assert fake.address.startswith("https://127.0.0.1:")
+        fake.add_namespace("sandboxes")
+        token = fake.create_token(["sandboxes"])  # may act in that namespace only
+        settings = {"ca_cert": ca, "region": "eu-west", "namespace": "sandboxes", "token": token,
+                    "token_delivery": "variable"}
+
+        # Without the CA the agent's certificate is refused, and the error says so.
+        untrusting = NomadBackend(nomad_test_config(fake.address, slots=1, **{**settings, "ca_cert": None}))
+        with pytest.raises(HostUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
+            await untrusting.start_host()
+        await untrusting.close()
+        # A region the agent has no path to is a configuration error, not an outage.
+        elsewhere = NomadBackend(nomad_test_config(fake.address, slots=1, **{**settings, "region": "mars"}))
+        with pytest.raises(ConfigError, match="no path to region 'mars'"):
+            await elsewhere.start_host()
+        await elsewhere.close()
+
+        t0 = time.monotonic()
+        backend = NomadBackend(nomad_test_config(fake.address, slots=2, **settings))
+        job_id = backend.cfg.job_id
+        async with SlotPool(backend, pool_cfg()) as pool:
+            lease = await pool.lease("tls")
+            assert (await lease.bash("echo over-tls"))["stdout"] == "over-tls\n"
+            await assert_token_never_in_a_slot(lease)
+            # Every request the backend sent carried the region, the namespace and the ACL token.
+            sent = fake.requests(since=t0)
+            assert sent and all(r.query.get("region") == "eu-west" and r.query.get("namespace") == "sandboxes"
+                                and r.token == token for r in sent), [(r.method, r.path, r.query) for r in sent]
+            admin = {"X-Nomad-Token": fake.management_token or ""}
+            async with httpx.AsyncClient(verify=ssl_context(ca), headers=admin) as h:
+                job = (await h.get(f"{fake.address}/v1/job/{job_id}", params={"namespace": "sandboxes",
+                                                                               "region": "eu-west"})).json()
+            assert (job["Namespace"], job["Region"]) == ("sandboxes", "eu-west")
+            # The template read the variable of the job's namespace (workload identity: its own path only).
+            variable = fake.variable(f"nomad/jobs/{job_id}", namespace="sandboxes")
+            assert variable is not None and variable["Items"]["token"] == lease.host.info.token
+            assert fake.variable(f"nomad/jobs/{job_id}") is None  # nothing in "default"
+            await lease.release()
+            assert double_leases(pool.audit.events) == []
+    shutil.rmtree(data, ignore_errors=True)
+
+
+def ssl_context(ca: str) -> Any:
+    import ssl
+
+    return ssl.create_default_context(cafile=ca)
+
+
+def test_variable_delivery_needs_a_job_id_nomad_accepts_as_a_variable_path() -> None:
+    with pytest.raises(ValueError, match="cannot name the Nomad variable"):
+        NomadBackendConfig(job_id="sandbox.v2")  # "." is legal in a job ID, not in a variable path
+    assert NomadBackendConfig(job_id="sandbox.v2", token_delivery="env").job_id == "sandbox.v2"
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocking queries, not polling; error paths
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_idle_backend_follows_allocations_with_blocking_queries(stubbed: FakeNomad,
+                                                                      closing: list[NomadBackend]) -> None:
+    backend = backend_on(stubbed, slots=1)
+    closing.append(backend)
+    host = await backend.start_host()
+    await asyncio.sleep(0.5)  # let the watch settle on the last index
+    t0 = time.monotonic()
+    await asyncio.sleep(2.0)
+    path = f"/v1/job/{backend.cfg.job_id}/allocations"
+    watch = stubbed.requests(path, method="GET", since=t0)
+    # A blocking query (index + wait) parks at Nomad until something changes: at most the one that
+    # was in flight and its successor, where a poller would have sent dozens.
+    assert len(watch) <= 2, [(r.time - t0, r.query) for r in watch]
+    assert all(r.blocking and r.query.get("wait") for r in watch)
+    assert len(stubbed.requests(since=t0)) <= 3
+    assert await backend.alive(host.id)
+    # ... and it still sees a change at once: the crash wakes the parked query.
+    stubbed.crash_alloc(host.id, exit_code=137, signal=9)
+    t1 = time.monotonic()
+    while await backend.alive(host.id):
+        assert time.monotonic() - t1 < 3, "the watch did not notice the crash"
+        await asyncio.sleep(0.02)
+
+
+async def test_driver_failure_fails_start_host_naming_it(stubbed: FakeNomad, closing: list[NomadBackend]) -> None:
+    message = "Docker privileged mode is disabled on this Nomad agent"
+    stubbed.fail_driver(next_n=50, message=message)
+    backend = backend_on(stubbed, slots=1)
+    closing.append(backend)
+    t0 = time.monotonic()
+    with pytest.raises(HostUnavailable) as err:
+        await backend.start_host()
+    assert time.monotonic() - t0 < 10  # at once, not after start_timeout_s (20 s)
+    assert f"Driver Failure: {message}" in str(err.value) and "nomad/client.hcl" in str(err.value)
+    # Once the driver works again, a start gets a host, as the pool's retries would (a replacement
+    # that already failed before the fix still fails the start it is handed to).
+    with stubbed.cluster.lock:
+        stubbed.cluster.driver_failures.clear()
+    for _attempt in range(5):
+        try:
+            host = await backend.start_host()
+            break
+        except HostUnavailable as exc:
+            assert "Driver Failure" in str(exc)
+    else:
+        raise AssertionError("no host after the driver was fixed")
+    assert await backend.alive(host.id)
+
+
+async def test_bad_job_spec_500_is_a_config_error(bare: FakeNomad) -> None:
+    body = "1 error occurred:\n\t* Task group hosts validation failed: 1 error occurred:\n\t* Missing tasks\n\n"
+    bare.http_errors("/v1/jobs", 500, count=1, body=body, method="POST")
+    backend = NomadBackend(nomad_test_config(bare.address, slots=1))
+    try:
+        with pytest.raises(ConfigError) as err:
+            await backend.start_host()
+    finally:
+        await backend.close()
+    assert "Nomad rejected the sandbox job" in str(err.value) and "Missing tasks" in str(err.value)
+
+    nowhere = NomadBackend(nomad_test_config(bare.address, slots=1, namespace="no-such-ns"))
+    try:
+        with pytest.raises(ConfigError, match="no namespace 'no-such-ns'"):
+            await nowhere.start_host()
+    finally:
+        await nowhere.close()
+
+
+async def test_no_room_on_any_node_says_nomad_could_not_place_it() -> None:
+    driver = ProcessDriver(lambda a: [sys.executable, "-c", HEALTH_STUB, str(a.ports["http"])], kill_timeout=0.2)
+    with FakeNomad(driver=driver, time_scale=0.02, max_allocs_per_node=1) as fake:
+        backend = NomadBackend(nomad_test_config(fake.address, slots=1, start_timeout_s=2))
+        try:
+            first = await backend.start_host()
+            t0 = time.monotonic()
+            with pytest.raises(HostUnavailable) as err:
+                await backend.start_host()
+            assert time.monotonic() - t0 < 6
+            assert "Nomad could not place it" in str(err.value) and "NodesExhausted=1" in str(err.value)
+            # The placement nobody waits for any more is cancelled: the count is back to the one host.
+            await until(lambda: job_count(fake, backend.cfg.job_id) == 1, what="the count to come back down")
+            assert await backend.alive(first.id)
+        finally:
+            await backend.close()
+        assert fake.monitor_errors == []
+
+
+async def test_a_500_on_the_watch_is_retried(stubbed: FakeNomad, closing: list[NomadBackend]) -> None:
+    backend = backend_on(stubbed, slots=1)
+    closing.append(backend)
+    host = await backend.start_host()
+    path = f"/v1/job/{backend.cfg.job_id}/allocations"
+    rule = stubbed.http_errors(path, 500, count=3, method="GET", blocking=True, body="rpc error: No cluster leader")
+    stubbed.crash_alloc(host.id, exit_code=137, signal=9)  # wakes the parked query; the next ones fail
+
+    def replaced() -> bool:
+        allocs = backend.allocations()
+        old = next((a for a in allocs if a["ID"] == host.id), None)
+        new = [a for a in allocs if a["ID"] != host.id and a["ClientStatus"] == "running"]
+        return old is not None and old["ClientStatus"] == "failed" and len(new) == 1
+
+    # All three 500s are hit (each one resets the watch to a plain read, then it blocks again), and
+    # the cache still ends up with the crash and Nomad's replacement.
+    await until(lambda: rule.remaining == 0 and replaced(), timeout=15,
+                what="the watch to get past the 500s and see the crash and the replacement")
+    assert not await backend.alive(host.id)
+    await asyncio.sleep(1.0)  # the plain read after the last 500's backoff
+    t0 = time.monotonic()
+    await asyncio.sleep(1.0)
+    after = stubbed.requests(path, method="GET", since=t0)
+    assert len(after) <= 2 and all(r.blocking for r in after)  # back to parked blocking queries
+
+
+async def test_nomad_that_never_answers_fails_start_within_the_request_timeout() -> None:
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        address = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        backend = NomadBackend(NomadBackendConfig(address=address, token_delivery="env", request_timeout_s=1,
+                                                  connect_timeout_s=1))
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(HostUnavailable) as err:
+                await SlotPool(backend, pool_cfg()).start()
+        finally:
+            await backend.close()
+        assert time.monotonic() - t0 < 4
+    message = str(err.value)
+    assert address in message and "did not answer" in message and "within 1s" in message
+
+
+# ---------------------------------------------------------------------------------------------
 # Registration, ownership and reaping
 # ---------------------------------------------------------------------------------------------
 
@@ -494,12 +753,15 @@ async def test_reap_orphans_only_when_the_owner_is_gone(bare: FakeNomad) -> None
 
 
 async def test_default_token_delivery_needs_the_variables_api(bare: FakeNomad) -> None:
+    # A Nomad older than 1.4 has no /v1/var/: Go's mux answers 404 "404 page not found".
+    bare.http_errors("/v1/var/", 404, count=5, body="404 page not found\n")
     backend = NomadBackend(NomadBackendConfig(address=bare.address, job_id="needs-vars"))
     try:
         with pytest.raises(ConfigError, match="variables API"):
             await backend.start_host()
     finally:
         await backend.close()
+    # The job registered first (EnforceIndex claims the ID) is purged again: no token, no host.
     assert httpx.get(f"{bare.address}/v1/job/needs-vars").status_code == 404
 
 
@@ -683,6 +945,8 @@ def test_sandbox_hcl_is_the_job_the_backend_registers() -> None:
     assert "systempaths=unconfined" not in task_config["security_opt"]  # the Engine API rejects it
     assert {"no-new-privileges", f"seccomp={cfg.seccomp_profile}"} <= set(task_config["security_opt"])
     assert task_config["cap_drop"] == ["ALL"] and task_config.get("privileged") is not True
+    # resources.cpu alone is a share; the docker driver's cpu_hard_limit makes it a CFS quota.
+    assert task_config["cpu_hard_limit"] is True and registered["TaskGroups"][0]["Tasks"][0]["Resources"]["CPU"]
     assert all(m["tmpfs_options"][0]["mode"] == 0o1777 for m in task_config["mount"])
     assert registered["TaskGroups"][0]["Networks"][0]["DynamicPorts"][0]["Label"] in task_config["ports"]
 
@@ -731,7 +995,13 @@ def test_docker_compose_dev_stack() -> None:
     assert tuple(int(x) for x in version.split(".")) >= (2, 0, 4)
     assert nomad["command"][:2] == ["agent", "-dev"] and "-config=/etc/nomad.d" in nomad["command"]
     assert nomad["network_mode"] == "host" and nomad["privileged"] is True
+    # cgroup v2: the client manages cgroups, so it needs the host's cgroup namespace and a writable
+    # /sys/fs/cgroup (nomad-api.md section 8, pitfall 3); the image's entrypoint otherwise warns and
+    # sleeps 2 s before every agent or CLI command.
+    assert nomad["cgroup"] == "host"
+    assert nomad["environment"]["NOMAD_SKIP_DOCKER_IMAGE_WARN"] == "1"
     volumes = set(nomad["volumes"])
+    assert "/sys/fs/cgroup:/sys/fs/cgroup:rw" in volumes
     assert {"/var/run/docker.sock:/var/run/docker.sock", "/tmp:/tmp"} <= volumes
     assert "./nomad/client.hcl:/etc/nomad.d/client.hcl:ro" in volumes
     assert f"./atropos/backends/docker_seccomp.json:{NomadBackendConfig().seccomp_profile}:ro" in volumes
@@ -739,6 +1009,7 @@ def test_docker_compose_dev_stack() -> None:
 
     runner = services["job-runner"]
     assert runner["image"] == nomad["image"] and runner["profiles"] == ["manual"]
+    assert runner["environment"]["NOMAD_SKIP_DOCKER_IMAGE_WARN"] == "1"
     assert "./nomad/sandbox.hcl:/jobs/sandbox.hcl:ro" in runner["volumes"]
     script = " ".join(runner["command"])
     assert "nomad var put" in script and "nomad job run" in script and "/jobs/sandbox.hcl" in script
@@ -759,6 +1030,36 @@ def test_docker_compose_dev_stack() -> None:
             if src.startswith("./"):
                 assert (ROOT / src).exists(), src
         assert "ports" not in svc  # host networking: nothing is published
+
+    # The pool's job (atropos-<pool id>) and the hand-run file's job are different jobs, with
+    # different token variables: the header must not claim they collide.
+    pool_job = f"atropos-{env['ATROPOS_SANDBOX_POOL_ID']}"
+    hcl_job = re.search(r'^job "([^"]+)"', HCL.read_text(), re.M)
+    assert hcl_job is not None and pool_job != hcl_job.group(1)
+    assert f"nomad/jobs/{hcl_job.group(1)}" in script
+    header = (ROOT / "docker-compose.yml").read_text().split("\nname:")[0]
+    assert "same job ID" not in header and pool_job in header and hcl_job.group(1) in header
+
+
+def test_docker_compose_matches_the_compose_spec_schema() -> None:
+    # No registry at test time: the schema comes from an installed package that ships it
+    # (check-jsonschema vendors compose-spec.json); without it this check cannot run offline.
+    spec = importlib.util.find_spec("check_jsonschema")
+    schema_file = None
+    if spec is not None and spec.origin:
+        schema_file = Path(spec.origin).parent / "builtin_schemas" / "vendor" / "compose-spec.json"
+    if schema_file is None or not schema_file.exists():
+        pytest.skip("the compose-spec JSON schema is not available offline: install check-jsonschema "
+                    "(it ships builtin_schemas/vendor/compose-spec.json) to validate docker-compose.yml against it")
+    import jsonschema_rs
+
+    validator = jsonschema_rs.validator_for(json.loads(schema_file.read_text()))
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    errors = [str(e) for e in validator.iter_errors(compose)]
+    assert errors == []
+    broken = json.loads(json.dumps(compose))
+    broken["services"]["nomad"]["cgroup"] = "hostt"  # the validator really looks at the options
+    assert not validator.is_valid(broken)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -795,8 +1096,6 @@ class socket_closed_port:
     """A loopback port nothing listens on."""
 
     def __enter__(self) -> int:
-        import socket
-
         s = socket.socket()
         s.bind(("127.0.0.1", 0))
         self.port = int(s.getsockname()[1])

@@ -28,16 +28,23 @@ How the pool's calls map onto Nomad:
 * Nomad unreachable: the first contact fails fast with ``HostUnavailable``; later, hosts already
   handed out keep working (the pool talks to them directly) and scaling retries until its deadline.
   ACL refusals (403) raise ``ConfigError`` naming the token and the capabilities it needs.
+* A host the pool gives back dead while Nomad still reports its allocation running (a crash Nomad has
+  not processed yet) is left alone for ``SUSPECT_GRACE_S``: Nomad fails and reschedules it, and the
+  replacement (same name, ``PreviousAllocation`` = the old one) is what the next ``start_host()``
+  adopts. Only a host still "running" after that (hung) is stopped like any other. A task that cannot
+  even start (``Driver Failure``, ``Failed Validation``, ``Setup Failure``) fails ``start_host()`` at
+  once with Nomad's message instead of waiting out ``start_timeout_s``.
 * ``reap_orphans()`` purges a job with the same ID left by a crashed pool, only when the owner
   recorded in the job's ``Meta`` (host name, boot id, pid) is gone; ``close()`` purges the job.
 
 The host token is generated per pool and never reaches a slot: by default it is written to the Nomad
 variable ``nomad/jobs/<job_id>`` (readable only by the job's own tasks through workload identity and
-by ACL tokens with variable read) and rendered by a template into the task environment
-(``ATROPOS_SANDBOX_TOKEN``); the sandbox server pops it from its environment at start and runs every
-slot with an empty environment in its own PID namespace. ``token_delivery="env"`` puts it in the
-job's ``Env`` instead (visible to every ACL token that can read the job; for clusters without
-variables, and for the test fake).
+by ACL tokens with variable read) right after the job registers with ``EnforceIndex`` (so the ID is
+ours; the job starts at count 0, so nothing renders before), and rendered by a template into the task
+environment (``ATROPOS_SANDBOX_TOKEN``); the sandbox server pops it from its environment at start and
+runs every slot with an empty environment in its own PID namespace. ``token_delivery="env"`` puts it
+in the job's ``Env`` instead (visible to every ACL token that can read the job; for clusters without
+variables).
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import socket
 import ssl
 import time
@@ -78,7 +86,11 @@ def token_template(job_id: str) -> str:
     """The template that renders the token variable into the task environment."""
     return f'{{{{ with nomadVar "nomad/jobs/{job_id}" }}}}{TOKEN_ENV}={{{{ .token }}}}{{{{ end }}}}\n'
 
+VARIABLE_PATH = re.compile(r"[a-zA-Z0-9\-_~/]{1,128}")  # nomad/structs/variables.go validVariablePath
 SCALE_BLOCKED = "job scaling blocked due to active deployment"
+NO_REGION = "No path to region"
+START_FAILURES = ("Driver Failure", "Failed Validation", "Setup Failure")  # task events: the start itself failed
+SUSPECT_GRACE_S = 5.0  # a host that stopped answering: how long Nomad gets to report (and reschedule) it
 MIN_NOMAD_VERSION = "2.0.4"
 REPLACEMENT_WAIT_S = 15.0  # a start waits this long for a rescheduled replacement before scaling up
 
@@ -156,6 +168,17 @@ class NomadBackendConfig(BaseModel):
                              f"({self.workspace_bytes}), the tmpfs holding every slot's workspace")
         return self
 
+    @model_validator(mode="after")
+    def _variable_path_valid(self) -> NomadBackendConfig:
+        # Nomad refuses variable paths outside ^[a-zA-Z0-9-_~/]{1,128}$ (no "." : it is the template
+        # syntax's separator), and the token lives at nomad/jobs/<job_id>.
+        path = f"nomad/jobs/{self.job_id}"
+        if self.token_delivery == "variable" and not VARIABLE_PATH.fullmatch(path):
+            raise ValueError(f"job_id {self.job_id!r} cannot name the Nomad variable {path!r} the token is "
+                             "delivered through (letters, digits, '-', '_', '~' only; at most 117 characters); "
+                             "rename the job or set token_delivery='env'")
+        return self
+
 
 class NomadAPIError(HostUnavailable):
     """Nomad answered with an unexpected status (the body is Nomad's plain-text error)."""
@@ -175,7 +198,9 @@ class _JobGone(Exception):
 
 
 class _AllocDied(Exception):
-    pass
+    def __init__(self, description: str, start_error: str | None = None) -> None:
+        super().__init__(description)
+        self.start_error = start_error  # the driver could not start the task at all (see _start_error)
 
 
 @dataclass
@@ -216,6 +241,19 @@ def _is_live(alloc: dict[str, Any]) -> bool:
 
 def _is_usable(alloc: dict[str, Any]) -> bool:
     return alloc.get("DesiredStatus") == "run" and alloc.get("ClientStatus") in _LIVE_CLIENT
+
+
+def _start_error(alloc: dict[str, Any]) -> str | None:
+    """The task event saying the container could not even be started (driver failure, bad driver
+    config, setup failure), or None. Nomad reschedules such an allocation like any crash, but the
+    next one almost always fails the same way (privileged mode off, a missing runtime or image)."""
+    events = ((alloc.get("TaskStates") or {}).get(TASK) or {}).get("Events") or []
+    for ev in reversed(events):
+        if ev.get("Type") in START_FAILURES:
+            detail = ev.get("DriverError") or ev.get("ValidationError") or ev.get("SetupError") or ev.get(
+                "DisplayMessage") or ""
+            return f"{ev['Type']}: {detail}" if detail else str(ev["Type"])
+    return None
 
 
 def describe_alloc(alloc: dict[str, Any]) -> str:
@@ -280,6 +318,9 @@ def render_job(cfg: NomadBackendConfig, count: int = 0, *, token: str | None = N
                      "--data-dir", "/slots/data", f"--max-timeout={c.max_timeout_s:g}",
                      f"--workspace-bytes={c.slot_workspace_bytes}"],
             "init": True,
+            # resources.cpu is only a share (CPU weight) by default; the hard limit turns it into a CFS
+            # quota, so a busy host cannot take more than it reserved (isolation.md: a hard CPU cap).
+            "cpu_hard_limit": True,
             "cap_drop": ["ALL"],
             # Nomad inlines the profile file of the client; `systempaths=unconfined` is a docker
             # CLI option the Engine API rejects, so the runtime wrapper unmasks /proc instead.
@@ -352,6 +393,7 @@ class NomadBackend(Backend):
         self._claimed: set[str] = set()  # handed out or being started
         self._retired: set[str] = set()  # given back by the pool, still running
         self._removing: set[str] = set()  # trimmed by a count change, stopping
+        self._suspects: dict[str, float] = {}  # given back dead while Nomad says running -> retire deadline
         self._unclaimed_since: dict[str, float] = {}
         self._pending_starts = 0
         self._scale_reservations = 0
@@ -401,14 +443,25 @@ class NomadBackend(Backend):
             resp = await self._client().request(method, path, json=json, params=query, **kw)
         except httpx.TransportError as exc:
             self.nomad_reachable = False
+            detail = f"{type(exc).__name__}: {exc or 'no detail'}"
+            if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+                # Connected, but no answer: a wedged agent, or something else listening on that port.
+                spent = timeout if timeout is not None else self.cfg.request_timeout_s
+                raise NomadUnreachable(
+                    f"Nomad at {self.cfg.address} accepted the connection but did not answer {method} {path} "
+                    f"within {spent:g}s ({detail}); is NomadBackendConfig.address (NOMAD_ADDR) a Nomad agent, "
+                    "and is it healthy?") from exc
             raise NomadUnreachable(
-                f"cannot reach Nomad at {self.cfg.address} ({type(exc).__name__}: {exc or 'no detail'}); "
+                f"cannot reach Nomad at {self.cfg.address} ({detail}); "
                 "is the agent running and NomadBackendConfig.address (NOMAD_ADDR) right?") from exc
         if self.nomad_reachable is False:
             self._back_online.set()  # wake the watcher out of its backoff
         self.nomad_reachable = True
         if resp.status_code == 403:
             raise ConfigError(self._acl_message(method, path, resp.text))
+        if resp.status_code == 500 and NO_REGION in resp.text:
+            raise ConfigError(f"Nomad at {self.cfg.address} has no path to region {self.cfg.region!r} "
+                              "(NomadBackendConfig.region / NOMAD_REGION): a typo, or the regions are not federated")
         return resp
 
     def _acl_message(self, method: str, path: str, body: str) -> str:
@@ -495,17 +548,28 @@ class NomadBackend(Backend):
 
     async def _register(self) -> None:
         c = self.cfg
-        if c.token_delivery == "variable":
-            await self._put_token_variable()
+        # The job first: EnforceIndex with index 0 registers only if the ID is free, so once it is in,
+        # the ID (and the variable named after it) is ours. Its count is 0, so no template waits yet.
         body = {"Job": self.render_job(0), "EnforceIndex": True, "JobModifyIndex": 0}
         resp = await self._request("POST", "/v1/jobs", json=body)
         if resp.status_code == 500 and "job already exists" in resp.text:
             raise ConfigError(f"Nomad job {c.job_id!r} was registered by someone else meanwhile; use another job_id")
+        if resp.status_code == 500 and "nonexistent namespace" in resp.text:
+            raise ConfigError(f"Nomad has no namespace {c.namespace!r} (NomadBackendConfig.namespace / "
+                              f"NOMAD_NAMESPACE): {resp.text.strip()}")
         if resp.status_code == 400 or (resp.status_code == 500 and "occurred" in resp.text):
             # 400: a malformed request; 500 with go-multierror text ("1 error occurred:"): validation
             raise ConfigError(f"Nomad rejected the sandbox job {c.job_id!r}: {resp.text.strip()}")
         if resp.status_code != 200:
             raise NomadAPIError("POST", "/v1/jobs", resp.status_code, resp.text)
+        if c.token_delivery == "variable":
+            try:
+                await self._put_token_variable()
+            except BaseException:
+                # No token, no host can ever start: do not leave a job behind that waits forever.
+                with contextlib.suppress(Exception):
+                    await self._request("DELETE", self._job_path, params={"purge": "true"})
+                raise
         self._registered = True
         log.info("registered Nomad job %s in namespace %s at %s", c.job_id, c.namespace, c.address)
 
@@ -590,6 +654,9 @@ class NomadBackend(Backend):
             if alloc is None or not _is_usable(alloc):
                 self._retired.discard(alloc_id)  # Nomad stopped or replaces it by itself
         self._removing &= {a for a, x in self._allocs.items() if _is_live(x)}
+        for alloc_id in list(self._suspects):
+            if alloc_id not in self._allocs or not _is_usable(self._allocs[alloc_id]):
+                del self._suspects[alloc_id]  # Nomad noticed: it reschedules it (or it is gone)
         spares = {a["ID"] for a in self._spares()}
         for alloc_id in spares - set(self._unclaimed_since):
             self._unclaimed_since[alloc_id] = now
@@ -614,7 +681,7 @@ class NomadBackend(Backend):
 
     def _spares(self) -> list[dict[str, Any]]:
         """Usable allocations nobody uses: adoptable by start_host, trimmable when on top."""
-        taken = self._claimed | self._retired | self._removing
+        taken = self._claimed | self._retired | self._removing | set(self._suspects)
         spares = [a for a in self._allocs.values() if _is_usable(a) and a["ID"] not in taken]
         return sorted(spares, key=lambda a: (a.get("ClientStatus") != "running", name_index(a.get("Name", ""))))
 
@@ -630,8 +697,8 @@ class NomadBackend(Backend):
     def _replacements_due(self) -> int:
         """Names whose allocation failed and that Nomad has yet to reschedule (a spare is coming)."""
         names = {name_index(a.get("Name", "")) for a in self._allocs.values()
-                 if a.get("DesiredStatus") == "run" and a.get("ClientStatus") == "failed"
-                 and not a.get("NextAllocation")}
+                 if (a.get("DesiredStatus") == "run" and a.get("ClientStatus") == "failed"
+                     and not a.get("NextAllocation")) or a["ID"] in self._suspects}
         return len(names)
 
     def _unreserve(self, reserved: str | None) -> None:
@@ -694,6 +761,13 @@ class NomadBackend(Backend):
                     # Nomad reschedules it (new ID, same name): that replacement is this start's.
                     self._claimed.discard(alloc_id)
                     alloc_id = None
+                    if died.start_error:
+                        # Not a crash but a container that cannot start: waiting out start_timeout_s
+                        # would only hide it. Nomad's replacement stays a spare for the next start.
+                        raise HostUnavailable(
+                            f"Nomad could not start a sandbox host of job {self.cfg.job_id!r}: {died.start_error} "
+                            f"({died}); check the client's docker plugin configuration (nomad/client.hcl) "
+                            "and the image") from None
                     reserved, wait_until = "scale", deadline
                     self._scale_reservations += 1
         except asyncio.TimeoutError:
@@ -708,7 +782,9 @@ class NomadBackend(Backend):
     async def _start_failure(self, alloc_id: str | None, scaled: bool, last: str) -> str:
         msg = f"no Nomad sandbox host of job {self.cfg.job_id!r} became ready within {self.cfg.start_timeout_s:g}s"
         if alloc_id is not None and alloc_id in self._allocs:
-            last = describe_alloc(self._allocs[alloc_id])
+            current = describe_alloc(self._allocs[alloc_id])
+            # Keep what killed an earlier allocation of this start: the current one may only be pending.
+            last = current if last in ("no allocation was placed", current) else f"{current}; before it: {last}"
         msg += f" (last: {last})"
         with contextlib.suppress(Exception):
             msg += await self._placement_problem()
@@ -750,13 +826,14 @@ class NomadBackend(Backend):
         while True:
             alloc = self._allocs.get(alloc_id)
             if alloc is None or not _is_usable(alloc):
-                raise _AllocDied(describe_alloc(alloc) if alloc else f"allocation {alloc_id} vanished")
+                raise _AllocDied(describe_alloc(alloc) if alloc else f"allocation {alloc_id} vanished",
+                                 _start_error(alloc) if alloc else None)
             if alloc.get("ClientStatus") == "running":
                 break
             await self._wait_change(deadline)
         full = await self._json("GET", f"/v1/allocation/{alloc_id}")
         if not _is_usable(full):
-            raise _AllocDied(describe_alloc(full))
+            raise _AllocDied(describe_alloc(full), _start_error(full))
         address = alloc_address(full)
         info = HostInfo(id=alloc_id, address=address, token=self._token, slots=self.cfg.slots_per_host,
                         labels={"backend": "nomad", "job": self.cfg.job_id, "alloc_name": full.get("Name", ""),
@@ -765,7 +842,7 @@ class NomadBackend(Backend):
             while True:
                 current = self._allocs.get(alloc_id)
                 if current is not None and not _is_usable(current):
-                    raise _AllocDied(describe_alloc(current))
+                    raise _AllocDied(describe_alloc(current), _start_error(current))
                 try:
                     resp = await http.get(f"{address}/v1/health", timeout=min(5.0, max(deadline - time.monotonic(),
                                                                                       0.1)))
@@ -861,11 +938,28 @@ class NomadBackend(Backend):
         return sorted(host_ids, key=key, reverse=True)
 
     async def stop_host(self, host_id: str) -> None:
-        self._hosts.pop(host_id, None)
+        host = self._hosts.pop(host_id, None)
         self._claimed.discard(host_id)
         alloc = self._allocs.get(host_id)
         if self._closed or alloc is None or not _is_usable(alloc):
             return  # unknown, or already failed/lost: Nomad replaces it, the replacement is a spare
+        # Until the probe below says otherwise it is a suspect: no spare a concurrent start could claim.
+        self._suspects[host_id] = float("inf")
+        if host is not None and not await self._answers(host.info):
+            # Dead for the pool while Nomad still says running: most likely a crash Nomad has not
+            # processed yet. Lowering the count now would stop it for good and place a new allocation;
+            # left alone, Nomad fails it and reschedules a replacement under the same name
+            # (PreviousAllocation = this one) that the next start adopts. Still "running" after the
+            # grace (a hung host), it is given back like any other.
+            log.info("nomad host %s does not answer; leaving it %gs for Nomad to reschedule", host_id[:8],
+                     SUSPECT_GRACE_S)
+            if host_id in self._suspects:  # (the watch may have dropped it already: Nomad noticed)
+                self._suspects[host_id] = time.monotonic() + SUSPECT_GRACE_S
+            self._tidy_wanted.set()
+            return
+        self._suspects.pop(host_id, None)
+        if host_id not in self._allocs or not _is_usable(self._allocs[host_id]):
+            return  # Nomad stopped or replaces it meanwhile
         self._retired.add(host_id)
         try:
             async with self._lock:
@@ -874,14 +968,24 @@ class NomadBackend(Backend):
             log.warning("could not stop Nomad allocation %s now (%s); retrying in the background", host_id[:8], exc)
             self._tidy_wanted.set()
 
+    async def _answers(self, info: HostInfo) -> bool:
+        """Does the host's server answer at all (any HTTP status)?"""
+        try:
+            async with httpx.AsyncClient(headers={"Authorization": f"Bearer {info.token}"}) as http:
+                await http.get(f"{info.address}/v1/health", timeout=1.0)
+            return True
+        except httpx.HTTPError:
+            return False
+
     def _role(self, alloc: dict[str, Any], now: float) -> Literal["used", "idle", "removable"]:
         """used: a host in use (or in a state we cannot judge); removable: retired, or a spare past its
-        grace; idle: neither (a spare in its grace, a failed one Nomad replaces, one being stopped)."""
+        grace; idle: neither (a spare in its grace, a failed one Nomad replaces, one being stopped, a
+        suspect Nomad has yet to report)."""
         alloc_id = alloc["ID"]
         if alloc_id in self._claimed:
             return "used"
         status = alloc.get("ClientStatus")
-        if status == "failed" or alloc_id in self._removing:
+        if status == "failed" or alloc_id in self._removing or alloc_id in self._suspects:
             return "idle"
         if status not in _LIVE_CLIENT:
             return "used"  # e.g. "unknown" (client disconnected): leave it alone
@@ -893,9 +997,9 @@ class NomadBackend(Backend):
         return "idle"
 
     def _tidy_due(self) -> bool:
-        if self._retired:
-            return True
         now = time.monotonic()
+        if self._retired or any(deadline <= now for deadline in self._suspects.values()):
+            return True
         return any(now - self._unclaimed_since.get(a["ID"], now) >= self.cfg.spare_grace_s for a in self._spares())
 
     async def _tidy(self) -> None:
@@ -903,6 +1007,10 @@ class NomadBackend(Backend):
         the highest names, else stop them so that Nomad replaces them with spares. Hold the lock."""
         if not self._tidy_due():
             return
+        for alloc_id, deadline in list(self._suspects.items()):
+            if deadline <= time.monotonic():
+                del self._suspects[alloc_id]
+                self._retired.add(alloc_id)  # Nomad never reported it: a hung host, stop it
         job, allocs = await self._snapshot()
         count = self._count(job)
         now = time.monotonic()
@@ -961,8 +1069,11 @@ class NomadBackend(Backend):
     async def _janitor_loop(self) -> None:
         """Retries what stop_host could not finish and trims spares whose grace ran out."""
         while not self._closed:
+            wait = max(self.cfg.spare_grace_s / 2, 0.5)
+            if self._suspects:
+                wait = min(wait, max(min(self._suspects.values()) - time.monotonic(), 0.05))
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._tidy_wanted.wait(), max(self.cfg.spare_grace_s / 2, 0.5))
+                await asyncio.wait_for(self._tidy_wanted.wait(), wait)
             self._tidy_wanted.clear()
             if not self._tidy_due():
                 continue
@@ -1023,6 +1134,7 @@ class NomadBackend(Backend):
                             self.cfg.job_id, exc)
         self._hosts.clear()
         self._claimed.clear()
+        self._suspects.clear()
         if self._http is not None:
             await self._http.aclose()
             self._http = None

@@ -14,6 +14,10 @@ Faithful to ``command/agent/http.go`` where the contract says so:
 * ACLs: with ACLs on, a missing or unknown ``X-Nomad-Token`` (or ``Authorization:
   Bearer``) is 403 ``Permission denied``. ACL checks run before body decoding (Nomad
   decodes first, so a bad body without a token is 400 there, 403 here).
+* Variables: ``/v1/var/:path`` and ``/v1/vars`` (see ``variables.py``).
+
+Every request is recorded in :attr:`NomadApp.log` (time, method, path, query, token) so tests
+can count what a client sent, e.g. that it uses blocking queries instead of polling.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from .bexpr import FilterError, compile_filter
 from .encode import rfc3339nano
 from .spec import SpecError, canonicalize_job, multierror, normalize, validate_job
 from .state import Cluster, NomadError
+from .variables import VariableConflict
 from .views import (
     alloc_full,
     alloc_stub,
@@ -83,6 +88,30 @@ class ErrorRule:
     remaining: int
     body: str
     method: str | None
+    blocking: bool | None = None  # True: only blocking queries (?index=N>0); False: only others
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One request as the fake received it (before any fault rule)."""
+
+    time: float  # time.monotonic()
+    method: str
+    path: str
+    query: dict[str, str]
+    token: str  # X-Nomad-Token or Authorization: Bearer ("" when none)
+
+    @property
+    def blocking(self) -> bool:
+        return self.query.get("index", "0") not in ("", "0")
+
+
+class _Reply(Exception):
+    """A handler's answer that is neither 200 JSON nor a plain-text error (409 JSON, 204)."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status)
+        self.response = response
 
 
 @dataclass
@@ -128,6 +157,8 @@ class Faults:
             if not req.path.startswith(rule.prefix):
                 continue
             if rule.method and rule.method.upper() != req.method:
+                continue
+            if rule.blocking is not None and rule.blocking != (req.query.get("index", "0") not in ("", "0")):
                 continue
             rule.remaining -= 1
             return rule
@@ -219,6 +250,7 @@ class NomadApp:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._change: asyncio.Future[None] | None = None
         self.errors: list[str] = []
+        self.log: list[RequestRecord] = []
 
     # ------------------------------------------------------------------ change notification
 
@@ -304,7 +336,17 @@ class NomadApp:
             ("X-Nomad-LastContact", "0"),
         ]
 
+    @staticmethod
+    def _token(req: Request) -> str:
+        secret = req.headers.get("x-nomad-token", "")
+        if not secret:
+            auth = req.headers.get("authorization", "")
+            if auth.lower().startswith("bearer "):
+                secret = auth[7:].strip()
+        return secret
+
     async def handle(self, req: Request) -> Response:
+        self.log.append(RequestRecord(time.monotonic(), req.method, req.path, dict(req.query), self._token(req)))
         rule = self.faults.take_error(req)
         if rule is not None:
             return self._text(rule.status, rule.body)
@@ -333,6 +375,8 @@ class NomadApp:
             if rt.kind == "plain":
                 return self._json(payload)
             return self._json(payload, headers=[("X-Nomad-Index", str(index))])
+        except _Reply as r:
+            return r.response
         except NomadError as e:
             headers = self._meta_headers(e.index, stale=False) if e.index is not None else []
             return self._text(e.status, e.message, headers)
@@ -345,12 +389,7 @@ class NomadApp:
     def _authorize(self, req: Request, rt: Route) -> None:
         if not self.acl.enabled or rt.scope in ("open", "self"):
             return
-        secret = req.headers.get("x-nomad-token", "")
-        if not secret:
-            auth = req.headers.get("authorization", "")
-            if auth.lower().startswith("bearer "):
-                secret = auth[7:].strip()
-        tok = self.acl.tokens.get(secret)
+        tok = self.acl.tokens.get(self._token(req))
         if tok is None:
             raise NomadError(403, PERMISSION_DENIED)
         if tok.type == "management":
@@ -504,6 +543,20 @@ class NomadApp:
             if m.group(2):
                 return Route(R, "read", self.node_allocs, scope="cluster"), {"node_id": m.group(1)}
             return Route(R, "read", self.read_node, scope="cluster"), {"node_id": m.group(1)}
+        if p == "/v1/vars":
+            return Route(R, "read", self.list_variables), {}
+        if p.startswith("/v1/var/") or p == "/v1/var":
+            var_path = p[len("/v1/var/") :]
+            all_m = frozenset({"GET", "PUT", "POST", "DELETE"})
+            if not var_path:
+                return self._text(400, "missing variable path")
+            if req.method == "GET":
+                return Route(all_m, "read", self.read_variable), {"path": var_path}
+            if req.method == "DELETE":
+                return Route(all_m, "write", self.delete_variable), {"path": var_path}
+            if req.method in ("PUT", "POST"):
+                return Route(all_m, "write", self.upsert_variable), {"path": var_path}
+            return self._text(400, INVALID_METHOD)  # VariableSpecificRequest: 400, not 405
         m = re.fullmatch(r"/v1/namespace/([^/]+)", p)
         if m:
             if req.method == "GET":
@@ -862,6 +915,69 @@ class NomadApp:
     def fail_deployment(self, req: Request, deployment_id: str) -> tuple[Any, int]:
         reply = self.c.fail_deployment(deployment_id)
         return reply, reply["Index"]
+
+    # ------------------------------------------------------------------ variables
+
+    @staticmethod
+    def _cas(req: Request) -> int | None:
+        value = req.query.get("cas", "")
+        if value == "":
+            return None
+        try:
+            cas = int(value)
+            if cas < 0:
+                raise ValueError
+        except ValueError as e:
+            raise NomadError(400, f'can not parse cas: strconv.ParseUint: parsing "{value}": invalid syntax') from e
+        return cas
+
+    def _conflict(self, current: dict[str, Any] | None) -> _Reply:
+        # Nomad answers the conflicting variable as JSON (an absent one as an empty variable).
+        body = current or {"Namespace": "", "Path": "", "Lock": None, "CreateIndex": 0, "CreateTime": 0,
+                           "ModifyIndex": 0, "ModifyTime": 0, "Items": None}
+        payload = json.dumps(body, separators=(",", ":")).encode()
+        return _Reply(Response(409, payload, [("Content-Type", "application/json"),
+                                              ("X-Nomad-Index", str(max(body["ModifyIndex"], 1)))]))
+
+    def list_variables(self, req: Request) -> tuple[Any, int]:
+        found = self.c.variables.list(req.namespace, req.query.get("prefix", ""))
+        return self._filter(req, found), self.c.tindex("variables")
+
+    def read_variable(self, req: Request, path: str) -> tuple[Any, int]:
+        v = self.c.variables.get(req.namespace, path)
+        if v is None:
+            raise NomadError(404, "variable not found", index=self.c.tindex("variables"))
+        return v, v["ModifyIndex"]
+
+    def upsert_variable(self, req: Request, path: str) -> tuple[Any, int]:
+        raw = self._decode(req)
+        if not isinstance(raw, dict):
+            raise NomadError(400, "json: cannot unmarshal into Go value of type structs.VariableDecrypted")
+        items = raw.get("Items")
+        if not isinstance(items, dict) or not items:
+            raise NomadError(400, "variable missing required Items object")
+        if not all(isinstance(v, str) for v in items.values()):
+            raise NomadError(400, "json: cannot unmarshal number into Go struct field "
+                                  "VariableDecrypted.Items of type string")
+        namespace = req.query.get("namespace") or str(raw.get("Namespace") or "") or "default"
+        cas = self._cas(req)
+        try:
+            with self.c.op():  # wakes blocking queries and the client (templates waiting for it)
+                v = self.c.variables.upsert(namespace, path, {str(k): v for k, v in items.items()}, cas)
+        except VariableConflict as e:
+            raise self._conflict(e.current) from None
+        except ValueError as e:
+            raise NomadError(500, str(e)) from e
+        return v, v["ModifyIndex"]
+
+    def delete_variable(self, req: Request, path: str) -> tuple[Any, int]:
+        cas = self._cas(req)
+        try:
+            with self.c.op():
+                index = self.c.variables.delete(req.namespace, path, cas)
+        except VariableConflict as e:
+            raise self._conflict(e.current) from None
+        raise _Reply(Response(204, b"", [("X-Nomad-Index", str(index))]))
 
     # ------------------------------------------------------------------ nodes / namespaces / agent
 

@@ -58,11 +58,14 @@ class AllocHandle:
     ports: dict[str, int]
     """Port label -> host port (``AllocatedResources.Shared.Ports[].Value``)."""
     env: dict[str, str]
-    """``NOMAD_*`` variables plus the task's ``Env`` (interpolated), as Nomad would set them."""
+    """``NOMAD_*`` variables plus the task's ``Env`` (interpolated) and the output of its ``env = true``
+    templates (rendered before each start), as Nomad would set them."""
     task_spec: dict[str, Any]
     """The canonical task JSON (``Config``, ``Env``, ``Resources``, ``KillTimeout`` ...)."""
     job: dict[str, Any]
     """The job version this allocation runs."""
+    files: dict[str, str] = field(default_factory=dict)
+    """Rendered templates: destination (e.g. ``secrets/app.env``) -> content."""
     driver_state: dict[str, Any] = field(default_factory=dict)
     """Scratch space owned by the driver (e.g. the ``subprocess.Popen``)."""
     exit_code: int | None = None

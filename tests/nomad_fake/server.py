@@ -27,7 +27,7 @@ from typing import Any
 
 import uvicorn
 
-from .api import Acl, ErrorRule, Faults, NomadApp
+from .api import Acl, ErrorRule, Faults, NomadApp, RequestRecord
 from .client import Monitor
 from .drivers import NullDriver, TaskDriver
 from .state import Cluster
@@ -50,6 +50,8 @@ class FakeNomad:
             ``FailedTGAllocs`` and a ``blocked`` evaluation.
         strict: reject unknown job-spec fields with 400 instead of dropping them.
         tick: monitor period in real seconds.
+        tls: ``(certfile, keyfile)`` PEM paths: serve HTTPS (``address`` is then ``https://``),
+            as an agent with ``tls { http = true }`` does.
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class FakeNomad:
         tick: float = 0.02,
         host: str = "127.0.0.1",
         port: int = 0,
+        tls: tuple[str, str] | None = None,
     ) -> None:
         self.driver: TaskDriver = driver if driver is not None else NullDriver()
         self.cluster = Cluster(
@@ -79,6 +82,8 @@ class FakeNomad:
         )
         self.faults = Faults()
         self.acl = Acl(acl_enabled)
+        self.cluster.acl_enabled = acl_enabled
+        self.tls = tls
         self.management_token: str | None = None
         if acl_enabled:
             tok = self.acl.create(self.cluster, name="Bootstrap Token", type_="management", namespaces=None)
@@ -100,8 +105,8 @@ class FakeNomad:
 
     @property
     def address(self) -> str:
-        """``http://127.0.0.1:PORT``."""
-        return f"http://{self._host}:{self._port}"
+        """``http://127.0.0.1:PORT`` (``https://`` with ``tls``)."""
+        return f"{'https' if self.tls else 'http'}://{self._host}:{self._port}"
 
     @property
     def port(self) -> int:
@@ -178,6 +183,8 @@ class FakeNomad:
             access_log=False,
             timeout_graceful_shutdown=1,
             timeout_keep_alive=30,
+            ssl_certfile=self.tls[0] if self.tls else None,
+            ssl_keyfile=self.tls[1] if self.tls else None,
         )
         server = uvicorn.Server(config)
         self._server = server
@@ -272,6 +279,23 @@ class FakeNomad:
             key=lambda a: _name_index(a["Name"]),
         )
 
+    def requests(
+        self, path: str | None = None, *, method: str | None = None, since: float = 0.0
+    ) -> list[RequestRecord]:
+        """Requests received (oldest first) whose path is ``path`` (exactly), by ``method``, at or
+        after ``since`` (a ``time.monotonic()`` value)."""
+        return [
+            r
+            for r in list(self.app.log)
+            if (path is None or r.path == path) and (method is None or r.method == method) and r.time >= since
+        ]
+
+    def variable(self, path: str, namespace: str = "default") -> dict[str, Any] | None:
+        """The stored variable (with ``Items``), as ``GET /v1/var/:path`` returns it, or None."""
+        with self.cluster.lock:
+            v = self.cluster.variables.get(namespace, path)
+            return dict(v) if v is not None else None
+
     @property
     def node_ids(self) -> list[str]:
         with self.cluster.lock:
@@ -318,13 +342,24 @@ class FakeNomad:
         return self.cluster.add_node(name)
 
     def http_errors(
-        self, path_prefix: str, status: int, count: int = 1, *, body: str | None = None, method: str | None = None
-    ) -> None:
+        self,
+        path_prefix: str,
+        status: int,
+        count: int = 1,
+        *,
+        body: str | None = None,
+        method: str | None = None,
+        blocking: bool | None = None,
+    ) -> ErrorRule:
         """Answer the next ``count`` requests whose path starts with ``path_prefix`` with
-        ``status`` and a plain-text ``body`` (default: a Nomad-like RPC error)."""
+        ``status`` and a plain-text ``body`` (default: a Nomad-like RPC error). ``blocking=True``
+        only hits blocking queries (``?index=N``, N > 0), ``False`` only the others. Returns the
+        rule (``rule.remaining`` tells how many are left)."""
         if body is None:
             body = "rpc error: injected failure" if status >= 500 else "injected error"
-        self.faults.error_rules.append(ErrorRule(path_prefix, status, count, body, method))
+        rule = ErrorRule(path_prefix, status, count, body, method, blocking)
+        self.faults.error_rules.append(rule)
+        return rule
 
     def set_latency(self, seconds: float, path_prefix: str = "/v1/") -> None:
         """Delay every request under ``path_prefix`` by ``seconds`` (0 removes it)."""

@@ -49,6 +49,8 @@ from typing import Any
 from .drivers import AllocHandle, RecoverableDriverError
 from .encode import env_key, interpolate, omit_empty, rfc3339nano
 from .spec import destructive_change, find_group, go_duration, spec_changed
+from .templates import MissingVariable, TemplateError, parse_env, render
+from .variables import Variables
 
 TERMINAL_CLIENT = frozenset({"complete", "failed", "lost"})
 ACTIVE_DEPLOYMENT = frozenset({"running", "paused", "pending", "blocked", "unblocking", "initializing"})
@@ -143,6 +145,7 @@ class TaskRun:
     rt_count: int = 0
     crash: tuple[int, int, bool] | None = None
     user_restart: bool = False
+    template_missing: str = ""  # the variable a template waits for (reported once)
 
 
 @dataclass
@@ -345,6 +348,9 @@ class Cluster:
         self.scaling_index: dict[JobKey, int] = {}
         self.driver_failures: list[str] = []
         self._pending_watch_evals: set[JobKey] = set()
+        self.variables = Variables(self)
+        # With ACLs on, a task's workload identity may read only nomad/jobs/<its job>[/...].
+        self.acl_enabled = False
         self._failure_evals: set[JobKey] = set()
 
         with self._op():
@@ -1535,6 +1541,8 @@ class Cluster:
                             self._client_changed(a)
                         continue
                     if tr.phase in ("init", "restart_wait") and now >= tr.next_at:
+                        if not self._render_templates(a, tr):
+                            continue
                         inject = self.driver_failures.pop(0) if self.driver_failures else None
                         if tr.phase == "init":
                             self._append_event(
@@ -1561,6 +1569,38 @@ class Cluster:
                         else:
                             acts.append(ClientAction("check", a, tr))
         return acts
+
+    def _template_var(self, a: Alloc, path: str) -> dict[str, str] | None:
+        if self.acl_enabled and not (path == f"nomad/jobs/{a.job_id}" or path.startswith(f"nomad/jobs/{a.job_id}/")):
+            return None  # the workload identity's implicit policy does not cover it: never renders
+        return self.variables.items(a.namespace, path)
+
+    def _render_templates(self, a: Alloc, tr: TaskRun) -> bool:
+        """Render the task's templates before a (re)start; False while one waits for a variable
+        (or failed the task). ``env = true`` output goes into the task's environment."""
+        env: dict[str, str] = {}
+        files: dict[str, str] = {}
+        for t in tr.spec.get("Templates") or []:
+            try:
+                text = render(str(t.get("EmbeddedTmpl") or ""), lambda path: self._template_var(a, path))
+                if t.get("Envvars"):
+                    env.update(parse_env(text))
+            except MissingVariable as e:
+                if tr.template_missing != e.path:
+                    tr.template_missing = e.path
+                    msg = f"Missing: nomad.var.block({e.path}@{a.namespace}.{self.region})"
+                    self._append_event(a, tr, _task_event("Template", self.wall(), DisplayMessage=msg))
+                return False  # retried on the next tick (a variable write kicks the monitor)
+            except TemplateError as e:
+                msg = f"Template failed: {e}"
+                self._append_event(a, tr, _task_event("Template", self.wall(), DisplayMessage=msg, FailsTask=True))
+                self._not_restarting(a, tr, "Error was unrecoverable")
+                return False
+            files[str(t.get("DestPath") or "")] = text
+        tr.template_missing = ""
+        tr.handle.env.update(env)
+        tr.handle.files.update(files)
+        return True
 
     def apply_client(self, acts: list[ClientAction]) -> None:
         """Record the outcome of the driver calls, then run the server-side reactions."""
