@@ -53,6 +53,13 @@ class Backend(abc.ABC):
     async def alive(self, host_id: str) -> bool:
         """Whether the backend still runs this host (a cheap check, not a health probe)."""
 
+    def host_slots(self) -> int | None:
+        """How many slots each host this backend starts will have, if known before starting one
+        (the pool rejects at once a group larger than max_hosts x this). Every built-in backend's
+        config names it ``slots_per_host``; a backend without one returns None (unknown)."""
+        value = getattr(getattr(self, "cfg", None), "slots_per_host", None)
+        return value if isinstance(value, int) and value > 0 else None
+
     def removal_order(self, host_ids: list[str]) -> list[str]:
         """Which idle hosts to give back first (Nomad must shrink from the highest index)."""
         return host_ids

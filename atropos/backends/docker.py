@@ -11,11 +11,13 @@ slot (bwrap runs with an empty environment in its own PID namespace).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Awaitable
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from pydantic import BaseModel, Field, model_validator
@@ -24,6 +26,7 @@ from atropos.backends.base import Backend, HostInfo, new_token, pid_alive
 from atropos.errors import ConfigError, HostUnavailable
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 LABEL_POOL = "io.atropos-sandbox.pool"
 LABEL_OWNER = "io.atropos-sandbox.owner-pid"
@@ -44,6 +47,8 @@ class DockerBackendConfig(BaseModel):
     slot_workspace_bytes: int = Field(256 << 20, ge=1 << 20, description="what one slot can write (its own tmpfs)")
     max_timeout_s: float = 600.0
     start_timeout_s: float = 60.0
+    prewarm: bool = Field(True, description="start every slot's sandbox before the host reports ready; off: "
+                          "ready once serving (its self-test passed), each slot's sandbox starts on first use")
     docker_url: str | None = Field(None, description="Docker Engine URL; default from the environment")
     seccomp_profile: str | None = Field(None, description="path of the outer seccomp profile; default: shipped")
 
@@ -131,7 +136,7 @@ class DockerBackend(Backend):
             c.image,
             command=["--host", "0.0.0.0", "--port", str(CONTAINER_PORT), "--slots", str(c.slots_per_host),
                      "--data-dir", "/slots/data", "--max-timeout", str(c.max_timeout_s),
-                     "--workspace-bytes", str(c.slot_workspace_bytes)],
+                     "--workspace-bytes", str(c.slot_workspace_bytes), *([] if c.prewarm else ["--no-prewarm"])],
             name=host_id,
             user=f"{SLOT_UID}:{SLOT_UID}",
             environment={"ATROPOS_SANDBOX_TOKEN": token},
@@ -148,27 +153,55 @@ class DockerBackend(Backend):
         host_id = f"atropos-{self.cfg.pool_id}-{os.getpid()}-{self._counter}-{new_token()[:6].lower()}"
         host_id = "".join(ch if ch.isalnum() or ch in "_.-" else "x" for ch in host_id)
         token = new_token()
-        try:
-            container = await asyncio.to_thread(self._create, host_id, token)
-        except Exception as exc:
-            await self.stop_host(host_id)
-            raise HostUnavailable(f"docker run failed: {exc}") from exc
+        # Recorded before the container exists: close() must remove it even if we are cancelled
+        # between the engine creating it and this coroutine hearing back.
         self._mine.add(host_id)
         try:
+            container = await self._run_to_completion(asyncio.to_thread(self._create, host_id, token))
             port = await self._published_port(container)
             address = f"http://127.0.0.1:{port}"
             await self._wait_ready(container, address, token)
-        except BaseException:
-            await self.stop_host(host_id)
+        except BaseException as exc:
+            # Also on cancellation (not an Exception): otherwise the container runs on, unowned.
+            # Shielded so a second cancel cannot interrupt the removal half way.
+            await asyncio.shield(self._stop_quietly(host_id))
+            if isinstance(exc, Exception) and not isinstance(exc, HostUnavailable):
+                raise HostUnavailable(f"docker host {host_id} failed to start: {exc}") from exc
             raise
         log.info("docker host %s ready at %s", host_id, address)
         return HostInfo(id=host_id, address=address, token=token, slots=self.cfg.slots_per_host,
                         labels={"backend": "docker", "container": container.id[:12]})
 
+    @staticmethod
+    async def _run_to_completion(work: Awaitable[T]) -> T:
+        """Await ``work`` (a ``to_thread``); if cancelled, still let the thread finish first.
+
+        A cancelled ``to_thread`` does not stop its thread: the engine call goes on and may
+        create the container *after* we tried to remove it. Waiting for the thread makes the
+        removal that follows see (and remove) whatever it made."""
+        task = asyncio.ensure_future(work)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(task)
+            raise
+
+    async def _stop_quietly(self, host_id: str) -> None:
+        try:
+            await self.stop_host(host_id)
+        except Exception as exc:  # the start's own error is the one to report
+            log.error("could not remove container %s after a failed start: %s", host_id, exc)
+
     async def _published_port(self, container: Any) -> int:
         deadline = time.monotonic() + 10
+        # ``_create`` read the container after starting it: the port is normally there already
+        # (one engine round trip fewer per start).
+        fresh = True
         while time.monotonic() < deadline:
-            await asyncio.to_thread(container.reload)
+            if not fresh:
+                await asyncio.to_thread(container.reload)
+            fresh = False
             bindings = (container.attrs.get("NetworkSettings", {}).get("Ports") or {}).get(f"{CONTAINER_PORT}/tcp")
             if bindings:
                 return int(bindings[0]["HostPort"])
@@ -180,6 +213,7 @@ class DockerBackend(Backend):
 
     async def _wait_ready(self, container: Any, address: str, token: str) -> None:
         deadline = time.monotonic() + self.cfg.start_timeout_s
+        next_look = time.monotonic() + 1.0
         async with httpx.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=5) as http:
             while time.monotonic() < deadline:
                 try:
@@ -188,10 +222,14 @@ class DockerBackend(Backend):
                         return
                 except httpx.TransportError:
                     pass
-                await asyncio.to_thread(container.reload)
-                if container.status in ("exited", "dead"):
-                    break
-                await asyncio.sleep(0.1)
+                # A container that exited never answers: look (an engine round trip) about once a
+                # second rather than on every 50 ms probe, which only needs the host's socket.
+                if time.monotonic() >= next_look:
+                    next_look = time.monotonic() + 1.0
+                    await asyncio.to_thread(container.reload)
+                    if container.status in ("exited", "dead"):
+                        break
+                await asyncio.sleep(0.05)
         logs = await asyncio.to_thread(container.logs, tail=40)
         raise HostUnavailable(f"container {container.name} did not become ready: {logs.decode(errors='replace')}")
 

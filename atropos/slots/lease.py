@@ -31,6 +31,7 @@ class PoolHost:
         self.dead = asyncio.Event()
         self.dead_reason = ""
         self.failures = 0
+        self.suspected = False  # a call saw a transport error; cleared by the next passing probe
         self.quarantined = 0
         self.idle_since: float | None = time.monotonic()
         self.last_health_ms: float | None = None
@@ -38,6 +39,11 @@ class PoolHost:
     @property
     def id(self) -> str:
         return self.info.id
+
+    @property
+    def leasable(self) -> bool:
+        """Whether its free slots may be handed out now."""
+        return not self.dead.is_set() and not self.suspected
 
     async def guard(self, work: Awaitable[T]) -> T:
         """Await ``work`` unless the host is declared dead first; then fail fast with HostUnavailable."""
@@ -185,7 +191,7 @@ class Lease:
             raise
         if not result.ok or result.lease is None:
             self.lost = f"reset failed, slot quarantined: {result.detail}"
-            self.host.quarantined += 1
+            self.pool.quarantine(self.host, self.slot, result.detail)
             if self.host.leases.get(self.slot) is self:
                 del self.host.leases[self.slot]
             raise ResetFailed(f"{self!r}: {result.detail}")

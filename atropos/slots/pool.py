@@ -14,11 +14,11 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from atropos.backends.base import Backend, HostInfo
 from atropos.errors import AtroposSandboxError, HostUnavailable, LeaseError, SlotUnavailable
@@ -29,6 +29,13 @@ from atropos.slots.config import PoolConfig
 from atropos.slots.lease import Lease, PoolHost, PoolTemplate
 
 log = logging.getLogger(__name__)
+
+
+class GroupTooLarge(SlotUnavailable):
+    """A group asks for more slots than the pool can ever hold (max_hosts x slots per host).
+
+    Raised at once: waiting could only end in a timeout, and meanwhile the group would sit at
+    the head of the FIFO queue holding up every request behind it."""
 
 
 @dataclass
@@ -47,7 +54,7 @@ class HostStatus(BaseModel):
     free: int
     leased: int
     quarantined: int
-    healthy: bool
+    healthy: bool = Field(description="not declared dead or suspected, and its last health probe passed")
     health_ms: float | None
     oldest_lease_s: float | None
 
@@ -65,6 +72,10 @@ class PoolStatus(BaseModel):
     calls_total: int
     calls_per_s: float
     lost_hosts: int
+    # Monotonic event counters for operators (atropos/metrics.py exports them as Prometheus counters).
+    scale_ups: int = Field(0, description="hosts started by scaling (demand, replacing a dead host, below min)")
+    scale_downs: int = Field(0, description="idle hosts stopped by scaling")
+    quarantines: int = Field(0, description="slots quarantined after a failed or refused reset")
 
 
 class SlotPool:
@@ -82,6 +93,9 @@ class SlotPool:
         self._calls_total = 0
         self._call_times: deque[float] = deque(maxlen=10_000)
         self._lost_hosts = 0
+        self._scale_ups = 0
+        self._scale_downs = 0
+        self._quarantines = 0
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -175,8 +189,11 @@ class SlotPool:
         self._scale.set()
 
     def suspect(self, host: PoolHost) -> None:
-        """A call saw a transport error: check the host now instead of at the next health tick."""
+        """A call saw a transport error: check the host now instead of at the next health tick,
+        and lease nothing more from it until a probe passes (a killed host's other free slots
+        would otherwise be handed out in the moment before its death is confirmed)."""
         if not host.dead.is_set():
+            host.suspected = True
             self._spawn(self._check_host(host, urgent=True))
 
     async def _check_host(self, host: PoolHost, urgent: bool = False) -> None:
@@ -194,6 +211,9 @@ class SlotPool:
             healthy, why = False, str(exc)
         if healthy:
             host.failures = 0
+            if host.suspected:
+                host.suspected = False
+                self._grant_waiters()
             return
         host.failures += 1
         log.warning("host %s failed a health probe (%d/%d): %s", host.id, host.failures,
@@ -239,6 +259,7 @@ class SlotPool:
             host.idle_since = host.idle_since or now
             if (len(self.hosts) > self.cfg.min_hosts and not demand
                     and now - host.idle_since >= self.cfg.scale_down_idle_s):
+                self._scale_downs += 1
                 await self._remove_host(host, f"idle for {now - host.idle_since:.0f}s")
 
     def _starting_slots(self) -> int:
@@ -247,20 +268,26 @@ class SlotPool:
     async def _add_host_logged(self) -> None:
         try:
             await self._add_host()
+            self._scale_ups += 1
         except Exception as exc:
             log.error("scale: host start failed: %s", exc)
             await asyncio.sleep(self.cfg.start_retry_s)
             self._scale.set()
 
     # -- leasing ---------------------------------------------------------------------------
+    def max_slots(self) -> int | None:
+        """The most slots this pool can ever hold (None while the host size is unknown)."""
+        per_host = max((h.info.slots for h in self.hosts.values()), default=None) or self.backend.host_slots()
+        return None if per_host is None else per_host * self.cfg.max_hosts
+
     def free_count(self) -> int:
-        return sum(len(h.free) for h in self.hosts.values() if not h.dead.is_set())
+        return sum(len(h.free) for h in self.hosts.values() if h.leasable)
 
     def _take(self, trajectory_id: str, network: bool, host: PoolHost | None = None) -> Lease:
         # Spread over hosts (most free first): calls of different trajectories then rarely
         # share a host's CPU budget.
         if host is None:
-            host = max((h for h in self.hosts.values() if h.free and not h.dead.is_set()), key=lambda h: len(h.free))
+            host = max((h for h in self.hosts.values() if h.free and h.leasable), key=lambda h: len(h.free))
         slot, token, generation = host.free.pop()
         lease = Lease(self, host, slot, token, generation, trajectory_id, network)
         host.leases[slot] = lease
@@ -285,7 +312,7 @@ class SlotPool:
         in ``prefer`` (those that already hold the group's template: no shipping needed)."""
         if not colocate:
             return [self._take(t, network) for t in ids]
-        hosts = sorted((h for h in self.hosts.values() if h.free and not h.dead.is_set()),
+        hosts = sorted((h for h in self.hosts.values() if h.free and h.leasable),
                        key=lambda h: (h.id in prefer, len(h.free)), reverse=True)
         whole = [h for h in hosts if len(h.free) >= len(ids)]
         order = whole[:1] or hosts
@@ -312,6 +339,11 @@ class SlotPool:
         if not self._running:
             raise SlotUnavailable("the pool is not running")
         ids = list(trajectory_ids)
+        most = self.max_slots()
+        if most is not None and len(ids) > most:
+            raise GroupTooLarge(
+                f"a group of {len(ids)} can never be leased: the pool holds at most {most} slots "
+                f"(max_hosts {self.cfg.max_hosts} x {most // self.cfg.max_hosts} slots per host)")
         colocate = template is not None if colocate is None else colocate
         prefer = frozenset(template.copies) if template is not None else frozenset()
         if not self._waiters and self.free_count() >= len(ids):
@@ -320,13 +352,9 @@ class SlotPool:
             leases = await self._wait(ids, network, self.cfg.lease_timeout_s if timeout is None else timeout,
                                       colocate, prefer)
         if template is not None:
-            try:
-                await asyncio.gather(*(lease.reset(template, network=network or None) for lease in leases))
-            except BaseException:
-                await asyncio.gather(*(self.release(lease) for lease in leases), return_exceptions=True)
-                raise
+            await self._prepare_or_release(leases, lambda lease: lease.reset(template, network=network or None))
         elif network:
-            await asyncio.gather(*(self._enable_network(lease) for lease in leases))
+            await self._prepare_or_release(leases, self._enable_network)
         return leases
 
     async def _wait(self, ids: list[str], network: bool, timeout: float, colocate: bool = False,
@@ -353,11 +381,14 @@ class SlotPool:
         if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
             # Granted in the same instant the caller gave up: give the slots straight back.
             for lease in waiter.future.result():
-                self._spawn(self.release(lease))
+                self._begin_release(lease)
         else:
             waiter.future.cancel()
         with contextlib.suppress(ValueError):
             self._waiters.remove(waiter)
+        # The abandoned waiter may have been the head of the queue, holding back smaller
+        # requests behind it that the free slots can serve now (FIFO waits for the head).
+        self._grant_waiters()
 
     async def _enable_network(self, lease: Lease) -> None:
         result = await lease.host.guard(lease.host.client.reset(
@@ -368,17 +399,45 @@ class SlotPool:
 
     async def release(self, lease: Lease) -> None:
         """End a lease: the slot is reset and returns to the pool, or is quarantined. Idempotent."""
+        reset = self._begin_release(lease)
+        if reset is not None:
+            # Shielded: a caller cancelled mid-release must not strand the slot half-reset.
+            await asyncio.shield(reset)
+
+    def _begin_release(self, lease: Lease) -> asyncio.Task[None] | None:
+        """The synchronous part of ``release``: the lease ends now and its reset is already
+        running when this returns, so no cancellation can come between the two."""
         if lease.released:
-            return
+            return None
         lease.released = True
         host = lease.host
         if host.leases.get(lease.slot) is lease:
             del host.leases[lease.slot]
         self.audit.record("release", lease.trajectory_id, host.id, lease.slot, lease.generation)
         if lease.lost is not None or host.dead.is_set():
-            return
-        # Shielded: a caller cancelled mid-release must not strand the slot half-reset.
-        await asyncio.shield(self._spawn(self._reset_back(host, lease)))
+            return None
+        return self._spawn(self._reset_back(host, lease))
+
+    async def _prepare_or_release(self, leases: list[Lease], prepare: Callable[[Lease], Awaitable[object]]) -> None:
+        """Run ``prepare`` on every lease of a fresh group; if any fails or the caller is
+        cancelled, release the whole group before re-raising (all or nothing: the caller never
+        saw these leases, so nobody else would ever give the slots back)."""
+        steps = [asyncio.ensure_future(prepare(lease)) for lease in leases]
+        try:
+            await asyncio.gather(*steps)
+        except BaseException:
+            # Stop the siblings first: a prepare still rotating a slot's token would race the
+            # release's reset (one of the two is then refused and the slot lost).
+            for step in steps:
+                step.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait(steps)
+            # Started synchronously (not as gather'd coroutines, which a cancellation could
+            # kill before their first step) and then awaited shielded.
+            resets = [t for t in (self._begin_release(lease) for lease in leases) if t is not None]
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(asyncio.gather(*resets, return_exceptions=True))
+            raise
 
     async def _reset_back(self, host: PoolHost, lease: Lease) -> None:
         try:
@@ -389,15 +448,19 @@ class SlotPool:
             self.suspect(host)
             return
         except LeaseError as exc:
-            log.error("reset of %r refused (%s); slot dropped", lease, exc)
-            host.quarantined += 1
+            self.quarantine(host, lease.slot, f"reset refused: {exc}")
             return
         if result.ok and result.lease is not None:
             host.free.append((lease.slot, result.lease.lease, result.lease.generation))
             self._grant_waiters()
         else:
-            host.quarantined += 1
-            log.error("slot %s/%d quarantined: %s", host.id, lease.slot, result.detail)
+            self.quarantine(host, lease.slot, result.detail)
+
+    def quarantine(self, host: PoolHost, slot: int, why: str) -> None:
+        """Count a slot that failed its reset: it never returns to the free list."""
+        host.quarantined += 1
+        self._quarantines += 1
+        log.error("slot %s/%d quarantined: %s", host.id, slot, why)
 
     @contextlib.asynccontextmanager
     async def leased(self, trajectory_id: str, timeout: float | None = None, *,
@@ -511,7 +574,7 @@ class SlotPool:
             ages = [now - lease.leased_at for lease in h.leases.values()]
             hosts.append(HostStatus(
                 id=h.id, address=h.info.address, slots=h.info.slots, free=len(h.free), leased=len(h.leases),
-                quarantined=h.quarantined, healthy=not h.dead.is_set() and h.failures == 0,
+                quarantined=h.quarantined, healthy=h.leasable and h.failures == 0,
                 health_ms=None if h.last_health_ms is None else round(h.last_health_ms, 2),
                 oldest_lease_s=round(max(ages), 1) if ages else None,
             ))
@@ -523,4 +586,5 @@ class SlotPool:
             waiting=sum(len(w.ids) for w in self._waiters if not w.future.done()),
             leases_total=self._leases_total, calls_total=self._calls_total,
             calls_per_s=round(len(recent) / 10.0, 2), lost_hosts=self._lost_hosts,
+            scale_ups=self._scale_ups, scale_downs=self._scale_downs, quarantines=self._quarantines,
         )
