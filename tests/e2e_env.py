@@ -1,7 +1,14 @@
-"""The coding env, plus a record of the slot's files at verification time (for end-to-end tests).
+"""The coding env, plus records for end-to-end tests: the slot's files at verification time and the pool's status.
 
-``python -m tests.e2e_env process ...`` — ATROPOS_E2E_RECORD names a JSONL file that gets, per
-trajectory, the workspace's files as the slot saw them right before the slot was released.
+``python -m tests.e2e_env process ...``:
+
+* ATROPOS_E2E_RECORD names a JSONL file that gets, per trajectory, the workspace's files as the slot
+  saw them right before verification (hence before the slot was released);
+* ATROPOS_E2E_STATUS names a file that gets ``SlotPool.status()`` right before the pool stops: what
+  the pool really ran (backend, slots per host), to check that ``--env.*`` flags reached it;
+* ATROPOS_E2E_FIRST_WRITE=1 makes the grammar of each trajectory's first turn allow only a
+  ``write_file`` call (the model still chooses path and content), so a test can compare a file in
+  the slot with what the model's call carried.
 """
 
 from __future__ import annotations
@@ -12,11 +19,18 @@ import tarfile
 from io import BytesIO
 from typing import Any
 
+from atropos.agent.grammars import schema_grammar
 from atropos.envs.examples.coding import CodingEnv
 from atropos.slots.lease import Lease
 
 
 class RecordingCodingEnv(CodingEnv):
+    def turn_grammar(self, messages: list[dict[str, Any]]) -> str | None:
+        if os.environ.get("ATROPOS_E2E_FIRST_WRITE") and not any(m["role"] == "assistant" for m in messages):
+            write = [s for s in self.tools.schemas() if s.get("function", s).get("name") == "write_file"]
+            return schema_grammar(write, allow_answer=False)
+        return super().turn_grammar(messages)
+
     async def verify_and_score_trajectory(self, item: dict[str, Any], final_response: str, *, trajectory_id: str,
                                           exec_tool: Any, lease: Lease, agent_result: Any,
                                           ) -> tuple[float, dict[str, Any]]:
@@ -35,6 +49,13 @@ class RecordingCodingEnv(CodingEnv):
                 fh.write(json.dumps({"trajectory_id": trajectory_id, "files": files, "score": score,
                                      "messages": agent_result.messages}) + "\n")
         return score, meta
+
+    async def shutdown_sandbox(self) -> None:
+        path = os.environ.get("ATROPOS_E2E_STATUS")
+        if path and self.pool is not None:
+            with open(path, "w") as fh:
+                fh.write(self.pool.status().model_dump_json())
+        await super().shutdown_sandbox()
 
 
 if __name__ == "__main__":

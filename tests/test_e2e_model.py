@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
+import re
 import socket
 import subprocess
 import sys
@@ -67,18 +69,22 @@ def run_env(args: list[str], extra_env: dict[str, str], timeout: float) -> subpr
 def test_process_mode_with_the_real_model(model_url: str, tokenizer: object, tmp_path: Path) -> None:
     out = tmp_path / "coding.jsonl"
     record = tmp_path / "record.jsonl"
+    status_file = tmp_path / "status.json"
     proc = run_env(env_cmd("process", "--env.total_steps", "2", "--env.group_size", "2",
                            "--env.data_path_to_save_groups", str(out), "--env.slots_per_host", "3",
                            "--env.agent_max_steps", "4", "--openai.base_url", model_url),
-                   {"ATROPOS_E2E_RECORD": str(record)}, timeout=1200)
+                   {"ATROPOS_E2E_RECORD": str(record), "ATROPOS_E2E_STATUS": str(status_file),
+                    "ATROPOS_E2E_FIRST_WRITE": "1"}, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # --env.* flags reach the pool
-    assert "pool: backend local, 3 slots/host" in proc.stdout
+    # --env.* flags reach the pool: its own status before it stopped, not an echo of the config
+    status = json.loads(status_file.read_text())
+    assert status["backend"] == "local" and status["hosts"] and all(h["slots"] == 3 for h in status["hosts"])
+    assert status["leased"] == 0 and status["leases_total"] >= 4
     groups = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(groups) == 2 and (tmp_path / "coding.html").exists()
     records = [json.loads(line) for line in record.read_text().splitlines()]
     assert len(records) == 4
-    ran_calls = 0
+    ran_calls = checked_writes = 0
     for group in groups:
         assert len(group["tokens"]) == 2
         for tokens, masks, messages, score in zip(group["tokens"], group["masks"], group["messages"],
@@ -91,28 +97,39 @@ def test_process_mode_with_the_real_model(model_url: str, tokenizer: object, tmp
             # the score is the in-slot verification's: find this trajectory's record
             rec = next(r for r in records if r["messages"] == messages)
             assert score == rec["score"] and 0.0 <= score <= 1.0
-            files = rec["files"]
+            files = {name.removeprefix("./"): text for name, text in rec["files"].items()}
             assert "solution.py" in files and "test_visible.py" in files  # setup ran in this slot
+            written: dict[str, str] = {}  # path -> content of the model's last write, while nothing else ran
             for i, m in enumerate(messages):
                 if m["role"] != "assistant":
                     continue
                 parsed = parse_hermes(m["content"])
                 if parsed.errors:  # e.g. cut off by max_tokens: the model is told, never silently "final"
                     assert "error:" in messages[i + 1]["content"]
-                for call in parsed.calls:
+                results = [r["content"] for r in messages[i + 1:] if r["role"] == "tool"][:len(parsed.calls)]
+                for call, result in zip(parsed.calls, results, strict=False):
                     ran_calls += 1
-                    if call.name == "write_file" and call.arguments.get("path"):
-                        # a file the model wrote is really in the slot
-                        path = str(call.arguments["path"]).lstrip("./")
-                        assert any(f.lstrip("./") == path or f.endswith("/" + path) for f in files), (path, files)
+                    done = re.search(r"wrote \d+ bytes to (\S+)", result)
+                    if call.name == "write_file" and done:  # the host names the file it wrote
+                        # file tools resolve paths inside the workspace as if it were "/"
+                        inside = posixpath.normpath("/" + done.group(1)).lstrip("/")
+                        written[inside] = str(call.arguments.get("content", ""))
+                    elif call.name not in ("read_file", "list_dir", "stat"):
+                        written.clear()  # bash or an edit may have changed any file since
+            for path, content in written.items():
+                # the file in the slot holds exactly what the model's write call carried
+                assert files.get(path) == content, (path, content, files.get(path))
+                checked_writes += 1
             tool_outputs = [m["content"] for m in messages if m["role"] == "tool"]
             assert len(tool_outputs) >= 1 and all(t.startswith("<tool_response>") for t in tool_outputs)
     assert ran_calls >= 2  # the grammar forces tool-call turns (a cut-off call counts as an error instead)
+    assert checked_writes >= 1  # each first turn is a write_file call (ATROPOS_E2E_FIRST_WRITE)
     assert "tool calls run:" in proc.stdout and "sandbox time per call" in proc.stdout
 
 
 def test_serve_mode_against_a_real_run_api(model_url: str, tmp_path: Path) -> None:
     port = free_port()
+    env_log = None
     api = subprocess.Popen([str(Path(sys.executable).parent / "run-api"), "--host", "127.0.0.1", "--port",
                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     env_proc: subprocess.Popen[str] | None = None
@@ -132,16 +149,19 @@ def test_serve_mode_against_a_real_run_api(model_url: str, tmp_path: Path) -> No
             "checkpoint_dir": str(tmp_path), "save_checkpoint_interval": 100, "starting_step": 0, "num_steps": 2,
         }, timeout=10).raise_for_status()
         assert httpx.get(base + "/batch", timeout=10).json()["batch"] is None
+        # the env's output goes to a file: a PIPE nobody reads fills up and blocks the env
+        env_log = open(tmp_path / "env.log", "w")  # closed in finally
         env_proc = subprocess.Popen(
             env_cmd("serve", "--env.rollout_server_url", base, "--env.group_size", "2", "--env.total_steps", "1",
                     "--env.wandb_name", "coding", "--env.use_wandb", "false", "--env.agent_max_steps", "3",
                     "--openai.base_url", model_url),
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=REPO, stdout=env_log, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"})
         batch = None
         deadline = time.monotonic() + 900
         while batch is None:
-            assert env_proc.poll() is None or batch is not None, "env exited before a batch arrived"
+            if env_proc.poll() is not None:
+                raise AssertionError("env exited before a batch arrived: " + (tmp_path / "env.log").read_text()[-3000:])
             assert time.monotonic() < deadline, "no batch within 15 minutes"
             time.sleep(2)
             batch = httpx.get(base + "/batch", timeout=10).json()["batch"]
@@ -158,3 +178,5 @@ def test_serve_mode_against_a_real_run_api(model_url: str, tmp_path: Path) -> No
                 env_proc.kill()
         api.terminate()
         api.wait(30)
+        if env_log is not None:
+            env_log.close()

@@ -30,6 +30,11 @@ class AgentConfig(BaseModel):
     max_steps: int = Field(20, ge=1)
     temperature: float = Field(0.7, ge=0)
     max_tokens: int | None = Field(1024, ge=1)
+    max_context_tokens: int | None = Field(
+        None, ge=1, description="stop before a turn whose prompt tokens + max_tokens would exceed this "
+                                "(the trainer's max_token_length); needs a token counter")
+    wrap_tool_responses: bool = Field(
+        True, description="wrap tool output in <tool_response> tags (off when the chat template adds them)")
 
 
 class ChatReply(BaseModel):
@@ -49,7 +54,7 @@ class StepRecord(BaseModel):
 class AgentResult(BaseModel):
     messages: list[dict[str, Any]]
     final_response: str
-    finish: Literal["final", "max_steps"]
+    finish: Literal["final", "max_steps", "context_budget"]
     steps: list[StepRecord] = Field(default_factory=list)
     tool_calls: int = 0
     tool_errors: int = 0
@@ -63,6 +68,7 @@ class AgentResult(BaseModel):
 
 ChatFn = Callable[[list[dict[str, Any]]], Awaitable[ChatReply]]
 ToolsFn = Callable[[list[AgentToolCall]], Awaitable[list[ToolOutcome]]]
+CountFn = Callable[[list[dict[str, Any]]], int]
 
 
 def hermes_system_prompt(tool_schemas: list[dict[str, Any]], preamble: str = "") -> str:
@@ -84,17 +90,25 @@ def hermes_text(calls: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def tool_message(call_id: str, name: str, content: str) -> dict[str, Any]:
-    return {"role": "tool", "tool_call_id": call_id, "name": name,
-            "content": f"<tool_response>\n{content}\n</tool_response>"}
+def tool_message(call_id: str, name: str, content: str, *, wrap: bool = True) -> dict[str, Any]:
+    """A tool result in the tool role. ``wrap=False`` when the chat template adds the
+    ``<tool_response>`` tags itself (Hermes/Qwen templates), else the model would see them twice."""
+    body = f"<tool_response>\n{content}\n</tool_response>" if wrap else content
+    return {"role": "tool", "tool_call_id": call_id, "name": name, "content": body}
 
 
 async def run_agent(chat: ChatFn, run_tools: ToolsFn, messages: list[dict[str, Any]],
-                    cfg: AgentConfig) -> AgentResult:
-    """Run until the model answers without a tool call, or ``max_steps`` model turns."""
+                    cfg: AgentConfig, count_tokens: CountFn | None = None) -> AgentResult:
+    """Run until the model answers without a tool call, ``max_steps`` model turns, or (with
+    ``cfg.max_context_tokens`` and ``count_tokens``) until the next turn would not fit the context
+    budget: a sequence longer than the trainer's limit is dropped whole, so it is better to stop."""
     messages = list(messages)
     result = AgentResult(messages=messages, final_response="", finish="max_steps")
     for _ in range(cfg.max_steps):
+        if cfg.max_context_tokens is not None and count_tokens is not None:
+            if count_tokens(messages) + (cfg.max_tokens or 0) > cfg.max_context_tokens:
+                result.finish = "context_budget"
+                break
         t0 = time.perf_counter()
         reply = await chat(messages)
         model_s = time.perf_counter() - t0
@@ -115,13 +129,14 @@ async def run_agent(chat: ChatFn, run_tools: ToolsFn, messages: list[dict[str, A
         outcomes = await run_tools([_agent_call(c) for c in parsed.calls]) if parsed.calls else []
         tools_s = time.perf_counter() - t1
         for outcome in outcomes:
-            messages.append(tool_message(outcome.call_id, outcome.name, outcome.content))
+            messages.append(tool_message(outcome.call_id, outcome.name, outcome.content,
+                                         wrap=cfg.wrap_tool_responses))
             result.tool_calls += 1
             result.tool_errors += 0 if outcome.ok else 1
         for error in parsed.errors:
             messages.append(tool_message("invalid", "invalid_tool_call", (
                 f"error: {error}. Write calls exactly as "
-                '<tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>')))
+                '<tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>'), wrap=cfg.wrap_tool_responses))
             result.parse_errors += 1
         result.steps.append(StepRecord(calls=len(outcomes), errors=len(parsed.errors), model_s=model_s,
                                        tools_s=tools_s))

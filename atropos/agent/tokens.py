@@ -67,3 +67,30 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[dict[str, Any]], *,
         trainable = any(a >= s and b <= e and b > a for s, e in spans)
         masks.append(tok if trainable else IGNORE)
     return TokenizedTrajectory(tokens=tokens, masks=masks, text=full, trainable_spans=spans)
+
+
+TOOL_RESPONSE_OPEN = "<tool_response>"
+_PROBE = "atropos-probe-7f3a"
+
+
+def template_wraps_tool_responses(tokenizer: Any) -> bool:
+    """Whether the chat template itself wraps a ``tool`` message in ``<tool_response>`` tags.
+
+    Hermes/Qwen-style templates do; plain ChatML ones (SmolLM2) render the role as is. The agent
+    wraps tool output by hand only in the second case, so the model never sees the tags twice.
+    """
+    probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+             {"role": "assistant", "content": "a"}, {"role": "tool", "content": _PROBE, "tool_call_id": "c",
+                                                     "name": "t"}]
+    try:
+        text = render(tokenizer, probe)
+    except Exception:  # a template that rejects the tool role: the text we send must carry the tags
+        return False
+    at = text.find(_PROBE)
+    return at >= 0 and TOOL_RESPONSE_OPEN in text[max(0, at - 64):at]
+
+
+def count_prompt_tokens(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> int:
+    """Tokens of the prompt the next model turn would see (the conversation plus the generation prompt)."""
+    text = render(tokenizer, messages, add_generation_prompt=True)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])

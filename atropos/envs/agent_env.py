@@ -2,79 +2,84 @@
 
 Subclass it and implement ``build_task`` and ``score_trajectory`` (or, to check the work inside
 the slot, ``verify_and_score_trajectory``); optionally ``setup_group_workspace`` (once per item,
-then every rollout gets a copy-on-write fork of its result) and ``setup_trajectory_workspace``
-(once per rollout, in its own slot). Then run
+then every rollout gets a copy-on-write fork of its result), ``setup_trajectory_workspace``
+(once per rollout, in its own slot) and ``setup_agent_env`` (once, after the pool is up). Then run
 ``python -m your_env process|serve|evaluate`` as with any Atropos environment.
 
 What this class does for you (see shared/reference/atroposlib.md for the traps it avoids):
 
-* starts the slot pool in ``setup`` and stops it when the run ends (BaseEnv has no teardown hook);
+* starts the slot pool in ``setup`` and stops it when the run ends, in every mode (BaseEnv has no
+  teardown hook);
 * leases the whole group at once, releases every slot in ``finally`` (also on cancellation);
-* retries a rollout that failed for an infrastructure reason on a fresh slot, and sends the item
-  back to the backlog when retries run out, instead of training on a fake score of 0;
-* runs the agent loop (Hermes ``<tool_call>`` text or OpenAI ``tool_calls``), and builds tokens and
-  masks (ManagedServer when the server returns token ids, else the tokenizer's chat template).
+* treats a failure of the platform (pool, sandbox host, inference server) as infrastructure: the
+  rollout is retried on a fresh slot, and the item goes back to the backlog when retries run out,
+  instead of training on a fake score of 0;
+* runs the agent loop (Hermes ``<tool_call>`` text or OpenAI ``tool_calls``) within the context
+  budget (``max_token_length``);
+* builds tokens and masks: with inference servers that return token ids (``server_type`` vllm or
+  sglang) each rollout runs in its own ``ManagedServer`` context and the group carries the sampled
+  ids and their ``inference_logprobs``; otherwise the conversation is re-rendered with the
+  tokenizer's chat template (no logprobs).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import os
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from typing import Any
 
-from atroposlib.envs.base import BaseEnv, BaseEnvConfig, ScoredDataGroup
-from pydantic import Field
+from atroposlib.envs.base import APIServerConfig, BaseEnv, ScoredDataGroup
+from pydantic import BaseModel
 
+from atropos.agent.errors import TokenTrackingError, inference_failure, is_infrastructure
 from atropos.agent.loop import AgentConfig, AgentResult, ChatReply, hermes_system_prompt, run_agent
-from atropos.agent.tokens import IGNORE, tokenize_conversation
+from atropos.agent.managed import ManagedSession, TrackedSequence, servers_give_token_ids
+from atropos.agent.tokens import IGNORE, count_prompt_tokens, template_wraps_tool_responses, tokenize_conversation
 from atropos.backends.base import Backend
-from atropos.errors import InfrastructureError
+from atropos.envs.config import AgentEnvConfig, default_server_configs, wandb_requested
+from atropos.errors import ConfigError, InfrastructureError
 from atropos.slots.config import PoolConfig
 from atropos.slots.lease import Lease, PoolTemplate
-from atropos.slots.pool import SlotPool
+from atropos.slots.pool import PoolStatus, SlotPool
 from atropos.tools.executor import AgentToolCall, ExecutorConfig, ToolExecutor, ToolOutcome
-from atropos.tools.registry import DEFAULT_TOOLSETS, ToolRegistry
+from atropos.tools.registry import ToolRegistry
+
+__all__ = ["AgentEnv", "AgentEnvConfig", "ExecTool", "Rollout"]
 
 log = logging.getLogger(__name__)
 
 ExecTool = Callable[[AgentToolCall], Awaitable[ToolOutcome]]
+ToolsFn = Callable[[list[AgentToolCall]], Awaitable[list[ToolOutcome]]]
+
+# process mode: a group lost to infrastructure is retried in place (BaseEnv drops a returned backlog
+# there); after this many lost in a row the platform is down and the run stops with the last error.
+PROCESS_MAX_LOST_GROUPS = 5
 
 
-class AgentEnvConfig(BaseEnvConfig):
-    # where sandboxes run
-    sandbox_backend: Literal["local", "docker", "nomad"] = Field("local", description="local | docker | nomad")
-    slots_per_host: int = Field(16, ge=1, description="slots per sandbox host (process or container)")
-    min_hosts: int = Field(1, ge=0, description="hosts kept running")
-    max_hosts: int = Field(4, ge=1, description="most hosts the pool scales to")
-    sandbox_image: str = Field("atropos-sandbox:dev", description="docker/nomad: sandbox image")
-    nomad_address: str = Field("http://127.0.0.1:4646", description="nomad: agent address")
-    nomad_job_id: str = Field("atropos-sandbox", description="nomad: job id")
-    acquire_timeout_s: float = Field(600.0, gt=0, description="wait for a group's slots")
-    # policy
-    allow_network: bool = Field(False, description="let sandbox commands reach the network")
-    tool_timeout_s: float = Field(120.0, gt=0, description="largest per-call timeout the model may choose")
-    infra_retries: int = Field(2, ge=0, description="retries of a rollout that failed for an infrastructure reason")
-    # batching
-    tool_batch_window_ms: float = Field(20.0, ge=0, description="ToolExecutor batching window (ms)")
-    tool_max_batch_size: int = Field(200, ge=1, description="ToolExecutor maximum batch size")
-    # agent
-    agent_max_steps: int = Field(20, ge=1, description="max model turns per trajectory")
-    agent_temperature: float = Field(0.7, ge=0, description="sampling temperature")
-    agent_max_tokens: int = Field(512, ge=1, description="max tokens per model turn")
-    tool_call_grammar: bool = Field(
-        False, description="send a GBNF grammar that forces well-formed <tool_call> JSON (llama.cpp servers)")
-    grammar_forced_tool_turns: int = Field(
-        0, ge=0, description="with the grammar: the first N turns must be tool calls (small models otherwise "
-                             "answer at once)")
-    # tools
-    enabled_toolsets: list[str] = Field(default_factory=lambda: list(DEFAULT_TOOLSETS))
-    disabled_toolsets: list[str] = Field(default_factory=list)
-    tool_server_url: str | None = Field(
-        None, description="ToolServer for external tools; 'inprocess' runs one in this process (offline corpus)")
-    tool_server_token: str | None = Field(None, description="bearer token of the ToolServer")
+class Rollout(BaseModel):
+    """One scored trajectory, ready to go into a ``ScoredDataGroup``."""
+
+    tokens: list[int]
+    masks: list[int]
+    score: float
+    messages: list[dict[str, Any]]
+    logprobs: list[float] | None = None  # only with sampled ids (ManagedServer); never placeholders
+    finish: str = "final"
+    tool_calls: int = 0
+    sandbox_seconds: float = 0.0
+    tracking_fallback: bool = False
+
+
+def _new_stats() -> dict[str, float]:
+    return {"rollouts": 0, "tool_calls": 0, "tool_seconds": 0.0, "score_sum": 0.0, "infra_retries": 0,
+            "items_backlogged": 0, "group_setups": 0, "group_setup_seconds": 0.0, "context_budget_stops": 0,
+            "token_tracking_fallbacks": 0}
 
 
 class AgentEnv(BaseEnv):
@@ -84,13 +89,52 @@ class AgentEnv(BaseEnv):
     def __init__(self, config: AgentEnvConfig, server_configs: Any, slurm: bool = False, testing: bool = False):
         super().__init__(config, server_configs, slurm, testing)
         self.config: AgentEnvConfig = config
+        if not config.wandb_name and self.name:
+            config.wandb_name = self.name  # serve mode's /register-env refuses a missing name (422)
+        # BaseEnv never hands tool_parser to its ServerManager; ManagedServer reads it from there.
+        self.server.tool_parser = config.tool_parser
         self.tools = ToolRegistry.default(with_web=bool(config.tool_server_url)).select(
             config.enabled_toolsets + (["web"] if config.tool_server_url else []), config.disabled_toolsets)
+        self.managed_tokens = self._decide_token_source()
+        self.wrap_tool_responses = not template_wraps_tool_responses(self.tokenizer)
         self.pool: SlotPool | None = None
         self.executor: ToolExecutor | None = None
-        self.stats: dict[str, float] = {"rollouts": 0, "tool_calls": 0, "tool_seconds": 0.0, "score_sum": 0.0,
-                                        "infra_retries": 0, "items_backlogged": 0, "group_setups": 0,
-                                        "group_setup_seconds": 0.0}
+        self.stats = _new_stats()
+        self.eval_stats = _new_stats()  # kept apart: eval rollouts must not move training metrics
+        self._process_mode = False
+        self._lost_in_a_row = 0
+
+    def _decide_token_source(self) -> bool:
+        source = self.config.token_source
+        if source == "chat_template":
+            return False
+        able = servers_give_token_ids(getattr(self.server, "servers", []))
+        if source == "managed" and not able:
+            raise ConfigError("token_source='managed' needs inference servers that return token ids "
+                              "(APIServerConfig.server_type 'vllm' or 'sglang')")
+        if able and self.config.tool_call_grammar:
+            log.warning("tool_call_grammar is a llama.cpp feature; ignored with ManagedServer (vllm/sglang)")
+        return able
+
+    @classmethod
+    def config_init(cls) -> tuple[AgentEnvConfig, list[APIServerConfig]]:
+        """Defaults for the CLI. A subclass that does not override this still gets a LIST of
+        ``APIServerConfig`` (BaseEnv's ``ServerBaseline`` default makes ``--openai.*`` a no-op) and a
+        ``wandb_name``. ``tokenizer_name`` stays BaseEnv's hub default: set a local path offline."""
+        cfg_cls = cls.env_config_cls if issubclass(cls.env_config_cls, AgentEnvConfig) else AgentEnvConfig
+        return cfg_cls(wandb_name=cls.name, use_wandb=False), default_server_configs()
+
+    @classmethod
+    def cli(cls) -> None:
+        # process and evaluate force use_wandb=True; offline with no API key wandb.init then
+        # crashes the run. Unless wandb was asked for, make it a no-op (an explicit WANDB_MODE wins).
+        try:
+            default = bool(cls.config_init()[0].use_wandb)
+        except Exception:
+            default = False  # BaseEnv.cli calls config_init again and reports the error
+        if not wandb_requested(sys.argv[1:], default):
+            os.environ.setdefault("WANDB_MODE", "disabled")
+        super().cli()
 
     # -- hooks for subclasses --------------------------------------------------------------
     def build_task(self, item: Any) -> str:
@@ -100,6 +144,9 @@ class AgentEnv(BaseEnv):
     async def score_trajectory(self, item: Any, final_response: str) -> float:
         """Score from the final answer alone (override ``verify_and_score_trajectory`` to look at the slot)."""
         raise NotImplementedError
+
+    async def setup_agent_env(self) -> None:
+        """Env-specific setup, once, after the pool is up (the reference AgentEnv's hook). Default: nothing."""
 
     async def setup_group_workspace(self, item: Any, *, trajectory_id: str, exec_tool: ExecTool,
                                     lease: Lease) -> dict[str, Any]:
@@ -145,6 +192,7 @@ class AgentEnv(BaseEnv):
     # -- lifecycle -------------------------------------------------------------------------
     async def setup(self) -> None:
         await self.setup_sandbox()
+        await self.setup_agent_env()
 
     async def setup_sandbox(self) -> None:
         if self.pool is not None:
@@ -192,11 +240,14 @@ class AgentEnv(BaseEnv):
             self.pool = None
 
     async def process_manager(self) -> Any:
+        self._process_mode = True
+        status: PoolStatus | None = None
         try:
             return await super().process_manager()
         finally:
+            status = self.pool.status() if self.pool is not None else None
             await self.shutdown_sandbox()
-            self.print_summary()
+            self.print_summary(status)
 
     async def env_manager(self) -> Any:
         try:
@@ -204,18 +255,28 @@ class AgentEnv(BaseEnv):
         finally:
             await self.shutdown_sandbox()
 
-    def print_summary(self) -> None:
+    async def _run_evaluate(self) -> None:
+        # BaseEnv's `evaluate` command runs setup() + evaluate() and returns: nothing stops the pool.
+        try:
+            await super()._run_evaluate()
+        finally:
+            await self.shutdown_sandbox()
+
+    def print_summary(self, status: PoolStatus | None = None) -> None:
         s = self.stats
         rollouts = int(s["rollouts"])
         mean = s["score_sum"] / rollouts if rollouts else 0.0
         per_call = 1000 * s["tool_seconds"] / s["tool_calls"] if s["tool_calls"] else 0.0
         path = getattr(self.config, "data_path_to_save_groups", None)
-        c = self.config
-        print(f"[atropos-sandbox] pool: backend {c.sandbox_backend}, {c.slots_per_host} slots/host, "
-              f"hosts {c.min_hosts}..{c.max_hosts}", flush=True)
+        if status is not None:  # what the pool really ran, not what was asked for
+            slots = sorted({h.slots for h in status.hosts})
+            print(f"[atropos-sandbox] pool: backend {status.backend}, {len(status.hosts)} host(s) with "
+                  f"{'/'.join(map(str, slots)) or '-'} slots, {status.leases_total} leases, "
+                  f"{status.lost_hosts} host(s) lost", flush=True)
         print(f"[atropos-sandbox] rollouts: {rollouts}  tool calls run: {int(s['tool_calls'])}  "
               f"mean score: {mean:.3f}  sandbox time per call: {per_call:.1f} ms  "
-              f"infra retries: {int(s['infra_retries'])}", flush=True)
+              f"infra retries: {int(s['infra_retries'])}  tokens: "
+              f"{'ManagedServer' if self.managed_tokens else 'chat template'}", flush=True)
         if path:
             print(f"[atropos-sandbox] data: {path}  html: {str(path).rsplit('.', 1)[0]}.html", flush=True)
 
@@ -223,18 +284,25 @@ class AgentEnv(BaseEnv):
     def system_prompt(self) -> str:
         return hermes_system_prompt(self.tools.schemas(), self.system_preamble)
 
-    async def chat(self, messages: list[dict[str, Any]]) -> ChatReply:
-        """One model turn through atroposlib's ServerManager (OpenAI-compatible servers)."""
+    async def chat(self, messages: list[dict[str, Any]], session: ManagedSession | None = None) -> ChatReply:
+        """One model turn: through the rollout's ManagedServer session when there is one, else
+        through atroposlib's ServerManager (OpenAI-compatible servers). A failure of the server is
+        raised as ``InferenceUnavailable`` (infrastructure: the rollout is retried, never scored)."""
         c = self.config
-        kwargs: dict[str, Any] = {"messages": messages, "n": 1, "max_tokens": c.agent_max_tokens,
-                                  "temperature": c.agent_temperature}
-        if c.tool_call_grammar:
-            from atropos.agent.grammars import schema_grammar
-
-            turns = sum(1 for m in messages if m.get("role") == "assistant")
-            kwargs["extra_body"] = {"grammar": schema_grammar(
-                self.tools.schemas(), allow_answer=turns >= c.grammar_forced_tool_turns)}
-        completion = await self.server.chat_completion(**kwargs)
+        kwargs: dict[str, Any] = {"max_tokens": c.agent_max_tokens, "temperature": c.agent_temperature}
+        try:
+            if session is not None:
+                # no grammar here: extra_body would reach vllm's /generate as an unknown field
+                return await session.chat(messages, **kwargs)
+            grammar = self.turn_grammar(messages) if c.tool_call_grammar else None
+            if grammar is not None:
+                kwargs["extra_body"] = {"grammar": grammar}
+            completion = await self.server.chat_completion(messages=messages, n=1, **kwargs)
+        except Exception as exc:
+            failure = inference_failure(exc)
+            if failure is None:
+                raise
+            raise failure from exc
         choice = completion.choices[0]
         message = choice.message
         calls = None
@@ -242,7 +310,36 @@ class AgentEnv(BaseEnv):
             calls = [tc.model_dump() if hasattr(tc, "model_dump") else dict(tc) for tc in message.tool_calls]
         return ChatReply(text=message.content or "", tool_calls=calls, finish_reason=choice.finish_reason or "stop")
 
+    def turn_grammar(self, messages: list[dict[str, Any]]) -> str | None:
+        """The GBNF grammar for the next turn (with ``tool_call_grammar``): any tool call with
+        schema-valid arguments, and after ``grammar_forced_tool_turns`` turns also a plain answer."""
+        from atropos.agent.grammars import schema_grammar
+
+        turns = sum(1 for m in messages if m.get("role") == "assistant")
+        return schema_grammar(self.tools.schemas(), allow_answer=turns >= self.config.grammar_forced_tool_turns)
+
     async def collect_trajectories(self, item: Any) -> tuple[ScoredDataGroup | None, list[Any]]:
+        while True:
+            group, backlog = await self._collect_group(item)
+            if group is not None or not backlog:
+                self._lost_in_a_row = 0
+                return group, backlog
+            self._lost_in_a_row += 1
+            if not self._process_mode:
+                return None, backlog  # serve mode: BaseEnv puts the item back in its backlog
+            # process mode drops a returned backlog (it just asks get_next_item again): retry here
+            if self._lost_in_a_row >= PROCESS_MAX_LOST_GROUPS:
+                raise InfrastructureError(f"{self._lost_in_a_row} groups in a row lost to infrastructure; "
+                                          "the sandbox pool or the inference server is down")
+            log.warning("process mode: retrying the item (%d group(s) in a row lost to infrastructure)",
+                        self._lost_in_a_row)
+
+    def _backlog(self, item: Any, why: str) -> tuple[None, list[Any]]:
+        log.warning("%s; the item goes back to the backlog (not scored)", why)
+        self.stats["items_backlogged"] += 1
+        return None, [item]
+
+    async def _collect_group(self, item: Any) -> tuple[ScoredDataGroup | None, list[Any]]:
         await self.setup_sandbox()
         assert self.pool is not None
         group_id = uuid.uuid4().hex[:10]
@@ -251,22 +348,22 @@ class AgentEnv(BaseEnv):
         try:
             leases = await self.pool.lease_many(ids, self.config.acquire_timeout_s, network=self.config.allow_network,
                                                 colocate=True if group_setup else None)
-        except InfrastructureError as exc:
-            log.error("could not lease a group of %d: %s; item goes back to the backlog", len(ids), exc)
-            self.stats["items_backlogged"] += 1
-            return None, [item]
+        except Exception as exc:
+            if not is_infrastructure(exc):
+                raise
+            return self._backlog(item, f"could not lease a group of {len(ids)} ({type(exc).__name__}: {exc})")
         template: PoolTemplate | None = None
         try:
             if group_setup:
                 try:
                     template = await self._prepare_group(item, leases)
-                except InfrastructureError as exc:
-                    log.error("group setup failed for an infrastructure reason (%s); item goes back to the backlog",
-                              exc)
-                    self.stats["items_backlogged"] += 1
-                    return None, [item]
-            results = await asyncio.gather(*(self._rollout_with_retries(item, lease, template) for lease in leases),
-                                           return_exceptions=True)
+                except Exception as exc:
+                    if not is_infrastructure(exc):
+                        raise
+                    return self._backlog(item, f"group setup failed ({type(exc).__name__}: {exc})")
+            results = await asyncio.gather(
+                *(self._rollout_with_retries(item, lease, template, self.stats) for lease in leases),
+                return_exceptions=True)
         finally:
             await asyncio.gather(*(self.pool.release(lease) for lease in leases), return_exceptions=True)
             if template is not None:
@@ -274,22 +371,38 @@ class AgentEnv(BaseEnv):
                     await self.pool.delete_template(template)
                 except Exception as exc:  # never let cleanup mask the group's outcome
                     log.warning("could not delete group template %s: %s", template.id, exc)
-        rollouts = []
+        rollouts: list[Rollout] = []
+        lost: BaseException | None = None
         for r in results:
-            if isinstance(r, InfrastructureError):
-                log.error("rollout lost to infrastructure after retries (%s); item goes back to the backlog", r)
-                self.stats["items_backlogged"] += 1
-                return None, [item]
-            if isinstance(r, BaseException):
-                raise r
-            rollouts.append(r)
+            if isinstance(r, Rollout):
+                rollouts.append(r)
+            elif isinstance(r, Exception) and is_infrastructure(r):
+                lost = r
+            else:
+                raise r  # a bug (in a hook, a config): seen, not trained on
+        if lost is not None:
+            return self._backlog(item, f"a rollout was lost to infrastructure after {self.config.infra_retries} "
+                                       f"retries ({type(lost).__name__}: {lost})")
+        for rollout in rollouts:
+            self._record(rollout, self.stats)
         group: ScoredDataGroup = ScoredDataGroup(tokens=[], masks=[], scores=[], messages=[])
-        for tokens, masks, score, messages in rollouts:
-            group["tokens"].append(tokens)
-            group["masks"].append(masks)
-            group["scores"].append(score)
-            group["messages"].append(messages)
+        for rollout in rollouts:
+            group["tokens"].append(rollout.tokens)
+            group["masks"].append(rollout.masks)
+            group["scores"].append(rollout.score)
+            group["messages"].append(rollout.messages)
+        if rollouts and all(r.logprobs is not None for r in rollouts):
+            group["inference_logprobs"] = [r.logprobs for r in rollouts]
         return group, []
+
+    @staticmethod
+    def _record(rollout: Rollout, stats: dict[str, float]) -> None:
+        stats["rollouts"] += 1
+        stats["tool_calls"] += rollout.tool_calls
+        stats["tool_seconds"] += rollout.sandbox_seconds
+        stats["score_sum"] += rollout.score
+        stats["context_budget_stops"] += rollout.finish == "context_budget"
+        stats["token_tracking_fallbacks"] += rollout.tracking_fallback
 
     async def _prepare_group(self, item: Any, leases: list[Lease]) -> PoolTemplate:
         """Run ``setup_group_workspace`` in the group's first slot, make a template of it (that slot
@@ -318,20 +431,22 @@ class AgentEnv(BaseEnv):
         log.debug("group %s: setup + template + %d forks in %.2fs", tid, len(leases) - 1, time.perf_counter() - t0)
         return template
 
-    async def _rollout_with_retries(self, item: Any, lease: Lease, template: PoolTemplate | None = None
-                                    ) -> tuple[list[int], list[int], float, list[dict[str, Any]]]:
+    async def _rollout_with_retries(self, item: Any, lease: Lease, template: PoolTemplate | None,
+                                    stats: dict[str, float]) -> Rollout:
+        """``rollout`` in ``lease``; after an infrastructure failure again from scratch in a fresh slot
+        (the old one's workspace is half-done or gone), up to ``infra_retries`` times."""
         assert self.pool is not None
         current = lease
         try:
             for attempt in range(self.config.infra_retries + 1):
                 try:
                     return await self.rollout(item, current)
-                except InfrastructureError as exc:
-                    if attempt == self.config.infra_retries:
+                except Exception as exc:
+                    if not is_infrastructure(exc) or attempt == self.config.infra_retries:
                         raise
-                    self.stats["infra_retries"] += 1
-                    log.warning("rollout %s hit an infrastructure failure (%s); retrying on a fresh slot",
-                                current.trajectory_id, exc)
+                    stats["infra_retries"] += 1
+                    log.warning("rollout %s hit an infrastructure failure (%s: %s); retrying on a fresh slot",
+                                current.trajectory_id, type(exc).__name__, exc)
                     if current is not lease:
                         await self.pool.release(current)
                     current = await self.pool.lease(f"{lease.trajectory_id}-r{attempt + 1}",
@@ -342,7 +457,7 @@ class AgentEnv(BaseEnv):
             if current is not lease:
                 await self.pool.release(current)
 
-    async def rollout(self, item: Any, lease: Lease) -> tuple[list[int], list[int], float, list[dict[str, Any]]]:
+    async def rollout(self, item: Any, lease: Lease) -> Rollout:
         """One trajectory in one slot: setup, agent loop, in-slot verification, tokens and masks."""
         assert self.executor is not None
         executor = self.executor
@@ -359,29 +474,56 @@ class AgentEnv(BaseEnv):
             messages = [{"role": "system", "content": self.system_prompt()},
                         {"role": "user", "content": self.build_task(item)}]
             cfg = AgentConfig(max_steps=self.config.agent_max_steps, temperature=self.config.agent_temperature,
-                              max_tokens=self.config.agent_max_tokens)
+                              max_tokens=self.config.agent_max_tokens,
+                              max_context_tokens=self.config.max_token_length,
+                              wrap_tool_responses=self.wrap_tool_responses)
             t0 = time.perf_counter()
-            result = await run_agent(self.chat, run_tools, messages, cfg)
-            log.debug("rollout %s: %d steps in %.1fs", tid, len(result.steps), time.perf_counter() - t0)
+            result, tracked, fallback = await self._run_policy(tid, messages, cfg, run_tools)
+            log.debug("rollout %s: %d steps in %.1fs (%s)", tid, len(result.steps), time.perf_counter() - t0,
+                      result.finish)
+            if result.finish == "context_budget":
+                log.info("rollout %s stopped at the context budget (%d tokens)", tid, self.config.max_token_length)
             score, _meta = await self.verify_and_score_trajectory(
                 item, result.final_response, trajectory_id=tid, exec_tool=exec_tool, lease=lease, agent_result=result)
         finally:
             executor.unbind(tid)
-        tokenized = tokenize_conversation(self.tokenizer, result.messages)
-        self.stats["rollouts"] += 1
-        self.stats["tool_calls"] += result.tool_calls
-        self.stats["tool_seconds"] += result.sandbox_seconds
-        self.stats["score_sum"] += float(score)
-        if all(m == IGNORE for m in tokenized.masks):
+        if tracked is not None:
+            tokens, masks, logprobs = tracked.tokens, tracked.masks, tracked.logprobs
+        else:
+            tokenized = tokenize_conversation(self.tokenizer, result.messages)
+            tokens, masks, logprobs = tokenized.tokens, tokenized.masks, None
+        if all(m == IGNORE for m in masks):
             log.warning("rollout %s has no trainable token", tid)
-        return tokenized.tokens, tokenized.masks, float(score), result.messages
+        return Rollout(tokens=tokens, masks=masks, score=float(score), messages=result.messages, logprobs=logprobs,
+                       finish=result.finish, tool_calls=result.tool_calls, sandbox_seconds=result.sandbox_seconds,
+                       tracking_fallback=fallback)
+
+    async def _run_policy(self, tid: str, messages: list[dict[str, Any]], cfg: AgentConfig, run_tools: ToolsFn,
+                          ) -> tuple[AgentResult, TrackedSequence | None, bool]:
+        """The agent loop, in a ManagedServer context of its own when the server gives token ids.
+        Returns the result, the tracked sequence (None on the chat-template path) and whether
+        ManagedServer's tracking broke and the chat template had to be used instead."""
+        count = functools.partial(count_prompt_tokens, self.tokenizer)
+        if not self.managed_tokens:
+            return await run_agent(self.chat, run_tools, messages, cfg, count), None, False
+        # One context per rollout with n=1 per turn: the rollout ends as one node, and extension
+        # can never match another rollout's prefix (reference §3.2).
+        async with self.server.managed_server(tokenizer=self.tokenizer) as managed:
+            session = ManagedSession(managed, self.tokenizer)
+            result = await run_agent(functools.partial(self.chat, session=session), run_tools, messages, cfg, count)
+            try:
+                return result, session.tracked(), False  # inside the block: the state resets on exit
+            except TokenTrackingError as exc:
+                log.warning("rollout %s: %s; using chat-template tokens without logprobs", tid, exc)
+                return result, None, True
 
     def eval_items(self) -> list[Any]:
         """Held-out items for ``evaluate`` (default: none; override to enable evaluation)."""
         return []
 
     async def evaluate(self, *args: Any, **kwargs: Any) -> None:
-        """One rollout per eval item, each in its own slot; logs the mean score."""
+        """One rollout per eval item, each in its own slot; logs the mean score. A rollout lost to
+        infrastructure is left out (and counted), never scored 0 and never the end of the eval."""
         items = self.eval_items()
         if not items:
             return
@@ -389,17 +531,28 @@ class AgentEnv(BaseEnv):
         assert self.pool is not None
         start = time.time()
 
-        async def one(i: int, item: Any) -> tuple[float, list[dict[str, Any]]]:
+        async def one(i: int, item: Any) -> Rollout:
             assert self.pool is not None
             async with self.pool.leased(f"eval-{uuid.uuid4().hex[:8]}-{i}", self.config.acquire_timeout_s,
                                         network=self.config.allow_network) as lease:
-                _tokens, _masks, score, messages = await self._rollout_with_retries(item, lease)
-                return score, messages
+                return await self._rollout_with_retries(item, lease, None, self.eval_stats)
 
-        results = await asyncio.gather(*(one(i, item) for i, item in enumerate(items)))
-        scores = [s for s, _ in results]
-        await self.evaluate_log(
-            metrics={"eval/mean_score": sum(scores) / len(scores), "eval/n": len(scores)},
-            start_time=start, end_time=time.time(),
-            samples=[{"messages": m, "score": s} for s, m in results],
-        )
+        results = await asyncio.gather(*(one(i, item) for i, item in enumerate(items)), return_exceptions=True)
+        done: list[Rollout] = []
+        lost = 0
+        for r in results:
+            if isinstance(r, Rollout):
+                done.append(r)
+            elif isinstance(r, Exception) and is_infrastructure(r):
+                lost += 1
+                log.warning("eval rollout lost to infrastructure (%s: %s); left out of the metrics",
+                            type(r).__name__, r)
+            else:
+                raise r
+        for rollout in done:
+            self._record(rollout, self.eval_stats)
+        metrics: dict[str, float] = {"eval/n": len(done), "eval/infra_failures": lost}
+        if done:
+            metrics["eval/mean_score"] = sum(r.score for r in done) / len(done)
+        await self.evaluate_log(metrics=metrics, start_time=start, end_time=time.time(),
+                                samples=[{"messages": r.messages, "score": r.score} for r in done])

@@ -1,19 +1,21 @@
-"""A coding environment: implement a function in the slot; hidden tests, copied in only at
-verification time and run in the same slot, give the reward.
+"""A coding environment: implement a function in the slot; hidden tests, which never enter the
+workspace, run in the same slot at verification time and give the reward (see ``hidden_tests``
+for why the solution cannot forge that result).
 
 ``python -m atropos.envs.examples.coding process --env.total_steps 2 --env.group_size 4``
 """
 
 from __future__ import annotations
 
-import json
 import random
-import shlex
 from typing import Any
 
 from atropos.envs.agent_env import AgentEnv, AgentEnvConfig, ExecTool
 from atropos.envs.examples.common import server_configs, tokenizer_dir
+from atropos.envs.examples.hidden_tests import verify
 from atropos.slots.lease import Lease
+
+__all__ = ["TASKS", "CodingEnv", "verify", "visible_test"]
 
 TASKS: list[dict[str, Any]] = [
     {"name": "add", "signature": "def add(a, b):", "doc": "Return the sum of a and b.",
@@ -34,27 +36,6 @@ TASKS: list[dict[str, Any]] = [
     {"name": "max_of", "signature": "def max_of(xs):", "doc": "Return the largest number in the list xs.",
      "visible": [[[[1, 5, 2]], 5]], "hidden": [[[[-3, -1]], -1], [[[7]], 7], [[[2, 9, 9, 1]], 9]]},
 ]
-
-RUNNER = r'''
-import importlib.util, json, os, sys
-here = os.path.dirname(os.path.abspath(__file__))
-spec = importlib.util.spec_from_file_location("solution", os.path.join(here, "solution.py"))
-cases = json.loads(sys.argv[2])
-passed = 0
-try:
-    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
-    fn = getattr(mod, sys.argv[1])
-except Exception as exc:
-    print("IMPORT ERROR", type(exc).__name__, exc); print("PASSED 0/%d" % len(cases)); sys.exit(1)
-for args, want in cases:
-    try:
-        ok = fn(*args) == want
-    except Exception:
-        ok = False
-    passed += ok
-print("PASSED %d/%d" % (passed, len(cases)))
-'''
-
 
 def visible_test(task: dict[str, Any]) -> str:
     lines = ["from solution import " + task["name"], "", "", "def test_visible():"]
@@ -111,28 +92,6 @@ class CodingEnv(AgentEnv):
 
     async def score_trajectory(self, item: dict[str, Any], final_response: str) -> float:
         raise NotImplementedError("scored in the slot by verify_and_score_trajectory")
-
-
-async def verify(lease: Lease, item: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    """Run the hidden tests against solution.py in a private copy (the agent never saw them).
-
-    The copy lives in the call's own /tmp, which nothing the agent left running (e.g. in the
-    terminal) can see; ``python3 -I`` keeps the workspace off sys.path, so a planted module cannot
-    shadow the standard library.
-    """
-    cases = json.dumps(item["hidden"])
-    script = (
-        "set -e; d=$(mktemp -d); cp solution.py \"$d/solution.py\"; "
-        f"printf %s {shlex.quote(RUNNER)} > \"$d/run_hidden.py\"; "
-        f"python3 -I \"$d/run_hidden.py\" {shlex.quote(item['name'])} {shlex.quote(cases)}"
-    )
-    out = await lease.call("bash", {"command": script}, timeout_s=60)
-    text = (out.result or {}).get("stdout", "") if out.ok else ""
-    passed, total = 0, len(item["hidden"])
-    for line in text.splitlines():
-        if line.startswith("PASSED "):
-            passed, total = (int(x) for x in line.split()[1].split("/"))
-    return passed / total if total else 0.0, {"hidden_passed": passed, "hidden_total": total}
 
 
 if __name__ == "__main__":

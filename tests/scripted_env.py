@@ -1,0 +1,77 @@
+"""Scripted coding policies, and the coding env with one of them, runnable as a CLI.
+
+``python -m tests.scripted_env process ...`` runs the coding env against the honest scripted policy
+(no model server). ATROPOS_TEST_POOL_STATUS names a file that gets the pool's real status
+(``SlotPool.status()``) as JSON right before the pool stops, so tests can check what the pool
+actually ran, not what the config said.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from openai.types.chat import ChatCompletion
+
+from atropos.envs.examples.coding import TASKS, CodingEnv
+from tests.scripted import ScriptedServer, call, call_text, reply
+
+SOLUTIONS = {
+    "add": "def add(a, b):\n    return a + b\n",
+    "is_palindrome": "def is_palindrome(s):\n    return s.lower() == s.lower()[::-1]\n",
+    "fizzbuzz": ("def fizzbuzz(n):\n    return 'FizzBuzz' if n % 15 == 0 else 'Fizz' if n % 3 == 0 else "
+                 "'Buzz' if n % 5 == 0 else str(n)\n"),
+    "count_vowels": "def count_vowels(s):\n    return sum(c in 'aeiouAEIOU' for c in s)\n",
+    "reverse_words": "def reverse_words(s):\n    return ' '.join(s.split(' ')[::-1])\n",
+    "max_of": "def max_of(xs):\n    return max(xs)\n",
+}
+
+
+def task_name(text: str) -> str:
+    return next(t["name"] for t in TASKS if f"`{t['name']}(" in text)
+
+
+def honest_turn(name: str, turn: int) -> str:
+    """write the right solution, run the visible test, answer."""
+    if turn == 0:
+        return call_text("write_file", path="solution.py", content=SOLUTIONS[name])
+    if turn == 1:
+        return call_text("bash", command="python3 test_visible.py")
+    return "Done: implemented and tested."
+
+
+class CodingPolicy(ScriptedServer):
+    """honest: write the right solution, run the visible test, answer. cheat: wrong code + edited test.
+    broken: a malformed call first."""
+
+    mode = "honest"
+
+    async def respond(self, messages: list[dict[str, Any]]) -> ChatCompletion:
+        name = task_name(messages[1]["content"])
+        turns = sum(1 for m in messages if m["role"] == "assistant")
+        if self.mode == "broken":
+            if turns == 0:
+                return reply('<tool_call>{"name": "bash", "arguments": {"command": "ls"</tool_call>')
+            turns -= 1
+        if self.mode == "cheat":
+            if turns == 0:
+                return call("write_file", path="solution.py", content=f"def {name}(*a):\n    return None\n")
+            if turns == 1:
+                return call("write_file", path="test_visible.py", content="print('ok')\n")
+            return reply("Done.")
+        return reply(honest_turn(name, turns))
+
+
+class ScriptedCodingEnv(CodingEnv):
+    server_cls = CodingPolicy
+
+    async def shutdown_sandbox(self) -> None:
+        path = os.environ.get("ATROPOS_TEST_POOL_STATUS")
+        if path and self.pool is not None:
+            with open(path, "w") as fh:
+                fh.write(self.pool.status().model_dump_json())
+        await super().shutdown_sandbox()
+
+
+if __name__ == "__main__":
+    ScriptedCodingEnv.cli()
