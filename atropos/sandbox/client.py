@@ -15,6 +15,7 @@ from atropos.errors import (
     SlotUnavailable,
     ToolInputError,
 )
+from atropos.sandbox.http1 import ConnectionPool, TransportError
 from atropos.sandbox.protocol import (
     LEASE_HEADER,
     CallResult,
@@ -50,21 +51,23 @@ class HostClient:
         *,
         max_timeout_s: float = 600.0,
         connect_timeout_s: float = 5.0,
-        transport: httpx.AsyncBaseTransport | None = None,
         max_connections: int = 256,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.max_timeout_s = max_timeout_s
         self._connect_timeout = connect_timeout_s
+        auth = {"Authorization": f"Bearer {token}"}
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
-            headers={"Authorization": f"Bearer {token}"},
-            transport=transport,
+            headers=auth,
             timeout=httpx.Timeout(30.0, connect=connect_timeout_s),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
+        # Tool calls, the hot path, skip httpx (see http1.py for the measured why).
+        self._calls = ConnectionPool(self.base_url, auth, connect_timeout_s=connect_timeout_s)
 
     async def aclose(self) -> None:
+        await self._calls.aclose()
         await self._http.aclose()
 
     async def __aenter__(self) -> HostClient:
@@ -83,7 +86,7 @@ class HostClient:
         except httpx.TransportError as exc:
             raise HostUnavailable(f"{self.base_url}: {type(exc).__name__}: {exc}") from exc
         if resp.status_code >= 400:
-            _raise_for(resp, self.base_url)
+            _raise_for(resp.status_code, resp.content, self.base_url)
         return resp
 
     # -- API -------------------------------------------------------------------------------
@@ -93,7 +96,7 @@ class HostClient:
         except httpx.TransportError as exc:
             raise HostUnavailable(f"{self.base_url}: {type(exc).__name__}: {exc}") from exc
         if resp.status_code == 401:
-            _raise_for(resp, self.base_url)
+            _raise_for(resp.status_code, resp.content, self.base_url)
         if resp.status_code not in (200, 503):
             raise HostUnavailable(f"{self.base_url}: health answered {resp.status_code}")
         return HealthInfo.model_validate_json(resp.content)
@@ -157,7 +160,7 @@ class HostClient:
                                          timeout=self._timeout(timeout)) as resp:
                 if resp.status_code >= 400:
                     await resp.aread()
-                    _raise_for(resp, self.base_url)
+                    _raise_for(resp.status_code, resp.content, self.base_url)
                 async for chunk in resp.aiter_raw():
                     yield chunk
         except httpx.TransportError as exc:
@@ -169,9 +172,13 @@ class HostClient:
 
     async def call(self, call: ToolCall) -> CallResult:
         timeout = min(call.timeout_s or self.max_timeout_s, self.max_timeout_s) + 30
-        resp = await self._send("POST", "/v1/call", content=call.model_dump_json(), timeout=timeout,
-                                headers={"content-type": "application/json"})
-        return CallResult.model_validate_json(resp.content)
+        try:
+            resp = await self._calls.request("POST", "/v1/call", call.model_dump_json().encode(), timeout=timeout)
+        except TransportError as exc:
+            raise HostUnavailable(f"{self.base_url}: {exc}") from exc
+        if resp.status >= 400:
+            _raise_for(resp.status, resp.body, self.base_url)
+        return CallResult.model_validate_json(resp.body)
 
     async def call_batch(self, calls: Sequence[ToolCall]) -> AsyncIterator[CallResult]:
         """Send calls in one request; yield each result as the host finishes it."""
@@ -179,18 +186,20 @@ class HostClient:
         timeout = min(longest, self.max_timeout_s) + 30
         body = json.dumps({"calls": [c.model_dump(mode="json") for c in calls]}, separators=(",", ":"))
         try:
-            async with self._http.stream(
-                "POST", "/v1/calls", content=body, timeout=self._timeout(timeout),
-                headers={"content-type": "application/json"},
-            ) as resp:
-                if resp.status_code >= 400:
-                    await resp.aread()
-                    _raise_for(resp, self.base_url)
-                async for line in resp.aiter_lines():
-                    if line:
-                        yield CallResult.model_validate_json(line)
-        except httpx.TransportError as exc:
-            raise HostUnavailable(f"{self.base_url}: {type(exc).__name__}: {exc}") from exc
+            async with self._calls.stream("POST", "/v1/calls", body.encode(), timeout=timeout) as resp:
+                if resp.status >= 400:
+                    _raise_for(resp.status, await resp.read(), self.base_url)
+                pending = b""
+                async for chunk in resp.chunks():
+                    pending += chunk
+                    *lines, pending = pending.split(b"\n")
+                    for line in lines:
+                        if line:
+                            yield CallResult.model_validate_json(line)
+                if pending.strip():
+                    yield CallResult.model_validate_json(pending)
+        except TransportError as exc:
+            raise HostUnavailable(f"{self.base_url}: {exc}") from exc
 
     async def read_bytes(self, slot: int, lease: str, path: str) -> bytes:
         resp = await self._send("GET", f"/v1/slots/{slot}/files", params={"path": path},
@@ -209,13 +218,14 @@ class HostClient:
         return resp.content
 
 
-def _raise_for(resp: httpx.Response, where: str) -> NoReturn:
+def _raise_for(status: int, body: bytes, where: str) -> NoReturn:
+    text = body.decode("utf-8", "replace")
     try:
-        err = resp.json().get("error", {})
-        code, message = str(err.get("code", "")), str(err.get("message", resp.text))
+        err = json.loads(body).get("error", {})
+        code, message = str(err.get("code", "")), str(err.get("message", text))
     except (ValueError, AttributeError):
-        code, message = "", resp.text
-    if resp.status_code == 401:
+        code, message = "", text
+    if status == 401:
         raise AuthenticationError(f"{where}: {message}")
     if code == "lease_invalid":
         raise LeaseError(message)
@@ -225,6 +235,6 @@ def _raise_for(resp: httpx.Response, where: str) -> NoReturn:
         raise _TEMPLATE_ERRORS[code](message)
     if code == "workspace_failed":
         raise WorkspaceError(f"{where}: {message}")
-    if resp.status_code >= 500:
-        raise HostUnavailable(f"{where}: HTTP {resp.status_code}: {message}")
-    raise ToolInputError(f"HTTP {resp.status_code} {code}: {message}")
+    if status >= 500:
+        raise HostUnavailable(f"{where}: HTTP {status}: {message}")
+    raise ToolInputError(f"HTTP {status} {code}: {message}")

@@ -131,6 +131,67 @@ def strip_ansi(text: str) -> str:
     return "\n".join(line.rsplit("\r", 1)[-1] for line in text.split("\n"))
 
 
+# A bash that has already paid for exec, dynamic loading and start-up, waiting for its command:
+# the next default `bash` call only writes the command and says go. The command arrives through
+# a memfd (seekable, so bash's `read` takes it in blocks, not a byte per syscall); the go byte
+# through a pipe. The variable is unset before the command runs, so the command sees the
+# environment a fresh `bash -c` would give it.
+ZYGOTE_BASH = "/bin/bash"
+
+
+def _zygote_script(go_fd: int, cmd_fd: int) -> str:
+    return (f'IFS= read -r -n 1 -u {go_fd} __atropos_go || exit 0; '
+            f'IFS= read -r -d "" -u {cmd_fd} __atropos_cmd; exec {go_fd}<&- {cmd_fd}<&-; '
+            'eval "unset __atropos_go; BASH_EXECUTION_STRING=\\$__atropos_cmd; unset __atropos_cmd; '
+            ': \\"\\$0\\"; $__atropos_cmd"')
+
+
+class Zygote:
+    """One pre-started ``bash`` for the slot's next default call (workspace cwd, slot env, no stdin)."""
+
+    def __init__(self, cwd: str, env: dict[str, str]) -> None:
+        self.cmd_fd = os.memfd_create("command", os.MFD_CLOEXEC)
+        go_r, self.go_w = os.pipe2(os.O_CLOEXEC)
+        devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self.proc = subprocess.Popen(
+                [ZYGOTE_BASH, "-c", _zygote_script(go_r, self.cmd_fd)], stdin=devnull,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env, close_fds=True,
+                start_new_session=True, pass_fds=(go_r, self.cmd_fd),
+            )
+        except BaseException:
+            os.close(self.cmd_fd)
+            os.close(self.go_w)
+            raise
+        finally:
+            os.close(go_r)
+            os.close(devnull)
+        self.cwd = cwd
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def go(self, command: str) -> None:
+        data = os.fsencode(command) + b"\0"
+        os.pwrite(self.cmd_fd, data, 0)
+        os.write(self.go_w, b"g")
+        self.close_fds()
+
+    def close_fds(self) -> None:
+        for fd in (self.cmd_fd, self.go_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.cmd_fd = self.go_w = -1
+
+    def discard(self) -> None:
+        self.close_fds()  # EOF on the go pipe: it exits 0 by itself
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
 class Supervisor:
     def __init__(self, cfg: dict[str, Any]) -> None:
         self.cfg = cfg
@@ -138,6 +199,7 @@ class Supervisor:
         self.run_dir = cfg.get("run_dir", "/run/term")
         self.env = dict(cfg.get("env", {}))
         self.isolated = bool(cfg.get("isolated", True))
+        self.zygote: Zygote | None = None
 
     # -- process control -------------------------------------------------------------------
     def kill_leftovers(self) -> None:
@@ -161,31 +223,19 @@ class Supervisor:
         cwd = self._resolve_dir(req.get("cwd") or ".")
         env = dict(self.env)
         env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
-        stdin_fd = os.open(os.devnull, os.O_RDONLY)
-        if req.get("stdin"):
-            os.close(stdin_fd)
-            stdin_fd = os.memfd_create("stdin", 0)
-            os.write(stdin_fd, str(req["stdin"]).encode())
-            os.lseek(stdin_fd, 0, os.SEEK_SET)
-        start = time.monotonic()
-        try:
-            proc = subprocess.Popen(
-                argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env,
-                close_fds=True, start_new_session=True,
-            )
-        except OSError as exc:
-            return {"exit_code": 127, "signal": None, "timed_out": False, "stdout": "",
-                    "stderr": f"cannot start {argv[0]}: {exc.strerror}\n", "stdout_bytes": 0,
-                    "stderr_bytes": 0, "stdout_truncated": False, "stderr_truncated": False,
-                    "duration_ms": 0.0, "output_limited": False}
-        finally:
-            os.close(stdin_fd)
-        cpu = req.get("cpu_seconds")
-        if cpu:
-            try:
-                resource.prlimit(proc.pid, resource.RLIMIT_CPU, (int(cpu), int(cpu) + 1))
-            except OSError:
-                pass
+        zygote = self._take_zygote(argv, req, cwd)
+        if zygote is not None:
+            proc = zygote.proc
+            _limit_cpu(proc.pid, req.get("cpu_seconds"))  # before the command starts
+            start = time.monotonic()
+            zygote.go(argv[2])
+        else:
+            start = time.monotonic()
+            started = self._popen(argv, req, cwd, env)
+            if isinstance(started, dict):
+                return started
+            proc = started
+            _limit_cpu(proc.pid, req.get("cpu_seconds"))
         out, err = Capture(cap), Capture(cap)
         streams = {proc.stdout: out, proc.stderr: err}
         sel = selectors.DefaultSelector()
@@ -227,6 +277,8 @@ class Supervisor:
         sel.close()
         os.close(pidfd)
         self.kill_leftovers()
+        if self.isolated:
+            self._drop_zygote()  # kill(-1) took it too: reap it, a new one starts when we are idle
         if not self.isolated and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         code = proc.wait()
@@ -248,6 +300,62 @@ class Supervisor:
             "stderr_truncated": err_trunc,
             "duration_ms": round((time.monotonic() - start) * 1000, 3),
         }
+
+    def _popen(self, argv: list[str], req: dict[str, Any], cwd: str,
+               env: dict[str, str]) -> subprocess.Popen[bytes] | dict[str, Any]:
+        stdin_fd = os.open(os.devnull, os.O_RDONLY)
+        if req.get("stdin"):
+            os.close(stdin_fd)
+            stdin_fd = os.memfd_create("stdin", 0)
+            os.write(stdin_fd, str(req["stdin"]).encode())
+            os.lseek(stdin_fd, 0, os.SEEK_SET)
+        try:
+            return subprocess.Popen(
+                argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env,
+                close_fds=True, start_new_session=True,
+            )
+        except OSError as exc:
+            return {"exit_code": 127, "signal": None, "timed_out": False, "stdout": "",
+                    "stderr": f"cannot start {argv[0]}: {exc.strerror}\n", "stdout_bytes": 0,
+                    "stderr_bytes": 0, "stdout_truncated": False, "stderr_truncated": False,
+                    "duration_ms": 0.0, "output_limited": False}
+        finally:
+            os.close(stdin_fd)
+
+    def _take_zygote(self, argv: list[str], req: dict[str, Any], cwd: str) -> Zygote | None:
+        """The waiting bash, if this call is exactly what it was started for."""
+        zygote = self.zygote
+        if (zygote is None or len(argv) != 3 or argv[:2] != [ZYGOTE_BASH, "-c"] or req.get("stdin")
+                or req.get("env") or cwd != zygote.cwd or not zygote.alive()):
+            return None
+        try:
+            os.fsencode(argv[2])
+        except UnicodeEncodeError:
+            return None  # the regular path reports it
+        self.zygote = None
+        return zygote
+
+    def idle(self) -> None:
+        """Between calls: have a bash waiting for the next one (its start-up is then off the call's path)."""
+        if self.zygote is not None:
+            if self.zygote.alive():
+                return
+            self._drop_zygote()
+        try:
+            self.zygote = Zygote(self._resolve_dir("."), self.env)
+        except (OSError, ToolFailure, subprocess.SubprocessError):
+            self.zygote = None  # e.g. the process limit: calls start their own bash
+
+    def _drop_zygote(self) -> None:
+        if self.zygote is None:
+            return
+        zygote, self.zygote = self.zygote, None
+        zygote.discard()
+        try:
+            zygote.proc.kill()
+        except OSError:
+            pass
+        zygote.proc.wait()
 
     # -- paths -----------------------------------------------------------------------------
     def _root_fd(self) -> int:
@@ -630,6 +738,14 @@ def _kind(mode: int) -> str:
     return "other"
 
 
+def _limit_cpu(pid: int, seconds: Any) -> None:
+    if seconds:
+        try:
+            resource.prlimit(pid, resource.RLIMIT_CPU, (int(seconds), int(seconds) + 1))
+        except OSError:
+            pass
+
+
 def _apply_limits(limits: dict[str, int]) -> None:
     names = {"nproc": resource.RLIMIT_NPROC, "as": resource.RLIMIT_AS, "fsize": resource.RLIMIT_FSIZE,
              "nofile": resource.RLIMIT_NOFILE, "core": resource.RLIMIT_CORE}
@@ -671,6 +787,7 @@ def main() -> None:
     sup = Supervisor(cfg)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     _write_frame(wfd, {"ok": True, "result": {"ready": True, "pid": os.getpid()}})
+    sup.idle()
     while True:
         try:
             (size,) = FRAME.unpack(_read_exact(rfd, FRAME.size))
@@ -683,6 +800,7 @@ def main() -> None:
         if isinstance(req, dict) and "seq" in req:
             reply["seq"] = req["seq"]  # the host checks it: a reply never answers another request
         _write_frame(wfd, reply)
+        sup.idle()
 
 
 if __name__ == "__main__":
