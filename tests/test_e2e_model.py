@@ -76,6 +76,9 @@ def test_process_mode_with_the_real_model(model_url: str, tokenizer: object, tmp
                    {"ATROPOS_E2E_RECORD": str(record), "ATROPOS_E2E_STATUS": str(status_file),
                     "ATROPOS_E2E_FIRST_WRITE": "1"}, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # long runs show they move: one progress line per scored group, counting up to the total
+    progress = [line for line in proc.stderr.splitlines() if line.startswith("[atropos-sandbox] group ")]
+    assert [line.split()[2] for line in progress] == ["1/2", "2/2"], proc.stderr[-3000:]
     # --env.* flags reach the pool: its own status before it stopped, not an echo of the config
     status = json.loads(status_file.read_text())
     assert status["backend"] == "local" and status["hosts"] and all(h["slots"] == 3 for h in status["hosts"])

@@ -44,6 +44,7 @@ from atropos.agent.tokens import IGNORE, count_prompt_tokens, template_wraps_too
 from atropos.backends.base import Backend
 from atropos.envs.config import AgentEnvConfig, default_server_configs, wandb_requested
 from atropos.errors import ConfigError, InfrastructureError
+from atropos.progress import GroupProgress
 from atropos.slots.config import PoolConfig
 from atropos.slots.lease import Lease, PoolTemplate
 from atropos.slots.pool import PoolStatus, SlotPool
@@ -103,6 +104,7 @@ class AgentEnv(BaseEnv):
         self.eval_stats = _new_stats()  # kept apart: eval rollouts must not move training metrics
         self._process_mode = False
         self._lost_in_a_row = 0
+        self.progress = GroupProgress()  # one stderr line per scored group (long runs show they move)
 
     def _decide_token_source(self) -> bool:
         source = self.config.token_source
@@ -393,6 +395,8 @@ class AgentEnv(BaseEnv):
             group["messages"].append(rollout.messages)
         if rollouts and all(r.logprobs is not None for r in rollouts):
             group["inference_logprobs"] = [r.logprobs for r in rollouts]
+        self.progress.group_done(rollouts=int(self.stats["rollouts"]), tool_calls=int(self.stats["tool_calls"]),
+                                 total_groups=getattr(self, "n_groups_to_process", None))
         return group, []
 
     @staticmethod
