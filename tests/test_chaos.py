@@ -835,8 +835,8 @@ async def test_killing_a_starting_sandbox_leaves_no_process_behind() -> None:
             os.chown(d, uid, uid)
     for name in ("passwd", "group", "hosts"):
         (paths.etc_dir / name).write_text("")
-    (paths.lib_dir / "supervisor.py").write_bytes(
-        resources.files("atropos.sandbox").joinpath("supervisor.py").read_bytes())
+    for script in ("supervisor.py", "inslot.py"):
+        (paths.lib_dir / script).write_bytes(resources.files("atropos.sandbox").joinpath(script).read_bytes())
     argv = bwrap_argv("/usr/bin/bwrap", paths, Limits(), network=False, seccomp_fd=-1)
     argv[argv.index("-1")] = "{seccomp_fd}"
     argv += ["/usr/bin/python3", "-I", "-S", "/run/atropos/supervisor.py", "{}"]

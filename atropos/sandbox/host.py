@@ -145,7 +145,8 @@ class SandboxHost:
             owned_dir(root / sub, 0o711 if sub != "trash" else 0o700)
         lib = root / "lib"
         os.chmod(lib, 0o755)
-        for script in ("supervisor.py", "session.py"):  # the python_session driver runs in the sandbox too
+        # the supervisor, the python_session driver and what the two share: all run inside the sandbox
+        for script in ("supervisor.py", "session.py", "inslot.py"):
             _write(lib / script, resources.files("atropos.sandbox").joinpath(script).read_bytes())
         _write(lib / "tmux.conf", TMUX_CONF.encode())
         etc = root / "etc"

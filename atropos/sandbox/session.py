@@ -24,57 +24,32 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import io
 import json
 import linecache
 import os
-import resource
 import selectors
 import signal
-import struct
 import sys
 import threading
 import time
 import traceback
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-FRAME = struct.Struct(">I")
-MAX_FRAME = 64 << 20
+if TYPE_CHECKING:
+    from atropos.sandbox.inslot import Capture, apply_limits, protocol_fds, serve
+else:  # run from the host's lib dir, beside inslot.py (isolated mode: the dir is not on sys.path)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from inslot import Capture, apply_limits, protocol_fds, serve
+    del sys.path[0]
+
 INTERRUPT_EVERY_S = 0.25
 
 
 class SessionTimeout(KeyboardInterrupt):
     """Raised in the running code at its deadline; a KeyboardInterrupt so `except Exception` lets it through."""
-
-
-class Capture:
-    """Keeps the first and last ``cap/2`` bytes of a stream and counts the rest (as the supervisor's)."""
-
-    def __init__(self, cap: int) -> None:
-        self.half = max(cap // 2, 1)
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.total = 0
-
-    def feed(self, data: bytes) -> None:
-        self.total += len(data)
-        room = self.half - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-        if data:
-            self.tail += data
-            if len(self.tail) > 2 * self.half:
-                del self.tail[: len(self.tail) - self.half]
-
-    def text(self) -> tuple[str, bool]:
-        tail = bytes(self.tail[-self.half :]) if self.tail else b""
-        dropped = self.total - len(self.head) - len(tail)
-        if dropped <= 0:
-            return (bytes(self.head) + tail).decode("utf-8", "replace"), False
-        marker = f"\n[... {dropped} bytes truncated ...]\n"
-        return self.head.decode("utf-8", "replace") + marker + tail.decode("utf-8", "replace"), True
 
 
 def _capped(text: str, cap: int) -> str:
@@ -282,34 +257,6 @@ def _flush() -> None:
             pass
 
 
-def _apply_limits(limits: dict[str, int]) -> None:
-    names = {"nproc": resource.RLIMIT_NPROC, "as": resource.RLIMIT_AS, "fsize": resource.RLIMIT_FSIZE,
-             "nofile": resource.RLIMIT_NOFILE, "core": resource.RLIMIT_CORE}
-    for name, value in limits.items():
-        if name in names and value is not None:
-            resource.setrlimit(names[name], (int(value), int(value)))
-
-
-def _read_exact(fd: int, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        try:
-            chunk = os.read(fd, n - len(buf))
-        except InterruptedError:
-            continue
-        if not chunk:
-            raise EOFError
-        buf += chunk
-    return bytes(buf)
-
-
-def _write_frame(fd: int, obj: dict[str, Any]) -> None:
-    data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "replace")
-    view = memoryview(FRAME.pack(len(data)) + data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
 def _setup_python(workspace: str) -> None:
     """Make the interpreter look like `python3 -c` in the workspace: system and user site-packages
     (a `pip install --user` is importable), the working directory first on sys.path."""
@@ -328,41 +275,27 @@ def _setup_python(workspace: str) -> None:
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
-    # The protocol pipes move to private descriptors; the code's stdio is ours to redirect.
-    rfd, wfd = os.dup(0), os.dup(1)
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for std in (0, 1):
-        os.dup2(devnull, std)
-    os.close(devnull)
-    os.set_inheritable(rfd, False)
-    os.set_inheritable(wfd, False)
+    rfd, wfd = protocol_fds()  # the code's stdio is ours to redirect
     try:
         with open("/proc/self/oom_score_adj", "w") as fh:
             fh.write("1000")  # under memory pressure the session dies, never the host
     except OSError:
         pass
-    _apply_limits(cfg.get("limits", {}))
+    apply_limits(cfg.get("limits", {}))
     os.environ.clear()  # children of the code (os.system) get the sandbox's environment, nothing else
     os.environ.update({str(k): str(v) for k, v in (cfg.get("env") or {}).items()})
     _setup_python(cfg.get("workspace", "/workspace"))
     session = Session(cfg)
     sys.modules["__main__"] = session.module
-    _write_frame(wfd, {"ok": True, "result": {"ready": True, "pid": os.getpid()}})
-    while True:
-        try:
-            (size,) = FRAME.unpack(_read_exact(rfd, FRAME.size))
-            if size > MAX_FRAME:
-                return
-            req = json.loads(_read_exact(rfd, size))
-        except EOFError:
-            return
-        if req.get("op") == "ping":
-            reply: dict[str, Any] = {"ok": True, "result": {"pong": True}}
-        elif req.get("op") == "session":
-            reply = {"ok": True, "result": session.run(req)}
-        else:
-            reply = {"ok": False, "error": {"code": "unknown_op", "message": f"unknown op {req.get('op')!r}"}}
-        _write_frame(wfd, reply)
+    serve(rfd, wfd, functools.partial(_handle, session))
+
+
+def _handle(session: Session, req: dict[str, Any]) -> dict[str, Any]:
+    if req.get("op") == "ping":
+        return {"ok": True, "result": {"pong": True}}
+    if req.get("op") == "session":
+        return {"ok": True, "result": session.run(req)}
+    return {"ok": False, "error": {"code": "unknown_op", "message": f"unknown op {req.get('op')!r}"}}
 
 
 if __name__ == "__main__":

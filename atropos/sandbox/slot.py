@@ -170,8 +170,7 @@ class Slot:
             network=(SlirpHandshake.create() if self.network and self.private_net
                      and not self.cfg.unsafe_no_isolation else None),
             network_uid=self.uid,
-            # the supervisor echoes each request's sequence number (the session driver does not)
-            echoes_seq=protocol and script == "supervisor.py",
+            echoes_seq=protocol,  # both in-slot programs serve through inslot.serve
         )
 
     async def ensure_sandbox(self) -> SandboxProcess:

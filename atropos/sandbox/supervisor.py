@@ -26,15 +26,18 @@ import resource
 import selectors
 import signal
 import stat
-import struct
 import subprocess
 import sys
 import tarfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-FRAME = struct.Struct(">I")
-MAX_FRAME = 64 << 20
+if TYPE_CHECKING:
+    from atropos.sandbox.inslot import Capture, apply_limits, protocol_fds, serve
+else:  # run from the host's lib dir, beside inslot.py (isolated mode: the dir is not on sys.path)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from inslot import Capture, apply_limits, protocol_fds, serve
+    del sys.path[0]
 
 # openat2(2) resolution flags (linux/openat2.h)
 RESOLVE_NO_MAGICLINKS = 0x02
@@ -90,35 +93,6 @@ def _os_failure(exc: OSError, path: str) -> ToolFailure:
     }
     code, message = codes.get(exc.errno or 0, ("os_error", f"{path}: {exc.strerror}"))
     return ToolFailure(code, message)
-
-
-class Capture:
-    """Keeps the first and last ``cap/2`` bytes of a stream and counts the rest."""
-
-    def __init__(self, cap: int) -> None:
-        self.half = max(cap // 2, 1)
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.total = 0
-
-    def feed(self, data: bytes) -> None:
-        self.total += len(data)
-        room = self.half - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-        if data:
-            self.tail += data
-            if len(self.tail) > 2 * self.half:
-                del self.tail[: len(self.tail) - self.half]
-
-    def text(self) -> tuple[str, bool]:
-        tail = bytes(self.tail[-self.half :]) if self.tail else b""
-        dropped = self.total - len(self.head) - len(tail)
-        if dropped <= 0:
-            return (bytes(self.head) + tail).decode("utf-8", "replace"), False
-        marker = f"\n[... {dropped} bytes truncated ...]\n"
-        return self.head.decode("utf-8", "replace") + marker + tail.decode("utf-8", "replace"), True
 
 
 _CONTROL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f]")
@@ -746,61 +720,15 @@ def _limit_cpu(pid: int, seconds: Any) -> None:
             pass
 
 
-def _apply_limits(limits: dict[str, int]) -> None:
-    names = {"nproc": resource.RLIMIT_NPROC, "as": resource.RLIMIT_AS, "fsize": resource.RLIMIT_FSIZE,
-             "nofile": resource.RLIMIT_NOFILE, "core": resource.RLIMIT_CORE}
-    for name, value in limits.items():
-        if name in names and value is not None:
-            resource.setrlimit(names[name], (int(value), int(value)))
-
-
-def _read_exact(fd: int, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = os.read(fd, n - len(buf))
-        if not chunk:
-            raise EOFError
-        buf += chunk
-    return bytes(buf)
-
-
-def _write_frame(fd: int, obj: dict[str, Any]) -> None:
-    data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "replace")
-    payload = FRAME.pack(len(data)) + data
-    view = memoryview(payload)
-    while view:
-        view = view[os.write(fd, view):]
-
-
 def main() -> None:
     cfg = json.loads(sys.argv[1])
-    # Keep the protocol pipes on private descriptors; commands get their own stdio.
-    rfd, wfd = os.dup(0), os.dup(1)
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for std in (0, 1):
-        os.dup2(devnull, std)
-    os.set_inheritable(rfd, False)
-    os.set_inheritable(wfd, False)
-    _apply_limits(cfg.get("limits", {}))
+    rfd, wfd = protocol_fds()
+    apply_limits(cfg.get("limits", {}))
     if cfg.get("exec"):
         os.execvpe(cfg["exec"][0], cfg["exec"], dict(cfg.get("env", {})))
     sup = Supervisor(cfg)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    _write_frame(wfd, {"ok": True, "result": {"ready": True, "pid": os.getpid()}})
-    sup.idle()
-    while True:
-        try:
-            (size,) = FRAME.unpack(_read_exact(rfd, FRAME.size))
-            if size > MAX_FRAME:
-                return
-            req = json.loads(_read_exact(rfd, size))
-        except EOFError:
-            return
-        reply = sup.handle(req)
-        if isinstance(req, dict) and "seq" in req:
-            reply["seq"] = req["seq"]  # the host checks it: a reply never answers another request
-        _write_frame(wfd, reply)
-        sup.idle()
+    serve(rfd, wfd, sup.handle, idle=sup.idle)  # idle: the next warm bash starts after the reply
 
 
 if __name__ == "__main__":

@@ -1,0 +1,116 @@
+"""What the two programs that run *inside* a slot's sandbox share: the supervisor (``supervisor.py``)
+and the python_session driver (``session.py``).
+
+Standard library only and import-light: the host copies this file beside the two scripts into its
+lib directory, and they import it from there with whatever ``python3`` the sandbox's ``/usr``
+offers (they run isolated, ``-I``, so their directory is put on ``sys.path`` by hand for this one
+import and taken off again).
+
+The wire: length-prefixed JSON frames on the program's stdin/stdout, one request at a time. A
+request may carry ``seq``; the reply echoes it, so the host can tell a reply that answers another
+request (a protocol out of step) from the one it waits for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import struct
+from collections.abc import Callable
+from typing import Any
+
+FRAME = struct.Struct(">I")
+MAX_FRAME = 64 << 20
+
+
+class Capture:
+    """Keeps the first and last ``cap/2`` bytes of a stream and counts the rest."""
+
+    def __init__(self, cap: int) -> None:
+        self.half = max(cap // 2, 1)
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+
+    def feed(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self.half - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if data:
+            self.tail += data
+            if len(self.tail) > 2 * self.half:
+                del self.tail[: len(self.tail) - self.half]
+
+    def text(self) -> tuple[str, bool]:
+        tail = bytes(self.tail[-self.half :]) if self.tail else b""
+        dropped = self.total - len(self.head) - len(tail)
+        if dropped <= 0:
+            return (bytes(self.head) + tail).decode("utf-8", "replace"), False
+        marker = f"\n[... {dropped} bytes truncated ...]\n"
+        return self.head.decode("utf-8", "replace") + marker + tail.decode("utf-8", "replace"), True
+
+
+def apply_limits(limits: dict[str, int]) -> None:
+    names = {"nproc": resource.RLIMIT_NPROC, "as": resource.RLIMIT_AS, "fsize": resource.RLIMIT_FSIZE,
+             "nofile": resource.RLIMIT_NOFILE, "core": resource.RLIMIT_CORE}
+    for name, value in limits.items():
+        if name in names and value is not None:
+            resource.setrlimit(names[name], (int(value), int(value)))
+
+
+def protocol_fds() -> tuple[int, int]:
+    """Move the protocol pipes to private descriptors; stdin/stdout become /dev/null, so what the
+    slot's code runs gets its own stdio and can never write into the protocol."""
+    rfd, wfd = os.dup(0), os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for std in (0, 1):
+        os.dup2(devnull, std)
+    os.close(devnull)
+    os.set_inheritable(rfd, False)
+    os.set_inheritable(wfd, False)
+    return rfd, wfd
+
+
+def read_exact(fd: int, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        try:
+            chunk = os.read(fd, n - len(buf))
+        except InterruptedError:  # a session's interrupt timer firing between requests
+            continue
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return bytes(buf)
+
+
+def write_frame(fd: int, obj: dict[str, Any]) -> None:
+    data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "replace")
+    view = memoryview(FRAME.pack(len(data)) + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def serve(rfd: int, wfd: int, handle: Callable[[dict[str, Any]], dict[str, Any]],
+          idle: Callable[[], None] = lambda: None) -> None:
+    """Announce readiness, then answer requests until the host closes the pipe. ``idle`` runs
+    after each reply is on its way (work that must not delay an answer)."""
+    write_frame(wfd, {"ok": True, "result": {"ready": True, "pid": os.getpid()}})
+    idle()
+    while True:
+        try:
+            (size,) = FRAME.unpack(read_exact(rfd, FRAME.size))
+            if size > MAX_FRAME:
+                return
+            req = json.loads(read_exact(rfd, size))
+        except EOFError:
+            return
+        reply = handle(req) if isinstance(req, dict) else {
+            "ok": False, "error": {"code": "invalid_request", "message": "a request is a JSON object"}}
+        if isinstance(req, dict) and "seq" in req:
+            reply["seq"] = req["seq"]
+        write_frame(wfd, reply)
+        idle()
