@@ -105,65 +105,108 @@ def strip_ansi(text: str) -> str:
     return "\n".join(line.rsplit("\r", 1)[-1] for line in text.split("\n"))
 
 
-# A bash that has already paid for exec, dynamic loading and start-up, waiting for its command:
-# the next default `bash` call only writes the command and says go. The command arrives through
-# a memfd (seekable, so bash's `read` takes it in blocks, not a byte per syscall); the go byte
-# through a pipe. The variable is unset before the command runs, so the command sees the
-# environment a fresh `bash -c` would give it.
-ZYGOTE_BASH = "/bin/bash"
+# Warm interpreters: a `bash` (and, once the slot has used `python`, a `python3`) that has already
+# paid for exec, dynamic loading and start-up, waiting for its command: the next default call only
+# writes the source into a memfd (seekable, so bash's `read` takes it in blocks, not a byte per
+# syscall) and says go through a pipe. What the bootstrap needs is gone before the source runs, so
+# the source sees what a fresh `bash -c` / `python3 -c` gives it.
+BASH = "/bin/bash"
+PYTHON = "python3"
 
 
-def _zygote_script(go_fd: int, cmd_fd: int) -> str:
+def _bash_boot(go_fd: int, src_fd: int) -> str:
     return (f'IFS= read -r -n 1 -u {go_fd} __atropos_go || exit 0; '
-            f'IFS= read -r -d "" -u {cmd_fd} __atropos_cmd; exec {go_fd}<&- {cmd_fd}<&-; '
+            f'IFS= read -r -d "" -u {src_fd} __atropos_cmd; exec {go_fd}<&- {src_fd}<&-; '
             'eval "unset __atropos_go; BASH_EXECUTION_STRING=\\$__atropos_cmd; unset __atropos_cmd; '
             ': \\"\\$0\\"; $__atropos_cmd"')
 
 
-class Zygote:
-    """One pre-started ``bash`` for the slot's next default call (workspace cwd, slot env, no stdin)."""
+def _python_boot(go_fd: int, src_fd: int) -> str:
+    # One function, deleted from __main__ before the source runs in __main__'s namespace. Uncaught
+    # exceptions are printed by sys.excepthook without the bootstrap's own frame, as `python3 -c`
+    # prints them (exit status 1); SystemExit propagates to the interpreter as usual.
+    return f"""def _atropos_boot():
+    import os, sys
+    if not os.read({go_fd}, 1):
+        os._exit(0)
+    os.close({go_fd})
+    parts = []
+    while True:
+        part = os.read({src_fd}, 1 << 20)
+        if not part:
+            break
+        parts.append(part)
+    os.close({src_fd})
+    namespace = sys.modules["__main__"].__dict__
+    del namespace["_atropos_boot"]
+    source = b"".join(parts).decode("utf-8", "surrogateescape")
+    try:
+        exec(compile(source, "<string>", "exec"), namespace)
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        exc.__traceback__ = exc.__traceback__.tb_next  # the printer reads it from the exception
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        raise SystemExit(1) from None
+_atropos_boot()
+"""
 
-    def __init__(self, cwd: str, env: dict[str, str]) -> None:
-        self.cmd_fd = os.memfd_create("command", os.MFD_CLOEXEC)
+
+WARM_KINDS = {BASH: _bash_boot, PYTHON: _python_boot}
+
+
+class WarmInterpreter:
+    """A pre-started interpreter for the slot's next default call of its kind (workspace cwd, slot
+    env, no stdin), fed its source through a memfd."""
+
+    def __init__(self, kind: str, cwd: str, env: dict[str, str]) -> None:
+        self.src_fd = os.memfd_create("source", os.MFD_CLOEXEC)
         go_r, self.go_w = os.pipe2(os.O_CLOEXEC)
         devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         try:
             self.proc = subprocess.Popen(
-                [ZYGOTE_BASH, "-c", _zygote_script(go_r, self.cmd_fd)], stdin=devnull,
+                [kind, "-c", WARM_KINDS[kind](go_r, self.src_fd)], stdin=devnull,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env, close_fds=True,
-                start_new_session=True, pass_fds=(go_r, self.cmd_fd),
+                start_new_session=True, pass_fds=(go_r, self.src_fd),
             )
         except BaseException:
-            os.close(self.cmd_fd)
+            os.close(self.src_fd)
             os.close(self.go_w)
             raise
         finally:
             os.close(go_r)
             os.close(devnull)
+        self.kind = kind
         self.cwd = cwd
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def go(self, command: str) -> None:
-        data = os.fsencode(command) + b"\0"
-        os.pwrite(self.cmd_fd, data, 0)
+    def go(self, source: str) -> None:
+        data = os.fsencode(source) + (b"\0" if self.kind == BASH else b"")
+        os.pwrite(self.src_fd, data, 0)
         os.write(self.go_w, b"g")
         self.close_fds()
 
     def close_fds(self) -> None:
-        for fd in (self.cmd_fd, self.go_w):
+        for fd in (self.src_fd, self.go_w):
             try:
                 os.close(fd)
             except OSError:
                 pass
-        self.cmd_fd = self.go_w = -1
+        self.src_fd = self.go_w = -1
 
-    def discard(self) -> None:
-        self.close_fds()  # EOF on the go pipe: it exits 0 by itself
+    def drop(self) -> None:
+        """Kill (if still alive) and reap."""
+        self.close_fds()  # EOF on the go pipe: it would exit by itself
         for pipe in (self.proc.stdout, self.proc.stderr):
             if pipe is not None:
                 pipe.close()
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
+        self.proc.wait()
 
 
 class Supervisor:
@@ -173,7 +216,8 @@ class Supervisor:
         self.run_dir = cfg.get("run_dir", "/run/term")
         self.env = dict(cfg.get("env", {}))
         self.isolated = bool(cfg.get("isolated", True))
-        self.zygote: Zygote | None = None
+        self.warm: dict[str, WarmInterpreter] = {}
+        self.warm_kinds = {BASH}  # python joins once the slot has run python: most slots never do
 
     # -- process control -------------------------------------------------------------------
     def kill_leftovers(self) -> None:
@@ -197,12 +241,12 @@ class Supervisor:
         cwd = self._resolve_dir(req.get("cwd") or ".")
         env = dict(self.env)
         env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
-        zygote = self._take_zygote(argv, req, cwd)
-        if zygote is not None:
-            proc = zygote.proc
-            _limit_cpu(proc.pid, req.get("cpu_seconds"))  # before the command starts
+        warm = self._take_warm(argv, req, cwd)
+        if warm is not None:
+            proc = warm.proc
+            _limit_cpu(proc.pid, req.get("cpu_seconds"))  # before the source starts
             start = time.monotonic()
-            zygote.go(argv[2])
+            warm.go(argv[2])
         else:
             start = time.monotonic()
             started = self._popen(argv, req, cwd, env)
@@ -252,7 +296,7 @@ class Supervisor:
         os.close(pidfd)
         self.kill_leftovers()
         if self.isolated:
-            self._drop_zygote()  # kill(-1) took it too: reap it, a new one starts when we are idle
+            self._drop_warm()  # kill(-1) took them too: reap them, new ones start when we are idle
         if not self.isolated and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         code = proc.wait()
@@ -296,40 +340,39 @@ class Supervisor:
         finally:
             os.close(stdin_fd)
 
-    def _take_zygote(self, argv: list[str], req: dict[str, Any], cwd: str) -> Zygote | None:
-        """The waiting bash, if this call is exactly what it was started for."""
-        zygote = self.zygote
-        if (zygote is None or len(argv) != 3 or argv[:2] != [ZYGOTE_BASH, "-c"] or req.get("stdin")
-                or req.get("env") or cwd != zygote.cwd or not zygote.alive()):
+    def _take_warm(self, argv: list[str], req: dict[str, Any], cwd: str) -> WarmInterpreter | None:
+        """The waiting interpreter of this call's kind, if the call is exactly what it was started for."""
+        if len(argv) != 3 or argv[1] != "-c" or argv[0] not in WARM_KINDS:
+            return None
+        self.warm_kinds.add(argv[0])
+        warm = self.warm.get(argv[0])
+        if warm is None or req.get("stdin") or req.get("env") or cwd != warm.cwd or not warm.alive():
             return None
         try:
             os.fsencode(argv[2])
         except UnicodeEncodeError:
             return None  # the regular path reports it
-        self.zygote = None
-        return zygote
+        del self.warm[argv[0]]
+        return warm
 
     def idle(self) -> None:
-        """Between calls: have a bash waiting for the next one (its start-up is then off the call's path)."""
-        if self.zygote is not None:
-            if self.zygote.alive():
-                return
-            self._drop_zygote()
-        try:
-            self.zygote = Zygote(self._resolve_dir("."), self.env)
-        except (OSError, ToolFailure, subprocess.SubprocessError):
-            self.zygote = None  # e.g. the process limit: calls start their own bash
+        """Between calls: have interpreters waiting for the next ones (start-up off the call's path)."""
+        for kind in sorted(self.warm_kinds):
+            warm = self.warm.get(kind)
+            if warm is not None:
+                if warm.alive():
+                    continue
+                del self.warm[kind]
+                warm.drop()
+            try:
+                self.warm[kind] = WarmInterpreter(kind, self._resolve_dir("."), self.env)
+            except (OSError, ToolFailure, subprocess.SubprocessError):
+                return  # e.g. the process limit: calls start their own
 
-    def _drop_zygote(self) -> None:
-        if self.zygote is None:
-            return
-        zygote, self.zygote = self.zygote, None
-        zygote.discard()
-        try:
-            zygote.proc.kill()
-        except OSError:
-            pass
-        zygote.proc.wait()
+    def _drop_warm(self) -> None:
+        warm, self.warm = self.warm, {}
+        for interpreter in warm.values():
+            interpreter.drop()
 
     # -- paths -----------------------------------------------------------------------------
     def _root_fd(self) -> int:

@@ -1,8 +1,9 @@
-"""The warm bash: a default `bash` call is served by a bash started while the slot was idle.
+"""Warm interpreters: a default `bash` call (and, once the slot has run `python`, a default
+`python` call) is served by an interpreter started while the slot was idle.
 
-A user must not be able to tell it from a fresh ``bash -c`` (same variables, same ``$0``/``$_``/
-``BASH_EXECUTION_STRING``, nothing of the mechanism visible), and every call still gets a bash no
-earlier call could have touched.
+A user must not be able to tell it from a fresh ``bash -c`` / ``python3 -c`` (same variables, same
+``$0``/``$_``/``BASH_EXECUTION_STRING``, same globals, argv, tracebacks and exit codes, nothing of the
+mechanism visible), and every call still gets an interpreter no earlier call could have touched.
 """
 
 from __future__ import annotations
@@ -83,3 +84,46 @@ async def test_nothing_of_one_call_survives_into_the_warm_bash_of_the_next(slot:
     assert out["stdout"].split("\n")[0].split(" ")[:2] == ["none", "/workspace"]
     assert out["stdout"].split("\n")[0].split(" ")[2] != "64"
     assert "trapped" not in out["stdout"] and "ll" not in out["stdout"]
+
+
+PY_AGE = ("import os\nup = float(open('/proc/uptime').read().split()[0])\n"
+          "start = int(open('/proc/self/stat').read().rsplit(')', 1)[1].split()[19])\n"
+          "print(int(up * 1000 - start * 1000 / os.sysconf('SC_CLK_TCK')))")
+WARM_PYTHONS = "grep -l _atropos_boo[t] /proc/[0-9]*/cmdline 2>/dev/null | wc -l"  # [t]: not grep itself
+
+
+async def test_python_is_warm_only_once_the_slot_has_used_it(slot: LeasedSlot) -> None:
+    await slot.sh("true")
+    await asyncio.sleep(0.3)
+    assert (await slot.sh(WARM_PYTHONS))["stdout"].strip() == "0"  # most slots never run python
+    first = await slot.ok("python", code=PY_AGE)
+    assert int(first["stdout"]) < 1000
+    await asyncio.sleep(1.2)
+    assert (await slot.sh(WARM_PYTHONS))["stdout"].strip() == "1"
+    await asyncio.sleep(1.2)
+    second = await slot.ok("python", code=PY_AGE)
+    assert int(second["stdout"]) >= 600  # waiting since before the call
+
+
+SNIPPETS = [
+    "print(sorted(globals()))",
+    "import sys; print(sys.argv, repr(sys.path[0]), __name__, sys.flags.isolated)",
+    "1/0",
+    "if",
+    "def f():\n    raise ValueError('x')\nf()",
+    "raise SystemExit(3)",
+    "import sys; sys.exit('bye')",
+    "print('\u00e9 \u2211', end='')",
+    "import os; print(os.getcwd(), sorted(os.listdir('/proc/self/fd')))",
+    "import atexit, sys; atexit.register(print, 'at exit'); print('out'); print('err', file=sys.stderr)",
+]
+
+
+async def test_the_warm_python_looks_like_a_fresh_python_c(slot: LeasedSlot) -> None:
+    await slot.ok("python", code="pass")
+    for code in SNIPPETS:
+        await asyncio.sleep(0.4)  # the warm interpreter is up again
+        warm = await slot.ok("python", code=code)
+        fresh = await slot.sh('python3 -c "$(cat)"', stdin=code)
+        assert (warm["exit_code"], warm["stdout"], warm["stderr"]) == \
+            (fresh["exit_code"], fresh["stdout"], fresh["stderr"]), code
