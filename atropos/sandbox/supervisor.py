@@ -217,7 +217,11 @@ class Supervisor:
         self.env = dict(cfg.get("env", {}))
         self.isolated = bool(cfg.get("isolated", True))
         self.warm: dict[str, WarmInterpreter] = {}
-        self.warm_kinds = {BASH}  # python joins once the slot has run python: most slots never do
+        # A bash is always kept warm (cheap, and most calls). A python only while the slot's last
+        # exec call was python: every exec call's kill(-1) takes the waiting interpreters with it, so
+        # keeping a python warm across bash calls would spend a python start-up on every bash call.
+        self.last_kind = BASH
+        self.root_dir: str | None = None
 
     # -- process control -------------------------------------------------------------------
     def kill_leftovers(self) -> None:
@@ -342,9 +346,10 @@ class Supervisor:
 
     def _take_warm(self, argv: list[str], req: dict[str, Any], cwd: str) -> WarmInterpreter | None:
         """The waiting interpreter of this call's kind, if the call is exactly what it was started for."""
+        if argv and argv[0] in WARM_KINDS:
+            self.last_kind = argv[0]
         if len(argv) != 3 or argv[1] != "-c" or argv[0] not in WARM_KINDS:
             return None
-        self.warm_kinds.add(argv[0])
         warm = self.warm.get(argv[0])
         if warm is None or req.get("stdin") or req.get("env") or cwd != warm.cwd or not warm.alive():
             return None
@@ -357,7 +362,7 @@ class Supervisor:
 
     def idle(self) -> None:
         """Between calls: have interpreters waiting for the next ones (start-up off the call's path)."""
-        for kind in sorted(self.warm_kinds):
+        for kind in sorted({BASH, self.last_kind}):
             warm = self.warm.get(kind)
             if warm is not None:
                 if warm.alive():
@@ -365,7 +370,9 @@ class Supervisor:
                 del self.warm[kind]
                 warm.drop()
             try:
-                self.warm[kind] = WarmInterpreter(kind, self._resolve_dir("."), self.env)
+                if self.root_dir is None:  # the workspace root never moves while this sandbox lives
+                    self.root_dir = self._resolve_dir(".")
+                self.warm[kind] = WarmInterpreter(kind, self.root_dir, self.env)
             except (OSError, ToolFailure, subprocess.SubprocessError):
                 return  # e.g. the process limit: calls start their own
 
