@@ -179,9 +179,7 @@ class ConnectionPool:
             head = (f"{method} {path} HTTP/1.1\r\n{self._fixed}content-type: {content_type}\r\n"
                     f"content-length: {len(body)}\r\n\r\n").encode("latin-1")
             try:
-                conn.writer.write(head + body if len(body) < 65536 else head)
-                if len(body) >= 65536:
-                    conn.writer.write(body)
+                conn.writer.write(head + body)  # one write: head and a small body in one segment
                 await conn.writer.drain()
             except OSError as exc:
                 raise TransportError(f"{type(exc).__name__}: {exc}") from None

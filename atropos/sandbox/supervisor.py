@@ -253,10 +253,13 @@ class Supervisor:
             warm.go(argv[2])
         else:
             start = time.monotonic()
-            started = self._popen(argv, req, cwd, env)
-            if isinstance(started, dict):
-                return started
-            proc = started
+            try:
+                proc = self._popen(argv, req, cwd, env)
+            except OSError as exc:
+                return {"exit_code": 127, "signal": None, "timed_out": False, "stdout": "",
+                        "stderr": f"cannot start {argv[0]}: {exc.strerror}\n", "stdout_bytes": 0,
+                        "stderr_bytes": 0, "stdout_truncated": False, "stderr_truncated": False,
+                        "duration_ms": 0.0, "output_limited": False}
             _limit_cpu(proc.pid, req.get("cpu_seconds"))
         out, err = Capture(cap), Capture(cap)
         streams = {proc.stdout: out, proc.stderr: err}
@@ -323,8 +326,7 @@ class Supervisor:
             "duration_ms": round((time.monotonic() - start) * 1000, 3),
         }
 
-    def _popen(self, argv: list[str], req: dict[str, Any], cwd: str,
-               env: dict[str, str]) -> subprocess.Popen[bytes] | dict[str, Any]:
+    def _popen(self, argv: list[str], req: dict[str, Any], cwd: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
         stdin_fd = os.open(os.devnull, os.O_RDONLY)
         if req.get("stdin"):
             os.close(stdin_fd)
@@ -336,22 +338,17 @@ class Supervisor:
                 argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env,
                 close_fds=True, start_new_session=True,
             )
-        except OSError as exc:
-            return {"exit_code": 127, "signal": None, "timed_out": False, "stdout": "",
-                    "stderr": f"cannot start {argv[0]}: {exc.strerror}\n", "stdout_bytes": 0,
-                    "stderr_bytes": 0, "stdout_truncated": False, "stderr_truncated": False,
-                    "duration_ms": 0.0, "output_limited": False}
         finally:
             os.close(stdin_fd)
 
     def _take_warm(self, argv: list[str], req: dict[str, Any], cwd: str) -> WarmInterpreter | None:
         """The waiting interpreter of this call's kind, if the call is exactly what it was started for."""
-        if argv and argv[0] in WARM_KINDS:
-            self.last_kind = argv[0]
-        if len(argv) != 3 or argv[1] != "-c" or argv[0] not in WARM_KINDS:
+        if not argv or argv[0] not in WARM_KINDS:
             return None
+        self.last_kind = argv[0]
         warm = self.warm.get(argv[0])
-        if warm is None or req.get("stdin") or req.get("env") or cwd != warm.cwd or not warm.alive():
+        if (len(argv) != 3 or argv[1] != "-c" or warm is None or req.get("stdin") or req.get("env") or cwd != warm.cwd
+                or not warm.alive()):
             return None
         try:
             os.fsencode(argv[2])
