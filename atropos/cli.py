@@ -86,11 +86,14 @@ def _wrap(text: str, indent: str = "") -> str:
     return textwrap.fill(text, 100, subsequent_indent=indent, break_on_hyphens=False)
 
 
+def _settings_names() -> str:
+    return ", ".join(ServeSettings.model_fields)
+
+
 def _settings_epilog() -> str:
-    names = ", ".join(ServeSettings.model_fields)
     return _wrap(f"settings (flags win over ${SETTINGS_ENV_PREFIX}<SETTING> variables, which win over the --config "
             f"file, a YAML or JSON object with these keys; ${CONFIG_ENV} names the file when --config is not "
-            f"given): {names}")
+            f"given): {_settings_names()}")
 
 
 EPILOG = f"""\
@@ -109,7 +112,7 @@ configuration: flags, then environment variables, then the --config file (flags 
   {CONFIG_ENV:<28} the config file when --config is not given
   {SETTINGS_ENV_PREFIX}<SETTING>    any setting, e.g. ATROPOS_SANDBOX_POOL_ID=train,
                                ATROPOS_SANDBOX_MAX_HOSTS=8, ATROPOS_SANDBOX_LOG_JSON=true
-  {_wrap("settings: " + ", ".join(ServeSettings.model_fields), "            ")}
+  {_wrap("settings: " + _settings_names(), "            ")}
 
 environment:
   {TOKEN_ENV:<28} bearer token `serve` requires of clients (`pool up` makes one
@@ -180,34 +183,40 @@ def load_settings(args: argparse.Namespace, environ: dict[str, str] | None = Non
         raise ConfigError(f"invalid settings{where}: {problems}") from None
 
 
+def _setting_flag(p: argparse.ArgumentParser, name: str, help_text: str, **kw: Any) -> None:
+    """``--<name>`` (dashes) into ``args.<name>``: the one spelling of a setting's flag (``config`` too)
+    in every command; load_settings reads the settings back by field name."""
+    p.add_argument(f"--{name.replace('_', '-')}", dest=name, help=help_text, **kw)
+
+
 def add_settings_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help=f"YAML or JSON file with settings (flags override it; default ${CONFIG_ENV})")
-    p.add_argument("--backend", choices=["local", "docker", "nomad"], help="where sandbox hosts run (default local)")
-    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port (default 8000; pool up: 0 picks a free one)")
-    p.add_argument("--slots-per-host", dest="slots_per_host", type=int, help="slots per host (default 16)")
-    p.add_argument("--min-hosts", dest="min_hosts", type=int, help="hosts kept running (default 1)")
-    p.add_argument("--max-hosts", dest="max_hosts", type=int, help="most hosts (default 4)")
-    p.add_argument("--image", help="docker/nomad: sandbox image (default atropos-sandbox:dev)")
-    p.add_argument("--nomad-address", dest="nomad_address", help="nomad: agent address (default $NOMAD_ADDR)")
-    p.add_argument("--pool-id", dest="pool_id", help="names this pool's hosts and state (default cli)")
-    p.add_argument("--web-provider", dest="web_provider", choices=["offline", "http", "none"],
-                   help="web_search/web_extract provider (default offline corpus)")
-    p.add_argument("--corpus-dir", dest="corpus_dir", type=Path, help="offline search corpus (default: built-in)")
-    p.add_argument("--web-base-url", dest="web_base_url", help="http provider: the API base URL")
-    p.add_argument("--allow-no-auth", dest="allow_no_auth", action="store_true", default=None,
-                   help="DEVELOPMENT: no token (only on a loopback address)")
-    p.add_argument("--metrics-need-token", dest="metrics_need_token", action="store_true", default=None,
-                   help="/metrics requires the bearer token too (default: public; it holds no secret or id)")
-    p.add_argument("--log-json", dest="log_json", action="store_true", default=None, help="JSON log lines")
-    p.add_argument("--log-level", dest="log_level", help="log level (default INFO)")
+    _setting_flag(p, "config", f"YAML or JSON file with settings (flags override it; default ${CONFIG_ENV})")
+    _setting_flag(p, "backend", "where sandbox hosts run (default local)", choices=["local", "docker", "nomad"])
+    _setting_flag(p, "host", "address to listen on (default 127.0.0.1)")
+    _setting_flag(p, "port", "port (default 8000; pool up: 0 picks a free one)", type=int)
+    _setting_flag(p, "slots_per_host", "slots per host (default 16)", type=int)
+    _setting_flag(p, "min_hosts", "hosts kept running (default 1)", type=int)
+    _setting_flag(p, "max_hosts", "most hosts (default 4)", type=int)
+    _setting_flag(p, "image", "docker/nomad: sandbox image (default atropos-sandbox:dev)")
+    _setting_flag(p, "nomad_address", "nomad: agent address (default $NOMAD_ADDR)")
+    _setting_flag(p, "pool_id", "names this pool's hosts and state (default cli)")
+    _setting_flag(p, "web_provider", "web_search/web_extract provider (default offline corpus)",
+                  choices=["offline", "http", "none"])
+    _setting_flag(p, "corpus_dir", "offline search corpus (default: built-in)", type=Path)
+    _setting_flag(p, "web_base_url", "http provider: the API base URL")
+    _setting_flag(p, "allow_no_auth", "DEVELOPMENT: no token (only on a loopback address)",
+                  action="store_true", default=None)
+    _setting_flag(p, "metrics_need_token",
+                  "/metrics requires the bearer token too (default: public; it holds no secret or id)",
+                  action="store_true", default=None)
+    _setting_flag(p, "log_json", "JSON log lines", action="store_true", default=None)
+    _setting_flag(p, "log_level", "log level (default INFO)")
 
 
 def add_pool_flags(p: argparse.ArgumentParser) -> None:
     """The flags commands talking to a background pool need: which pool (same resolution as serve)."""
-    p.add_argument("--pool-id", dest="pool_id", help="which pool (default: $ATROPOS_SANDBOX_POOL_ID, the "
-                                                     "config file's pool_id, else cli)")
-    p.add_argument("--config", help=f"YAML or JSON settings file to take pool_id from (default ${CONFIG_ENV})")
+    _setting_flag(p, "pool_id", "which pool (default: $ATROPOS_SANDBOX_POOL_ID, the config file's pool_id, else cli)")
+    _setting_flag(p, "config", f"YAML or JSON settings file to take pool_id from (default ${CONFIG_ENV})")
 
 
 def setup_logging(settings: ServeSettings) -> None:
@@ -288,24 +297,19 @@ def resolve_token(s: ServeSettings) -> str | None:
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind before anything starts: a busy port is a clear exit 3, not uvicorn's ``sys.exit(1)``
     after the pool already started its hosts."""
+    from atropos.asgi import listening_socket
+
     try:
         family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:
         raise ConfigError(f"cannot listen on {host!r}: {exc.strerror}") from None
-    # proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say so (else +40 ms per call)
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind(addr)
-        sock.listen(2048)
+        return listening_socket(family, addr, 2048)
     except OSError as exc:
-        sock.close()
         if exc.errno == errno.EADDRINUSE:
             raise InfrastructureError(f"port {port} on {host} is already in use (another ToolServer or "
                                       "`pool up`?); choose another with --port") from None
         raise InfrastructureError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    sock.set_inheritable(False)
-    return sock
 
 
 # -- serve ------------------------------------------------------------------------------------
@@ -414,6 +418,8 @@ def _stop_process_group(pgid: int, running: Callable[[], bool], grace_s: float) 
 def cmd_pool_up(args: argparse.Namespace) -> int:
     import httpx
 
+    from atropos.backends.base import new_token
+
     s = load_settings(args)
     files = _files(s.pool_id)
     old = _read_state(s.pool_id)
@@ -425,7 +431,7 @@ def cmd_pool_up(args: argparse.Namespace) -> int:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             s = s.model_copy(update={"port": probe.getsockname()[1]})
-    token = secrets.token_urlsafe(32)
+    token = new_token()
     # The child reads exactly the settings validated here (flags + env + --config), from a private
     # file: nothing is dropped on the way, and the token is on no command line (argv is public).
     _write_private(files["settings"], s.model_dump_json(indent=2))
@@ -440,6 +446,12 @@ def cmd_pool_up(args: argparse.Namespace) -> int:
     state = PoolState(pool_id=s.pool_id, pid=proc.pid, url=url, token_file=files["token"],
                       settings_file=files["settings"], log=files["log"])
     _write_private(files["state"], state.model_dump_json())
+
+    def stop() -> None:
+        _stop_process_group(proc.pid, lambda: proc.poll() is None, 20)
+        proc.wait()
+        _remove_files(s.pool_id)
+
     deadline = time.monotonic() + args.timeout
     try:
         while time.monotonic() < deadline:
@@ -456,13 +468,9 @@ def cmd_pool_up(args: argparse.Namespace) -> int:
                     return EXIT_OK
             time.sleep(0.3)
     except BaseException:  # Ctrl-C while waiting: leave nothing running behind
-        _stop_process_group(proc.pid, lambda: proc.poll() is None, 20)
-        proc.wait()
-        _remove_files(s.pool_id)
+        stop()
         raise
-    _stop_process_group(proc.pid, lambda: proc.poll() is None, 20)
-    proc.wait()
-    _remove_files(s.pool_id)
+    stop()
     print(f"error: pool {s.pool_id} did not become healthy within {args.timeout:g}s; stopped it (pid {proc.pid}); "
           f"log: {files['log']}\n{_tail(files['log'])}", file=sys.stderr)
     return EXIT_INFRA
@@ -474,8 +482,8 @@ class PoolConnection(BaseModel):
     token: str = Field(repr=False)
 
 
-def _connection(pool_id: str) -> PoolConnection:
-    state = _read_state(pool_id)
+def _connection(pool_id: str, state: PoolState | None) -> PoolConnection:
+    """How to reach the pool whose state (``_read_state(pool_id)``) this is."""
     if state is None:
         raise InfrastructureError(f"no pool {pool_id!r} is up (start one with `atropos-sandbox pool up`)")
     if not _is_pool_process(state.pid):
@@ -541,7 +549,7 @@ def cmd_pool_status(args: argparse.Namespace) -> int:
     from atropos.slots.pool import PoolStatus
 
     pool_id, _ = _pool_id(args)
-    with PoolHttp(_connection(pool_id)) as http:
+    with PoolHttp(_connection(pool_id, _read_state(pool_id))) as http:
         body = http.request("GET", "/v1/status")
     try:
         PoolStatus.model_validate(body)
@@ -612,8 +620,9 @@ def cmd_exec(args: argparse.Namespace) -> int:
     """One tool call in a fresh lease: through a running pool if one is up, else an ephemeral one."""
     tool_args = _tool_args(args)
     pool_id, asked = _pool_id(args)
-    if _read_state(pool_id) is not None:
-        with PoolHttp(_connection(pool_id)) as http:
+    state = _read_state(pool_id)
+    if state is not None:
+        with PoolHttp(_connection(pool_id, state)) as http:
             return _exec_in_pool(http, args, tool_args)
     if asked:  # a pool named by flag, env or config that is not up: never silently run elsewhere
         raise InfrastructureError(f"no pool {pool_id!r} is up (start one with `atropos-sandbox pool up`)")
@@ -788,10 +797,10 @@ def parser() -> argparse.ArgumentParser:
         "nomad` registers with the same settings: the job id is atropos-<pool_id>; NOMAD_* and "
         "ATROPOS_NOMAD_<FIELD> (e.g. ATROPOS_NOMAD_TOKEN_DELIVERY=env) apply. The owner Meta and, with "
         "token_delivery=env, the host token exist per running pool and are not printed.", settings_epilog)
-    render.add_argument("--config", help=f"YAML or JSON settings file (default ${CONFIG_ENV})")
-    render.add_argument("--image", help="sandbox image (default atropos-sandbox:dev)")
-    render.add_argument("--slots-per-host", dest="slots_per_host", type=int, help="slots per host (default 16)")
-    render.add_argument("--pool-id", dest="pool_id", help="the pool; the job id is atropos-<pool_id> (default cli)")
+    _setting_flag(render, "config", f"YAML or JSON settings file (default ${CONFIG_ENV})")
+    _setting_flag(render, "image", "sandbox image (default atropos-sandbox:dev)")
+    _setting_flag(render, "slots_per_host", "slots per host (default 16)", type=int)
+    _setting_flag(render, "pool_id", "the pool; the job id is atropos-<pool_id> (default cli)")
     render.set_defaults(func=cmd_nomad_render)
 
     bench = _command(sub, "bench", "run the benchmarks (arguments go to benchmarks.run)",

@@ -17,6 +17,7 @@ from typing import Any
 
 # Fields callers attach with ``log.info(..., extra={...})`` that JSON lines carry as keys.
 CONTEXT_FIELDS = ("trajectory_id", "lease", "call_id", "slot", "host", "tool", "outcome", "generation")
+_KNOWN_FIELDS = frozenset(CONTEXT_FIELDS)
 
 # A credential-looking value after a credential-looking key or auth scheme. Deliberately eager:
 # a redacted harmless word costs nothing, a leaked token costs a rotation.
@@ -37,7 +38,7 @@ def redact(text: str) -> str:
 def call_fields(**fields: Any) -> dict[str, Any]:
     """``extra=`` for a log line about a call: only the known id fields, ``None`` dropped (so a
     typo'd key fails here instead of silently missing from every JSON line)."""
-    unknown = set(fields) - set(CONTEXT_FIELDS)
+    unknown = fields.keys() - _KNOWN_FIELDS
     if unknown:
         raise ValueError(f"unknown log context field(s): {sorted(unknown)}; known: {CONTEXT_FIELDS}")
     return {k: v for k, v in fields.items() if v is not None}

@@ -55,11 +55,6 @@ LEASE_WAIT_SECONDS = Histogram("atropos_pool_lease_wait_seconds", "Time to get a
 # the exposition (and Prometheus' memory) without bound.
 UNKNOWN_TOOL = "unknown"
 
-# PoolStatus counters that may not exist in every version of the pool (read with a default).
-_POOL_EVENT_COUNTERS = (("scale_ups", "Hosts started by scaling"), ("scale_downs", "Idle hosts stopped"),
-                        ("quarantines", "Slots quarantined after a failed reset"))
-
-
 class PoolCollector(Collector):
     """Pool gauges and counters computed from ``pool.status()`` when scraped."""
 
@@ -92,10 +87,10 @@ class PoolCollector(Collector):
         yield CounterMetricFamily("atropos_pool_leases", "Leases granted", value=s.leases_total)
         yield CounterMetricFamily("atropos_pool_calls", "Tool calls sent", value=s.calls_total)
         yield CounterMetricFamily("atropos_pool_lost_hosts", "Hosts declared dead", value=s.lost_hosts)
-        for name, help_text in _POOL_EVENT_COUNTERS:
-            value = getattr(s, name, None)
-            if value is not None:
-                yield CounterMetricFamily(f"atropos_pool_{name}", help_text, value=value)
+        yield CounterMetricFamily("atropos_pool_scale_ups", "Hosts started by scaling", value=s.scale_ups)
+        yield CounterMetricFamily("atropos_pool_scale_downs", "Idle hosts stopped", value=s.scale_downs)
+        yield CounterMetricFamily("atropos_pool_quarantines", "Slots quarantined after a failed reset",
+                                  value=s.quarantines)
 
 
 def pool_registry(pool: SlotPool) -> CollectorRegistry:

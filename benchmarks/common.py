@@ -353,6 +353,20 @@ def local_pool(pool_id: str, hosts: int, slots_per_host: int, backend_kw: dict[s
     return SlotPool(backend, cfg)
 
 
+def docker_pool(pool_id: str, hosts: int, slots_per_host: int, backend_kw: dict[str, Any] | None = None,
+                **pool_kw: Any) -> Any:
+    """A SlotPool on the Docker backend (image DOCKER_IMAGE) with exactly ``hosts`` hosts (min = max).
+    Raises ConfigError without the docker SDK."""
+    from atropos.backends.docker import DockerBackend, DockerBackendConfig
+    from atropos.slots.config import PoolConfig
+    from atropos.slots.pool import SlotPool
+
+    backend = DockerBackend(DockerBackendConfig(image=DOCKER_IMAGE, pool_id=pool_id, slots_per_host=slots_per_host,
+                                                **(backend_kw or {})))
+    cfg = PoolConfig(pool_id=pool_id, min_hosts=hosts, max_hosts=hosts, **pool_kw)
+    return SlotPool(backend, cfg)
+
+
 def host_pids(pool: Any) -> list[int]:
     """Pids of a local-backend pool's host processes."""
     pids = []

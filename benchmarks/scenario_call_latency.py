@@ -39,6 +39,7 @@ from benchmarks.common import (
     ScenarioResult,
     Target,
     bench_dir,
+    docker_pool,
     docker_problem,
     scenario_main,
     start_host,
@@ -96,15 +97,9 @@ def _fork_exec_bash() -> None:
 async def _start_docker_pool() -> tuple[Any, str]:
     """A started one-container SlotPool on the Docker backend, or (None, why not)."""
     try:
-        from atropos.backends.docker import DockerBackend, DockerBackendConfig
-        from atropos.slots.config import PoolConfig
-        from atropos.slots.pool import SlotPool
-
-        backend = DockerBackend(DockerBackendConfig(image=DOCKER_IMAGE, pool_id=f"bench-latency-{os.getpid()}",
-                                                    slots_per_host=2))
+        pool = docker_pool(f"bench-latency-{os.getpid()}", hosts=1, slots_per_host=2)
     except Exception as exc:  # no docker SDK (ConfigError), bad settings
         return None, str(exc)
-    pool = SlotPool(backend, PoolConfig(pool_id=backend.cfg.pool_id, min_hosts=1, max_hosts=1))
     try:
         await pool.start()
     except Exception as exc:

@@ -20,15 +20,20 @@ from io import BytesIO
 from typing import Any
 
 from atropos.agent.grammars import schema_grammar
+from atropos.agent.loop import assistant_turns
 from atropos.envs.examples.coding import CodingEnv
 from atropos.slots.lease import Lease
+from tests.scripted import RecordsPoolStatus
 
 
-class RecordingCodingEnv(CodingEnv):
+class RecordingCodingEnv(RecordsPoolStatus, CodingEnv):
+    pool_status_env = "ATROPOS_E2E_STATUS"
+
     def turn_grammar(self, messages: list[dict[str, Any]]) -> str | None:
-        if os.environ.get("ATROPOS_E2E_FIRST_WRITE") and not any(m["role"] == "assistant" for m in messages):
-            write = [s for s in self.tools.schemas() if s.get("function", s).get("name") == "write_file"]
-            return schema_grammar(write, allow_answer=False)
+        if os.environ.get("ATROPOS_E2E_FIRST_WRITE") and assistant_turns(messages) == 0:
+            write = self.tools.get("write_file")
+            assert write is not None, "the coding env enables the files toolset"
+            return schema_grammar([write.openai_schema()], allow_answer=False)
         return super().turn_grammar(messages)
 
     async def verify_and_score_trajectory(self, item: dict[str, Any], final_response: str, *, trajectory_id: str,
@@ -49,13 +54,6 @@ class RecordingCodingEnv(CodingEnv):
                 fh.write(json.dumps({"trajectory_id": trajectory_id, "files": files, "score": score,
                                      "messages": agent_result.messages}) + "\n")
         return score, meta
-
-    async def shutdown_sandbox(self) -> None:
-        path = os.environ.get("ATROPOS_E2E_STATUS")
-        if path and self.pool is not None:
-            with open(path, "w") as fh:
-                fh.write(self.pool.status().model_dump_json())
-        await super().shutdown_sandbox()
 
 
 if __name__ == "__main__":

@@ -9,12 +9,15 @@ return token ids), subclass ``ScriptedTokenServer`` with ``respond_text(prompt) 
 from __future__ import annotations
 
 import json
+import os
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 from atroposlib.envs.base import APIServerConfig
 from atroposlib.envs.server_handling.server_baseline import APIServer
 from openai.types.chat import ChatCompletion
+
+from atropos.envs.agent_env import AgentEnv
 
 
 def reply(text: str) -> ChatCompletion:
@@ -81,6 +84,20 @@ class ScriptedTokenServer(ScriptedServer):
 
     async def respond_text(self, prompt: str) -> str:
         raise NotImplementedError
+
+
+class RecordsPoolStatus(AgentEnv):
+    """Mixin (list it before the env class): writes the pool's real status (``SlotPool.status()``) as JSON
+    to the file named by the environment variable ``pool_status_env`` right before the pool stops."""
+
+    pool_status_env: ClassVar[str]
+
+    async def shutdown_sandbox(self) -> None:
+        path = os.environ.get(self.pool_status_env)
+        if path and self.pool is not None:
+            with open(path, "w") as fh:
+                fh.write(self.pool.status().model_dump_json())
+        await super().shutdown_sandbox()
 
 
 def token_server_configs() -> list[APIServerConfig]:

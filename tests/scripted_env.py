@@ -8,13 +8,13 @@ actually ran, not what the config said.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from openai.types.chat import ChatCompletion
 
+from atropos.agent.loop import assistant_turns
 from atropos.envs.examples.coding import TASKS, CodingEnv
-from tests.scripted import ScriptedServer, call, call_text, reply
+from tests.scripted import RecordsPoolStatus, ScriptedServer, call, call_text, reply
 
 SOLUTIONS = {
     "add": "def add(a, b):\n    return a + b\n",
@@ -48,7 +48,7 @@ class CodingPolicy(ScriptedServer):
 
     async def respond(self, messages: list[dict[str, Any]]) -> ChatCompletion:
         name = task_name(messages[1]["content"])
-        turns = sum(1 for m in messages if m["role"] == "assistant")
+        turns = assistant_turns(messages)
         if self.mode == "broken":
             if turns == 0:
                 return reply('<tool_call>{"name": "bash", "arguments": {"command": "ls"</tool_call>')
@@ -62,15 +62,9 @@ class CodingPolicy(ScriptedServer):
         return reply(honest_turn(name, turns))
 
 
-class ScriptedCodingEnv(CodingEnv):
+class ScriptedCodingEnv(RecordsPoolStatus, CodingEnv):
     server_cls = CodingPolicy
-
-    async def shutdown_sandbox(self) -> None:
-        path = os.environ.get("ATROPOS_TEST_POOL_STATUS")
-        if path and self.pool is not None:
-            with open(path, "w") as fh:
-                fh.write(self.pool.status().model_dump_json())
-        await super().shutdown_sandbox()
+    pool_status_env = "ATROPOS_TEST_POOL_STATUS"
 
 
 if __name__ == "__main__":

@@ -10,6 +10,13 @@ raised so it is seen.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp  # the vllm/sglang server classes talk to /generate with aiohttp
+import httpx
+import openai
+import tenacity
 
 from atropos.errors import AtroposSandboxError, InfrastructureError, LeaseError, SlotUnavailable
 
@@ -26,13 +33,23 @@ class TokenTrackingError(AtroposSandboxError):
 # Client errors that retrying cannot fix (bad request, auth, unknown model): raised, not retried.
 _CLIENT_STATUSES = frozenset({400, 401, 403, 404, 413, 422})
 
+# Per client library, in order: its HTTP status error and how to read the status (server-side unless a
+# client status), then its transport errors (always server-side). A status error may subclass a
+# transport error (aiohttp), so the status check comes first.
+_HTTP_ERRORS: tuple[tuple[type[BaseException], Callable[[Any], int], tuple[type[BaseException], ...]], ...] = (
+    (openai.APIStatusError, lambda e: e.status_code, (openai.APIConnectionError, openai.APITimeoutError)),
+    (httpx.HTTPStatusError, lambda e: e.response.status_code, (httpx.TransportError,)),
+    (aiohttp.ClientResponseError, lambda e: e.status, (aiohttp.ClientError,)),
+)
+
 
 def is_infrastructure(exc: BaseException) -> bool:
     """True when ``exc`` is the platform's fault: sandbox infrastructure, a lease that could not be
     had or went stale, or the inference server."""
     if isinstance(exc, (InfrastructureError, SlotUnavailable, LeaseError)):
         return True
-    return inference_failure(exc) is not None
+    inner = _unwrap_retry(exc)
+    return isinstance(inner, InferenceUnavailable) or _is_server_side(inner)
 
 
 def inference_failure(exc: BaseException) -> InferenceUnavailable | None:
@@ -53,10 +70,6 @@ def inference_failure(exc: BaseException) -> InferenceUnavailable | None:
 
 
 def _unwrap_retry(exc: BaseException) -> BaseException:
-    try:
-        import tenacity
-    except ImportError:  # pragma: no cover - atroposlib depends on tenacity
-        return exc
     seen = 0
     while isinstance(exc, tenacity.RetryError) and seen < 8:
         inner = exc.last_attempt.exception() if exc.last_attempt.failed else None
@@ -69,31 +82,9 @@ def _unwrap_retry(exc: BaseException) -> BaseException:
 def _is_server_side(exc: BaseException) -> bool:
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError, ConnectionError)):
         return True
-    try:
-        import openai
-    except ImportError:  # pragma: no cover
-        openai = None  # type: ignore[assignment]
-    if openai is not None:
-        if isinstance(exc, openai.APIStatusError):
-            return exc.status_code not in _CLIENT_STATUSES
-        if isinstance(exc, (openai.APIConnectionError, openai.APITimeoutError)):
-            return True
-    try:
-        import httpx
-    except ImportError:  # pragma: no cover
-        httpx = None  # type: ignore[assignment]
-    if httpx is not None:
-        if isinstance(exc, httpx.HTTPStatusError):
-            return exc.response.status_code not in _CLIENT_STATUSES
-        if isinstance(exc, httpx.TransportError):
-            return True
-    try:
-        import aiohttp  # the vllm/sglang server classes talk to /generate with aiohttp
-    except ImportError:  # pragma: no cover
-        aiohttp = None  # type: ignore[assignment]
-    if aiohttp is not None:
-        if isinstance(exc, aiohttp.ClientResponseError):
-            return exc.status not in _CLIENT_STATUSES
-        if isinstance(exc, aiohttp.ClientError):
+    for status_error, status, transport_errors in _HTTP_ERRORS:
+        if isinstance(exc, status_error):
+            return status(exc) not in _CLIENT_STATUSES
+        if isinstance(exc, transport_errors):
             return True
     return False

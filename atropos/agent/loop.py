@@ -51,10 +51,13 @@ class StepRecord(BaseModel):
     tools_s: float
 
 
+Finish = Literal["final", "max_steps", "context_budget"]
+
+
 class AgentResult(BaseModel):
     messages: list[dict[str, Any]]
     final_response: str
-    finish: Literal["final", "max_steps", "context_budget"]
+    finish: Finish
     steps: list[StepRecord] = Field(default_factory=list)
     tool_calls: int = 0
     tool_errors: int = 0
@@ -74,6 +77,11 @@ CountFn = Callable[[list[dict[str, Any]]], int]
 def hermes_system_prompt(tool_schemas: list[dict[str, Any]], preamble: str = "") -> str:
     body = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t) for t in tool_schemas))
     return f"{preamble.strip()}\n\n{body}" if preamble.strip() else body
+
+
+def assistant_turns(messages: list[dict[str, Any]]) -> int:
+    """How many model turns the conversation already holds."""
+    return sum(1 for m in messages if m.get("role") == "assistant")
 
 
 def hermes_text(calls: list[dict[str, Any]]) -> str:

@@ -19,8 +19,8 @@ from typing import Any
 
 from atropos.agent.errors import TokenTrackingError
 from atropos.agent.loop import ChatReply
+from atropos.agent.tokens import IGNORE
 
-IGNORE = -100
 TOKEN_ID_SERVER_TYPES = frozenset({"vllm", "sglang"})  # trl and openai raise NotImplementedError for token ids
 
 

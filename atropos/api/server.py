@@ -96,8 +96,9 @@ class ReleaseResponse(BaseModel):
 
 
 class _RestLease:
-    def __init__(self, lease: Lease) -> None:
+    def __init__(self, lease: Lease, lease_id: str) -> None:
         self.lease = lease
+        self.fingerprint = fingerprint(lease_id)  # the lease id's handle in logs, computed once
         self.last_used = time.monotonic()
 
 
@@ -240,12 +241,15 @@ def create_tool_server(
         """Live pool view; open /status#token=<token> (the fragment never reaches the server)."""
         return HTMLResponse(STATUS_PAGE)
 
-    def held(lease_id: str) -> Lease:
+    def held_entry(lease_id: str) -> _RestLease:
         entry = leases.get(lease_id)
         if entry is None:
             raise _error(404, "unknown_lease", "no such lease (released, expired or never granted)")
         entry.last_used = time.monotonic()
-        return entry.lease
+        return entry
+
+    def held(lease_id: str) -> Lease:
+        return held_entry(lease_id).lease
 
     @app.post("/v1/slots", response_model=SlotLeaseResponse, dependencies=deps)
     async def lease_slot(req: SlotLeaseRequest) -> SlotLeaseResponse:
@@ -255,43 +259,48 @@ def create_tool_server(
         except SlotUnavailable as exc:
             raise _error(503, "no_free_slot", str(exc), headers={"Retry-After": "5"}) from None
         lease_id = secrets.token_urlsafe(24)
-        leases[lease_id] = _RestLease(lease)
-        log.info("slot leased", extra=call_fields(trajectory_id=req.trajectory_id, lease=fingerprint(lease_id),
+        entry = leases[lease_id] = _RestLease(lease, lease_id)
+        log.info("slot leased", extra=call_fields(trajectory_id=req.trajectory_id, lease=entry.fingerprint,
                                                   slot=lease.slot, host=lease.host.id))
         return SlotLeaseResponse(lease_id=lease_id, trajectory_id=req.trajectory_id, network=req.network)
 
     @app.post("/v1/slots/{lease_id}/call", response_model=SlotCallResponse, dependencies=deps)
     async def slot_call(lease_id: str, req: SlotCallRequest) -> SlotCallResponse:
-        lease = held(lease_id)
-        tool = registry.get(req.tool)
-        if (tool is None or tool.kind != "sandbox") and req.tool != "archive":
-            metrics.SLOT_CALLS.labels(metrics.UNKNOWN_TOOL, "unknown_tool").inc()
-            raise _error(404, "unknown_tool", f"no sandbox tool named {req.tool!r}")
-        ids = call_fields(trajectory_id=lease.trajectory_id, lease=fingerprint(lease_id), tool=req.tool,
-                          slot=lease.slot, host=lease.host.id)
+        entry = held_entry(lease_id)
+        lease = entry.lease
+        label, counted = req.tool, None  # what SLOT_CALLS counts; an unexpected exception counts nothing
         try:
-            result = await lease.call(req.tool, req.args, timeout_s=req.timeout_s)
-        except LeaseError as exc:
-            metrics.SLOT_CALLS.labels(req.tool, "lease_invalid").inc()
-            log.warning("slot call %s refused: lease invalid", req.tool, extra={**ids, "outcome": "lease_invalid"})
-            raise _error(409, "lease_invalid", str(exc)) from None
-        except InfrastructureError as exc:
-            metrics.SLOT_CALLS.labels(req.tool, "infrastructure").inc()
-            log.warning("slot call %s failed: %s", req.tool, exc, extra={**ids, "outcome": "infrastructure"})
-            raise
-        ok, content = format_result(req.tool, result)
-        outcome = "ok" if ok else (result.error.code if result.error else "failed")
-        # "error" = the tool ran and failed (exit 1, file missing); arguments the tool refused are their
-        # own outcome: a model sending bad calls is a different problem from commands that fail.
-        counted = "ok" if ok else "invalid_arguments" if outcome == "invalid_arguments" else "error"
-        metrics.SLOT_CALLS.labels(req.tool, counted).inc()
-        log.info("slot call %s %s in %.1f ms", req.tool, outcome, result.duration_ms,
-                 extra={**ids, "call_id": result.id, "outcome": outcome})
-        recent.append({"ts": time.time(), "trajectory_id": lease.trajectory_id, "tool": req.tool,
-                       "outcome": outcome, "duration_ms": result.duration_ms})
-        return SlotCallResponse(ok=ok, content=content, result=result.result,
-                                error=result.error.model_dump() if result.error else None,
-                                duration_ms=result.duration_ms)
+            tool = registry.get(req.tool)
+            if (tool is None or tool.kind != "sandbox") and req.tool != "archive":
+                label, counted = metrics.UNKNOWN_TOOL, "unknown_tool"
+                raise _error(404, "unknown_tool", f"no sandbox tool named {req.tool!r}")
+            ids = call_fields(trajectory_id=lease.trajectory_id, lease=entry.fingerprint, tool=req.tool,
+                              slot=lease.slot, host=lease.host.id)
+            try:
+                result = await lease.call(req.tool, req.args, timeout_s=req.timeout_s)
+            except LeaseError as exc:
+                counted = "lease_invalid"
+                log.warning("slot call %s refused: lease invalid", req.tool, extra={**ids, "outcome": counted})
+                raise _error(409, "lease_invalid", str(exc)) from None
+            except InfrastructureError as exc:
+                counted = "infrastructure"
+                log.warning("slot call %s failed: %s", req.tool, exc, extra={**ids, "outcome": counted})
+                raise
+            ok, content = format_result(req.tool, result)
+            outcome = "ok" if ok else (result.error.code if result.error else "failed")
+            # "error" = the tool ran and failed (exit 1, file missing); arguments the tool refused are their
+            # own outcome: a model sending bad calls is a different problem from commands that fail.
+            counted = "ok" if ok else "invalid_arguments" if outcome == "invalid_arguments" else "error"
+            log.info("slot call %s %s in %.1f ms", req.tool, outcome, result.duration_ms,
+                     extra={**ids, "call_id": result.id, "outcome": outcome})
+            recent.append({"ts": time.time(), "trajectory_id": lease.trajectory_id, "tool": req.tool,
+                           "outcome": outcome, "duration_ms": result.duration_ms})
+            return SlotCallResponse(ok=ok, content=content, result=result.result,
+                                    error=result.error.model_dump() if result.error else None,
+                                    duration_ms=result.duration_ms)
+        finally:
+            if counted is not None:
+                metrics.SLOT_CALLS.labels(label, counted).inc()
 
     async def _host_op(coro: Any) -> Any:
         try:
@@ -339,7 +348,7 @@ def create_tool_server(
             raise _error(404, "unknown_lease", "no such lease (released, expired or never granted)")
         await pool.release(entry.lease)
         log.info("slot released", extra=call_fields(trajectory_id=entry.lease.trajectory_id,
-                                                    lease=fingerprint(lease_id), slot=entry.lease.slot,
+                                                    lease=entry.fingerprint, slot=entry.lease.slot,
                                                     host=entry.lease.host.id))
         return ReleaseResponse(released=True)
 

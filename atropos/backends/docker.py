@@ -197,17 +197,16 @@ class DockerBackend(Backend):
         deadline = time.monotonic() + 10
         # ``_create`` read the container after starting it: the port is normally there already
         # (one engine round trip fewer per start).
-        fresh = True
-        while time.monotonic() < deadline:
-            if not fresh:
-                await asyncio.to_thread(container.reload)
-            fresh = False
+        while True:
             bindings = (container.attrs.get("NetworkSettings", {}).get("Ports") or {}).get(f"{CONTAINER_PORT}/tcp")
             if bindings:
                 return int(bindings[0]["HostPort"])
             if container.status in ("exited", "dead"):
                 break
             await asyncio.sleep(0.05)
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.to_thread(container.reload)
         logs = await asyncio.to_thread(container.logs, tail=30)
         raise HostUnavailable(f"container {container.name} published no port: {logs.decode(errors='replace')}")
 

@@ -202,6 +202,10 @@ class _AllocDied(Exception):
         super().__init__(description)
         self.start_error = start_error  # the driver could not start the task at all (see _start_error)
 
+    @classmethod
+    def of(cls, alloc: dict[str, Any]) -> _AllocDied:
+        return cls(describe_alloc(alloc), _start_error(alloc))
+
 
 @dataclass
 class _Host:
@@ -243,15 +247,24 @@ def _is_usable(alloc: dict[str, Any]) -> bool:
     return alloc.get("DesiredStatus") == "run" and alloc.get("ClientStatus") in _LIVE_CLIENT
 
 
+def _task_events(alloc: dict[str, Any]) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = ((alloc.get("TaskStates") or {}).get(TASK) or {}).get("Events") or []
+    return events
+
+
+def _event_detail(ev: dict[str, Any]) -> str:
+    """What a task event says went wrong ("" if nothing)."""
+    return str(ev.get("DriverError") or ev.get("SetupError") or ev.get("ValidationError")
+               or ev.get("DisplayMessage") or "")
+
+
 def _start_error(alloc: dict[str, Any]) -> str | None:
     """The task event saying the container could not even be started (driver failure, bad driver
     config, setup failure), or None. Nomad reschedules such an allocation like any crash, but the
     next one almost always fails the same way (privileged mode off, a missing runtime or image)."""
-    events = ((alloc.get("TaskStates") or {}).get(TASK) or {}).get("Events") or []
-    for ev in reversed(events):
+    for ev in reversed(_task_events(alloc)):
         if ev.get("Type") in START_FAILURES:
-            detail = ev.get("DriverError") or ev.get("ValidationError") or ev.get("SetupError") or ev.get(
-                "DisplayMessage") or ""
+            detail = _event_detail(ev)
             return f"{ev['Type']}: {detail}" if detail else str(ev["Type"])
     return None
 
@@ -263,11 +276,9 @@ def describe_alloc(alloc: dict[str, Any]) -> str:
     why = alloc.get("DesiredDescription") or alloc.get("ClientDescription")
     if why:
         parts.append(f": {why}")
-    events = ((alloc.get("TaskStates") or {}).get(TASK) or {}).get("Events") or []
     msgs = []
-    for ev in events[-4:]:
-        detail = (ev.get("DriverError") or ev.get("SetupError") or ev.get("ValidationError")
-                  or ev.get("DisplayMessage") or ev.get("RestartReason") or "")
+    for ev in _task_events(alloc)[-4:]:
+        detail = _event_detail(ev) or ev.get("RestartReason") or ""
         msgs.append(f"{ev.get('Type', '?')}" + (f" ({detail})" if detail else ""))
     if msgs:
         parts.append("; events: " + ", ".join(msgs))
@@ -378,6 +389,7 @@ class NomadBackend(Backend):
         self._token = new_token()  # one per pool; see the module docstring for how it travels
         self._instance = new_token()[:12]
         self._http: httpx.AsyncClient | None = None
+        self._probe_http: httpx.AsyncClient | None = None  # stop_host's liveness probes, see _answers
         self._setup_lock = asyncio.Lock()
         self._lock = asyncio.Lock()  # count changes, claims and stops
         self._registered = False
@@ -485,6 +497,9 @@ class NomadBackend(Backend):
     def _job_path(self) -> str:
         return f"/v1/job/{quote(self.cfg.job_id, safe='')}"
 
+    async def _purge_job(self) -> httpx.Response:
+        return await self._request("DELETE", self._job_path, params={"purge": "true"})
+
     async def _read_job(self) -> dict[str, Any] | None:
         resp = await self._request("GET", self._job_path)
         if resp.status_code == 404:
@@ -540,7 +555,7 @@ class NomadBackend(Backend):
                               f"checked from here; if it is gone: nomad job stop -purge -namespace "
                               f"{c.namespace} {c.job_id}")
         log.warning("purging %s left by a crashed pool (%s)", where, owner)
-        resp = await self._request("DELETE", self._job_path, params={"purge": "true"})
+        resp = await self._purge_job()
         if resp.status_code != 200:
             raise NomadAPIError("DELETE", self._job_path, resp.status_code, resp.text)
         self.stats["reaped"] += 1
@@ -568,7 +583,7 @@ class NomadBackend(Backend):
             except BaseException:
                 # No token, no host can ever start: do not leave a job behind that waits forever.
                 with contextlib.suppress(Exception):
-                    await self._request("DELETE", self._job_path, params={"purge": "true"})
+                    await self._purge_job()
                 raise
         self._registered = True
         log.info("registered Nomad job %s in namespace %s at %s", c.job_id, c.namespace, c.address)
@@ -596,7 +611,7 @@ class NomadBackend(Backend):
                 if job is not None and (job.get("Meta") or {}).get(META_INSTANCE) == self._instance:
                     # ours, but stopped or lost track of: bring it back at zero
                     log.warning("Nomad job %s was stopped from outside; registering it again", self.cfg.job_id)
-                    await self._request("DELETE", self._job_path, params={"purge": "true"})
+                    await self._purge_job()
                 else:
                     await self._claim_job_id()
                 await self._register()
@@ -716,7 +731,7 @@ class NomadBackend(Backend):
         reserved: str | None = None  # "scale" | "replacement"
         wait_until = deadline
         alloc_id: str | None = None
-        last = "no allocation was placed"
+        last: str | None = None  # what killed an earlier allocation of this start
         try:
             while True:
                 if alloc_id is None:
@@ -779,13 +794,13 @@ class NomadBackend(Backend):
         finally:
             self._unreserve(reserved)
 
-    async def _start_failure(self, alloc_id: str | None, scaled: bool, last: str) -> str:
+    async def _start_failure(self, alloc_id: str | None, scaled: bool, last: str | None) -> str:
         msg = f"no Nomad sandbox host of job {self.cfg.job_id!r} became ready within {self.cfg.start_timeout_s:g}s"
         if alloc_id is not None and alloc_id in self._allocs:
             current = describe_alloc(self._allocs[alloc_id])
             # Keep what killed an earlier allocation of this start: the current one may only be pending.
-            last = current if last in ("no allocation was placed", current) else f"{current}; before it: {last}"
-        msg += f" (last: {last})"
+            last = current if last in (None, current) else f"{current}; before it: {last}"
+        msg += f" (last: {last or 'no allocation was placed'})"
         with contextlib.suppress(Exception):
             msg += await self._placement_problem()
         with contextlib.suppress(Exception):
@@ -826,14 +841,13 @@ class NomadBackend(Backend):
         while True:
             alloc = self._allocs.get(alloc_id)
             if alloc is None or not _is_usable(alloc):
-                raise _AllocDied(describe_alloc(alloc) if alloc else f"allocation {alloc_id} vanished",
-                                 _start_error(alloc) if alloc else None)
+                raise _AllocDied.of(alloc) if alloc else _AllocDied(f"allocation {alloc_id} vanished")
             if alloc.get("ClientStatus") == "running":
                 break
             await self._wait_change(deadline)
         full = await self._json("GET", f"/v1/allocation/{alloc_id}")
         if not _is_usable(full):
-            raise _AllocDied(describe_alloc(full), _start_error(full))
+            raise _AllocDied.of(full)
         address = alloc_address(full)
         info = HostInfo(id=alloc_id, address=address, token=self._token, slots=self.cfg.slots_per_host,
                         labels={"backend": "nomad", "job": self.cfg.job_id, "alloc_name": full.get("Name", ""),
@@ -842,7 +856,7 @@ class NomadBackend(Backend):
             while True:
                 current = self._allocs.get(alloc_id)
                 if current is not None and not _is_usable(current):
-                    raise _AllocDied(describe_alloc(current), _start_error(current))
+                    raise _AllocDied.of(current)
                 try:
                     resp = await http.get(f"{address}/v1/health", timeout=min(5.0, max(deadline - time.monotonic(),
                                                                                       0.1)))
@@ -969,10 +983,15 @@ class NomadBackend(Backend):
             self._tidy_wanted.set()
 
     async def _answers(self, info: HostInfo) -> bool:
-        """Does the host's server answer at all (any HTTP status)?"""
+        """Does the host's server answer at all (any HTTP status)?
+
+        Every host given back is probed, so the client is made once (its TLS context is the costly
+        part); without keep-alive, no probe holds a connection open to a host being stopped."""
+        if self._probe_http is None:
+            self._probe_http = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0))
         try:
-            async with httpx.AsyncClient(headers={"Authorization": f"Bearer {info.token}"}) as http:
-                await http.get(f"{info.address}/v1/health", timeout=1.0)
+            await self._probe_http.get(f"{info.address}/v1/health", timeout=1.0,
+                                       headers={"Authorization": f"Bearer {info.token}"})
             return True
         except httpx.HTTPError:
             return False
@@ -996,9 +1015,13 @@ class NomadBackend(Backend):
             return "removable"
         return "idle"
 
+    def _expired_suspects(self, now: float) -> list[str]:
+        """Suspects Nomad has not reported within their grace (hung hosts: stop them)."""
+        return [alloc_id for alloc_id, deadline in self._suspects.items() if deadline <= now]
+
     def _tidy_due(self) -> bool:
         now = time.monotonic()
-        if self._retired or any(deadline <= now for deadline in self._suspects.values()):
+        if self._retired or self._expired_suspects(now):
             return True
         return any(now - self._unclaimed_since.get(a["ID"], now) >= self.cfg.spare_grace_s for a in self._spares())
 
@@ -1007,10 +1030,9 @@ class NomadBackend(Backend):
         the highest names, else stop them so that Nomad replaces them with spares. Hold the lock."""
         if not self._tidy_due():
             return
-        for alloc_id, deadline in list(self._suspects.items()):
-            if deadline <= time.monotonic():
-                del self._suspects[alloc_id]
-                self._retired.add(alloc_id)  # Nomad never reported it: a hung host, stop it
+        for alloc_id in self._expired_suspects(time.monotonic()):
+            del self._suspects[alloc_id]
+            self._retired.add(alloc_id)  # Nomad never reported it: a hung host, stop it
         job, allocs = await self._snapshot()
         count = self._count(job)
         now = time.monotonic()
@@ -1125,7 +1147,7 @@ class NomadBackend(Backend):
         await asyncio.gather(*(t for t in (self._watcher, self._janitor) if t is not None), return_exceptions=True)
         if self._registered and self.cfg.purge_on_close:
             try:
-                await self._request("DELETE", self._job_path, params={"purge": "true"})
+                await self._purge_job()
                 if self.cfg.token_delivery == "variable":
                     await self._request("DELETE", self._var_path)
                 log.info("purged Nomad job %s", self.cfg.job_id)
@@ -1135,6 +1157,7 @@ class NomadBackend(Backend):
         self._hosts.clear()
         self._claimed.clear()
         self._suspects.clear()
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
+        for http in (self._http, self._probe_http):
+            if http is not None:
+                await http.aclose()
+        self._http = self._probe_http = None

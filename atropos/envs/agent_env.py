@@ -31,14 +31,23 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, ScoredDataGroup
 from pydantic import BaseModel
 
 from atropos.agent.errors import TokenTrackingError, inference_failure, is_infrastructure
-from atropos.agent.loop import AgentConfig, AgentResult, ChatReply, hermes_system_prompt, run_agent
+from atropos.agent.loop import (
+    AgentConfig,
+    AgentResult,
+    ChatReply,
+    Finish,
+    ToolsFn,
+    assistant_turns,
+    hermes_system_prompt,
+    run_agent,
+)
 from atropos.agent.managed import ManagedSession, TrackedSequence, servers_give_token_ids
 from atropos.agent.tokens import IGNORE, count_prompt_tokens, template_wraps_tool_responses, tokenize_conversation
 from atropos.backends.base import Backend
@@ -56,7 +65,6 @@ __all__ = ["AgentEnv", "AgentEnvConfig", "ExecTool", "Rollout"]
 log = logging.getLogger(__name__)
 
 ExecTool = Callable[[AgentToolCall], Awaitable[ToolOutcome]]
-ToolsFn = Callable[[list[AgentToolCall]], Awaitable[list[ToolOutcome]]]
 
 # process mode: a group lost to infrastructure is retried in place (BaseEnv drops a returned backlog
 # there); after this many lost in a row the platform is down and the run stops with the last error.
@@ -71,7 +79,7 @@ class Rollout(BaseModel):
     score: float
     messages: list[dict[str, Any]]
     logprobs: list[float] | None = None  # only with sampled ids (ManagedServer); never placeholders
-    finish: str = "final"
+    finish: Finish = "final"
     tool_calls: int = 0
     sandbox_seconds: float = 0.0
     tracking_fallback: bool = False
@@ -104,6 +112,7 @@ class AgentEnv(BaseEnv):
         self.eval_stats = _new_stats()  # kept apart: eval rollouts must not move training metrics
         self._process_mode = False
         self._lost_in_a_row = 0
+        self._grammars: dict[bool, str] = {}  # turn_grammar's two grammars, by allow_answer
         self.progress = GroupProgress()  # one stderr line per scored group (long runs show they move)
 
     def _decide_token_source(self) -> bool:
@@ -243,7 +252,6 @@ class AgentEnv(BaseEnv):
 
     async def process_manager(self) -> Any:
         self._process_mode = True
-        status: PoolStatus | None = None
         try:
             return await super().process_manager()
         finally:
@@ -317,8 +325,10 @@ class AgentEnv(BaseEnv):
         schema-valid arguments, and after ``grammar_forced_tool_turns`` turns also a plain answer."""
         from atropos.agent.grammars import schema_grammar
 
-        turns = sum(1 for m in messages if m.get("role") == "assistant")
-        return schema_grammar(self.tools.schemas(), allow_answer=turns >= self.config.grammar_forced_tool_turns)
+        allow_answer = assistant_turns(messages) >= self.config.grammar_forced_tool_turns
+        if allow_answer not in self._grammars:
+            self._grammars[allow_answer] = schema_grammar(self.tools.schemas(), allow_answer=allow_answer)
+        return self._grammars[allow_answer]
 
     async def collect_trajectories(self, item: Any) -> tuple[ScoredDataGroup | None, list[Any]]:
         while True:
@@ -347,22 +357,20 @@ class AgentEnv(BaseEnv):
         group_id = uuid.uuid4().hex[:10]
         ids = [f"{group_id}-{i}" for i in range(self.config.group_size)]
         group_setup = self.has_group_setup()
-        try:
-            leases = await self.pool.lease_many(ids, self.config.acquire_timeout_s, network=self.config.allow_network,
-                                                colocate=True if group_setup else None)
-        except Exception as exc:
-            if not is_infrastructure(exc):
-                raise
-            return self._backlog(item, f"could not lease a group of {len(ids)} ({type(exc).__name__}: {exc})")
+        leases: list[Lease] = []
         template: PoolTemplate | None = None
         try:
-            if group_setup:
-                try:
+            try:
+                leases = await self.pool.lease_many(ids, self.config.acquire_timeout_s,
+                                                    network=self.config.allow_network,
+                                                    colocate=True if group_setup else None)
+                if group_setup:
                     template = await self._prepare_group(item, leases)
-                except Exception as exc:
-                    if not is_infrastructure(exc):
-                        raise
-                    return self._backlog(item, f"group setup failed ({type(exc).__name__}: {exc})")
+            except Exception as exc:
+                if not is_infrastructure(exc):
+                    raise
+                what = "group setup failed" if leases else f"could not lease a group of {len(ids)}"
+                return self._backlog(item, f"{what} ({type(exc).__name__}: {exc})")
             results = await asyncio.gather(
                 *(self._rollout_with_retries(item, lease, template, self.stats) for lease in leases),
                 return_exceptions=True)
@@ -373,22 +381,13 @@ class AgentEnv(BaseEnv):
                     await self.pool.delete_template(template)
                 except Exception as exc:  # never let cleanup mask the group's outcome
                     log.warning("could not delete group template %s: %s", template.id, exc)
-        rollouts: list[Rollout] = []
-        lost: BaseException | None = None
-        for r in results:
-            if isinstance(r, Rollout):
-                rollouts.append(r)
-            elif isinstance(r, Exception) and is_infrastructure(r):
-                lost = r
-            else:
-                raise r  # a bug (in a hook, a config): seen, not trained on
-        if lost is not None:
+        rollouts, lost = self._split_results(results)
+        if lost:
             return self._backlog(item, f"a rollout was lost to infrastructure after {self.config.infra_retries} "
-                                       f"retries ({type(lost).__name__}: {lost})")
-        for rollout in rollouts:
-            self._record(rollout, self.stats)
+                                       f"retries ({type(lost[-1]).__name__}: {lost[-1]})")
         group: ScoredDataGroup = ScoredDataGroup(tokens=[], masks=[], scores=[], messages=[])
         for rollout in rollouts:
+            self._record(rollout, self.stats)
             group["tokens"].append(rollout.tokens)
             group["masks"].append(rollout.masks)
             group["scores"].append(rollout.score)
@@ -398,6 +397,25 @@ class AgentEnv(BaseEnv):
         self.progress.group_done(rollouts=int(self.stats["rollouts"]), tool_calls=int(self.stats["tool_calls"]),
                                  total_groups=getattr(self, "n_groups_to_process", None))
         return group, []
+
+    @staticmethod
+    def _split_results(results: Sequence[Rollout | BaseException],
+                       on_lost: Callable[[Exception], None] | None = None) -> tuple[list[Rollout], list[Exception]]:
+        """The rollouts and the infrastructure failures among ``gather(..., return_exceptions=True)``
+        results (``on_lost`` is told of each failure as it is met); anything else is a bug (in a hook,
+        a config) and is raised: seen, not trained on."""
+        rollouts: list[Rollout] = []
+        lost: list[Exception] = []
+        for r in results:
+            if isinstance(r, Rollout):
+                rollouts.append(r)
+            elif isinstance(r, Exception) and is_infrastructure(r):
+                lost.append(r)
+                if on_lost is not None:
+                    on_lost(r)
+            else:
+                raise r
+        return rollouts, lost
 
     @staticmethod
     def _record(rollout: Rollout, stats: dict[str, float]) -> None:
@@ -542,20 +560,11 @@ class AgentEnv(BaseEnv):
                 return await self._rollout_with_retries(item, lease, None, self.eval_stats)
 
         results = await asyncio.gather(*(one(i, item) for i, item in enumerate(items)), return_exceptions=True)
-        done: list[Rollout] = []
-        lost = 0
-        for r in results:
-            if isinstance(r, Rollout):
-                done.append(r)
-            elif isinstance(r, Exception) and is_infrastructure(r):
-                lost += 1
-                log.warning("eval rollout lost to infrastructure (%s: %s); left out of the metrics",
-                            type(r).__name__, r)
-            else:
-                raise r
+        done, lost = self._split_results(results, on_lost=lambda exc: log.warning(
+            "eval rollout lost to infrastructure (%s: %s); left out of the metrics", type(exc).__name__, exc))
         for rollout in done:
             self._record(rollout, self.eval_stats)
-        metrics: dict[str, float] = {"eval/n": len(done), "eval/infra_failures": lost}
+        metrics: dict[str, float] = {"eval/n": len(done), "eval/infra_failures": len(lost)}
         if done:
             metrics["eval/mean_score"] = sum(r.score for r in done) / len(done)
         await self.evaluate_log(metrics=metrics, start_time=start, end_time=time.time(),

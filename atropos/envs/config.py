@@ -89,13 +89,15 @@ class AgentEnvConfig(BaseEnvConfig):
         return self
 
 
-def default_server_configs() -> list[APIServerConfig]:
+def default_server_configs(model_name: str = "default", base_url: str = "http://127.0.0.1:8000/v1",
+                           **extra: Any) -> list[APIServerConfig]:
     """One OpenAI-compatible server, as a LIST: a bare config or a ``ServerBaseline`` makes atroposlib
-    ignore ``--openai.*`` and talk to localhost:9004-9007 instead."""
+    ignore ``--openai.*`` and talk to localhost:9004-9007 instead. ``$ATROPOS_MODEL_NAME`` and
+    ``$ATROPOS_MODEL_URL`` override the given defaults; ``extra`` goes to ``APIServerConfig`` as is."""
     return [APIServerConfig(
-        model_name=os.environ.get(MODEL_NAME_ENV, "default"),
-        base_url=os.environ.get(MODEL_URL_ENV, "http://127.0.0.1:8000/v1"),
-        api_key="local", server_type="openai", timeout=120, health_check=False,
+        model_name=os.environ.get(MODEL_NAME_ENV, model_name),
+        base_url=os.environ.get(MODEL_URL_ENV, base_url),
+        api_key="local", server_type="openai", timeout=120, health_check=False, **extra,
     )]
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import uvicorn
 
+from atropos.asgi import listening_socket
 from atropos.errors import AtroposSandboxError
 from atropos.logs import configure
 from atropos.sandbox.config import HostConfig, Limits
@@ -89,12 +90,8 @@ def _die_with_parent(parent: int) -> None:
 async def serve(cfg: HostConfig, prewarm: bool = True) -> None:
     host = SandboxHost(cfg)
     family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-    # proto must be IPPROTO_TCP: asyncio only sets TCP_NODELAY on sockets that say so (else +40 ms per call)
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((cfg.host, cfg.port))
-    sock.listen(1024)
-    sock.set_inheritable(False)
+    # a busy port raises OSError (EADDRINUSE): LocalBackend reads it in this host's stderr
+    sock = listening_socket(family, (cfg.host, cfg.port), 1024)
     await host.start()
     if prewarm:
         await host.prewarm_all()

@@ -135,6 +135,12 @@ class SandboxProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # the group outlives a reaped leader: no pid reuse
 
+    def _kill_now(self) -> None:
+        """The synchronous part of a kill: the signal, and the end of the request pipe."""
+        self._signal_group()
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+
     @property
     def alive(self) -> bool:
         # An abandoned sandbox is dying (SIGKILL sent, not reaped yet): never hand it another call.
@@ -148,9 +154,7 @@ class SandboxProcess:
         if self._abandoned:
             return
         self._abandoned = True
-        self._signal_group()
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
+        self._kill_now()
         task = asyncio.get_running_loop().create_task(self.kill())
         SandboxProcess._reapers.add(task)
         task.add_done_callback(SandboxProcess._reapers.discard)
@@ -221,9 +225,7 @@ class SandboxProcess:
 
     async def kill(self) -> None:
         """SIGKILL bwrap's process group; with a PID namespace that takes every process inside along."""
-        self._signal_group()
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
+        self._kill_now()
         try:
             # asyncio's wait() also waits for the pipes' EOF; a process that escaped the group and holds
             # them must not hang the slot's lock for good.

@@ -259,14 +259,10 @@ class Slot:
             problem = self._verify()
             if problem:
                 raise RuntimeError(problem)
-        except (OSError, RuntimeError, WorkspaceError) as exc:
-            self.quarantine(f"reset failed: {exc}")
-            return False, self.detail
         except Exception as exc:
-            # A surprise (a bug, a malformed helper answer): the workspace is in an unknown state,
-            # and a slot left "resetting" would be neither leasable nor reported. Quarantine it.
-            log.exception("slot %d: unexpected error during reset", self.index)
-            self.quarantine(f"reset failed: {type(exc).__name__}: {exc}")
+            # Even a surprise (a bug, a malformed helper answer) leaves the workspace in an unknown
+            # state, and a slot left "resetting" would be neither leasable nor reported. Quarantine it.
+            self.quarantine(f"reset failed: {self._failure(exc, 'during reset')}")
             return False, self.detail
         self.generation += 1
         self.lease_token = None
@@ -486,14 +482,18 @@ class Slot:
             problem = self._verify()
             if problem:
                 raise RuntimeError(problem)
-        except (OSError, RuntimeError, WorkspaceError) as exc:
-            self.quarantine(f"re-fork after snapshot failed: {exc}")
-            raise WorkspaceError(self.detail) from exc
-        except Exception as exc:  # a surprise: the slot's workspace is gone all the same, never leave it leased
-            log.exception("slot %d: unexpected error re-forking after a snapshot", self.index)
-            self.quarantine(f"re-fork after snapshot failed: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # even a surprise: the slot's workspace is gone all the same, never leave it leased
+            self.quarantine(f"re-fork after snapshot failed: {self._failure(exc, 're-forking after a snapshot')}")
             raise WorkspaceError(self.detail) from exc
         return template
+
+    def _failure(self, exc: Exception, doing: str) -> str:
+        """Why a reset or re-fork failed, for the quarantine; a surprise (not an OS, runtime or
+        workspace error) is logged with its traceback and named by its type."""
+        if isinstance(exc, (OSError, RuntimeError, WorkspaceError)):
+            return str(exc)
+        log.exception("slot %d: unexpected error %s", self.index, doing)
+        return f"{type(exc).__name__}: {exc}"
 
     def quarantine(self, why: str) -> None:
         log.error("slot %d quarantined: %s", self.index, why)

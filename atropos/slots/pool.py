@@ -339,7 +339,8 @@ class SlotPool:
         if not self._running:
             raise SlotUnavailable("the pool is not running")
         ids = list(trajectory_ids)
-        most = self.max_slots()
+        # A single slot always fits (max_hosts >= 1, hosts have >= 1 slot): skip the walk over hosts.
+        most = self.max_slots() if len(ids) > 1 else None
         if most is not None and len(ids) > most:
             raise GroupTooLarge(
                 f"a group of {len(ids)} can never be leased: the pool holds at most {most} slots "

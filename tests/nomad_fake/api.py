@@ -23,6 +23,7 @@ can count what a client sent, e.g. that it uses blocking queries instead of poll
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
 import re
@@ -58,8 +59,17 @@ INVALID_METHOD = "Invalid method"
 PERMISSION_DENIED = "Permission denied"
 
 
+class _Query:
+    query: dict[str, str]
+
+    @property
+    def blocking(self) -> bool:
+        """A blocking query: ``?index=N`` with N other than 0."""
+        return self.query.get("index", "0") not in ("", "0")
+
+
 @dataclass
-class Request:
+class Request(_Query):
     method: str
     path: str
     query: dict[str, str]
@@ -69,6 +79,16 @@ class Request:
     @property
     def namespace(self) -> str:
         return self.query.get("namespace") or "default"
+
+    @functools.cached_property
+    def token(self) -> str:
+        """``X-Nomad-Token``, else ``Authorization: Bearer`` ("" when none)."""
+        secret = self.headers.get("x-nomad-token", "")
+        if not secret:
+            auth = self.headers.get("authorization", "")
+            if auth.lower().startswith("bearer "):
+                secret = auth[7:].strip()
+        return secret
 
     def has(self, name: str) -> bool:
         return name in self.query
@@ -92,7 +112,7 @@ class ErrorRule:
 
 
 @dataclass(frozen=True)
-class RequestRecord:
+class RequestRecord(_Query):
     """One request as the fake received it (before any fault rule)."""
 
     time: float  # time.monotonic()
@@ -100,10 +120,6 @@ class RequestRecord:
     path: str
     query: dict[str, str]
     token: str  # X-Nomad-Token or Authorization: Bearer ("" when none)
-
-    @property
-    def blocking(self) -> bool:
-        return self.query.get("index", "0") not in ("", "0")
 
 
 class _Reply(Exception):
@@ -158,7 +174,7 @@ class Faults:
                 continue
             if rule.method and rule.method.upper() != req.method:
                 continue
-            if rule.blocking is not None and rule.blocking != (req.query.get("index", "0") not in ("", "0")):
+            if rule.blocking is not None and rule.blocking != req.blocking:
                 continue
             rule.remaining -= 1
             return rule
@@ -169,14 +185,18 @@ class Faults:
 
 
 class Acl:
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
+    def __init__(self, cluster: Cluster, enabled: bool) -> None:
+        self.c = cluster
+        cluster.acl_enabled = enabled  # the one flag: the cluster's templates check it too
         self.tokens: dict[str, Token] = {}
         self.bootstrapped_index = 0
 
-    def create(
-        self, cluster: Cluster, *, name: str, type_: str, namespaces: list[str] | None, secret: str | None = None
-    ) -> Token:
+    @property
+    def enabled(self) -> bool:
+        return self.c.acl_enabled
+
+    def create(self, *, name: str, type_: str, namespaces: list[str] | None, secret: str | None = None) -> Token:
+        cluster = self.c
         with cluster.op():
             idx = cluster._idx("acl_token")
             tok = Token(
@@ -321,8 +341,8 @@ class NomadApp:
         return text.encode()
 
     @staticmethod
-    def _json(payload: bytes, headers: list[tuple[str, str]] | None = None) -> Response:
-        return Response(200, payload, [("Content-Type", "application/json")] + (headers or []))
+    def _json(payload: bytes, headers: list[tuple[str, str]] | None = None, status: int = 200) -> Response:
+        return Response(status, payload, [("Content-Type", "application/json")] + (headers or []))
 
     @staticmethod
     def _text(status: int, message: str, headers: list[tuple[str, str]] | None = None) -> Response:
@@ -336,17 +356,8 @@ class NomadApp:
             ("X-Nomad-LastContact", "0"),
         ]
 
-    @staticmethod
-    def _token(req: Request) -> str:
-        secret = req.headers.get("x-nomad-token", "")
-        if not secret:
-            auth = req.headers.get("authorization", "")
-            if auth.lower().startswith("bearer "):
-                secret = auth[7:].strip()
-        return secret
-
     async def handle(self, req: Request) -> Response:
-        self.log.append(RequestRecord(time.monotonic(), req.method, req.path, dict(req.query), self._token(req)))
+        self.log.append(RequestRecord(time.monotonic(), req.method, req.path, dict(req.query), req.token))
         rule = self.faults.take_error(req)
         if rule is not None:
             return self._text(rule.status, rule.body)
@@ -389,7 +400,7 @@ class NomadApp:
     def _authorize(self, req: Request, rt: Route) -> None:
         if not self.acl.enabled or rt.scope in ("open", "self"):
             return
-        tok = self.acl.tokens.get(self._token(req))
+        tok = self.acl.tokens.get(req.token)
         if tok is None:
             raise NomadError(403, PERMISSION_DENIED)
         if tok.type == "management":
@@ -577,6 +588,13 @@ class NomadApp:
                 raise SpecError("unexpected EOF") from e
             ch = doc[e.pos]
             raise SpecError(f"invalid character {ch!r} looking for beginning of value") from e
+
+    def _decode_object(self, req: Request, go_type: str) -> dict[str, Any]:
+        """The body, which must be a JSON object (Go decodes it into ``go_type``)."""
+        raw = self._decode(req)
+        if not isinstance(raw, dict):
+            raise NomadError(400, f"json: cannot unmarshal into Go value of type {go_type}")
+        return raw
 
     def _filter(self, req: Request, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         text = req.query.get("filter")
@@ -936,8 +954,7 @@ class NomadApp:
         body = current or {"Namespace": "", "Path": "", "Lock": None, "CreateIndex": 0, "CreateTime": 0,
                            "ModifyIndex": 0, "ModifyTime": 0, "Items": None}
         payload = json.dumps(body, separators=(",", ":")).encode()
-        return _Reply(Response(409, payload, [("Content-Type", "application/json"),
-                                              ("X-Nomad-Index", str(max(body["ModifyIndex"], 1)))]))
+        return _Reply(self._json(payload, [("X-Nomad-Index", str(max(body["ModifyIndex"], 1)))], status=409))
 
     def list_variables(self, req: Request) -> tuple[Any, int]:
         found = self.c.variables.list(req.namespace, req.query.get("prefix", ""))
@@ -950,9 +967,7 @@ class NomadApp:
         return v, v["ModifyIndex"]
 
     def upsert_variable(self, req: Request, path: str) -> tuple[Any, int]:
-        raw = self._decode(req)
-        if not isinstance(raw, dict):
-            raise NomadError(400, "json: cannot unmarshal into Go value of type structs.VariableDecrypted")
+        raw = self._decode_object(req, "structs.VariableDecrypted")
         items = raw.get("Items")
         if not isinstance(items, dict) or not items:
             raise NomadError(400, "variable missing required Items object")
@@ -962,8 +977,7 @@ class NomadApp:
         namespace = req.query.get("namespace") or str(raw.get("Namespace") or "") or "default"
         cas = self._cas(req)
         try:
-            with self.c.op():  # wakes blocking queries and the client (templates waiting for it)
-                v = self.c.variables.upsert(namespace, path, {str(k): v for k, v in items.items()}, cas)
+            v = self.c.variables.upsert(namespace, path, {str(k): v for k, v in items.items()}, cas)
         except VariableConflict as e:
             raise self._conflict(e.current) from None
         except ValueError as e:
@@ -973,8 +987,7 @@ class NomadApp:
     def delete_variable(self, req: Request, path: str) -> tuple[Any, int]:
         cas = self._cas(req)
         try:
-            with self.c.op():
-                index = self.c.variables.delete(req.namespace, path, cas)
+            index = self.c.variables.delete(req.namespace, path, cas)
         except VariableConflict as e:
             raise self._conflict(e.current) from None
         raise _Reply(Response(204, b"", [("X-Nomad-Index", str(index))]))
@@ -1016,9 +1029,7 @@ class NomadApp:
         return ns, ns["ModifyIndex"]
 
     def upsert_namespace(self, req: Request, name: str) -> tuple[Any, int]:
-        raw = self._decode(req)
-        if not isinstance(raw, dict):
-            raise NomadError(400, "json: cannot unmarshal into Go value of type structs.Namespace")
+        raw = self._decode_object(req, "structs.Namespace")
         if raw.get("Name") and raw["Name"] != name:
             raise NomadError(400, "Namespace name does not match request path")
         self.c.add_namespace(name, str(raw.get("Description") or ""))
@@ -1063,7 +1074,7 @@ class NomadApp:
             raise NomadError(400, "ACL support disabled")
         if self.acl.bootstrapped_index:
             raise NomadError(400, f"ACL bootstrap already done (reset index: {self.acl.bootstrapped_index})")
-        tok = self.acl.create(self.c, name="Bootstrap Token", type_="management", namespaces=None)
+        tok = self.acl.create(name="Bootstrap Token", type_="management", namespaces=None)
         self.acl.bootstrapped_index = tok.create_index
         return tok.to_json(), tok.create_index
 

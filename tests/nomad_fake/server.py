@@ -81,12 +81,11 @@ class FakeNomad:
             max_allocs_per_node=max_allocs_per_node,
         )
         self.faults = Faults()
-        self.acl = Acl(acl_enabled)
-        self.cluster.acl_enabled = acl_enabled
+        self.acl = Acl(self.cluster, acl_enabled)
         self.tls = tls
         self.management_token: str | None = None
         if acl_enabled:
-            tok = self.acl.create(self.cluster, name="Bootstrap Token", type_="management", namespaces=None)
+            tok = self.acl.create(name="Bootstrap Token", type_="management", namespaces=None)
             self.acl.bootstrapped_index = tok.create_index
             self.management_token = tok.secret_id
         self.app = NomadApp(self.cluster, faults=self.faults, acl=self.acl, strict=strict)
@@ -397,7 +396,7 @@ class FakeNomad:
 
     def create_token(self, namespaces: list[str] | None = None, *, name: str = "fake-client-token") -> str:
         """A client token allowed in ``namespaces`` (``["*"]`` for all); returns its SecretID."""
-        tok = self.acl.create(self.cluster, name=name, type_="client", namespaces=list(namespaces or []))
+        tok = self.acl.create(name=name, type_="client", namespaces=list(namespaces or []))
         return tok.secret_id
 
     def add_namespace(self, name: str, description: str = "") -> None:

@@ -61,7 +61,8 @@ def validate_path(path: str) -> str | None:
 
 
 class Variables:
-    """The variable table of a :class:`~.state.Cluster` (call under its ``op()``)."""
+    """The variable table of a :class:`~.state.Cluster`; writes take its ``op()`` themselves (which
+    wakes blocking queries and the client: templates waiting for a variable)."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.c = cluster
@@ -93,27 +94,29 @@ class Variables:
             raise ValueError('can not target wildcard ("*")namespace')
         if sum(len(k) + len(v) for k, v in items.items()) > MAX_SIZE:
             raise ValueError("variables are limited to 64KiB in total size")
-        current = self._check(namespace, path, cas)
-        idx = self.c._idx("variables")
-        now = self.c.wall()
-        v = {
-            "Namespace": namespace,
-            "Path": path,
-            "Lock": None,
-            "CreateIndex": current["CreateIndex"] if current else idx,
-            "CreateTime": current["CreateTime"] if current else now,
-            "ModifyIndex": idx,
-            "ModifyTime": now,
-            "Items": dict(items),
-        }
-        self.data[(namespace, path)] = v
-        return v
+        with self.c.op():
+            current = self._check(namespace, path, cas)
+            idx = self.c._idx("variables")
+            now = self.c.wall()
+            v = {
+                "Namespace": namespace,
+                "Path": path,
+                "Lock": None,
+                "CreateIndex": current["CreateIndex"] if current else idx,
+                "CreateTime": current["CreateTime"] if current else now,
+                "ModifyIndex": idx,
+                "ModifyTime": now,
+                "Items": dict(items),
+            }
+            self.data[(namespace, path)] = v
+            return v
 
     def delete(self, namespace: str, path: str, cas: int | None) -> int:
         """Delete (a missing variable is fine); returns the write index."""
-        self._check(namespace, path, cas)
-        self.data.pop((namespace, path), None)
-        return self.c._idx("variables")
+        with self.c.op():
+            self._check(namespace, path, cas)
+            self.data.pop((namespace, path), None)
+            return self.c._idx("variables")
 
     def list(self, namespace: str, prefix: str) -> list[dict[str, Any]]:
         found = [v for (ns, p), v in self.data.items()

@@ -5,20 +5,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
-MODEL_URL_ENV = "ATROPOS_MODEL_URL"
+from atropos.envs.config import MODEL_NAME_ENV, MODEL_URL_ENV, default_server_configs
+
+__all__ = ["MODEL_NAME_ENV", "MODEL_URL_ENV", "TOKENIZER_ENV", "server_configs", "tokenizer_dir"]
+
 TOKENIZER_ENV = "ATROPOS_TOKENIZER_DIR"
-MODEL_NAME_ENV = "ATROPOS_MODEL_NAME"
 
 
 def server_configs() -> list[Any]:
-    """One OpenAI-compatible server, as a LIST (a bare config makes atroposlib ignore --openai.*)."""
-    from atroposlib.envs.base import APIServerConfig
-
-    return [APIServerConfig(
-        model_name=os.environ.get(MODEL_NAME_ENV, "SmolLM2-135M-Instruct"),
-        base_url=os.environ.get(MODEL_URL_ENV, "http://127.0.0.1:8090/v1"),
-        api_key="local", server_type="openai", timeout=120, health_check=False, num_max_requests_at_once=8,
-    )]
+    """The examples' server: the local SmolLM2 llama.cpp server unless the environment says otherwise."""
+    return default_server_configs("SmolLM2-135M-Instruct", "http://127.0.0.1:8090/v1", num_max_requests_at_once=8)
 
 
 def tokenizer_dir() -> str:
