@@ -50,6 +50,7 @@ class ServeSettings(BaseModel):
     max_hosts: int = Field(4, ge=1)
     image: str = "atropos-sandbox:dev"
     nomad_address: str | None = None  # default: $NOMAD_ADDR, else http://127.0.0.1:4646
+    ray_address: str | None = None  # default: $RAY_ADDRESS, else a Ray started by serve on 127.0.0.1
     # names files in the state dir and Nomad job ids: no path separators
     pool_id: str = Field("cli", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     allow_no_auth: bool = False
@@ -202,6 +203,7 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
     _setting_flag(p, "max_hosts", "most hosts (default 4)", type=int)
     _setting_flag(p, "image", "docker/nomad: sandbox image (default atropos-sandbox:dev)")
     _setting_flag(p, "nomad_address", "nomad: agent address (default $NOMAD_ADDR)")
+    _setting_flag(p, "ray_address", "ray: cluster address (default $RAY_ADDRESS, else a Ray started here)")
     _setting_flag(p, "pool_id", "names this pool's hosts and state (default cli)")
     _setting_flag(p, "web_provider", "web_search/web_extract provider (default offline corpus)",
                   choices=["offline", "http", "none"])
@@ -235,7 +237,7 @@ def backend_settings(s: ServeSettings, kind: BackendKind | None = None) -> Any:
     from atropos.backends.config import BackendSettings
 
     return BackendSettings(kind=kind or s.backend, pool_id=s.pool_id, slots_per_host=s.slots_per_host,
-                           image=s.image, nomad_address=s.nomad_address)
+                           image=s.image, nomad_address=s.nomad_address, ray_address=s.ray_address)
 
 
 def nomad_config(s: ServeSettings) -> Any:
