@@ -564,13 +564,20 @@ def render_status(status: dict[str, Any]) -> str:
               if k in status]
     if events:
         lines.append("events: " + ", ".join(events))
+    nodes: dict[str, int] = {}
+    for h in status["hosts"]:
+        if h.get("node"):
+            nodes[h["node"]] = nodes.get(h["node"], 0) + 1
+    if nodes:  # backends that place hosts on cluster nodes (ray)
+        lines.append(f"nodes: {len(nodes)} (" + ", ".join(f"{n[:12]}: {k} host(s)" for n, k in nodes.items()) + ")")
     lines.append(f"{'HOST':<34} {'HEALTH':<8} {'FREE':>5} {'LEASED':>6} {'QUAR':>5} {'OLDEST LEASE':>13} "
                  f"{'PROBE ms':>9}")
     for h in status["hosts"]:
         oldest = "-" if h["oldest_lease_s"] is None else f"{h['oldest_lease_s']:.0f}s"
         probe = "-" if h["health_ms"] is None else f"{h['health_ms']:.1f}"
+        node = f"  node {h['node'][:12]}" if h.get("node") else ""
         lines.append(f"{h['id'][:34]:<34} {'ok' if h['healthy'] else 'FAIL':<8} {h['free']:>5} {h['leased']:>6} "
-                     f"{h['quarantined']:>5} {oldest:>13} {probe:>9}")
+                     f"{h['quarantined']:>5} {oldest:>13} {probe:>9}{node}")
     if status.get("starting_hosts"):
         lines.append(f"({status['starting_hosts']} host(s) starting)")
     return "\n".join(lines)

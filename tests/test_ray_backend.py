@@ -293,3 +293,35 @@ async def test_worker_node_removed_with_64_calls_in_flight(cluster: RayCluster) 
                        f"no process of {host_id} left")
         assert double_leases(pool.audit.events) == []
     cluster.workers.append(cluster.add_worker())  # later tests get two workers again
+
+
+# -- the CLI -------------------------------------------------------------------------------------
+def test_cli_pool_on_ray_shows_its_nodes(cluster: RayCluster, tmp_path: Path) -> None:
+    import socket
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("ATROPOS_SANDBOX_", "RAY_ADDRESS"))}
+        env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), PYTHONPATH=str(REPO))
+        return subprocess.run([sys.executable, "-m", "atropos.cli", *args], capture_output=True, text=True,
+                              timeout=300, env=env, cwd=REPO)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pool_id = f"cliray{os.getpid()}"
+    up = cli("pool", "up", "--backend", "ray", "--ray-address", cluster.address, "--pool-id", pool_id,
+             "--slots-per-host", "1", "--min-hosts", "2", "--max-hosts", "2", "--port", str(port))
+    try:
+        assert up.returncode == 0, up.stderr
+        status = cli("pool", "status", "--pool-id", pool_id)
+        assert status.returncode == 0, status.stderr
+        assert f"pool {pool_id} (ray)" in status.stdout and "nodes: 2 (" in status.stdout, status.stdout
+        as_json = json.loads(cli("pool", "status", "--json", "--pool-id", pool_id).stdout)
+        assert {h["node"] for h in as_json["hosts"]} == cluster.worker_ids()
+        ran = cli("exec", "--pool-id", pool_id, "--", "echo", "from-ray")
+        assert ran.returncode == 0 and ran.stdout == "from-ray\n", ran.stderr
+    finally:
+        down = cli("pool", "down", "--pool-id", pool_id)
+    assert down.returncode == 0, down.stderr
+    prefix = pool_id + "/"
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
