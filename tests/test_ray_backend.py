@@ -86,7 +86,10 @@ def make_backend(cluster: RayCluster, slots: int, pool_id: str | None = None, **
 
 
 def pool_cfg(**kw: Any) -> PoolConfig:
-    base: dict[str, Any] = {"min_hosts": 1, "max_hosts": 1, "health_interval_s": 0.5, "lease_timeout_s": 120}
+    # Generous probes: on a busy 2-core machine running a Ray cluster, a loaded host may answer its
+    # health probe late; a lost node is noticed through its actor, not through probes.
+    base: dict[str, Any] = {"min_hosts": 1, "max_hosts": 1, "health_interval_s": 0.5, "lease_timeout_s": 120,
+                            "health_timeout_s": 30, "health_failures": 3}
     base.update(kw)
     return PoolConfig.model_validate(base)
 
@@ -325,3 +328,25 @@ def test_cli_pool_on_ray_shows_its_nodes(cluster: RayCluster, tmp_path: Path) ->
     assert down.returncode == 0, down.stderr
     prefix = pool_id + "/"
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+
+
+async def test_reap_kills_the_actors_a_dead_pool_process_left(cluster: RayCluster) -> None:
+    """An actor that outlived its owner (detached here, as a stand-in for one Ray has not killed yet)
+    is reaped by the next pool with the same id on this machine; a live owner's actor is not."""
+    import socket
+
+    from atropos.backends.ray import NAME_SEP, HostActor
+
+    pool_id = f"reap{os.getpid()}"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    names = {owner: NAME_SEP.join((pool_id, socket.gethostname(), str(pid), "1"))
+             for owner, pid in (("dead", gone.pid), ("alive", os.getppid()))}
+    actors = [ray.remote(HostActor).options(name=name, namespace="atropos-sandbox", num_cpus=0,
+                                            lifetime="detached").remote({"data_dir": str(DATA_ROOT / pool_id / o)})
+              for o, name in names.items()]
+    backend = make_backend(cluster, slots=1, pool_id=pool_id)
+    await poll(lambda: set(names.values()) <= set(backend.actor_names()), "both actors to be registered")
+    assert await backend.reap_orphans() == 1
+    await poll(lambda: backend.actor_names() == [names["alive"]], "only the live owner's actor to remain")
+    ray.kill(actors[1])
