@@ -123,6 +123,9 @@ environment:
                                and keeps it in a 0600 file in the state dir)
   NOMAD_ADDR, NOMAD_TOKEN, ... the nomad backend's cluster (and ATROPOS_NOMAD_<FIELD>, e.g.
                                ATROPOS_NOMAD_TOKEN_DELIVERY=env); see nomad/README.md
+  DOCKER_HOST, ...             the docker backend's engine, as for the docker CLI
+  RAY_ADDRESS                  the ray backend's cluster (and ATROPOS_RAY_<FIELD>, e.g.
+                               ATROPOS_RAY_NUM_CPUS=2); see docs/ray.md
   XDG_CACHE_HOME               state of background pools: $XDG_CACHE_HOME/atropos-sandbox/run
                                (default ~/.cache/atropos-sandbox/run)
 """

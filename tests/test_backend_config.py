@@ -137,3 +137,15 @@ def test_agent_env_cluster_failure_is_one_clear_line(tmp_path: Path) -> None:
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert len(errors) == 1 and f"cannot reach Nomad at {address}" in errors[0], proc.stderr[-3000:]
+
+
+def test_ray_settings_come_from_the_environment_and_settings_win() -> None:
+    environ = {"ATROPOS_RAY_NUM_CPUS": "2", "ATROPOS_RAY_RESOURCE": "sandbox_nodes", "ATROPOS_RAY_ADDRESS": "h:1"}
+    cfg = backend_config(BackendSettings(kind="ray", pool_id="p"), environ=environ)
+    assert (cfg.num_cpus, cfg.resource, cfg.address, cfg.pool_id) == (2.0, "sandbox_nodes", "h:1", "p")
+    cli_cfg = backend_config(backend_settings(ServeSettings(backend="ray", pool_id="p", ray_address="127.0.0.1:6379")),
+                             environ=environ)
+    assert cli_cfg.address == "127.0.0.1:6379"  # a setting wins over the environment
+    with pytest.raises(ConfigError, match="ATROPOS_RAY_"):
+        backend_config(BackendSettings(kind="ray", pool_id="p"), environ={"ATROPOS_RAY_NUM_CPUS": "lots"})
+

@@ -12,6 +12,7 @@ Adding a backend: a module with its ``Backend`` and its config class (``kind`` t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Annotated, Any
 
@@ -62,7 +63,8 @@ def backend_config(s: BackendSettings, environ: Mapping[str, str] | None = None,
     backend's config (an unknown one is refused). ``environ`` (default: ours) supplies ``NOMAD_*``
     and ``ATROPOS_NOMAD_<FIELD>`` for Nomad; a setting given here wins over the environment. The
     Docker engine is found as the docker CLI finds it (``DOCKER_HOST``, ...) unless ``docker_url``
-    is given; the Ray cluster as Ray finds it (``RAY_ADDRESS``) unless ``ray_address`` is given."""
+    is given; the Ray cluster as Ray finds it (``RAY_ADDRESS``) unless ``ray_address`` is given, and
+    the Ray backend's other fields from ``ATROPOS_RAY_<FIELD>`` (e.g. ``ATROPOS_RAY_NUM_CPUS=2``)."""
     data: dict[str, Any] = {"kind": s.kind, "slots_per_host": s.slots_per_host}
     if s.max_timeout_s is not None:
         data["max_timeout_s"] = s.max_timeout_s
@@ -74,8 +76,14 @@ def backend_config(s: BackendSettings, environ: Mapping[str, str] | None = None,
             data["address"] = s.nomad_address
     else:
         data["pool_id"] = s.pool_id
-    if s.kind == "ray" and s.ray_address:
-        data["address"] = s.ray_address
+    if s.kind == "ray":
+        if s.ray_address:
+            data["address"] = s.ray_address
+        env = os.environ if environ is None else environ
+        for name in RayBackendConfig.model_fields:  # the rest of its settings, as ATROPOS_NOMAD_<FIELD> for Nomad
+            value = env.get(f"ATROPOS_RAY_{name.upper()}")
+            if value is not None and name != "kind":
+                data.setdefault(name, value)
     data.update(overrides)
     try:
         if s.kind == "nomad":
@@ -83,7 +91,7 @@ def backend_config(s: BackendSettings, environ: Mapping[str, str] | None = None,
             return NomadBackendConfig.from_env(None if environ is None else dict(environ), **data)
         config: BackendConfig = _ADAPTER.validate_python(data)
     except ValidationError as exc:
-        where = " (settings, NOMAD_*, ATROPOS_NOMAD_*)" if s.kind == "nomad" else ""
+        where = {"nomad": " (settings, NOMAD_*, ATROPOS_NOMAD_*)", "ray": " (settings, ATROPOS_RAY_*)"}.get(s.kind, "")
         raise ConfigError(f"invalid {s.kind} backend settings{where}: {_first_problem(exc)}") from None
     return config
 
