@@ -18,7 +18,7 @@ Variants (timed in alternating chunks, so load changes hit all alike):
   custom seccomp, port on 127.0.0.1 through docker-proxy), one leased slot. Timed in the same
   interleaved rounds as the two docker CLI rows; only with an engine, the image and the docker SDK.
 
-Targets (shared/design.md): ``true`` p50 <= 2x the fork+exec floor measured in the same run, and
+Targets (docs/targets.md): ``true`` p50 <= 2x the fork+exec floor measured in the same run, and
 >= 5x faster than ``docker exec``.
 """
 

@@ -22,7 +22,7 @@ stream (``pool.upload_template``). Then:
 Baseline in the same run: ``cp -a`` of the same tree into a fresh directory, 16 times in a row
 (2 with ``--quick``, total extrapolated), each copy's disk use, copies removed outside the timing.
 
-Targets (shared/design.md, peers.md #6): fork into 16 slots < 250 ms total, disk growth per idle
+Targets (docs/targets.md): fork into 16 slots < 250 ms total, disk growth per idle
 fork <= 1 MiB, reset of a 1,000-file slot p99 < 20 ms, verified.
 """
 

@@ -10,7 +10,7 @@ Baseline, interleaved with the iterations in the same run: ``sh -c 'rm -rf W && 
 the same 1,000-file tree (what a copy-the-template reset costs on this file system; includes
 one sh fork+exec).
 
-Target (shared/design.md): p99 < 20 ms, verified.
+Target (docs/targets.md): p99 < 20 ms, verified.
 """
 
 from __future__ import annotations

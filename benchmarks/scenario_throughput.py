@@ -14,7 +14,7 @@ exec'd back to back by one process per core with nothing else around it (no sand
 pool). No sandbox can beat it; the ratio says what share of it our whole stack reaches. A last row
 runs ``stat`` (no process spawned) to show what the stack itself sustains.
 
-Target (shared/design.md): >= 1,500 calls/s on 2 cores.
+Target (docs/targets.md): >= 1,500 calls/s on 2 cores.
 """
 
 from __future__ import annotations

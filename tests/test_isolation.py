@@ -1,4 +1,4 @@
-"""Adversarial isolation suite: one test per applicable row of shared/reference/isolation.md §(c).
+"""Adversarial isolation suite: one test per row of the adversarial catalogue (docs/isolation.md).
 
 Every test attacks a real sandbox host (real bubblewrap, per-slot uids when run as root) through the
 public tool API and asserts the SAFE outcome. Each test first establishes its premise on the host

@@ -1,6 +1,6 @@
 """Sandbox hosts as Docker containers (Docker Engine API through the docker SDK).
 
-Container options follow shared/reference/isolation.md (a): nothing in the container runs as
+Container options follow docs/isolation.md: nothing in the container runs as
 uid 0 or holds a capability, so ``systempaths=unconfined`` (needed for bwrap to mount a fresh
 /proc) opens nothing; the custom seccomp profile allows only the namespace and mount syscalls
 bwrap needs on top of Docker's usual set. The API port is published on 127.0.0.1 only and every

@@ -1,6 +1,6 @@
 """Sandbox hosts as allocations of one Nomad service job (Nomad HTTP API through ``httpx.AsyncClient``).
 
-Contract: ``shared/reference/nomad-api.md``. The job this backend registers is the same as
+Contract: ``docs/nomad-api.md``. The job this backend registers is the same as
 ``nomad/sandbox.hcl`` (``render_job()`` is the JSON form; a test parses the HCL and compares). One
 task group ``hosts``; every allocation is one sandbox host (a docker container with N slots).
 

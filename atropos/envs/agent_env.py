@@ -6,7 +6,7 @@ then every rollout gets a copy-on-write fork of its result), ``setup_trajectory_
 (once per rollout, in its own slot) and ``setup_agent_env`` (once, after the pool is up). Then run
 ``python -m your_env process|serve|evaluate`` as with any Atropos environment.
 
-What this class does for you (see shared/reference/atroposlib.md for the traps it avoids):
+What this class does for you (see docs/atroposlib.md for the traps it avoids):
 
 * starts the slot pool in ``setup`` and stops it when the run ends, in every mode (BaseEnv has no
   teardown hook);
