@@ -17,13 +17,14 @@ import os
 import time
 from collections.abc import Awaitable
 from importlib import resources
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import httpx
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from atropos.backends.base import Backend, HostInfo, new_token, pid_alive
 from atropos.errors import ConfigError, HostUnavailable
+from atropos.sandbox.launch import HOST_TOKEN_ENV, HostLaunch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -37,6 +38,9 @@ SLOT_UID = 1000
 
 
 class DockerBackendConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["docker"] = "docker"
     image: str = "atropos-sandbox:dev"
     pool_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     slots_per_host: int = Field(16, ge=1, le=1023)
@@ -49,7 +53,8 @@ class DockerBackendConfig(BaseModel):
     start_timeout_s: float = 60.0
     prewarm: bool = Field(True, description="start every slot's sandbox before the host reports ready; off: "
                           "ready once serving (its self-test passed), each slot's sandbox starts on first use")
-    docker_url: str | None = Field(None, description="Docker Engine URL; default from the environment")
+    docker_url: str | None = Field(None, description="Docker Engine URL; default from the environment "
+                                   "(DOCKER_HOST, DOCKER_TLS_VERIFY, DOCKER_CERT_PATH, as the docker CLI)")
     seccomp_profile: str | None = Field(None, description="path of the outer seccomp profile; default: shipped")
 
     @model_validator(mode="after")
@@ -58,6 +63,9 @@ class DockerBackendConfig(BaseModel):
             raise ValueError(f"slot_workspace_bytes ({self.slot_workspace_bytes}) exceeds workspace_bytes "
                              f"({self.workspace_bytes}), the tmpfs holding every slot's workspace")
         return self
+
+    def build(self) -> DockerBackend:
+        return DockerBackend(self)
 
 
 def boot_id() -> str:
@@ -100,7 +108,9 @@ class DockerBackend(Backend):
                 self._client.ping()
             except Exception as exc:
                 self._client = None
-                raise HostUnavailable(f"cannot reach the Docker engine: {exc}") from exc
+                where = self.cfg.docker_url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+                raise HostUnavailable(f"cannot reach the Docker engine at {where} (DockerBackendConfig.docker_url, "
+                                      f"else DOCKER_HOST): {exc}") from exc
         return self._client
 
     def host_config(self) -> dict[str, Any]:
@@ -134,12 +144,13 @@ class DockerBackend(Backend):
         api = self.client.api
         created = api.create_container(
             c.image,
-            command=["--host", "0.0.0.0", "--port", str(CONTAINER_PORT), "--slots", str(c.slots_per_host),
-                     "--data-dir", "/slots/data", "--max-timeout", str(c.max_timeout_s),
-                     "--workspace-bytes", str(c.slot_workspace_bytes), *([] if c.prewarm else ["--no-prewarm"])],
+            # the image's entrypoint is `python3 -m atropos.sandbox`
+            command=HostLaunch(host="0.0.0.0", port=CONTAINER_PORT, slots=c.slots_per_host, data_dir="/slots/data",
+                               max_timeout_s=c.max_timeout_s, workspace_bytes=c.slot_workspace_bytes,
+                               prewarm=c.prewarm).args(),
             name=host_id,
             user=f"{SLOT_UID}:{SLOT_UID}",
-            environment={"ATROPOS_SANDBOX_TOKEN": token},
+            environment={HOST_TOKEN_ENV: token},
             labels={LABEL_POOL: c.pool_id, LABEL_OWNER: str(os.getpid()), LABEL_BOOT: boot_id(), LABEL_HOST: host_id},
             ports=[CONTAINER_PORT],
             host_config=self.host_config(),

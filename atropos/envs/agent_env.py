@@ -51,8 +51,9 @@ from atropos.agent.loop import (
 from atropos.agent.managed import ManagedSession, TrackedSequence, servers_give_token_ids
 from atropos.agent.tokens import IGNORE, count_prompt_tokens, template_wraps_tool_responses, tokenize_conversation
 from atropos.backends.base import Backend
-from atropos.envs.config import AgentEnvConfig, default_server_configs, wandb_requested
-from atropos.errors import ConfigError, InfrastructureError
+from atropos.backends.config import BackendSettings
+from atropos.envs.config import AgentEnvConfig, backend_settings, default_server_configs, wandb_requested
+from atropos.errors import AtroposSandboxError, ConfigError, InfrastructureError, exit_code
 from atropos.progress import GroupProgress
 from atropos.slots.config import PoolConfig
 from atropos.slots.lease import Lease, PoolTemplate
@@ -145,7 +146,13 @@ class AgentEnv(BaseEnv):
             default = False  # BaseEnv.cli calls config_init again and reports the error
         if not wandb_requested(sys.argv[1:], default):
             os.environ.setdefault("WANDB_MODE", "disabled")
-        super().cli()
+        try:
+            super().cli()
+        except AtroposSandboxError as exc:
+            # one line that says what failed (e.g. "cannot reach Nomad at ..."), not the chained
+            # tracebacks of the HTTP client under it; a bug (any other exception) keeps its traceback
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            sys.exit(exit_code(exc))
 
     # -- hooks for subclasses --------------------------------------------------------------
     def build_task(self, item: Any) -> str:
@@ -182,23 +189,12 @@ class AgentEnv(BaseEnv):
         return await self.score_trajectory(item, final_response), {}
 
     def build_backend(self) -> Backend:
-        c = self.config
-        pool_id = self.build_backend_pool_id()
-        if c.sandbox_backend == "docker":
-            from atropos.backends.docker import DockerBackend, DockerBackendConfig
+        from atropos.backends.config import build_backend
 
-            return DockerBackend(DockerBackendConfig(image=c.sandbox_image, slots_per_host=c.slots_per_host,
-                                                     pool_id=pool_id, max_timeout_s=c.tool_timeout_s))
-        if c.sandbox_backend == "nomad":
-            from atropos.backends.nomad import NomadBackend, NomadBackendConfig
+        return build_backend(self.backend_settings())
 
-            # NOMAD_TOKEN, namespace, region and TLS come from the environment, as with the nomad CLI
-            return NomadBackend(NomadBackendConfig.from_env(address=c.nomad_address, job_id=c.nomad_job_id,
-                                                            image=c.sandbox_image, slots_per_host=c.slots_per_host))
-        from atropos.backends.local import LocalBackend, LocalBackendConfig
-
-        return LocalBackend(LocalBackendConfig(slots_per_host=c.slots_per_host, pool_id=pool_id,
-                                               max_timeout_s=c.tool_timeout_s))
+    def backend_settings(self) -> BackendSettings:
+        return backend_settings(self.config, self.build_backend_pool_id())
 
     # -- lifecycle -------------------------------------------------------------------------
     async def setup(self) -> None:
