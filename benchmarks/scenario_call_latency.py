@@ -225,6 +225,7 @@ async def run(quick: bool) -> ScenarioResult:
                     note="bwrap_argv + product seccomp filter, env={}, "
                          + (f"uid {UNPRIVILEGED_UID}" if os.geteuid() == 0 else "own uid"))]
     res.rows += _route_rows(res, samples, floor)
+    res.rows += _breakdown(res)
     true_row.target = "p50 <= 2x floor"
     true_row.passed = true_row.p50 <= 2 * floor.p50
     res.targets.append(Target("`true` p50 <= 2x fork+exec floor",
@@ -273,6 +274,24 @@ def _route_rows(res: ScenarioResult, samples: dict[str, list[float]], floor: Row
                                   f"{row.p50:.2f} ms vs 2.5 x {floor.p50:.2f} = {2.5 * floor.p50:.2f} ms "
                                   f"({row.p50 / floor.p50:.2f}x)", row.passed))
     return rows
+
+
+def _breakdown(res: ScenarioResult) -> list[Row]:
+    """Where a `true` call's time goes, layer by layer: differences of the p50s above (approximate:
+    medians do not subtract exactly; the host API rows run on their own host, same code)."""
+    p50 = {r.name: r.p50 for r in res.rows if r.samples_ms}
+    layers = [
+        ("bash in the sandbox (supervisor: go .. exit .. reaped)", p50["  of which in-sandbox exec"]),
+        ("host: validation, lease check, slot lock, supervisor frames",
+         p50["  of which host-side"] - p50["  of which in-sandbox exec"]),
+        ("HTTP: lean client + uvicorn + raw /v1/call route", p50["bash: true (host API)"] - p50["  of which host-side"]),
+        ("pool layer: Lease, host guard", p50["bash: true (lease.bash)"] - p50["bash: true (host API)"]),
+        ("ToolExecutor: queue, batch, format", p50["bash: true (ToolExecutor.execute)"] - p50["bash: true (lease.bash)"]),
+        ("ToolServer: 2nd HTTP hop + REST route (lean client)",
+         p50["bash: true (REST, lean keep-alive)"] - p50["bash: true (lease.bash)"]),
+    ]
+    return [Row(f"breakdown: {name}", value=round(ms, 3), unit="ms",
+                note="p50 differences of the rows above" if i == 0 else "") for i, (name, ms) in enumerate(layers)]
 
 
 if __name__ == "__main__":
