@@ -284,9 +284,11 @@ def _breakdown(res: ScenarioResult) -> list[Row]:
         ("bash in the sandbox (supervisor: go .. exit .. reaped)", p50["  of which in-sandbox exec"]),
         ("host: validation, lease check, slot lock, supervisor frames",
          p50["  of which host-side"] - p50["  of which in-sandbox exec"]),
-        ("HTTP: lean client + uvicorn + raw /v1/call route", p50["bash: true (host API)"] - p50["  of which host-side"]),
+        ("HTTP: lean client + uvicorn + raw /v1/call route",
+         p50["bash: true (host API)"] - p50["  of which host-side"]),
         ("pool layer: Lease, host guard", p50["bash: true (lease.bash)"] - p50["bash: true (host API)"]),
-        ("ToolExecutor: queue, batch, format", p50["bash: true (ToolExecutor.execute)"] - p50["bash: true (lease.bash)"]),
+        ("ToolExecutor: queue, batch, format",
+         p50["bash: true (ToolExecutor.execute)"] - p50["bash: true (lease.bash)"]),
         ("ToolServer: 2nd HTTP hop + REST route (lean client)",
          p50["bash: true (REST, lean keep-alive)"] - p50["bash: true (lease.bash)"]),
     ]
