@@ -31,6 +31,11 @@ ALIASES: dict[str, str] = {
 class AgentEnvConfig(BaseEnvConfig):
     # BaseEnvConfig's 2048 cannot hold a tool-using agent: the tool schemas alone take ~1-1.5k tokens.
     max_token_length: int = Field(4096, description="context budget of a trajectory (prompt + completions)")
+    # BaseEnvConfig's True drops every group whose scores are all equal, so a weak model's all-zero
+    # groups vanish from the jsonl and the trainer without a trace; an agent env keeps them unless asked.
+    ensure_scores_are_not_same: bool = Field(
+        False, description="drop groups whose scores are all equal (they carry no GRPO advantage); "
+                           "dropped groups are counted in the run summary")
     # where sandboxes run
     sandbox_backend: Literal["local", "docker", "nomad"] = Field("local", description="local | docker | nomad")
     slots_per_host: int = Field(16, ge=1, description="slots per sandbox host (process or container)")
