@@ -14,7 +14,7 @@ pytest.importorskip("atroposlib")
 
 from atropos.envs.agent_env import AgentEnvConfig
 from atropos.envs.examples.coding import TASKS, CodingEnv
-from tests.scripted import server_configs
+from atropos.testing import server_configs
 from tests.scripted_env import CodingPolicy
 
 
