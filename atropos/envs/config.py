@@ -94,7 +94,7 @@ class AgentEnvConfig(BaseEnvConfig):
         return self
 
 
-def default_server_configs(model_name: str = "default", base_url: str = "http://127.0.0.1:8000/v1",
+def default_server_configs(model_name: str = "default", base_url: str = "http://127.0.0.1:8090/v1",
                            **extra: Any) -> list[APIServerConfig]:
     """One OpenAI-compatible server, as a LIST: a bare config or a ``ServerBaseline`` makes atroposlib
     ignore ``--openai.*`` and talk to localhost:9004-9007 instead. ``$ATROPOS_MODEL_NAME`` and
