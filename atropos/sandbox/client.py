@@ -237,7 +237,7 @@ def _raise_for(status: int, body: bytes, where: str) -> NoReturn:
     if code == "workspace_failed":
         raise WorkspaceError(f"{where}: {message}")
     if code == "path_escape":
-        raise PathEscapeError(message)
+        raise PathEscapeError(f"HTTP {status} {code}: {message}")
     if status >= 500:
         raise HostUnavailable(f"{where}: HTTP {status}: {message}")
     raise ToolInputError(f"HTTP {status} {code}: {message}")
