@@ -27,6 +27,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 
 from atropos import __version__, metrics
+from atropos.api.openapi import complete_openapi
 from atropos.asgi import ASGIApp, Receive, RequestGuard, Send, http_error, install_error_handlers
 from atropos.errors import InfrastructureError, LeaseError, SlotUnavailable, ToolError
 from atropos.fastroute import BadBody, Disconnected, read_model, send_error, send_json
@@ -358,6 +359,8 @@ def create_tool_server(
                                                     host=entry.lease.host.id))
         return ReleaseResponse(released=True)
 
+    complete_openapi(app, max_body_bytes=settings.max_body_bytes, max_concurrency=settings.max_concurrency,
+                     lease_idle_s=settings.rest_lease_idle_s)
     # Docs stay readable without a token (they hold no secret); everything else needs it.
     public = {"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json", "/status"}
     if settings.public_metrics:
