@@ -67,10 +67,16 @@ def make_undumpable() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
 
 
+_last_pid_fd: int | None = None
+
+
 def ns_last_pid() -> int:
-    """The last pid handed out in this process's PID namespace (the kernel keeps it per namespace)."""
-    with open("/proc/sys/kernel/ns_last_pid", "rb") as fh:
-        return int(fh.read())
+    """The last pid handed out in this process's PID namespace (the kernel keeps it per namespace).
+    The file stays open (close-on-exec): a pread is a fraction of an open+read+close."""
+    global _last_pid_fd
+    if _last_pid_fd is None:
+        _last_pid_fd = os.open("/proc/sys/kernel/ns_last_pid", os.O_RDONLY | os.O_CLOEXEC)
+    return int(os.pread(_last_pid_fd, 32, 0))
 
 
 def apply_limits(limits: dict[str, int]) -> None:
