@@ -619,11 +619,18 @@ async def test_agent_env_group_setup_runs_once_and_every_rollout_gets_a_fork(tmp
         async def verify_and_score_trajectory(self, item: Any, final_response: str, *, trajectory_id: str,
                                               exec_tool: Any, lease: Any, agent_result: Any
                                               ) -> tuple[float, dict[str, Any]]:
-            out = await lease.bash("cd repo && git rev-parse HEAD~1 && git log --oneline | wc -l && cat mine && "
-                                   "echo && git status --porcelain | wc -l && ls")
-            lines = out["stdout"].split()
+            # the slot is sealed by now: the checks run in its verification sandbox (read-only workspace)
+            result = await lease.verify(
+                "import subprocess\ndef verify(ws, secrets, args):\n"
+                "    return {'score': 0.0, 'out': subprocess.run(['bash', '-c', args], cwd=ws, capture_output=True,"
+                " text=True).stdout}\n",
+                args="cd repo && git rev-parse HEAD~1 && git log --oneline | wc -l && cat mine && echo && "
+                     "git --no-optional-locks status --porcelain | wc -l && ls")
+            assert result.ok and result.verdict is not None, result
+            out = str(result.verdict["out"])
+            lines = out.split()
             ok = lines[:5] == [item["head"], "3", trajectory_id, "0", "mine"] and lines[5:] == ["src", "version"]
-            return (1.0 if ok else 0.0), {"out": out["stdout"]}
+            return (1.0 if ok else 0.0), {"out": out}
 
     cfg = AgentEnvConfig(tokenizer_name=str(ensure_tokenizer_dir()), group_size=8, use_wandb=False, wandb_name="t",
                          slots_per_host=8, max_hosts=1, agent_max_steps=3, enabled_toolsets=["shell", "files"],

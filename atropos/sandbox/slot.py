@@ -12,11 +12,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from atropos.sandbox.bwrap import LIB_DIR, RUN_DIR, SANDBOX_ENV, SandboxPaths, bwrap_argv
+from atropos.sandbox.bwrap import LIB_DIR, RUN_DIR, SANDBOX_ENV, WORKSPACE, SandboxPaths, bwrap_argv
 from atropos.sandbox.config import HostConfig
 from atropos.sandbox.network import SlirpHandshake
-from atropos.sandbox.protocol import LeaseInfo, SlotInfo, SlotState
+from atropos.sandbox.protocol import ErrorInfo, LeaseInfo, SlotInfo, SlotState, VerifyRequest, VerifyResult
 from atropos.sandbox.sandbox_process import SandboxDied, SandboxProcess
+from atropos.sandbox.verification import VERIFIER_ENV, verifier_bwrap
 from atropos.sandbox.workspace import (
     MountNamespace,
     Template,
@@ -31,6 +32,7 @@ from atropos.sandbox.workspace import (
 CHOOM = "/usr/bin/choom"  # util-linux: on every Debian/Ubuntu
 HAVE_CHOOM = os.path.exists(CHOOM)
 SANDBOX_OOM_SCORE_ADJ = 1000  # under memory pressure the sandbox dies, never the host
+VERIFY_GRACE_S = 10.0  # beyond the program's own timeout: its start and its answer
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,9 @@ class Slot:
         self.ws_kind: WorkspaceKind = "plain"
         self.capped = False  # workspace (a fork's layers) and run dir are capped tmpfs mounts
         self.last_verified = ""
+        # The verification phase of the lease began (see docs/verification.md): every process of
+        # the agent is gone, no command or interpreter runs again in the slot until its reset.
+        self.sealed = False
 
     @property
     def ov(self) -> Path:
@@ -142,20 +147,22 @@ class Slot:
         )
 
     # -- sandboxes -------------------------------------------------------------------------
-    def _argv(self, extra: dict[str, Any], script: str) -> list[str]:
-        sup_cfg = {"limits": self.cfg.limits.rlimits(), "env": SANDBOX_ENV, **extra}
+    def _argv(self, extra: dict[str, Any], script: str, verifier: bool = False) -> list[str]:
+        sup_cfg = {"limits": self.cfg.limits.rlimits(), "env": VERIFIER_ENV if verifier else SANDBOX_ENV, **extra}
         if self.cfg.unsafe_no_isolation:
             sup_cfg.update(workspace=str(self.paths.workspace), run_dir=str(self.paths.run_dir),
                            isolated=False, env={**SANDBOX_ENV, "HOME": str(self.paths.workspace)})
             return [self.cfg.python, "-I", "-S", str(self.paths.lib_dir / script), json.dumps(sup_cfg)]
-        argv = bwrap_argv(self.cfg.bwrap, self.paths, self.cfg.limits, network=self.network,
+        argv = bwrap_argv(self.cfg.bwrap, self.paths, self.cfg.limits, network=self.network and not verifier,
                           seccomp_fd=-1, private_net=self.private_net)
         argv[argv.index("-1")] = "{seccomp_fd}"
+        if verifier:
+            argv = verifier_bwrap(argv, self.paths)
         return [*argv, self.cfg.python, "-I", "-S", f"{LIB_DIR}/{script}", json.dumps(sup_cfg)]
 
     async def _start(self, extra: dict[str, Any], label: str, protocol: bool = True,
-                     script: str = "supervisor.py") -> SandboxProcess:
-        argv, uid = self._argv(extra, script), self.uid
+                     script: str = "supervisor.py", verifier: bool = False) -> SandboxProcess:
+        argv, uid = self._argv(extra, script, verifier), self.uid
         if self.ws_kind == "overlay" or self.capped:
             # The fork's overlay and the capped tmpfs mounts exist only in the workspace mount
             # namespace: start bwrap in it (nsenter drops to the slot's uid itself on a root host).
@@ -167,7 +174,7 @@ class Slot:
         return await SandboxProcess.start(
             argv, uid=uid, protocol=protocol,
             seccomp_path=None if self.cfg.unsafe_no_isolation else self.seccomp_path, label=label,
-            network=(SlirpHandshake.create() if self.network and self.private_net
+            network=(SlirpHandshake.create() if self.network and self.private_net and not verifier
                      and not self.cfg.unsafe_no_isolation else None),
             network_uid=self.uid,
             echoes_seq=protocol,  # both in-slot programs serve through inslot.serve
@@ -175,7 +182,8 @@ class Slot:
 
     async def ensure_sandbox(self) -> SandboxProcess:
         if self.sandbox is None or not self.sandbox.alive:
-            self.sandbox = await self._start({}, f"slot {self.index}")
+            # sealed: a supervisor that reads the workspace for the host and never starts anything
+            self.sandbox = await self._start({"sealed": True} if self.sealed else {}, f"slot {self.index}")
         return self.sandbox
 
     async def ensure_terminal(self) -> None:
@@ -265,6 +273,7 @@ class Slot:
             self.quarantine(f"reset failed: {self._failure(exc, 'during reset')}")
             return False, self.detail
         self.generation += 1
+        self.sealed = False
         self.lease_token = None
         self.trajectory_id = None
         self.network = False
@@ -273,6 +282,54 @@ class Slot:
         self.state = "free"
         self.detail = ""
         return True, ""
+
+    # -- verification phase ----------------------------------------------------------------
+    async def seal(self) -> str:
+        """Begin the verification phase: every process of the slot goes (calls, waiting
+        interpreters, terminal, python_session) and none starts again until the reset. Returns
+        what was established about the agent's processes."""
+        self.sealed = True
+        await self.stop_sandboxes()
+        await self._kill_all()  # RuntimeError if any process of the slot's uid survived
+        return self._processes_checked()
+
+    async def verify(self, req: VerifyRequest) -> VerifyResult:
+        """Run a verifier program in a fresh sandbox of the sealed slot (see docs/verification.md)."""
+        separation = await self.seal()
+        t0 = time.monotonic()
+        result = VerifyResult(slot=self.index, ok=False, separation=separation)
+        workspace = str(self.paths.workspace) if self.cfg.unsafe_no_isolation else WORKSPACE
+        proc: SandboxProcess | None = None
+        try:
+            proc = await self._start({}, f"slot {self.index} verifier", script="verifier.py", verifier=True)
+            frame = await proc.request({"op": "verify", "program": req.program, "secrets": req.secrets,
+                                        "args": req.args, "timeout": req.timeout_s, "workspace": workspace},
+                                       req.timeout_s + VERIFY_GRACE_S)
+        except SandboxDied as exc:
+            late = time.monotonic() - t0 >= req.timeout_s
+            result.error = ErrorInfo(code="timed_out" if late else "verifier_died",
+                                     message=str(exc), status=200)
+            return result
+        finally:
+            if proc is not None:
+                await proc.kill()
+            await self._kill_all()  # nothing the program started outlives it
+            result.duration_ms = round((time.monotonic() - t0) * 1000, 3)
+        answer = frame.get("result") if frame.get("ok") else None
+        if not isinstance(answer, dict):
+            result.error = ErrorInfo(code="verifier_died", message=f"malformed answer: {frame!r:.300}", status=200)
+            return result
+        result.log = str(answer.get("log", ""))
+        verdict = answer.get("verdict")
+        if isinstance(verdict, dict) and isinstance(verdict.get("score"), (int, float)):
+            result.ok, result.verdict, result.score = True, verdict, float(verdict["score"])
+        else:
+            err = answer.get("error")
+            if not isinstance(err, dict):
+                err = {}
+            result.error = ErrorInfo(code=str(err.get("code", "bad_verdict")), message=str(err.get("message", "")),
+                                     status=200)
+        return result
 
     async def _kill_all(self) -> None:
         if self.uid is not None:

@@ -10,7 +10,11 @@ directory and executed by whatever ``python3`` the sandbox's ``/usr`` offers.
 Threat model: everything here runs with the same identity as the untrusted code. The supervisor
 protects the *host* from the slot (bounded output, bounded reads, no hangs on FIFOs, nothing of a
 call survives it), not itself from its own slot: a command that kills the supervisor only kills
-its own slot's sandbox, which the host then restarts.
+its own slot's sandbox, which the host then restarts. It is non-dumpable (``make_undumpable``), so
+the slot's code cannot read the requests it holds through ``/proc/<pid>/mem``, ``environ`` or
+``fd/*``; and nothing that start-up code of a warm interpreter forks between calls lives into the
+next operation (see ``Supervisor.untouched``). A *sealed* supervisor (the slot's verification
+phase, see docs/verification.md) starts no interpreter and runs no command at all.
 """
 
 from __future__ import annotations
@@ -33,10 +37,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from atropos.sandbox.inslot import Capture, apply_limits, protocol_fds, serve
+    from atropos.sandbox.inslot import Capture, apply_limits, make_undumpable, ns_last_pid, protocol_fds, serve
 else:  # run from the host's lib dir, beside inslot.py (isolated mode: the dir is not on sys.path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from inslot import Capture, apply_limits, protocol_fds, serve
+    from inslot import Capture, apply_limits, make_undumpable, ns_last_pid, protocol_fds, serve
     del sys.path[0]
 
 # openat2(2) resolution flags (linux/openat2.h)
@@ -230,6 +234,35 @@ class Supervisor:
         # keeping a python warm across bash calls would spend a python start-up on every bash call.
         self.last_kind = BASH
         self.root_dir: str | None = None
+        # The verification phase: read-only file operations only, no interpreter is ever started.
+        self.sealed = bool(cfg.get("sealed", False))
+        # The pid of the last process this supervisor started (and has not reaped) while no other
+        # process of the sandbox existed, or None. While ns_last_pid still equals it, nobody else
+        # has forked since: start-up code of a waiting interpreter (a .pth file, sitecustomize)
+        # has not left a process behind. See `untouched`.
+        self.mark: int | None = None
+
+    # -- what start-up code may leave behind -----------------------------------------------
+    def untouched(self) -> bool:
+        """No pid was handed out in our PID namespace since ``mark``.
+
+        ``mark`` is a pid we hold unreaped (alive or a zombie), so the kernel cannot hand it out
+        again: ns_last_pid can equal it only if no process or thread was created since. Exact,
+        unlike a scan of /proc, which a process forking and exiting in a loop can outrun."""
+        return self.mark is not None and ns_last_pid() == self.mark
+
+    def clean_slate(self) -> None:
+        """Kill every process of the sandbox but us (waiting interpreters included) and start counting
+        pids afresh: from here on, every pid handed out here is one we asked for."""
+        self.kill_leftovers()
+        self._drop_warm()
+        self.mark = ns_last_pid() if self.isolated else None
+
+    def guard(self) -> None:
+        """Before any operation: if anything was forked since our last own start of a process (only
+        the start-up code of a waiting interpreter can have), it and the interpreters go."""
+        if self.isolated and self.warm and not self.untouched():
+            self.clean_slate()
 
     # -- process control -------------------------------------------------------------------
     def kill_leftovers(self) -> None:
@@ -253,6 +286,7 @@ class Supervisor:
         cwd = self._resolve_dir(req.get("cwd") or ".")
         env = dict(self.env)
         env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
+        self.guard()  # again, right before a waiting interpreter is handed the call
         warm = self._take_warm(argv, req, cwd)
         if warm is not None:
             proc = warm.proc
@@ -312,6 +346,7 @@ class Supervisor:
         self.kill_leftovers()
         if self.isolated:
             self._drop_warm()  # kill(-1) took them too: reap them, new ones start when we are idle
+            self.mark = ns_last_pid()  # the call's process is still unreaped: its pid stays taken
         if not self.isolated and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         code = proc.wait()
@@ -366,7 +401,12 @@ class Supervisor:
         return warm
 
     def idle(self) -> None:
-        """Between calls: have interpreters waiting for the next ones (start-up off the call's path)."""
+        """Between calls: have interpreters waiting for the next ones (start-up off the call's path).
+
+        Each is started only while nothing but us runs in the sandbox, and must get the very next
+        pid (else something forked in between); then ``mark`` moves to it (see ``untouched``)."""
+        if self.sealed:
+            return
         for kind in sorted({BASH, self.last_kind}):
             warm = self.warm.get(kind)
             if warm is not None:
@@ -377,7 +417,16 @@ class Supervisor:
             try:
                 if self.root_dir is None:  # the workspace root never moves while this sandbox lives
                     self.root_dir = self._resolve_dir(".")
-                self.warm[kind] = WarmInterpreter(kind, self.root_dir, self.env)
+                if self.isolated and not self.untouched():
+                    self.clean_slate()
+                before = self.mark
+                started = WarmInterpreter(kind, self.root_dir, self.env)
+                self.warm[kind] = started
+                if self.isolated:
+                    if before is None or started.proc.pid != before + 1:
+                        self.clean_slate()  # someone else took a pid in between: no warm ones now
+                        return
+                    self.mark = started.proc.pid
             except (OSError, ToolFailure, subprocess.SubprocessError):
                 return  # e.g. the process limit: calls start their own
 
@@ -665,6 +714,16 @@ class Supervisor:
 
     # -- terminal --------------------------------------------------------------------------
     def terminal(self, req: dict[str, Any]) -> dict[str, Any]:
+        # Its tmux clients take pids: with no waiting interpreter alive meanwhile, all of them are
+        # ours, and counting can go on from the last one (new interpreters start when idle).
+        self.clean_slate()
+        try:
+            return self._terminal(req)
+        finally:
+            if self.isolated:
+                self.mark = ns_last_pid()
+
+    def _terminal(self, req: dict[str, Any]) -> dict[str, Any]:
         sock = os.path.join(self.run_dir, "tmux.sock")
         log = os.path.join(self.run_dir, "terminal.log")
         tmux = ["tmux", "-S", sock]
@@ -722,7 +781,11 @@ class Supervisor:
         }.get(str(op))
         if handler is None:
             return {"ok": False, "error": {"code": "unknown_op", "message": f"unknown op {op!r}"}}
+        if self.sealed and op in SEALED_REFUSED:
+            return {"ok": False, "error": {"code": "verification_phase", "message":
+                    f"{op}: the slot is in its verification phase; only reading the workspace is allowed"}}
         try:
+            self.guard()
             return {"ok": True, "result": handler(req)}
         except ToolFailure as exc:
             return {"ok": False, "error": {"code": exc.code, "message": str(exc)}}
@@ -730,6 +793,9 @@ class Supervisor:
             return {"ok": False, "error": {"code": "invalid_arguments", "message": f"{type(exc).__name__}: {exc}"}}
         except OSError as exc:
             return {"ok": False, "error": {"code": "os_error", "message": str(exc)}}
+
+
+SEALED_REFUSED = frozenset({"exec", "terminal", "write_file", "edit_file"})
 
 
 class _ArchiveTooLarge(Exception):
@@ -809,6 +875,7 @@ def _limit_cpu(pid: int, seconds: Any) -> None:
 
 
 def main() -> None:
+    make_undumpable()  # before the first request arrives
     cfg = json.loads(sys.argv[1])
     rfd, wfd = protocol_fds()
     apply_limits(cfg.get("limits", {}))
