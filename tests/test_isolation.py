@@ -354,7 +354,7 @@ async def test_r05_write_traversal_and_absolute_stay_inside(slot: LeasedSlot, ho
     marker = f"iso-pwned-{secrets.token_hex(6)}"
     before_slot = sorted(os.listdir(slot_dir))
     before_data = sorted(os.listdir(host.data_dir))
-    assert before_slot == ["run", "ws"], before_slot
+    assert before_slot == ["run", "shm", "tmp", "ws"], before_slot  # the capped tmpfs mount points
     paths = [
         f"../{marker}", f"../../{marker}", f"../../../{marker}", "../" * 20 + f"tmp/{marker}",
         f"/tmp/{marker}", f"{host.data_dir}/{marker}", f"{slot_dir}/{marker}", f"{host.data_dir}/lib/{marker}",

@@ -41,9 +41,11 @@ SRC_ROOT = Path(f"/tmp/atropos-tpl-src-{os.getpid()}")
 
 
 def is_idle(health: HealthInfo) -> bool:
-    """No workspace mounts beyond the capped workspace and run dir of each slot (and the health
-    slot): every fork's template layer and overlay are gone."""
-    return (health.mounts or 0) == (2 * (health.slots + 1) if health.workspace_cap_bytes else 0)
+    """No workspace mounts beyond each slot's (and the health slot's) capped run dir, /tmp and
+    /dev/shm, and capped workspace: every fork's template layer and overlay are gone."""
+    if health.mounts is None:  # no mount helper
+        return True
+    return health.mounts == (3 + (1 if health.workspace_cap_bytes else 0)) * (health.slots + 1)
 
 
 def host_digest(path: Path) -> str:
