@@ -34,6 +34,11 @@ class LocalBackendConfig(BaseModel):
     prewarm: bool = True
     start_timeout_s: float = 60.0
     unsafe_no_isolation: bool = Field(False, description="DEVELOPMENT ONLY: no bubblewrap")
+    slot_memory_bytes: int = Field(4 << 30, ge=64 << 20, description="memory one slot may hold as a whole "
+                                   "(processes, tmpfs and memfd pages): its own cgroup")
+    slot_pids: int = Field(1024, ge=16, description="processes and threads per slot")
+    slot_cpus: float = Field(0.0, ge=0, description="hard CPU quota per slot (CPUs); 0 = equal shares only")
+    unsafe_no_cgroups: bool = Field(False, description="DEVELOPMENT ONLY: no per-slot cgroup (no slot-wide caps)")
     python: str = Field(default_factory=lambda: sys.executable, description="interpreter running the hosts")
 
 
@@ -66,6 +71,10 @@ class LocalBackend(Backend):
             argv.append("--no-prewarm")
         if self.cfg.unsafe_no_isolation:
             argv.append("--unsafe-no-isolation")
+        argv += ["--slot-memory-bytes", str(self.cfg.slot_memory_bytes), "--slot-pids", str(self.cfg.slot_pids),
+                 "--slot-cpus", str(self.cfg.slot_cpus)]
+        if self.cfg.unsafe_no_cgroups:
+            argv.append("--unsafe-no-cgroups")
         env = {k: v for k, v in os.environ.items() if not k.startswith("ATROPOS_SANDBOX_")}
         env["ATROPOS_SANDBOX_TOKEN"] = token
         log_path = self.root / f"{host_id}.log"

@@ -252,6 +252,7 @@ class SlotCgroups:
             parents: dict[str, Path] = {}
             for c, base in v1.items():
                 assert base is not None
+                _remove_stale(base)
                 parents[c] = base / label
                 parents[c].mkdir(exist_ok=True)
             return cls(1, parents, owned=True)
@@ -283,6 +284,7 @@ class SlotCgroups:
             leaf.mkdir(exist_ok=True)
             _write(leaf / "cgroup.procs", str(os.getpid()))
             _enable_v2(base)
+        _remove_stale(base)
         parent = base / label
         parent.mkdir(exist_ok=True)
         _enable_v2(parent)
@@ -308,6 +310,18 @@ class SlotCgroups:
         if self.owned:
             for p in self.parents.values():
                 rmdir_tree(p)
+
+
+def _remove_stale(base: Path) -> None:
+    """Slot cgroups of hosts that died without cleaning up (SIGKILL): ``atropos-<pid>`` of a dead pid."""
+    for d in base.glob("atropos-*"):
+        pid = d.name.removeprefix("atropos-").removesuffix("-host")
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        for child in d.iterdir() if d.is_dir() else []:
+            if (child / "cgroup.procs").exists():
+                SlotCgroup(child.name, 1, {"pids": child}).kill()
+        rmdir_tree(d)
 
 
 def _tgid(pid: str) -> int:
