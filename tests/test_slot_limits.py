@@ -62,7 +62,9 @@ def slot_cgroup(kind: str, lease: Lease, hierarchy: str) -> Path:
     """The slot's cgroup directory in a v1 hierarchy (``memory``, ``pids``, ``cpu``) of this machine."""
     name = f"slot-{lease.slot}"
     if kind == "docker":
-        return Path("/sys/fs/cgroup") / hierarchy / "atropos" / lease.host.id / "slots" / name
+        # the host inside names its subtree atropos-<hostname>-<pid>: the only one in its container's
+        [found] = (Path("/sys/fs/cgroup") / hierarchy / "atropos" / lease.host.id / "slots").glob(f"atropos-*/{name}")
+        return found
     pid = lease.host.info.labels["pid"]
     own = own_cgroups(pid)[hierarchy].lstrip("/")
     return Path("/sys/fs/cgroup") / hierarchy / own / f"atropos-{pid}" / name
@@ -202,3 +204,113 @@ async def test_cpu_quota_holds_for_the_slot_as_a_whole(pair: tuple[str, Lease, L
     # cgroup), whatever else the machine does; one period of slack for the edges
     assert used <= CPU_CAP + 0.1, f"the slot used {used:.2f} CPUs with a {CPU_CAP} CPU quota"
     assert counter(cpu / "cpu.stat", "nr_throttled") >= 1
+
+
+async def test_every_process_of_a_slot_runs_in_its_cgroup(pair: tuple[str, Lease, Lease]) -> None:
+    """Placed before bwrap runs: bwrap, the sandbox's init, the supervisor and what the call forks."""
+    kind, a, b = pair
+    call = asyncio.create_task(a.bash("sleep 7 & sleep 7 & wait", timeout_s=60))
+    hierarchy = "pids" if V1 else ""
+    members: list[int] = []
+    for _ in range(100):
+        members = [int(p) for p in (slot_cgroup(kind, a, hierarchy) / "cgroup.procs").read_text().split()]
+        if sum(_comm(p) == "sleep" for p in members) == 2:
+            break
+        await asyncio.sleep(0.1)
+    comms = [_comm(p) for p in members]
+    assert comms.count("sleep") == 2 and "bwrap" in comms, comms
+    # and nothing the host runs besides its sandboxes: the host itself stays outside
+    host_pid = int(a.host.info.labels["pid"]) if kind == "local" else None
+    assert host_pid not in members
+    neighbours = (slot_cgroup(kind, b, hierarchy) / "cgroup.procs").read_text().split()
+    assert not set(neighbours) & {str(p) for p in members}
+    await call
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _run_host(*extra: str) -> tuple[dict[str, object], str]:
+    import json
+    import os
+    import secrets
+    import shutil
+    import subprocess
+    import sys
+
+    # not under pytest's tmp_path: slot uids must traverse to their workspace (see conftest)
+    data = Path(f"/tmp/atropos-test-caps-{os.getpid()}-{secrets.token_hex(3)}")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "atropos.sandbox", "--port", "0", "--slots", "1", "--data-dir", str(data),
+         "--workspace-bytes", "0", "--no-prewarm", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "ATROPOS_SANDBOX_TOKEN": "t"},
+    )
+    try:
+        assert proc.stdout is not None
+        ready = json.loads(proc.stdout.readline() or b"{}")
+    finally:
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=60)
+        shutil.rmtree(data, ignore_errors=True)
+    return ready, stderr.decode()
+
+
+def test_host_without_a_writable_cgroup_refuses_to_start(tmp_path: Path) -> None:
+    not_a_cgroup = tmp_path / "cg"
+    not_a_cgroup.mkdir()
+    ready, stderr = _run_host("--cgroup-dir", str(not_a_cgroup))
+    assert ready == {}, "the host started without per-slot caps"
+    assert "error: isolation unavailable:" in stderr and "--unsafe-no-cgroups" in stderr, stderr
+
+
+def test_unsafe_no_cgroups_starts_with_a_loud_warning() -> None:
+    ready, stderr = _run_host("--unsafe-no-cgroups")
+    assert ready.get("event") == "ready" and ready.get("slot_cgroups") == "none", (ready, stderr)
+    warnings = [line for line in stderr.splitlines() if "UNSAFE" in line]
+    assert warnings and "WITHOUT per-slot cgroups" in warnings[0], stderr
+
+
+def test_default_host_runs_every_slot_in_a_capped_cgroup() -> None:
+    ready, stderr = _run_host()
+    assert ready.get("slot_cgroups") in ("v1", "v2"), (ready, stderr)
+
+
+UNIFIED = Path("/sys/fs/cgroup/unified")
+
+
+@pytest.mark.skipif(not (UNIFIED / "cgroup.procs").exists(), reason="no hybrid cgroup v2 hierarchy here")
+def test_v2_placement_and_kill_on_a_real_unified_hierarchy() -> None:
+    """What can be had of v2 on a v1 machine: the hybrid's unified hierarchy (no controllers bound
+    to it, so no limits): placement before exec, cgroup.kill, and removal are v2's own."""
+    import os
+    import subprocess
+
+    from atropos.sandbox.cgroups import SlotCgroup
+
+    d = UNIFIED / f"atropos-test-{os.getpid()}"
+    d.mkdir()
+    if not (d / "cgroup.kill").exists():
+        d.rmdir()
+        pytest.skip("kernel without cgroup.kill (before 5.14)")
+    cg = SlotCgroup("t", 2, {"": d})
+    try:
+        proc = subprocess.Popen([*cg.launcher(), "/bin/sh", "-c", "sleep 60 & sleep 60 & wait"])
+        members: list[int] = []
+        for _ in range(100):
+            members = cg.pids()
+            if len(members) == 3:
+                break
+            time.sleep(0.05)
+        assert proc.pid in members and len(members) == 3, members
+        for pid in members:
+            assert own_cgroups(str(pid))[""] == f"/{d.name}"
+        assert cg.kill() == []
+        proc.wait(10)
+        assert cg.pids() == []
+    finally:
+        cg.remove()
+    assert not d.exists()

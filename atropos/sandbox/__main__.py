@@ -114,7 +114,8 @@ async def serve(cfg: HostConfig, prewarm: bool = True) -> None:
     ))
     port = sock.getsockname()[1]
     print(json.dumps({"event": "ready", "port": port, "pid": os.getpid(), "slots": cfg.slots,
-                      "isolation": "none" if cfg.unsafe_no_isolation else "bubblewrap"}), flush=True)
+                      "isolation": "none" if cfg.unsafe_no_isolation else "bubblewrap",
+                      "slot_cgroups": f"v{host.cgroups.version}" if host.cgroups is not None else "none"}), flush=True)
     try:
         await server.serve(sockets=[sock])
     finally:

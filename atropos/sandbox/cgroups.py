@@ -25,6 +25,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,20 +220,25 @@ class SlotCgroups:
         return ", ".join(str(p) for p in self.parents.values())
 
     @classmethod
-    def setup(cls, cgroup_dir: Path | None, label: str) -> SlotCgroups:
-        """Find or make a writable place for slot cgroups; CgroupUnavailable (with what to do) if none."""
+    def setup(cls, cgroup_dir: Path | None) -> SlotCgroups:
+        """Find or make a writable place for slot cgroups; CgroupUnavailable (with what to do) if none.
+
+        The host's slots get a subtree of their own (``atropos-<pid>``; in a delegated directory,
+        which hosts of several containers may share, ``atropos-<hostname>-<pid>``)."""
         try:
             if cgroup_dir is not None:
-                return cls._delegated(cgroup_dir)
-            return cls._nested(label)
+                return cls._delegated(cgroup_dir, f"atropos-{socket.gethostname()}-{os.getpid()}")
+            return cls._nested(f"atropos-{os.getpid()}")
         except OSError as exc:
             raise CgroupUnavailable(f"cannot create per-slot cgroups: {exc}. {HINT}") from exc
 
     @classmethod
-    def _delegated(cls, d: Path) -> SlotCgroups:
+    def _delegated(cls, d: Path, label: str) -> SlotCgroups:
         if (d / "cgroup.controllers").exists():
             _enable_v2(d)
-            return cls(2, {"": d}, owned=False)
+            (d / label).mkdir(exist_ok=True)
+            _enable_v2(d / label)
+            return cls(2, {"": d / label}, owned=True)
         parents = {c: d / c for c in V1_CONTROLLERS}
         missing = [str(p) for p in parents.values() if not (p / "cgroup.procs").exists()]
         if missing:
@@ -241,7 +247,10 @@ class SlotCgroups:
         for p in parents.values():
             if not os.access(p, os.W_OK):
                 raise CgroupUnavailable(f"--cgroup-dir {d}: {p} is not writable by this host. {HINT}")
-        return cls(1, parents, owned=False)
+        for c in parents:
+            parents[c] = parents[c] / label
+            parents[c].mkdir(exist_ok=True)
+        return cls(1, parents, owned=True)
 
     @classmethod
     def _nested(cls, label: str) -> SlotCgroups:

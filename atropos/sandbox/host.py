@@ -545,7 +545,7 @@ def setup_cgroups(cfg: HostConfig) -> SlotCgroups | None:
                     "as a whole; one slot can take this machine's memory (tmpfs and memfd pages included) !!!")
         return None
     try:
-        cgroups = SlotCgroups.setup(cfg.cgroup_dir, f"atropos-{os.getpid()}")
+        cgroups = SlotCgroups.setup(cfg.cgroup_dir)
     except CgroupUnavailable as exc:
         if cfg.unsafe_no_isolation:
             log.warning("no per-slot cgroups either: %s", exc)
