@@ -1012,7 +1012,8 @@ def test_runtime_wrapper_delegates_a_slot_cgroup_subtree_inside_the_container_bu
     config.write_text(json.dumps(spec))
     wrapper = str(ROOT / "nomad" / "atropos-runc")
     env = {**os.environ, "ATROPOS_REAL_RUNC": str(stub)}
-    budgets = [Path("/sys/fs/cgroup") / top] if v2 else [Path("/sys/fs/cgroup") / c / top for c in ("memory", "pids", "cpu")]
+    cg = Path("/sys/fs/cgroup")
+    budgets = [cg / top] if v2 else [cg / c / top for c in ("memory", "pids", "cpu")]
     try:
         done = subprocess.run([wrapper, "create", "--bundle", str(bundle), "--pid-file", "/x/pid", "c0ffee"],
                               capture_output=True, text=True, env=env, timeout=30)

@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field, model_validator
 from atropos.backends import docker_cgroups
 from atropos.backends.base import Backend, HostInfo, new_token, pid_alive
 from atropos.backends.docker_cgroups import HostCgroup
-from atropos.errors import ConfigError, HostUnavailable
+from atropos.errors import ConfigError, HostUnavailable, IsolationUnavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -196,7 +196,8 @@ class DockerBackend(Backend):
             # Also on cancellation (not an Exception): otherwise the container runs on, unowned.
             # Shielded so a second cancel cannot interrupt the removal half way.
             await asyncio.shield(self._stop_quietly(host_id))
-            if isinstance(exc, Exception) and not isinstance(exc, HostUnavailable):
+            # IsolationUnavailable (no slot cgroups here) is a setup problem, said as such
+            if isinstance(exc, Exception) and not isinstance(exc, (HostUnavailable, IsolationUnavailable)):
                 raise HostUnavailable(f"docker host {host_id} failed to start: {exc}") from exc
             raise
         log.info("docker host %s ready at %s", host_id, address)
