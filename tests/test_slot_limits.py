@@ -25,7 +25,7 @@ from tests.pool_backends import BACKENDS, DATA_ROOT, DOCKER_IMAGE, require_docke
 
 MEM_CAP = 256 << 20
 PIDS_CAP = 64
-CPU_CAP = 0.5
+CPU_CAP = 0.3
 V1 = Path("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists()
 pytestmark = pytest.mark.skipif(not V1 and not Path("/sys/fs/cgroup/cgroup.controllers").exists(),
                                 reason="no cgroup hierarchy mounted at /sys/fs/cgroup")
@@ -203,7 +203,8 @@ async def test_cpu_quota_holds_for_the_slot_as_a_whole(pair: tuple[str, Lease, L
     # two busy processes: the quota is a ceiling for both together (the kernel throttles the
     # cgroup), whatever else the machine does; one period of slack for the edges
     assert used <= CPU_CAP + 0.1, f"the slot used {used:.2f} CPUs with a {CPU_CAP} CPU quota"
-    assert counter(cpu / "cpu.stat", "nr_throttled") >= 1
+    if used >= 0.8 * CPU_CAP:  # it reached its quota (a loaded machine may give it less anyway)
+        assert counter(cpu / "cpu.stat", "nr_throttled") >= 1
 
 
 async def test_every_process_of_a_slot_runs_in_its_cgroup(pair: tuple[str, Lease, Lease]) -> None:
