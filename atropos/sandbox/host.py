@@ -553,6 +553,12 @@ def setup_cgroups(cfg: HostConfig) -> SlotCgroups | None:
         raise
     log.info("slot cgroups (v%d) under %s: memory %d bytes, %d pids, cpus %s per slot", cgroups.version,
              cgroups.where, cfg.slot_memory_bytes, cfg.slot_pids, cfg.slot_cpus or "equal share")
+    lim = cfg.limits
+    tmpfs = lim.workspace_bytes + lim.tmp_bytes + lim.shm_bytes
+    if cfg.slot_memory_bytes < tmpfs + (256 << 20):
+        # a slot that fills its tmpfs mounts then has too little left to start a sandbox until reset
+        log.warning("--slot-memory-bytes %d leaves less than 256 MiB beside the slot's tmpfs mounts (workspace, "
+                    "/tmp, /dev/shm: %d bytes), which count against it", cfg.slot_memory_bytes, tmpfs)
     return cgroups
 
 
