@@ -732,7 +732,17 @@ print(json.dumps({"found": found, "pid1_env": blobs.get("/proc/1/environ", "<unr
 
 
 async def test_r17_r18_no_host_env_token_or_lease_inside(canary_host: tuple[RunningHost, str]) -> None:
-    running, canary = canary_host
+    await _no_secret_inside(*canary_host)
+
+
+async def test_r17_r18_container_env_token_not_inside(host: RunningHost) -> None:
+    """In a container the host token is in the container's environment (docker run -e), the canary."""
+    if not in_docker(host):
+        pytest.skip("the local host is checked with a canary (test_r17_r18_no_host_env_token_or_lease_inside)")
+    await _no_secret_inside(host, host.token)
+
+
+async def _no_secret_inside(running: RunningHost, canary: str) -> None:
     host_env = Path(f"/proc/{running.proc.pid}/environ").read_bytes()
     assert canary.encode() in host_env, "premise: the canary is in the host process's environment"
     client = running.client()
@@ -753,8 +763,7 @@ async def test_r17_r18_no_host_env_token_or_lease_inside(canary_host: tuple[Runn
             assert "bwrap" in cmdline, "premise: /proc/1/cmdline is readable (it is bwrap's argv)"
             assert running.token not in cmdline and canary not in cmdline and s.lease.lease not in cmdline
             if IS_ROOT:  # host side: the outer bwrap processes of the slot carry no environment
-                uid = uid_of(running, s)
-                for p in procs_of_uid(uid):
+                for p in slot_procs(running, s):
                     try:
                         environ = Path(f"/proc/{p['pid']}/environ").read_bytes()
                     except OSError:
@@ -1344,6 +1353,31 @@ async def test_control_plane_requires_host_token(host: RunningHost, slot: Leased
 # =================================================================================================
 @requires_root
 @pytest.mark.slow
+@pytest.mark.docker
+async def test_r46_container_host_killed_sandboxes_die() -> None:
+    """The host process of a container SIGKILLed (the OOM killer's way): nothing of its slots lives on."""
+    require_docker()
+    running = await start_docker_host(DOCKER_IMAGE, slots=2, slot_workspace_bytes=64 << 20)
+    client = running.client()
+    try:
+        s = LeasedSlot(client, await client.lease("doomed"))
+        await s.ok("terminal", input="sleep 2222 &", wait_ms=500)
+        task = asyncio.create_task(s.call("bash", command="setsid sleep 3333 & sleep 1111", timeout_s=60))
+        sleeps = lambda: [p for p in slot_procs(running, s) if p["name"] == "sleep"]  # noqa: E731
+        assert await wait_until(lambda: len(sleeps()) >= 3, 10), slot_procs(running, s)
+        pids = [p["pid"] for p in sleeps()]
+        os.kill(running.proc.pid, 9)
+        assert await wait_until(lambda: not any(Path(f"/proc/{p}").exists() for p in pids), 15), pids
+        task.cancel()
+        try:
+            await task
+        except BaseException:
+            pass
+    finally:
+        await client.aclose()
+        await stop_docker_host(running)
+
+
 async def test_r46_host_killed_sandboxes_die() -> None:
     data = Path(f"/tmp/atropos-iso-kill-{os.getpid()}-{secrets.token_hex(3)}")
     running = start_host(data, slots=2)
