@@ -22,10 +22,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from atropos.backends.base import BACKEND_KINDS, BackendKind
 from atropos.errors import AtroposSandboxError, ConfigError, InfrastructureError, IsolationUnavailable
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INFRA = 0, 1, 2, 3
-TOKEN_ENV = "ATROPOS_TOOLSERVER_TOKEN"
+# The bearer token of the ToolServer `serve` runs: not the sandbox hosts' token (HOST_TOKEN_ENV of
+# atropos/sandbox/launch.py), which the pool makes per host and no user ever handles.
+TOOLSERVER_TOKEN_ENV = TOKEN_ENV = "ATROPOS_TOOLSERVER_TOKEN"
 SETTINGS_ENV_PREFIX = "ATROPOS_SANDBOX_"
 CONFIG_ENV = "ATROPOS_SANDBOX_CONFIG"
 REPO = Path(__file__).resolve().parent.parent
@@ -39,9 +42,10 @@ class ServeSettings(BaseModel):
     # A typo'd key in a config file must fail loudly, not fall back to a default silently.
     model_config = ConfigDict(extra="forbid")
 
-    backend: Literal["local", "docker", "nomad"] = "local"
+    backend: BackendKind = "local"
     host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    # not 8000: that is the default of atroposlib's run-api (and of an env's rollout_server_url)
+    port: int = Field(8600, ge=0, le=65535)
     slots_per_host: int = Field(16, ge=1)
     min_hosts: int = Field(1, ge=0)
     max_hosts: int = Field(4, ge=1)
@@ -191,9 +195,9 @@ def _setting_flag(p: argparse.ArgumentParser, name: str, help_text: str, **kw: A
 
 def add_settings_flags(p: argparse.ArgumentParser) -> None:
     _setting_flag(p, "config", f"YAML or JSON file with settings (flags override it; default ${CONFIG_ENV})")
-    _setting_flag(p, "backend", "where sandbox hosts run (default local)", choices=["local", "docker", "nomad"])
+    _setting_flag(p, "backend", "where sandbox hosts run (default local)", choices=list(BACKEND_KINDS))
     _setting_flag(p, "host", "address to listen on (default 127.0.0.1)")
-    _setting_flag(p, "port", "port (default 8000; pool up: 0 picks a free one)", type=int)
+    _setting_flag(p, "port", "port (default 8600; pool up: 0 picks a free one)", type=int)
     _setting_flag(p, "slots_per_host", "slots per host (default 16)", type=int)
     _setting_flag(p, "min_hosts", "hosts kept running (default 1)", type=int)
     _setting_flag(p, "max_hosts", "most hosts (default 4)", type=int)
@@ -226,40 +230,30 @@ def setup_logging(settings: ServeSettings) -> None:
 
 
 # -- building the pieces ----------------------------------------------------------------------
+def backend_settings(s: ServeSettings, kind: BackendKind | None = None) -> Any:
+    """What these settings say about the backend (atropos.backends.config maps it the same way
+    for AgentEnv, tests and benchmarks)."""
+    from atropos.backends.config import BackendSettings
+
+    return BackendSettings(kind=kind or s.backend, pool_id=s.pool_id, slots_per_host=s.slots_per_host,
+                           image=s.image, nomad_address=s.nomad_address)
+
+
 def nomad_config(s: ServeSettings) -> Any:
     """The Nomad backend's config for these settings: ``serve`` and ``nomad render`` both use it,
     so what render prints is what serve registers (NOMAD_*/ATROPOS_NOMAD_* apply to both)."""
-    from atropos.backends.nomad import NomadBackendConfig
+    from atropos.backends.config import backend_config
 
-    overrides: dict[str, Any] = {"image": s.image, "slots_per_host": s.slots_per_host,
-                                 "job_id": f"atropos-{s.pool_id}"}
-    if s.nomad_address:
-        overrides["address"] = s.nomad_address
-    try:
-        return NomadBackendConfig.from_env(**overrides)
-    except ValidationError as exc:
-        raise ConfigError(f"invalid Nomad settings (NOMAD_*/ATROPOS_NOMAD_*): {exc}") from None
+    return backend_config(backend_settings(s, "nomad"))
 
 
 def build_pool(s: ServeSettings) -> Any:
-    from atropos.backends.base import Backend
+    from atropos.backends.config import build_backend
     from atropos.slots.config import PoolConfig
     from atropos.slots.pool import SlotPool
 
-    backend: Backend
-    if s.backend == "docker":
-        from atropos.backends.docker import DockerBackend, DockerBackendConfig
-
-        backend = DockerBackend(DockerBackendConfig(image=s.image, slots_per_host=s.slots_per_host, pool_id=s.pool_id))
-    elif s.backend == "nomad":
-        from atropos.backends.nomad import NomadBackend
-
-        backend = NomadBackend(nomad_config(s))
-    else:
-        from atropos.backends.local import LocalBackend, LocalBackendConfig
-
-        backend = LocalBackend(LocalBackendConfig(slots_per_host=s.slots_per_host, pool_id=s.pool_id))
-    return SlotPool(backend, PoolConfig(pool_id=s.pool_id, min_hosts=s.min_hosts, max_hosts=s.max_hosts))
+    return SlotPool(build_backend(backend_settings(s)),
+                    PoolConfig(pool_id=s.pool_id, min_hosts=s.min_hosts, max_hosts=s.max_hosts))
 
 
 def build_app(s: ServeSettings, token: str | None) -> Any:
@@ -312,6 +306,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise InfrastructureError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
+def where_to_look(url: str) -> str:
+    """The ToolServer's pages a user needs, named where the address is printed (never the token:
+    the status page takes it in the URL fragment, which the browser keeps to itself)."""
+    return (f"API docs {url}/docs (OpenAPI {url}/openapi.json); status page {url}/status#token=<token>; "
+            f"metrics {url}/metrics")
+
+
 # -- serve ------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
@@ -323,6 +324,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = bind_socket(s.host, s.port)
     port = sock.getsockname()[1]
     log.info("ToolServer on %s (backend %s, pool %s)", client_url(s.host, port), s.backend, s.pool_id)
+    log.info("%s", where_to_look(client_url(s.host, port)))
     # log_config=None: uvicorn's records go through our (redacting, maybe JSON) root handler
     config = uvicorn.Config(app, log_level="warning", log_config=None, lifespan="on", timeout_keep_alive=120)
     server = uvicorn.Server(config)
@@ -464,7 +466,8 @@ def cmd_pool_up(args: argparse.Namespace) -> int:
             with contextlib.suppress(httpx.HTTPError, ValueError):
                 health = httpx.get(f"{url}/healthz", timeout=2).json()
                 if isinstance(health, dict) and health.get("ok"):
-                    print(f"pool {s.pool_id} up at {url} (pid {proc.pid}); token in {files['token']}")
+                    print(f"pool {s.pool_id} up at {url} (pid {proc.pid}); token in {files['token']}\n"
+                          f"{where_to_look(url)}")
                     return EXIT_OK
             time.sleep(0.3)
     except BaseException:  # Ctrl-C while waiting: leave nothing running behind

@@ -54,3 +54,13 @@ class ToolInputError(ToolError):
 
 class PathEscapeError(ToolError):
     """A file path resolves outside the slot's workspace."""
+
+
+def exit_code(exc: AtroposSandboxError) -> int:
+    """The exit status of a command this error ended: 2 bad configuration, 3 infrastructure
+    (host, isolation, cluster), 1 anything else (the CLI's EXIT_* codes)."""
+    if isinstance(exc, ConfigError):
+        return 2
+    if isinstance(exc, (InfrastructureError, IsolationUnavailable)):
+        return 3
+    return 1

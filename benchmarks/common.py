@@ -339,32 +339,32 @@ def bench_dir(name: str) -> Path:
     return d
 
 
-def local_pool(pool_id: str, hosts: int, slots_per_host: int, backend_kw: dict[str, Any] | None = None,
-               **pool_kw: Any) -> Any:
-    """A SlotPool on the local backend with exactly ``hosts`` hosts (min = max)."""
-    from atropos.backends.local import LocalBackend, LocalBackendConfig
+def backend_pool(kind: str, pool_id: str, hosts: int, slots_per_host: int,
+                 backend_kw: dict[str, Any] | None = None, **pool_kw: Any) -> Any:
+    """A SlotPool with exactly ``hosts`` hosts (min = max) on a backend built as the CLI and AgentEnv
+    build it (atropos.backends.config); ``backend_kw`` sets any other field of that backend's config."""
+    from atropos.backends.config import BackendSettings, build_backend
     from atropos.slots.config import PoolConfig
     from atropos.slots.pool import SlotPool
 
-    backend = LocalBackend(LocalBackendConfig(slots_per_host=slots_per_host, pool_id=pool_id,
-                                              data_root=BENCH_ROOT / "local", max_timeout_s=120,
-                                              **(backend_kw or {})))
+    backend = build_backend(BackendSettings(kind=kind, pool_id=pool_id, slots_per_host=slots_per_host,
+                                            image=DOCKER_IMAGE), **(backend_kw or {}))
     cfg = PoolConfig(pool_id=pool_id, min_hosts=hosts, max_hosts=hosts, **pool_kw)
     return SlotPool(backend, cfg)
+
+
+def local_pool(pool_id: str, hosts: int, slots_per_host: int, backend_kw: dict[str, Any] | None = None,
+               **pool_kw: Any) -> Any:
+    """A SlotPool on the local backend with exactly ``hosts`` hosts (min = max)."""
+    kw = {"data_root": BENCH_ROOT / "local", "max_timeout_s": 120, **(backend_kw or {})}
+    return backend_pool("local", pool_id, hosts, slots_per_host, kw, **pool_kw)
 
 
 def docker_pool(pool_id: str, hosts: int, slots_per_host: int, backend_kw: dict[str, Any] | None = None,
                 **pool_kw: Any) -> Any:
     """A SlotPool on the Docker backend (image DOCKER_IMAGE) with exactly ``hosts`` hosts (min = max).
     Raises ConfigError without the docker SDK."""
-    from atropos.backends.docker import DockerBackend, DockerBackendConfig
-    from atropos.slots.config import PoolConfig
-    from atropos.slots.pool import SlotPool
-
-    backend = DockerBackend(DockerBackendConfig(image=DOCKER_IMAGE, pool_id=pool_id, slots_per_host=slots_per_host,
-                                                **(backend_kw or {})))
-    cfg = PoolConfig(pool_id=pool_id, min_hosts=hosts, max_hosts=hosts, **pool_kw)
-    return SlotPool(backend, cfg)
+    return backend_pool("docker", pool_id, hosts, slots_per_host, backend_kw, **pool_kw)
 
 
 def host_pids(pool: Any) -> list[int]:

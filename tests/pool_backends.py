@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 
 from atropos.backends.base import Backend
-from atropos.backends.local import LocalBackend, LocalBackendConfig
+from atropos.backends.config import BackendSettings, build_backend
+from atropos.backends.local import LocalBackend
 
 DOCKER_IMAGE = os.environ.get("ATROPOS_SANDBOX_IMAGE", "atropos-sandbox:dev")
 DATA_ROOT = Path("/tmp/atropos-sandbox-tests")
@@ -56,20 +57,20 @@ BACKENDS = ["local", pytest.param("docker", marks=pytest.mark.docker)]
 
 
 def make_backend(kind: str, slots: int, pool_id: str | None = None) -> Backend:
+    """A backend built the way the CLI and AgentEnv build one (atropos.backends.config), with the
+    tests' smaller limits on top."""
     pool_id = pool_id or f"t{secrets.token_hex(4)}"
+    overrides: dict[str, Any]
     if kind == "nomad":
-        from atropos.backends.nomad import NomadBackend
-
-        return NomadBackend(nomad_test_config(shared_nomad_fake().address, slots=slots, job_id=f"atropos-{pool_id}"))
-    if kind == "local":
-        return LocalBackend(LocalBackendConfig(slots_per_host=slots, pool_id=pool_id, data_root=DATA_ROOT,
-                                               max_timeout_s=120))
-    require_docker()
-    from atropos.backends.docker import DockerBackend, DockerBackendConfig
-
-    return DockerBackend(DockerBackendConfig(image=DOCKER_IMAGE, slots_per_host=slots, pool_id=pool_id,
-                                             cpus=1.0, memory_bytes=1 << 30, workspace_bytes=512 << 20,
-                                             max_timeout_s=120))
+        overrides = nomad_test_overrides(shared_nomad_fake().address)
+    elif kind == "local":
+        overrides = {"data_root": DATA_ROOT}
+    else:
+        require_docker()
+        overrides = {"cpus": 1.0, "memory_bytes": 1 << 30, "workspace_bytes": 512 << 20}
+    settings = BackendSettings(kind=kind, pool_id=pool_id, slots_per_host=slots, max_timeout_s=120,
+                               image=DOCKER_IMAGE)
+    return build_backend(settings, environ={}, **overrides)  # environ={}: no NOMAD_* of the machine
 
 
 # -- Nomad ----------------------------------------------------------------------------------------
@@ -106,13 +107,18 @@ def nomad_data_dir(name: str) -> Path:
     return path
 
 
+def nomad_test_overrides(address: str) -> dict[str, Any]:
+    """Nomad settings for the fake: the token in the job's Env (the fake has no variables API), short waits."""
+    return {"address": address, "token_delivery": "env", "start_timeout_s": 60, "watch_wait_s": 5,
+            "connect_timeout_s": 2, "request_timeout_s": 5}
+
+
 def nomad_test_config(address: str, *, slots: int, **kw: Any) -> Any:
-    """Backend settings for the fake: the token in the job's Env (the fake has no variables API)."""
+    """Backend settings for the fake (``kw`` wins)."""
     from atropos.backends.nomad import NomadBackendConfig
 
-    base: dict[str, Any] = {"address": address, "job_id": f"atropos-t{secrets.token_hex(4)}", "token_delivery": "env",
-                            "slots_per_host": slots, "max_timeout_s": 120, "start_timeout_s": 60,
-                            "watch_wait_s": 5, "connect_timeout_s": 2, "request_timeout_s": 5}
+    base: dict[str, Any] = {**nomad_test_overrides(address), "job_id": f"atropos-t{secrets.token_hex(4)}",
+                            "slots_per_host": slots, "max_timeout_s": 120}
     base.update(kw)
     return NomadBackendConfig.model_validate(base)
 

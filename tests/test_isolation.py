@@ -1,4 +1,4 @@
-"""Adversarial isolation suite: one test per applicable row of shared/reference/isolation.md §(c).
+"""Adversarial isolation suite: one test per row of the adversarial catalogue (docs/isolation.md).
 
 Every test attacks a real sandbox host (real bubblewrap, per-slot uids when run as root) through the
 public tool API and asserts the SAFE outcome. Each test first establishes its premise on the host
@@ -334,7 +334,7 @@ async def test_r04_cross_slot_read_file_tools(slot_pair: tuple[LeasedSlot, Lease
             with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
                 assert name not in tar.getnames(), f"archive({p}) contained A's file"
     # whole-workspace archive of B must not contain A's file either
-    r = await b.call("archive", path="/")
+    r = await b.call("archive", path="/workspace")
     assert r.ok, r.error
     with tarfile.open(fileobj=io.BytesIO(base64.b64decode(r.result["content"]))) as tar:  # type: ignore[index]
         assert name not in "\n".join(tar.getnames())

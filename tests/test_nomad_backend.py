@@ -1081,7 +1081,7 @@ def test_docker_compose_dev_stack() -> None:
     assert "nomad var put" in script and "nomad job run" in script and "/jobs/sandbox.hcl" in script
 
     ts = services["toolserver"]
-    assert ts["command"] == ["serve", "--host", "0.0.0.0", "--port", "8000"]
+    assert ts["command"] == ["serve", "--host", "0.0.0.0", "--port", "8600"]
     assert ts["entrypoint"] == ["atropos-sandbox"] and "atropos-sandbox" in ts["image"]
     env = ts["environment"]
     assert env["ATROPOS_TOOLSERVER_TOKEN"].startswith("${ATROPOS_TOOLSERVER_TOKEN:?")
@@ -1089,7 +1089,7 @@ def test_docker_compose_dev_stack() -> None:
     assert env["ATROPOS_SANDBOX_NOMAD_ADDRESS"] == env["NOMAD_ADDR"] == "http://127.0.0.1:4646"
     assert ts["network_mode"] == "host" and ts["depends_on"]["nomad"]["condition"] == "service_healthy"
     assert ts["cap_drop"] == ["ALL"] and "no-new-privileges" in ts["security_opt"] and ts["read_only"] is True
-    assert ts["user"] == "1000:1000" and "8000" in " ".join(ts["healthcheck"]["test"])
+    assert ts["user"] == "1000:1000" and "8600" in " ".join(ts["healthcheck"]["test"])
     for svc in services.values():  # every local file a service mounts exists
         for vol in svc.get("volumes", []):
             src = vol.split(":")[0]

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import abc
 import secrets
+from typing import Literal, get_args
 
 from pydantic import BaseModel, Field
+
+# Every backend's ``kind`` (its config class's tag in atropos/backends/config.py); here, where the
+# CLI can name them without importing any backend.
+BackendKind = Literal["local", "docker", "nomad"]
+BACKEND_KINDS: tuple[str, ...] = get_args(BackendKind)
 
 
 class HostInfo(BaseModel):

@@ -1,6 +1,6 @@
 """Sandbox hosts as Docker containers (Docker Engine API through the docker SDK).
 
-Container options follow shared/reference/isolation.md (a): nothing in the container runs as
+Container options follow docs/isolation.md: nothing in the container runs as
 uid 0 or holds a capability, so ``systempaths=unconfined`` (needed for bwrap to mount a fresh
 /proc) opens nothing; the custom seccomp profile allows only the namespace and mount syscalls
 bwrap needs on top of Docker's usual set. The API port is published on 127.0.0.1 only and every
@@ -17,15 +17,16 @@ import os
 import time
 from collections.abc import Awaitable
 from importlib import resources
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import httpx
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from atropos.backends import docker_cgroups
 from atropos.backends.base import Backend, HostInfo, new_token, pid_alive
 from atropos.backends.docker_cgroups import HostCgroup
 from atropos.errors import ConfigError, HostUnavailable, IsolationUnavailable
+from atropos.sandbox.launch import HOST_TOKEN_ENV, HostLaunch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -39,7 +40,10 @@ SLOT_UID = 1000
 
 
 class DockerBackendConfig(BaseModel):
-    image: str = Field(default_factory=lambda: os.environ.get("ATROPOS_SANDBOX_IMAGE", "atropos-sandbox:dev"))
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["docker"] = "docker"
+    image: str = "atropos-sandbox:dev"
     pool_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     slots_per_host: int = Field(16, ge=1, le=1023)
     cpus: float = Field(2.0, gt=0)
@@ -57,7 +61,8 @@ class DockerBackendConfig(BaseModel):
     slot_cpus: float = Field(1.0, ge=0, description="hard CPU quota per slot (CPUs); 0 = equal shares only")
     slot_cgroups: bool = Field(True, description="give each container a delegated cgroup subtree for its slots' "
                                "caps; False = DEVELOPMENT ONLY, hosts run --unsafe-no-cgroups (no per-slot caps)")
-    docker_url: str | None = Field(None, description="Docker Engine URL; default from the environment")
+    docker_url: str | None = Field(None, description="Docker Engine URL; default from the environment "
+                                   "(DOCKER_HOST, DOCKER_TLS_VERIFY, DOCKER_CERT_PATH, as the docker CLI)")
     seccomp_profile: str | None = Field(None, description="path of the outer seccomp profile; default: shipped")
 
     @model_validator(mode="after")
@@ -66,6 +71,9 @@ class DockerBackendConfig(BaseModel):
             raise ValueError(f"slot_workspace_bytes ({self.slot_workspace_bytes}) exceeds workspace_bytes "
                              f"({self.workspace_bytes}), the tmpfs holding every slot's workspace")
         return self
+
+    def build(self) -> DockerBackend:
+        return DockerBackend(self)
 
 
 def boot_id() -> str:
@@ -115,7 +123,9 @@ class DockerBackend(Backend):
                 self._client.ping()
             except Exception as exc:
                 self._client = None
-                raise HostUnavailable(f"cannot reach the Docker engine: {exc}") from exc
+                where = self.cfg.docker_url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+                raise HostUnavailable(f"cannot reach the Docker engine at {where} (DockerBackendConfig.docker_url, "
+                                      f"else DOCKER_HOST): {exc}") from exc
         return self._client
 
     def host_config(self, cgroup: HostCgroup | None = None) -> dict[str, Any]:
@@ -149,14 +159,15 @@ class DockerBackend(Backend):
         hc["ReadonlyPaths"] = []
         return hc
 
-    def _slot_cgroup_args(self, host_id: str) -> tuple[HostCgroup | None, list[str]]:
+    def _slot_cgroup_args(self, host_id: str) -> tuple[HostCgroup | None, dict[str, Any]]:
+        """The container's slot cgroup subtree (prepared now) and the host's flags for it."""
         c = self.cfg
         if not c.slot_cgroups:
-            return None, ["--unsafe-no-cgroups"]
+            return None, {"unsafe_no_cgroups": True}
         cgroup = docker_cgroups.prepare(host_id, memory_bytes=c.memory_bytes, pids=c.pids_limit, cpus=c.cpus,
                                         uid=SLOT_UID)
-        return cgroup, ["--cgroup-dir", docker_cgroups.CONTAINER_CGROUP_DIR, "--slot-memory-bytes",
-                        str(c.slot_memory_bytes), "--slot-pids", str(c.slot_pids), "--slot-cpus", str(c.slot_cpus)]
+        return cgroup, {"cgroup_dir": docker_cgroups.CONTAINER_CGROUP_DIR, "slot_memory_bytes": c.slot_memory_bytes,
+                        "slot_pids": c.slot_pids, "slot_cpus": c.slot_cpus}
 
     def _create(self, host_id: str, token: str) -> Any:
         c = self.cfg
@@ -164,13 +175,13 @@ class DockerBackend(Backend):
         cgroup, cgroup_args = self._slot_cgroup_args(host_id)
         created = api.create_container(
             c.image,
-            command=["--host", "0.0.0.0", "--port", str(CONTAINER_PORT), "--slots", str(c.slots_per_host),
-                     "--data-dir", "/slots/data", "--max-timeout", str(c.max_timeout_s),
-                     "--workspace-bytes", str(c.slot_workspace_bytes), *([] if c.prewarm else ["--no-prewarm"]),
-                     *cgroup_args],
+            # the image's entrypoint is `python3 -m atropos.sandbox`
+            command=HostLaunch(host="0.0.0.0", port=CONTAINER_PORT, slots=c.slots_per_host, data_dir="/slots/data",
+                               max_timeout_s=c.max_timeout_s, workspace_bytes=c.slot_workspace_bytes,
+                               prewarm=c.prewarm, **cgroup_args).args(),
             name=host_id,
             user=f"{SLOT_UID}:{SLOT_UID}",
-            environment={"ATROPOS_SANDBOX_TOKEN": token},
+            environment={HOST_TOKEN_ENV: token},
             labels={LABEL_POOL: c.pool_id, LABEL_OWNER: str(os.getpid()), LABEL_BOOT: boot_id(), LABEL_HOST: host_id},
             ports=[CONTAINER_PORT],
             host_config=self.host_config(cgroup),

@@ -10,19 +10,24 @@ import shutil
 import signal
 import sys
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from atropos.backends.base import Backend, HostInfo, new_token, pid_alive
 from atropos.errors import HostUnavailable, IsolationUnavailable
 from atropos.sandbox.config import default_data_dir
 from atropos.sandbox.host import ISOLATION_FAILED, owned_dir
+from atropos.sandbox.launch import HostLaunch, host_env
 from atropos.sandbox.sandbox_process import kill_processes_naming
 
 log = logging.getLogger(__name__)
 
 
 class LocalBackendConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["local"] = "local"
     slots_per_host: int = Field(16, ge=1, le=1023)
     data_root: Path = Field(default_factory=lambda: default_data_dir() / "local")
     pool_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
@@ -40,6 +45,9 @@ class LocalBackendConfig(BaseModel):
     slot_cpus: float = Field(0.0, ge=0, description="hard CPU quota per slot (CPUs); 0 = equal shares only")
     unsafe_no_cgroups: bool = Field(False, description="DEVELOPMENT ONLY: no per-slot cgroup (no slot-wide caps)")
     python: str = Field(default_factory=lambda: sys.executable, description="interpreter running the hosts")
+
+    def build(self) -> LocalBackend:
+        return LocalBackend(self)
 
 
 class LocalBackend(Backend):
@@ -63,20 +71,14 @@ class LocalBackend(Backend):
         for d in (self.cfg.data_root, self.root):
             owned_dir(d, 0o711)
         token = new_token()
-        argv = [self.cfg.python, "-m", "atropos.sandbox", "--host", "127.0.0.1", "--port", str(self.cfg.port),
-                "--slots", str(self.cfg.slots_per_host), "--data-dir", str(data_dir),
-                "--max-timeout", str(self.cfg.max_timeout_s), "--parent-pid", str(os.getpid()),
-                "--workspace-bytes", str(self.cfg.slot_workspace_bytes)]
-        if not self.cfg.prewarm:
-            argv.append("--no-prewarm")
-        if self.cfg.unsafe_no_isolation:
-            argv.append("--unsafe-no-isolation")
-        argv += ["--slot-memory-bytes", str(self.cfg.slot_memory_bytes), "--slot-pids", str(self.cfg.slot_pids),
-                 "--slot-cpus", str(self.cfg.slot_cpus)]
-        if self.cfg.unsafe_no_cgroups:
-            argv.append("--unsafe-no-cgroups")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ATROPOS_SANDBOX_")}
-        env["ATROPOS_SANDBOX_TOKEN"] = token
+        argv = HostLaunch(port=self.cfg.port, slots=self.cfg.slots_per_host, data_dir=str(data_dir),
+                          max_timeout_s=self.cfg.max_timeout_s, workspace_bytes=self.cfg.slot_workspace_bytes,
+                          prewarm=self.cfg.prewarm, parent_pid=os.getpid(),
+                          unsafe_no_isolation=self.cfg.unsafe_no_isolation,
+                          slot_memory_bytes=self.cfg.slot_memory_bytes, slot_pids=self.cfg.slot_pids,
+                          slot_cpus=self.cfg.slot_cpus, unsafe_no_cgroups=self.cfg.unsafe_no_cgroups,
+                          ).argv(self.cfg.python)
+        env = host_env(token)
         log_path = self.root / f"{host_id}.log"
         with open(log_path, "ab") as log_file:  # noqa: ASYNC230 - a local file, opened once per host
             proc = await asyncio.create_subprocess_exec(

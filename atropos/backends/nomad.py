@@ -1,6 +1,6 @@
 """Sandbox hosts as allocations of one Nomad service job (Nomad HTTP API through ``httpx.AsyncClient``).
 
-Contract: ``shared/reference/nomad-api.md``. The job this backend registers is the same as
+Contract: ``docs/nomad-api.md``. The job this backend registers is the same as
 ``nomad/sandbox.hcl`` (``render_job()`` is the JSON form; a test parses the HCL and compares). One
 task group ``hosts``; every allocation is one sandbox host (a docker container with N slots).
 
@@ -62,12 +62,13 @@ from typing import Any, Literal
 from urllib.parse import quote
 
 import httpx
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from atropos import __version__
 from atropos.backends.base import Backend, HostInfo, new_token, pid_alive
 from atropos.backends.docker import boot_id
 from atropos.errors import ConfigError, HostUnavailable
+from atropos.sandbox.launch import HOST_TOKEN_ENV, HostLaunch
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ PORT_LABEL = "http"
 CONTAINER_PORT = 8080
 SLOT_UID = 1000
 SLOT_CGROUP_DIR = "/run/atropos/cgroup"  # nomad/atropos-runc mounts the delegated subtree here
-TOKEN_ENV = "ATROPOS_SANDBOX_TOKEN"
+TOKEN_ENV = HOST_TOKEN_ENV
 TMP_BYTES = 64 << 20
 TMPFS_MODE = 0o1777  # HCL has no octal literals: nomad/sandbox.hcl writes 1023
 
@@ -108,6 +109,9 @@ _GONE_CLIENT = ("complete", "lost")
 
 
 class NomadBackendConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["nomad"] = "nomad"
     # -- the cluster --------------------------------------------------------------------------
     address: str = Field("http://127.0.0.1:4646", description="Nomad HTTP API address (https:// for TLS)")
     token: str | None = Field(None, repr=False, description="ACL token SecretID, sent as X-Nomad-Token")
@@ -160,11 +164,14 @@ class NomadBackendConfig(BaseModel):
         if env.get("NOMAD_SKIP_VERIFY", "").lower() in ("1", "true", "yes"):
             data["verify"] = False
         for name in cls.model_fields:
-            value = env.get(f"ATROPOS_NOMAD_{name.upper()}")
+            value = None if name == "kind" else env.get(f"ATROPOS_NOMAD_{name.upper()}")
             if value is not None:
                 data[name] = [v.strip() for v in value.split(",") if v.strip()] if name == "datacenters" else value
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate(data)
+
+    def build(self) -> NomadBackend:
+        return NomadBackend(self)
 
     @model_validator(mode="after")
     def _slot_fits(self) -> NomadBackendConfig:
@@ -330,12 +337,12 @@ def render_job(cfg: NomadBackendConfig, count: int = 0, *, token: str | None = N
         "Config": {
             "image": c.image,
             "ports": [PORT_LABEL],
-            "args": ["--host", "0.0.0.0", "--port", str(CONTAINER_PORT), f"--slots={c.slots_per_host}",
-                     "--data-dir", "/slots/data", f"--max-timeout={c.max_timeout_s:g}",
-                     f"--workspace-bytes={c.slot_workspace_bytes}",
-                     # per-slot cgroups in the subtree the atropos-runc runtime delegates (nomad/README.md)
-                     f"--cgroup-dir={SLOT_CGROUP_DIR}", f"--slot-memory-bytes={c.slot_memory_bytes}",
-                     f"--slot-pids={c.slot_pids}", f"--slot-cpus={c.slot_cpus:g}"],
+            # the image's entrypoint is `python3 -m atropos.sandbox`; per-slot cgroups in the subtree the
+            # atropos-runc runtime delegates (nomad/README.md)
+            "args": HostLaunch(host="0.0.0.0", port=CONTAINER_PORT, slots=c.slots_per_host, data_dir="/slots/data",
+                               max_timeout_s=c.max_timeout_s, workspace_bytes=c.slot_workspace_bytes,
+                               cgroup_dir=SLOT_CGROUP_DIR, slot_memory_bytes=c.slot_memory_bytes,
+                               slot_pids=c.slot_pids, slot_cpus=c.slot_cpus).args(),
             "init": True,
             # resources.cpu is only a share (CPU weight) by default; the hard limit turns it into a CFS
             # quota, so a busy host cannot take more than it reserved (isolation.md: a hard CPU cap).

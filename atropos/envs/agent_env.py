@@ -6,7 +6,7 @@ then every rollout gets a copy-on-write fork of its result), ``setup_trajectory_
 (once per rollout, in its own slot) and ``setup_agent_env`` (once, after the pool is up). Then run
 ``python -m your_env process|serve|evaluate`` as with any Atropos environment.
 
-What this class does for you (see shared/reference/atroposlib.md for the traps it avoids):
+What this class does for you (see docs/atroposlib.md for the traps it avoids):
 
 * starts the slot pool in ``setup`` and stops it when the run ends, in every mode (BaseEnv has no
   teardown hook);
@@ -51,8 +51,9 @@ from atropos.agent.loop import (
 from atropos.agent.managed import ManagedSession, TrackedSequence, servers_give_token_ids
 from atropos.agent.tokens import IGNORE, count_prompt_tokens, template_wraps_tool_responses, tokenize_conversation
 from atropos.backends.base import Backend
-from atropos.envs.config import AgentEnvConfig, default_server_configs, wandb_requested
-from atropos.errors import ConfigError, InfrastructureError
+from atropos.backends.config import BackendSettings
+from atropos.envs.config import AgentEnvConfig, backend_settings, default_server_configs, wandb_requested
+from atropos.errors import AtroposSandboxError, ConfigError, InfrastructureError, exit_code
 from atropos.progress import GroupProgress
 from atropos.slots.config import PoolConfig
 from atropos.slots.lease import Lease, PoolTemplate
@@ -88,7 +89,7 @@ class Rollout(BaseModel):
 def _new_stats() -> dict[str, float]:
     return {"rollouts": 0, "tool_calls": 0, "tool_seconds": 0.0, "score_sum": 0.0, "infra_retries": 0,
             "items_backlogged": 0, "group_setups": 0, "group_setup_seconds": 0.0, "context_budget_stops": 0,
-            "token_tracking_fallbacks": 0}
+            "token_tracking_fallbacks": 0, "groups_dropped_same_scores": 0}
 
 
 class AgentEnv(BaseEnv):
@@ -145,7 +146,13 @@ class AgentEnv(BaseEnv):
             default = False  # BaseEnv.cli calls config_init again and reports the error
         if not wandb_requested(sys.argv[1:], default):
             os.environ.setdefault("WANDB_MODE", "disabled")
-        super().cli()
+        try:
+            super().cli()
+        except AtroposSandboxError as exc:
+            # one line that says what failed (e.g. "cannot reach Nomad at ..."), not the chained
+            # tracebacks of the HTTP client under it; a bug (any other exception) keeps its traceback
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            sys.exit(exit_code(exc))
 
     # -- hooks for subclasses --------------------------------------------------------------
     def build_task(self, item: Any) -> str:
@@ -182,23 +189,12 @@ class AgentEnv(BaseEnv):
         return await self.score_trajectory(item, final_response), {}
 
     def build_backend(self) -> Backend:
-        c = self.config
-        pool_id = self.build_backend_pool_id()
-        if c.sandbox_backend == "docker":
-            from atropos.backends.docker import DockerBackend, DockerBackendConfig
+        from atropos.backends.config import build_backend
 
-            return DockerBackend(DockerBackendConfig(image=c.sandbox_image, slots_per_host=c.slots_per_host,
-                                                     pool_id=pool_id, max_timeout_s=c.tool_timeout_s))
-        if c.sandbox_backend == "nomad":
-            from atropos.backends.nomad import NomadBackend, NomadBackendConfig
+        return build_backend(self.backend_settings())
 
-            # NOMAD_TOKEN, namespace, region and TLS come from the environment, as with the nomad CLI
-            return NomadBackend(NomadBackendConfig.from_env(address=c.nomad_address, job_id=c.nomad_job_id,
-                                                            image=c.sandbox_image, slots_per_host=c.slots_per_host))
-        from atropos.backends.local import LocalBackend, LocalBackendConfig
-
-        return LocalBackend(LocalBackendConfig(slots_per_host=c.slots_per_host, pool_id=pool_id,
-                                               max_timeout_s=c.tool_timeout_s))
+    def backend_settings(self) -> BackendSettings:
+        return backend_settings(self.config, self.build_backend_pool_id())
 
     # -- lifecycle -------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -287,8 +283,23 @@ class AgentEnv(BaseEnv):
               f"mean score: {mean:.3f}  sandbox time per call: {per_call:.1f} ms  "
               f"infra retries: {int(s['infra_retries'])}  tokens: "
               f"{'ManagedServer' if self.managed_tokens else 'chat template'}", flush=True)
+        if s["groups_dropped_same_scores"]:
+            print(f"[atropos-sandbox] {int(s['groups_dropped_same_scores'])} group(s) dropped, not saved or sent: "
+                  "all scores equal and ensure_scores_are_not_same=True", flush=True)
         if path:
             print(f"[atropos-sandbox] data: {path}  html: {str(path).rsplit('.', 1)[0]}.html", flush=True)
+
+    async def handle_send_to_api(self, scored_data: Any, item: Any = None, do_send_to_api: bool = True,
+                                 abort_on_any_max_length_exceeded: bool = True) -> None:
+        """BaseEnv's, after counting the groups it will drop for equal scores (it only logs them)."""
+        if self.config.ensure_scores_are_not_same:
+            groups = scored_data if isinstance(scored_data, list) else [scored_data]
+            same = sum(1 for g in groups if g is not None and g.get("scores") and len(set(g["scores"])) == 1)
+            if same:
+                self.stats["groups_dropped_same_scores"] += same
+                log.warning("%d group(s) with all scores equal dropped (ensure_scores_are_not_same=True): "
+                            "not written to the jsonl, not sent to the trainer", same)
+        await super().handle_send_to_api(scored_data, item, do_send_to_api, abort_on_any_max_length_exceeded)
 
     # -- rollouts --------------------------------------------------------------------------
     def system_prompt(self) -> str:
@@ -426,7 +437,8 @@ class AgentEnv(BaseEnv):
         stats["context_budget_stops"] += rollout.finish == "context_budget"
         stats["token_tracking_fallbacks"] += rollout.tracking_fallback
 
-    async def _prepare_group(self, item: Any, leases: list[Lease]) -> PoolTemplate:
+    async def _prepare_group(self, item: Any, leases: list[Lease],
+                             stats: dict[str, float] | None = None) -> PoolTemplate:
         """Run ``setup_group_workspace`` in the group's first slot, make a template of it (that slot
         continues as a fork of it) and fork the other slots from it."""
         assert self.pool is not None and self.executor is not None
@@ -448,8 +460,9 @@ class AgentEnv(BaseEnv):
             await asyncio.gather(*(self.pool.release(lease) for lease in leases), return_exceptions=True)
             await self.pool.delete_template(template)
             raise
-        self.stats["group_setups"] += 1
-        self.stats["group_setup_seconds"] += time.perf_counter() - t0
+        stats = self.stats if stats is None else stats
+        stats["group_setups"] += 1
+        stats["group_setup_seconds"] += time.perf_counter() - t0
         log.debug("group %s: setup + template + %d forks in %.2fs", tid, len(leases) - 1, time.perf_counter() - t0)
         return template
 
@@ -555,9 +568,22 @@ class AgentEnv(BaseEnv):
 
         async def one(i: int, item: Any) -> Rollout:
             assert self.pool is not None
-            async with self.pool.leased(f"eval-{uuid.uuid4().hex[:8]}-{i}", self.config.acquire_timeout_s,
-                                        network=self.config.allow_network) as lease:
-                return await self._rollout_with_retries(item, lease, None, self.eval_stats)
+            lease = await self.pool.lease(f"eval-{uuid.uuid4().hex[:8]}-{i}", self.config.acquire_timeout_s,
+                                          network=self.config.allow_network)
+            template: PoolTemplate | None = None
+            try:
+                # the same start as a training rollout: the group step too (its template also
+                # serves a retry on a fresh slot)
+                if self.has_group_setup():
+                    template = await self._prepare_group(item, [lease], self.eval_stats)
+                return await self._rollout_with_retries(item, lease, template, self.eval_stats)
+            finally:
+                await self.pool.release(lease)
+                if template is not None:  # after the release: a template in use cannot go
+                    try:
+                        await self.pool.delete_template(template)
+                    except Exception as exc:  # never let cleanup mask the rollout's outcome
+                        log.warning("could not delete eval template %s: %s", template.id, exc)
 
         results = await asyncio.gather(*(one(i, item) for i, item in enumerate(items)), return_exceptions=True)
         done, lost = self._split_results(results, on_lost=lambda exc: log.warning(
@@ -567,5 +593,8 @@ class AgentEnv(BaseEnv):
         metrics: dict[str, float] = {"eval/n": len(done), "eval/infra_failures": len(lost)}
         if done:
             metrics["eval/mean_score"] = sum(r.score for r in done) / len(done)
+        # evaluate_log writes files only with data_dir_to_save_evals: the result is always printed
+        print("[atropos-sandbox] eval: " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                                     for k, v in metrics.items()), flush=True)
         await self.evaluate_log(metrics=metrics, start_time=start, end_time=time.time(),
                                 samples=[{"messages": r.messages, "score": r.score} for r in done])

@@ -8,12 +8,16 @@ accepted as aliases, so configs written for it keep working.
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from atroposlib.envs.base import APIServerConfig, BaseEnvConfig
 from pydantic import Field, model_validator
 
+from atropos.backends.base import BACKEND_KINDS, BackendKind
 from atropos.tools.registry import DEFAULT_TOOLSETS
+
+if TYPE_CHECKING:
+    from atropos.backends.config import BackendSettings
 
 MODEL_URL_ENV = "ATROPOS_MODEL_URL"
 MODEL_NAME_ENV = "ATROPOS_MODEL_NAME"
@@ -31,14 +35,20 @@ ALIASES: dict[str, str] = {
 class AgentEnvConfig(BaseEnvConfig):
     # BaseEnvConfig's 2048 cannot hold a tool-using agent: the tool schemas alone take ~1-1.5k tokens.
     max_token_length: int = Field(4096, description="context budget of a trajectory (prompt + completions)")
+    # BaseEnvConfig's True drops every group whose scores are all equal, so a weak model's all-zero
+    # groups vanish from the jsonl and the trainer without a trace; an agent env keeps them unless asked.
+    ensure_scores_are_not_same: bool = Field(
+        False, description="drop groups whose scores are all equal (they carry no GRPO advantage); "
+                           "dropped groups are counted in the run summary")
     # where sandboxes run
-    sandbox_backend: Literal["local", "docker", "nomad"] = Field("local", description="local | docker | nomad")
+    sandbox_backend: BackendKind = Field("local", description=" | ".join(BACKEND_KINDS))
     slots_per_host: int = Field(16, ge=1, description="slots per sandbox host (process or container)")
     min_hosts: int = Field(1, ge=0, description="hosts kept running")
     max_hosts: int = Field(4, ge=1, description="most hosts the pool scales to")
     sandbox_image: str = Field("atropos-sandbox:dev", description="docker/nomad: sandbox image")
-    nomad_address: str = Field("http://127.0.0.1:4646", description="nomad: agent address")
-    nomad_job_id: str = Field("atropos-sandbox", description="nomad: job id")
+    nomad_address: str | None = Field(None, description="nomad: agent address (default $NOMAD_ADDR, else "
+                                                        "http://127.0.0.1:4646)")
+    nomad_job_id: str | None = Field(None, description="nomad: job id (default atropos-<pool id>, as the CLI)")
     acquire_timeout_s: float = Field(600.0, gt=0, description="wait for a group's slots")
     # policy
     allow_network: bool = Field(False, description="let sandbox commands reach the network")
@@ -68,7 +78,7 @@ class AgentEnvConfig(BaseEnvConfig):
         None, description="ToolServer for external tools; 'inprocess' runs one in this process (offline corpus)")
     tool_server_token: str | None = Field(None, description="bearer token of the ToolServer")
     # the reference AgentEnv's names (see ALIASES); applied to our fields, then cleared
-    tool_pool_mode: Literal["local", "docker", "nomad"] | None = Field(None, description="alias of sandbox_backend")
+    tool_pool_mode: BackendKind | None = Field(None, description="alias of sandbox_backend")
     slots_per_container: int | None = Field(None, ge=1, description="alias of slots_per_host")
     min_containers: int | None = Field(None, ge=0, description="alias of min_hosts")
     max_containers: int | None = Field(None, ge=1, description="alias of max_hosts")
@@ -89,7 +99,18 @@ class AgentEnvConfig(BaseEnvConfig):
         return self
 
 
-def default_server_configs(model_name: str = "default", base_url: str = "http://127.0.0.1:8000/v1",
+def backend_settings(cfg: AgentEnvConfig, pool_id: str) -> BackendSettings:
+    """What an AgentEnv's fields say about the backend, mapped as the CLI maps its settings
+    (atropos.backends.config): NOMAD_* apply, the Nomad job id derives from the pool id, the
+    largest tool timeout reaches every backend."""
+    from atropos.backends.config import BackendSettings
+
+    return BackendSettings(kind=cfg.sandbox_backend, pool_id=pool_id, slots_per_host=cfg.slots_per_host,
+                           max_timeout_s=cfg.tool_timeout_s, image=cfg.sandbox_image,
+                           nomad_address=cfg.nomad_address, nomad_job_id=cfg.nomad_job_id)
+
+
+def default_server_configs(model_name: str = "default", base_url: str = "http://127.0.0.1:8090/v1",
                            **extra: Any) -> list[APIServerConfig]:
     """One OpenAI-compatible server, as a LIST: a bare config or a ``ServerBaseline`` makes atroposlib
     ignore ``--openai.*`` and talk to localhost:9004-9007 instead. ``$ATROPOS_MODEL_NAME`` and

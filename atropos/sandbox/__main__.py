@@ -27,10 +27,10 @@ from atropos.errors import AtroposSandboxError
 from atropos.logs import configure
 from atropos.sandbox.config import HostConfig, Limits
 from atropos.sandbox.host import SandboxHost
+from atropos.sandbox.launch import HOST_TOKEN_ENV as TOKEN_ENV
 from atropos.sandbox.sandbox_process import SandboxProcess, kill_processes_naming
 from atropos.sandbox.server import create_app, wrap
 
-TOKEN_ENV = "ATROPOS_SANDBOX_TOKEN"
 SHUTDOWN_GRACE_S = 5.0  # after SIGTERM: then whatever still runs of this host is killed
 
 

@@ -1,4 +1,4 @@
-"""The bubblewrap command line of a slot sandbox (see shared/reference/isolation.md §2.1)."""
+"""The bubblewrap command line of a slot sandbox (see docs/isolation.md)."""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ from atropos.errors import (
     AtroposSandboxError,
     HostUnavailable,
     LeaseError,
+    PathEscapeError,
     SlotUnavailable,
     ToolInputError,
 )
@@ -235,6 +236,8 @@ def _raise_for(status: int, body: bytes, where: str) -> NoReturn:
         raise _TEMPLATE_ERRORS[code](message)
     if code == "workspace_failed":
         raise WorkspaceError(f"{where}: {message}")
+    if code == "path_escape":
+        raise PathEscapeError(f"HTTP {status} {code}: {message}")
     if status >= 500:
         raise HostUnavailable(f"{where}: HTTP {status}: {message}")
     raise ToolInputError(f"HTTP {status} {code}: {message}")

@@ -41,7 +41,7 @@ else:  # run from the host's lib dir, beside inslot.py (isolated mode: the dir i
 
 # openat2(2) resolution flags (linux/openat2.h)
 RESOLVE_NO_MAGICLINKS = 0x02
-RESOLVE_IN_ROOT = 0x10
+RESOLVE_BENEATH = 0x08
 SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}.get(os.uname().machine)
 
 
@@ -62,18 +62,25 @@ _libc.syscall.restype = ctypes.c_long
 
 
 def _openat2(dir_fd: int, path: str, flags: int, mode: int = 0o644) -> int:
-    """Open ``path`` as if ``dir_fd`` were ``/``: ``..``, absolute paths and symlinks stay inside."""
+    """Open ``path`` strictly beneath ``dir_fd``: an absolute path or symlink, or a ``..`` that
+    climbs above ``dir_fd``, fails with EXDEV. Refusing (rather than re-rooting them at ``dir_fd``)
+    keeps the file tools' view identical to the shell's: a path either names the same file bash
+    would open, or is an error."""
     raw = path.encode("utf-8", "replace")
     if b"\0" in raw:
         raise ToolFailure("invalid_path", "path contains a NUL byte")
     if SYS_OPENAT2 is None:
         raise ToolFailure("unsupported", "openat2 is not available on this architecture")
-    how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
-    fd = _libc.syscall(SYS_OPENAT2, dir_fd, raw, ctypes.byref(how), ctypes.sizeof(how))
-    if fd < 0:
+    how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
+    for _ in range(64):
+        fd = _libc.syscall(SYS_OPENAT2, dir_fd, raw, ctypes.byref(how), ctypes.sizeof(how))
+        if fd >= 0:
+            return int(fd)
         err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), path)
-    return int(fd)
+        # EAGAIN: a rename anywhere on the machine raced a ``..`` step; the kernel asks for a retry
+        if err != errno.EAGAIN:
+            break
+    raise OSError(err, os.strerror(err), path)
 
 
 def _os_failure(exc: OSError, path: str) -> ToolFailure:
@@ -85,7 +92,8 @@ def _os_failure(exc: OSError, path: str) -> ToolFailure:
         errno.EPERM: ("permission_denied", f"{path}: operation not permitted"),
         errno.ENAMETOOLONG: ("invalid_path", f"path too long ({len(path)} characters)"),
         errno.ELOOP: ("invalid_path", f"{path}: too many levels of symbolic links"),
-        errno.EXDEV: ("path_escape", f"{path}: resolves outside the workspace"),
+        errno.EXDEV: ("path_escape", f"{path}: leaves the workspace (through '..' or an absolute "
+                                     "symlink); file tools reach only files under the workspace"),
         errno.ENOSPC: ("no_space", f"{path}: no space left in the workspace"),
         errno.EFBIG: ("too_large", f"{path}: file size limit reached"),
         errno.EEXIST: ("exists", f"{path}: already exists"),
@@ -382,12 +390,39 @@ class Supervisor:
     def _root_fd(self) -> int:
         return os.open(self.workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
-    def _open(self, path: str, flags: int, mode: int = 0o644) -> int:
+    def _rel(self, path: str) -> str:
+        """``path`` relative to the workspace, read as bash in the slot reads it: ``/workspace/x``
+        (the workspace as the slot's processes see it) is ``x``; any other absolute path is outside
+        the workspace and refused, never re-rooted into it."""
         if not isinstance(path, str) or not path:
             raise ToolFailure("invalid_path", "path must be a non-empty string")
+        if not path.startswith("/"):
+            return path
+        root = self.workspace.rstrip("/") or "/"
+        norm = re.sub("/+", "/", path)
+        if norm == root or norm == root + "/":
+            return "."
+        if norm.startswith(root + "/"):
+            return norm[len(root) + 1:]
+        raise ToolFailure("path_escape", f"{path}: outside the workspace; file tools reach only {root} and "
+                                         f"what is under it (give a path relative to {root}, or {root}/...)")
+
+    def _shown(self, fd: int, rel: str) -> str:
+        """The path bash would use for the file open at ``fd``: what a result reports as written."""
+        try:
+            real = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            real = ""
+        root = self.workspace.rstrip("/")
+        if real == root or real.startswith(root + "/"):
+            return real
+        return os.path.normpath(os.path.join(root, rel))
+
+    def _open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        rel = self._rel(path)
         root = self._root_fd()
         try:
-            return _openat2(root, path, flags, mode)
+            return _openat2(root, rel, flags, mode)
         except OSError as exc:
             raise _os_failure(exc, path) from None
         finally:
@@ -471,7 +506,8 @@ class Supervisor:
         if len(data) > int(req["max_bytes"]):
             raise ToolFailure("too_large", f"content is {len(data)} bytes, over the write limit of "
                                            f"{req['max_bytes']} bytes")
-        self._make_parents(path)
+        rel = self._rel(path)
+        self._make_parents(rel)
         flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY
         flags |= os.O_APPEND if req.get("append") else os.O_TRUNC
         fd = self._open(path, flags)
@@ -485,7 +521,7 @@ class Supervisor:
                 except OSError as exc:
                     raise _os_failure(exc, path) from None
                 view = view[n:]
-            return {"path": path, "bytes_written": len(data), "size": os.fstat(fd).st_size}
+            return {"path": self._shown(fd, rel), "bytes_written": len(data), "size": os.fstat(fd).st_size}
         finally:
             os.close(fd)
 
@@ -508,20 +544,22 @@ class Supervisor:
                 "or set replace_all",
             )
         updated = text.replace(old, new) if req.get("replace_all") else text.replace(old, new, 1)
-        self._replace_file(path, updated.encode())
-        return {"path": path, "replacements": count if req.get("replace_all") else 1}
+        shown = self._replace_file(path, updated.encode())
+        return {"path": shown, "replacements": count if req.get("replace_all") else 1}
 
-    def _replace_file(self, path: str, data: bytes) -> None:
+    def _replace_file(self, path: str, data: bytes) -> str:
         """Give ``path`` the content ``data`` all at once: written in full to a new file beside it,
         then renamed over it (mode kept). A failure (no space, file size limit, a short write)
-        leaves the original untouched, where truncating first would lose it."""
+        leaves the original untouched, where truncating first would lose it. Returns the path
+        (as bash sees it) of the file replaced."""
+        rel_in = self._rel(path)
         root = self._root_fd()
         tmp_name: str | None = None
         dir_fd = -1
         try:
             try:
                 # opened for writing only to be refused a file we may not write, as in place editing was
-                fd = _openat2(root, path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY)
+                fd = _openat2(root, rel_in, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY)
             except OSError as exc:
                 raise _os_failure(exc, path) from None
             try:
@@ -551,6 +589,7 @@ class Supervisor:
                     os.close(tfd)
                 os.rename(tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
                 tmp_name = None
+                return os.path.normpath(os.path.join(self.workspace, rel))
             except OSError as exc:
                 raise _os_failure(exc, path) from None
         finally:
@@ -569,6 +608,7 @@ class Supervisor:
         fd = self._open(path, os.O_RDONLY | os.O_DIRECTORY)
         entries = []
         try:
+            shown = self._shown(fd, self._rel(path))
             names = sorted(os.listdir(fd))
             for name in names[:limit]:
                 try:
@@ -578,16 +618,17 @@ class Supervisor:
                 entries.append({"name": name, "type": _kind(st.st_mode), "size": st.st_size})
         finally:
             os.close(fd)
-        return {"path": path, "entries": entries, "truncated": len(names) > limit, "total": len(names)}
+        return {"path": shown, "entries": entries, "truncated": len(names) > limit, "total": len(names)}
 
     def stat(self, req: dict[str, Any]) -> dict[str, Any]:
         path = req["path"]
         fd = self._open(path, os.O_PATH | os.O_NOFOLLOW)
         try:
             st = os.fstat(fd)
+            shown = self._shown(fd, self._rel(path))
         finally:
             os.close(fd)
-        return {"path": path, "type": _kind(st.st_mode), "size": st.st_size,
+        return {"path": shown, "type": _kind(st.st_mode), "size": st.st_size,
                 "mode": oct(stat.S_IMODE(st.st_mode)), "mtime": st.st_mtime}
 
     def archive(self, req: dict[str, Any]) -> dict[str, Any]:
