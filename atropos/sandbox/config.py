@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from atropos.sandbox.cgroups import SlotCaps
+
 RUN_DIR_INODES = 1024  # the run dir holds the terminal's socket and log, nothing else
 
 
@@ -99,6 +101,22 @@ class HostConfig(BaseModel):
         "auto", description="slots leased with network: their own network namespace behind slirp4netns "
                             "(private; the host's loopback unreachable) or the host's namespace (shared); auto "
                             "picks private when slirp4netns and /dev/net/tun are present, else shared with a warning")
+
+    slot_memory_bytes: int = Field(
+        4 << 30, ge=64 << 20, description="memory one slot may hold as a whole: every process, and the pages of its "
+                                          "tmpfs mounts (workspace, /tmp, /dev/shm) and memfds (its cgroup's limit; "
+                                          "past it the kernel OOM-kills inside that slot only)")
+    slot_pids: int = Field(1024, ge=16, description="processes and threads one slot may have at once (pids.max)")
+    slot_cpus: float = Field(0.0, ge=0, description="hard CPU quota of one slot, in CPUs; 0 = none (slots still "
+                                                    "share CPU equally: one cgroup each, equal weights)")
+    cgroup_dir: Path | None = Field(
+        None, description="a writable (delegated) cgroup directory for the slot cgroups; default: a subtree of "
+                          "the host's own cgroup")
+    unsafe_no_cgroups: bool = Field(
+        False, description="DEVELOPMENT ONLY: run without per-slot cgroups (no memory, process or CPU cap per slot)")
+
+    def slot_caps(self) -> SlotCaps:
+        return SlotCaps(memory_bytes=self.slot_memory_bytes, pids=self.slot_pids, cpus=self.slot_cpus)
 
     @model_validator(mode="after")
     def _default_within_max(self) -> HostConfig:

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from atropos import __version__, metrics
 from atropos.errors import IsolationUnavailable, LeaseError, SlotSealed, SlotUnavailable, ToolError
 from atropos.sandbox import seccomp
+from atropos.sandbox.cgroups import CgroupUnavailable, SlotCgroups
 from atropos.sandbox.config import HostConfig
 from atropos.sandbox.network import DNS as SLIRP_DNS
 from atropos.sandbox.network import private_network_available
@@ -90,6 +91,7 @@ class SandboxHost:
         self.workspaces: Workspaces | None = None
         self.private_net = False  # resolved from cfg.network_isolation by start()
         self.killer = UidKiller()
+        self.cgroups: SlotCgroups | None = None  # one cgroup per slot: its memory, process and CPU caps
         # Prewarming sandboxes competes for CPU with resets still running: during a burst (a
         # group of forks, a wave of releases) it waits until the burst is over (or 0.25 s).
         self._resets_running = 0
@@ -112,6 +114,7 @@ class SandboxHost:
         else:
             log.warning("!!! UNSAFE: slots run WITHOUT isolation (development only); never run untrusted code !!!")
         self.private_net = resolve_network_isolation(self.cfg)
+        self.cgroups = setup_cgroups(self.cfg)
         if self.is_root:
             # slots, the health slot, and the uid that owns template files (no sandbox runs as it)
             self.uid_base, self._uid_lock_fd = claim_uid_block(self.cfg.slots + 2, self.cfg.uid_base)
@@ -139,6 +142,8 @@ class SandboxHost:
         slot = Slot(index, self.cfg, self.root, uid, self.seccomp_path, self.workspaces)
         slot.killer = self.killer
         slot.private_net = self.private_net
+        if self.cgroups is not None:
+            slot.cgroup = self.cgroups.slot(name or f"slot-{index}", self.cfg.slot_caps())
         if name:
             slot.dir = self.root / name
             slot.paths = type(slot.paths)(workspace=slot.dir / "ws", run_dir=slot.dir / "run",
@@ -183,6 +188,8 @@ class SandboxHost:
     async def stop(self) -> None:
         self.stopping = True  # calls cut off from here on are the platform's doing, not the command's
         await asyncio.gather(*(s.stop_sandboxes() for s in [*self.slots, *filter(None, [self.health_slot])]))
+        if self.cgroups is not None:  # whatever escaped its process group (none should) dies here
+            await asyncio.to_thread(self.cgroups.close)
         if self.workspaces is not None:
             await self.workspaces.stop()  # its mount namespace, and every overlay in it, goes away
         if self._trash_task is not None:
@@ -580,6 +587,31 @@ def resolve_network_isolation(cfg: HostConfig) -> bool:
     log.warning("slots leased with network will share this host's network namespace (its loopback "
                 "services are reachable from them): %s", problem)
     return False
+
+
+def setup_cgroups(cfg: HostConfig) -> SlotCgroups | None:
+    """The slots' cgroups; refuses to start without them (the fail-closed rule of bubblewrap)
+    unless told --unsafe-no-cgroups (or running without isolation at all)."""
+    if cfg.unsafe_no_cgroups:
+        log.warning("!!! UNSAFE: slots run WITHOUT per-slot cgroups: no memory, process or CPU cap for a slot "
+                    "as a whole; one slot can take this machine's memory (tmpfs and memfd pages included) !!!")
+        return None
+    try:
+        cgroups = SlotCgroups.setup(cfg.cgroup_dir)
+    except CgroupUnavailable as exc:
+        if cfg.unsafe_no_isolation:
+            log.warning("no per-slot cgroups either: %s", exc)
+            return None
+        raise
+    log.info("slot cgroups (v%d) under %s: memory %d bytes, %d pids, cpus %s per slot", cgroups.version,
+             cgroups.where, cfg.slot_memory_bytes, cfg.slot_pids, cfg.slot_cpus or "equal share")
+    lim = cfg.limits
+    tmpfs = lim.workspace_bytes + lim.tmp_bytes + lim.shm_bytes
+    if cfg.slot_memory_bytes < tmpfs + (256 << 20):
+        # a slot that fills its tmpfs mounts then has too little left to start a sandbox until reset
+        log.warning("--slot-memory-bytes %d leaves less than 256 MiB beside the slot's tmpfs mounts (workspace, "
+                    "/tmp, /dev/shm: %d bytes), which count against it", cfg.slot_memory_bytes, tmpfs)
+    return cgroups
 
 
 def check_isolation(cfg: HostConfig) -> None:

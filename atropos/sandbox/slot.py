@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from atropos.sandbox.bwrap import LIB_DIR, RUN_DIR, SANDBOX_ENV, WORKSPACE, SandboxPaths, bwrap_argv
+from atropos.sandbox.cgroups import SlotCgroup
 from atropos.sandbox.config import HostConfig
 from atropos.sandbox.network import SlirpHandshake
 from atropos.sandbox.protocol import ErrorInfo, LeaseInfo, SlotInfo, SlotState, VerifyRequest, VerifyResult
@@ -31,6 +32,7 @@ from atropos.sandbox.workspace import (
 )
 
 CHOOM = "/usr/bin/choom"  # util-linux: on every Debian/Ubuntu
+SETPRIV = "/usr/bin/setpriv"  # util-linux too
 HAVE_CHOOM = os.path.exists(CHOOM)
 SANDBOX_OOM_SCORE_ADJ = 1000  # under memory pressure the sandbox dies, never the host
 VERIFY_GRACE_S = 10.0  # beyond the program's own timeout: its start and its answer
@@ -86,6 +88,7 @@ class Slot:
         # The verification phase of the lease began (see docs/verification.md): every process of
         # the agent is gone, no command or interpreter runs again in the slot until its reset.
         self.sealed = False
+        self.cgroup: SlotCgroup | None = None  # every sandbox of the slot runs in it (set by the host)
 
     @property
     def ov(self) -> Path:
@@ -178,6 +181,12 @@ class Slot:
             # Raised before bwrap starts (raising needs no privilege); /proc is read-only inside, so
             # nothing in the slot can lower it and make the host the OOM killer's victim.
             argv = [CHOOM, "-n", str(SANDBOX_OOM_SCORE_ADJ), "--", *argv]
+        if self.cgroup is not None:
+            if uid is not None:
+                # Placed by root, then the uid drops: a slot uid could not move itself out of the
+                # host's cgroup (v2 wants write access to the common ancestor), nor should it.
+                argv, uid = [SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv], None
+            argv = [*self.cgroup.launcher(), *argv]
         return await SandboxProcess.start(
             argv, uid=uid, protocol=protocol,
             seccomp_path=None if self.cfg.unsafe_no_isolation else self.seccomp_path, label=label,
@@ -343,6 +352,10 @@ class Slot:
         return result
 
     async def _kill_all(self) -> None:
+        if self.cgroup is not None:
+            left = await asyncio.to_thread(self.cgroup.kill)
+            if left:
+                raise RuntimeError(f"processes survived in the slot's cgroup {self.cgroup.main}: {left}")
         if self.uid is not None:
             if self.killer is not None:
                 survivors = await self.killer.kill(self.uid)
@@ -536,6 +549,9 @@ class Slot:
 
     def _processes_checked(self) -> str:
         """What the reset established about the old lease's processes, and no more than that."""
+        if self.cgroup is not None:
+            by_uid = " and no process of the slot uid" if self.uid is not None else ""
+            return f"no process left in the slot's cgroup (killed, then checked empty){by_uid}"
         if self.uid is not None:
             return "no process of the slot uid (swept by uid)"
         # Without a per-slot uid (a non-root host) there is nothing to sweep by: what holds is that
