@@ -342,7 +342,8 @@ class ToolExecutor:
                 results = [await fut for fut in futures]
             except BaseException:
                 for fut in futures:  # a caller that gives up takes the rest of its turn along
-                    fut.cancel()
+                    if not fut.cancel() and not fut.cancelled():
+                        fut.exception()  # retrieved: the first failure is the one raised
                 raise
             for (i, call), result in zip(sandbox, results, strict=True):
                 if result.error is not None and result.error.code == "lease_invalid":
