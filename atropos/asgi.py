@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -47,9 +48,11 @@ def http_error(status: int, code: str, message: str, headers: dict[str, str] | N
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(HTTPException)
-    async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
-        detail = exc.detail if isinstance(exc.detail, dict) else error_body(exc.status_code, "error", str(exc.detail))[
+    # Starlette's own (an unknown route, a wrong method) too: one error shape for every answer
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "error")
+        detail = exc.detail if isinstance(exc.detail, dict) else error_body(exc.status_code, code, str(exc.detail))[
             "error"]
         return JSONResponse({"error": detail}, status_code=exc.status_code, headers=exc.headers)
 

@@ -44,7 +44,8 @@ class ServeSettings(BaseModel):
 
     backend: BackendKind = "local"
     host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    # not 8000: that is the default of atroposlib's run-api (and of an env's rollout_server_url)
+    port: int = Field(8600, ge=0, le=65535)
     slots_per_host: int = Field(16, ge=1)
     min_hosts: int = Field(1, ge=0)
     max_hosts: int = Field(4, ge=1)
@@ -200,7 +201,7 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
     _setting_flag(p, "config", f"YAML or JSON file with settings (flags override it; default ${CONFIG_ENV})")
     _setting_flag(p, "backend", "where sandbox hosts run (default local)", choices=list(BACKEND_KINDS))
     _setting_flag(p, "host", "address to listen on (default 127.0.0.1)")
-    _setting_flag(p, "port", "port (default 8000; pool up: 0 picks a free one)", type=int)
+    _setting_flag(p, "port", "port (default 8600; pool up: 0 picks a free one)", type=int)
     _setting_flag(p, "slots_per_host", "slots per host (default 16)", type=int)
     _setting_flag(p, "min_hosts", "hosts kept running (default 1)", type=int)
     _setting_flag(p, "max_hosts", "most hosts (default 4)", type=int)
@@ -310,6 +311,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise InfrastructureError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
+def where_to_look(url: str) -> str:
+    """The ToolServer's pages a user needs, named where the address is printed (never the token:
+    the status page takes it in the URL fragment, which the browser keeps to itself)."""
+    return (f"API docs {url}/docs (OpenAPI {url}/openapi.json); status page {url}/status#token=<token>; "
+            f"metrics {url}/metrics")
+
+
 # -- serve ------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
@@ -321,6 +329,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = bind_socket(s.host, s.port)
     port = sock.getsockname()[1]
     log.info("ToolServer on %s (backend %s, pool %s)", client_url(s.host, port), s.backend, s.pool_id)
+    log.info("%s", where_to_look(client_url(s.host, port)))
     # log_config=None: uvicorn's records go through our (redacting, maybe JSON) root handler
     config = uvicorn.Config(app, log_level="warning", log_config=None, lifespan="on", timeout_keep_alive=120)
     server = uvicorn.Server(config)
@@ -462,7 +471,8 @@ def cmd_pool_up(args: argparse.Namespace) -> int:
             with contextlib.suppress(httpx.HTTPError, ValueError):
                 health = httpx.get(f"{url}/healthz", timeout=2).json()
                 if isinstance(health, dict) and health.get("ok"):
-                    print(f"pool {s.pool_id} up at {url} (pid {proc.pid}); token in {files['token']}")
+                    print(f"pool {s.pool_id} up at {url} (pid {proc.pid}); token in {files['token']}\n"
+                          f"{where_to_look(url)}")
                     return EXIT_OK
             time.sleep(0.3)
     except BaseException:  # Ctrl-C while waiting: leave nothing running behind

@@ -1,1 +1,1 @@
-"""Benchmarks of atropos-sandbox against the targets of shared/design.md (see benchmarks/README.md)."""
+"""Benchmarks of atropos-sandbox against the targets of docs/targets.md (see benchmarks/README.md)."""

@@ -10,7 +10,7 @@ three calls of one turn), the rollout wall time per trajectory, and the sandbox 
 time in lease + tool calls + release divided by the trajectory's wall time (the rest is the
 simulated model time, measured as the actual sleep, which a busy event loop can stretch).
 
-No target in shared/design.md; the design goal is "the sandbox is never what a training run
+No target in docs/targets.md; the design goal is "the sandbox is never what a training run
 waits on", i.e. a small share next to real model time (which is usually far above 50 ms).
 """
 

@@ -16,7 +16,7 @@ the wall time), and ``pool.stop()``. Containers left behind afterwards are count
 
 Skipped with a message when there is no Docker engine or no image.
 
-Target (shared/design.md Targets, via the brief): < 5 s.
+Target (docs/targets.md): < 5 s.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the timed region (a release is a reset round trip to the host) before the next r
 
 For reference, the same loop on ``lease_many(16)`` (a GRPO group) is timed too, per group.
 
-Target (shared/design.md): p99 < 1 ms.
+Target (docs/targets.md): p99 < 1 ms.
 """
 
 from __future__ import annotations

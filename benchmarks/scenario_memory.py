@@ -12,7 +12,7 @@ Python heap growth traced by tracemalloc; separately, the hosts' memory: RSS and
 every host process and all their descendants (supervisors, bwrap, tmux, bash), per slot. RSS
 double-counts shared pages (libpython, bash); PSS splits them fairly.
 
-Target (shared/design.md): the pool's own memory < 1 MiB per slot.
+Target (docs/targets.md): the pool's own memory < 1 MiB per slot.
 """
 
 from __future__ import annotations

@@ -14,7 +14,10 @@ exec'd back to back by one process per core with nothing else around it (no sand
 pool). No sandbox can beat it; the ratio says what share of it our whole stack reaches. A last row
 runs ``stat`` (no process spawned) to show what the stack itself sustains.
 
-Target (shared/design.md): >= 1,500 calls/s on 2 cores.
+Only successful calls count: calls/s is ``ok`` outcomes per second (failures are reported beside it).
+
+Targets (docs/targets.md): >= 1,500 calls/s on 2 cores, and >= 75% of the spawn floor
+measured in the same run.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ TRAJECTORIES = 64
 HOSTS, SLOTS = 4, 16
 WINDOWS_MS = (0.0, 5.0, 20.0)
 TARGET = 1500.0
+FLOOR_SHARE = 0.75
 
 
 def _machine_busy() -> tuple[int, int]:
@@ -110,8 +114,10 @@ async def _window(pool: object, window_ms: float, duration: float, tool: str = "
             while time.perf_counter() < stop:
                 t0 = time.perf_counter()
                 out = await ex.execute(tid, call)
-                lat.append((time.perf_counter() - t0) * 1e3)
-                failures += not out.ok
+                if out.ok:  # a failed call is no throughput
+                    lat.append((time.perf_counter() - t0) * 1e3)
+                else:
+                    failures += 1
 
         t0 = time.perf_counter()
         await asyncio.gather(*(loop(t) for t in tids))
@@ -120,19 +126,19 @@ async def _window(pool: object, window_ms: float, duration: float, tool: str = "
         host_cpu = cpu_seconds(hosts) - host_cpu0
         self_cpu = _self_cpu() - self_cpu0
         busy1 = _machine_busy()
-        calls = len(lat)
+        calls = len(lat)  # successful ones
         requests = ex.requests_sent - req0
         sent = ex.calls_sent - calls0
     finally:
         await asyncio.gather(*(ex.release_trajectory(t) for t in tids), return_exceptions=True)
         await ex.close()
     rate = calls / elapsed
+    label = f"batch window {window_ms:g} ms" + (" (upper bound, adaptive)" if window_ms else "")
     busy = (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1])
     if tool == "bash":
-        row = Row(f"batch window {window_ms:g} ms", lat, throughput=rate, target=f">= {TARGET:,.0f} calls/s",
-                  passed=rate >= TARGET)
+        row = Row(label, lat, throughput=rate, target=f">= {TARGET:,.0f} ok calls/s", passed=rate >= TARGET)
     else:  # no process spawned: what the stack itself (executor, HTTP, host, supervisor) sustains
-        row = Row(f"{tool} (no spawn), batch window {window_ms:g} ms", lat, throughput=rate)
+        row = Row(f"{tool} (no spawn), {label}", lat, throughput=rate)
     row.extra = {"calls": calls, "failed": failures, "seconds": round(elapsed, 2), "requests": requests,
                  "requests_per_call": round(requests / sent, 3) if sent else None,
                  "pool_cpu_ms_per_call": round(self_cpu / calls * 1e3, 3) if calls else None,
@@ -146,7 +152,8 @@ async def _window(pool: object, window_ms: float, duration: float, tool: str = "
 
 async def run(quick: bool) -> ScenarioResult:
     duration = 4.0 if quick else 15.0
-    res = ScenarioResult(NAME, f"{TRAJECTORIES} trajectories x bash `true` through ToolExecutor",
+    res = ScenarioResult(NAME, f"{TRAJECTORIES} trajectories x bash `true` through ToolExecutor, "
+                               f"{duration:g} s per window" + (" (quick)" if quick else ""),
                          params={"trajectories": TRAJECTORIES, "hosts": HOSTS, "slots_per_host": SLOTS,
                                  "seconds_per_window": duration, "windows_ms": list(WINDOWS_MS)})
     res.rows.append(await _floor(duration))
@@ -162,10 +169,13 @@ async def run(quick: bool) -> ScenarioResult:
     ours = [r for r in res.rows if r.target]
     best = max(ours, key=lambda r: r.throughput or 0.0)
     floor = res.rows[0].throughput or 0.0
-    res.targets.append(Target(f">= {TARGET:,.0f} calls/s (64 trajectories, trivial calls)",
+    share = (best.throughput or 0) / max(floor, 1e-9)
+    res.targets.append(Target(f">= {TARGET:,.0f} ok calls/s (64 trajectories, trivial calls)",
                               "; ".join(f"{r.name}: {r.throughput:,.0f}/s" for r in ours)
-                              + f" (best: {best.name}; {(best.throughput or 0) / max(floor, 1e-9):.0%} of "
-                              f"the {floor:,.0f}/s floor)", (best.throughput or 0) >= TARGET))
+                              + f" (best: {best.name}; {share:.0%} of the {floor:,.0f}/s floor)",
+                              (best.throughput or 0) >= TARGET))
+    res.targets.append(Target(f">= {FLOOR_SHARE:.0%} of the spawn floor measured in this run",
+                              f"{best.throughput or 0:,.0f}/s of {floor:,.0f}/s = {share:.0%}", share >= FLOOR_SHARE))
     return res
 
 

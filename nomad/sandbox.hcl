@@ -60,6 +60,24 @@ variable "pids_limit" {
   default = 4096
 }
 
+variable "slot_memory_bytes" {
+  type        = number
+  default     = 1073741824
+  description = "memory one slot may hold as a whole (its processes, tmpfs and memfd pages): its own cgroup"
+}
+
+variable "slot_pids" {
+  type        = number
+  default     = 512
+  description = "processes and threads per slot"
+}
+
+variable "slot_cpus" {
+  type        = number
+  default     = 1
+  description = "hard CPU quota per slot, in CPUs; 0 = equal shares only"
+}
+
 variable "max_timeout_s" {
   type        = number
   default     = 600
@@ -147,6 +165,10 @@ job "atropos-sandbox" {
           "--host", "0.0.0.0", "--port", "8080", "--slots=${var.slots_per_host}",
           "--data-dir", "/slots/data", "--max-timeout=${var.max_timeout_s}",
           "--workspace-bytes=${var.slot_workspace_bytes}",
+          # per-slot cgroups: the runtime (atropos-runc) sees this flag and delegates a cgroup subtree,
+          # nested in the container's own limits, mounted here (nomad/README.md)
+          "--cgroup-dir=/run/atropos/cgroup", "--slot-memory-bytes=${var.slot_memory_bytes}",
+          "--slot-pids=${var.slot_pids}", "--slot-cpus=${var.slot_cpus}",
         ]
         init     = true
         cap_drop = ["ALL"]

@@ -83,7 +83,9 @@ def sandbox_host_argv(data_root: Path) -> Callable[[Any], list[str]]:
     run as ``python -m atropos.sandbox``, on the allocation's host port, with a local data dir."""
 
     def argv(alloc: Any) -> list[str]:
-        args = [str(a) for a in alloc.config.get("args") or []]
+        # the fake has no atropos-runc to delegate /run/atropos/cgroup: the host nests its slot
+        # cgroups under its own cgroup instead
+        args = [str(a) for a in alloc.config.get("args") or [] if not str(a).startswith("--cgroup-dir=")]
         for flag, value in (("--host", "127.0.0.1"), ("--port", str(alloc.ports["http"])),
                             ("--data-dir", str(data_root / alloc.id))):
             if flag in args:

@@ -14,7 +14,8 @@ from openai.types.chat import ChatCompletion
 
 from atropos.agent.loop import assistant_turns
 from atropos.envs.examples.coding import TASKS, CodingEnv
-from tests.scripted import RecordsPoolStatus, ScriptedServer, call, call_text, reply
+from atropos.testing import ScriptedServer, call, call_text, reply
+from tests.scripted import RecordsPoolStatus
 
 SOLUTIONS = {
     "add": "def add(a, b):\n    return a + b\n",

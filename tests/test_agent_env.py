@@ -32,7 +32,7 @@ from atropos.envs.agent_env import PROCESS_MAX_LOST_GROUPS, AgentEnvConfig
 from atropos.envs.examples.coding import TASKS, CodingEnv
 from atropos.errors import InfrastructureError
 from atropos.slots.audit import double_leases
-from tests.scripted import ScriptedTokenServer, logprob_of, server_configs, token_server_configs
+from atropos.testing import ScriptedTokenServer, logprob_of, server_configs, token_server_configs
 from tests.scripted_env import CodingPolicy, honest_turn, task_name
 
 REPO = Path(__file__).resolve().parent.parent
@@ -196,7 +196,7 @@ class SleepyPolicy(CodingPolicy):
     async def respond(self, messages: list[dict[str, Any]]) -> ChatCompletion:
         if not any(m["role"] == "assistant" for m in messages) and self.sleeps[0] > 0:
             self.sleeps[0] -= 1
-            from tests.scripted import call
+            from atropos.testing import call
 
             return call("bash", command="sleep 60")
         return await super().respond(messages)

@@ -24,8 +24,8 @@ from atropos.agent.tokens import template_wraps_tool_responses
 from atropos.envs.agent_env import AgentEnv
 from atropos.envs.config import AgentEnvConfig, wandb_requested
 from atropos.errors import HostUnavailable, LeaseError, SlotUnavailable, ToolInputError
+from atropos.testing import call_text
 from atropos.tools.executor import AgentToolCall, ToolOutcome
-from tests.scripted import call_text
 
 REQUEST = httpx.Request("POST", "http://127.0.0.1:9/v1/chat/completions")
 

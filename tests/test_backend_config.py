@@ -110,7 +110,9 @@ def test_every_backend_launches_the_same_host_command_line() -> None:
     nomad = backend_config(BackendSettings(kind="nomad", pool_id="p", slots_per_host=7, max_timeout_s=9), environ={})
     args = render_job(nomad)["TaskGroups"][0]["Tasks"][0]["Config"]["args"]
     assert args == HostLaunch(host="0.0.0.0", port=8080, slots=7, data_dir="/slots/data", max_timeout_s=9,
-                              workspace_bytes=nomad.slot_workspace_bytes).args()
+                              workspace_bytes=nomad.slot_workspace_bytes, cgroup_dir="/run/atropos/cgroup",
+                              slot_memory_bytes=nomad.slot_memory_bytes, slot_pids=nomad.slot_pids,
+                              slot_cpus=nomad.slot_cpus).args()
     assert "--slots=7" in args and "--max-timeout=9" in args
     assert HostLaunch(slots=1, data_dir="/d", max_timeout_s=1, workspace_bytes=0).argv()[:3] == [
         sys.executable, "-m", "atropos.sandbox"]

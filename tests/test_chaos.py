@@ -1,6 +1,6 @@
 """Chaos: kill hosts, containers and the pool itself with 64 calls in flight, and check what is left.
 
-Three scenarios (shared/reference/isolation.md §9, peers.md §2 "leaks / orphans"):
+Three scenarios (docs/isolation.md, "Faults a pool must survive"):
 
 * ``local`` / ``docker`` host kills: a long-lived pool (ToolExecutor over a SlotPool, 6 hosts x 16
   slots); 64 trajectories each make one ``sleep 0.x; echo <unique>`` call per iteration while the

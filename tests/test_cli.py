@@ -260,6 +260,10 @@ def test_serve_starts_answers_and_stops_on_sigterm(cache: dict[str, str]) -> Non
     assert proc.returncode == 0, err
     lines = [json.loads(line) for line in err.splitlines() if line.strip()]
     assert any("ToolServer on http://127.0.0.1" in line["msg"] for line in lines)
+    # where the docs, the status page (token in the fragment) and the metrics are, as served
+    url = f"http://127.0.0.1:{port}"
+    assert any(line["msg"] == f"API docs {url}/docs (OpenAPI {url}/openapi.json); status page "
+               f"{url}/status#token=<token>; metrics {url}/metrics" for line in lines), lines
     assert token not in err
 
 
@@ -304,7 +308,7 @@ def test_settings_precedence_flags_over_env_over_config_file(tmp_path: Path) -> 
     other.write_text('{"pool_id": "from-json"}')
     s = load_settings(parser().parse_args(["pool", "status", "--config", str(other)]),
                       {"ATROPOS_SANDBOX_CONFIG": str(config)})
-    assert s.pool_id == "from-json" and s.port == 8000
+    assert s.pool_id == "from-json" and s.port == 8600
 
 
 def test_help_of_every_command(capsys: pytest.CaptureFixture[str]) -> None:
@@ -361,3 +365,20 @@ def test_pool_reply_errors_map_to_documented_exit_codes() -> None:
     for status, code in cases.items():
         assert cli_module.PoolReplyError(status, "c", "m").exit_code == code, status
     assert isinstance(parser().parse_args(["pool", "down"]), argparse.Namespace)
+
+
+def test_default_ports_leave_run_api_its_port() -> None:
+    """``run-api``'s default port (and an env's rollout_server_url) is 8000: with ``pool up`` or
+    ``serve`` running on defaults, run-api must still start, and an env must not mistake the
+    ToolServer or run-api for its model server."""
+    from urllib.parse import urlparse
+
+    from atroposlib.envs.base import BaseEnvConfig
+
+    from atropos.envs.config import default_server_configs
+
+    run_api_port = urlparse(BaseEnvConfig().rollout_server_url).port
+    assert run_api_port == 8000
+    assert ServeSettings().port not in (run_api_port, 0)
+    model_port = urlparse(default_server_configs()[0].base_url).port
+    assert model_port not in (run_api_port, ServeSettings().port)

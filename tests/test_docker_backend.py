@@ -60,6 +60,14 @@ async def test_pool_container_runs_with_the_isolation_options() -> None:
             assert hc["PidsLimit"] and hc["PidsLimit"] > 0
             assert hc["Memory"] > 0 and hc["MemorySwap"] == hc["Memory"]
             assert hc["NanoCpus"] > 0
+            # per-slot caps: the container in its budget cgroup, the slots' subtree mounted beside it
+            from atropos.backends.docker_cgroups import CONTAINER_CGROUP_DIR
+
+            assert hc["CgroupParent"] == f"/atropos/{lease.host.id}"
+            mounts = {m["Destination"]: m for m in attrs["Mounts"]}
+            cg_mounts = [m for d, m in mounts.items() if d.startswith(CONTAINER_CGROUP_DIR)]
+            assert cg_mounts and all(m["RW"] and f"/atropos/{lease.host.id}/slots" in m["Source"] for m in cg_mounts)
+            assert "--cgroup-dir" in attrs["Config"]["Cmd"] and "--unsafe-no-cgroups" not in attrs["Config"]["Cmd"]
             # the API port: published, and on loopback only (configured and as actually bound)
             bindings = hc["PortBindings"][f"{CONTAINER_PORT}/tcp"]
             assert bindings and all(b["HostIp"] == "127.0.0.1" for b in bindings)

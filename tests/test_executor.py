@@ -142,3 +142,107 @@ async def test_1000_trajectories_times_10_calls_all_correct() -> None:
     finally:
         await ex.close()
         await p.stop()
+
+
+# -- adaptive batching: counted in requests, never timed --------------------------------------
+HOUR_MS = 3_600_000  # a window no test could wait out: passing proves nothing waited for it
+
+
+async def test_lone_calls_go_out_at_once_whatever_the_window(pool: SlotPool) -> None:
+    ex = ToolExecutor(pool, cfg=ExecutorConfig(tool_batch_window_ms=HOUR_MS))
+    try:
+        for i in range(5):
+            out = await asyncio.wait_for(ex.execute("t", bash(f"echo {i}")), 60)
+            assert out.content == str(i)
+        assert ex.requests_sent == ex.calls_sent == 5  # each lone call was its own request, sent at once
+        turn = await asyncio.wait_for(ex.execute_many("t", [bash("echo a > f", "a"), bash("cat f", "b")]), 60)
+        assert [o.content for o in turn] == ["(no output)", "a"]
+        assert ex.requests_sent == 6  # a turn's calls share one request (and keep their order)
+    finally:
+        await ex.release_trajectory("t")
+        await ex.close()
+
+
+async def test_slow_call_does_not_hold_a_fast_one_even_with_a_huge_window(pool: SlotPool) -> None:
+    ex = ToolExecutor(pool, cfg=ExecutorConfig(tool_batch_window_ms=HOUR_MS))
+    try:
+        await ex.execute("fast", bash("true"))
+        await ex.execute("slow", bash("true"))
+        slow = asyncio.create_task(ex.execute("slow", bash("sleep 120; echo slow")))
+        while ex.requests_sent < 3:  # the slow call is in flight
+            await asyncio.sleep(0.01)
+        for i in range(3):
+            assert (await asyncio.wait_for(ex.execute("fast", bash(f"echo {i}")), 60)).content == str(i)
+        assert not slow.done()
+        assert ex.requests_sent == 6  # each fast call went out alone, none waited for the slow one's request
+        slow.cancel()
+    finally:
+        await ex.release_trajectory("fast")
+        await ex.release_trajectory("slow")
+        await ex.close()
+
+
+async def test_calls_arriving_under_load_share_requests(pool: SlotPool) -> None:
+    ex = ToolExecutor(pool)  # default window: an upper bound only
+
+    async def loop(i: int) -> None:
+        for j in range(25):
+            assert (await ex.execute(f"t{i}", bash(f"echo {i}-{j}", f"c{j}"))).content == f"{i}-{j}"
+
+    try:
+        await asyncio.gather(*(ex.execute(f"t{i}", bash("true")) for i in range(8)))
+        before_requests, before_calls = ex.requests_sent, ex.calls_sent
+        await asyncio.gather(*(loop(i) for i in range(8)))
+        calls, requests = ex.calls_sent - before_calls, ex.requests_sent - before_requests
+        assert calls == 200
+        assert requests <= calls * 0.6, f"{requests} requests for {calls} calls"
+    finally:
+        for i in range(8):
+            await ex.release_trajectory(f"t{i}")
+        await ex.close()
+
+
+async def test_cancelled_call_is_stopped_on_the_host(pool: SlotPool) -> None:
+    ex = ToolExecutor(pool)
+    try:
+        await ex.execute("t", bash("true"))
+        call = asyncio.create_task(ex.execute("t", bash("sleep 300; echo late > late.txt")))
+        while ex.requests_sent < 2:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # let the host start it (cancelling earlier must hold as well)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        # the slot is free again long before the sleep could end: the host stopped the cancelled call
+        out = await asyncio.wait_for(ex.execute("t", bash("ls; echo next")), 120)
+        assert out.content == "next"
+    finally:
+        await ex.release_trajectory("t")
+        await ex.close()
+
+
+async def test_executor_state_stays_flat_over_many_trajectories(pool: SlotPool) -> None:
+    ex = ToolExecutor(pool)
+    try:
+        for round_ in range(25):
+            async def one(i: int, r: int = round_) -> None:
+                tid = f"r{r}-t{i}"
+                if i % 2:
+                    lease = await pool.lease(tid, 60)
+                    ex.bind(tid, lease)
+                    try:
+                        await ex.execute(tid, bash("true"))
+                    finally:
+                        ex.unbind(tid)
+                        await lease.release()
+                else:
+                    await ex.execute(tid, bash("true"))
+                    await ex.release_trajectory(tid)
+
+            await asyncio.gather(*(one(i) for i in range(8)))
+            assert ex.trajectories == 0
+        assert ex.calls_sent == 200
+        assert all(not q.turns and not q.inflight and q.holding == 0 for q in ex._queues.values())
+        assert len(ex._queues) == 1
+    finally:
+        await ex.close()

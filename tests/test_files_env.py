@@ -15,7 +15,7 @@ from openai.types.chat import ChatCompletion
 
 from atropos.envs.agent_env import AgentEnvConfig
 from atropos.envs.examples.files import FilesEnv, make_task
-from tests.scripted import ScriptedServer, call, reply, server_configs
+from atropos.testing import ScriptedServer, call, reply, server_configs
 
 SOLVE = {
     "count_lines": "mkdir -p reports && wc -l < data.csv | tr -d ' ' > reports/summary.txt",

@@ -22,7 +22,7 @@ from atropos.envs.examples.gaia import (
     normalize,
 )
 from atropos.errors import ConfigError
-from tests.scripted import ScriptedServer, call, reply, server_configs
+from atropos.testing import ScriptedServer, call, reply, server_configs
 
 SOLVERS = {
     "sales.csv": "python3 -c \"import csv; rows=list(csv.DictReader(open('sales.csv'))); "

@@ -272,6 +272,25 @@ async def test_malformed_envelope_is_422(raw: httpx.AsyncClient, leased: dict[st
     assert (await raw.post("/v1/leases", json={"trajectory_id": ""})).status_code == 422
 
 
+async def test_hot_call_routes_refuse_bad_bodies_like_the_rest(raw: httpx.AsyncClient, host: RunningHost,
+                                                               leased: dict[str, Any]) -> None:
+    """/v1/call(s) are served raw (no FastAPI on the hot path): same auth, same 422 wording."""
+    body = _call_body(leased, "bash", command="echo hi")
+    async with httpx.AsyncClient(base_url=host.address, timeout=60) as anonymous:
+        for path, payload in (("/v1/call", body), ("/v1/calls", {"calls": [body]})):
+            _error(await anonymous.post(path, json=payload), 401, "unauthorized")
+            _error(await anonymous.post(path, json=payload, headers={"Authorization": "Bearer wrong"}),
+                   401, "unauthorized")
+    del body["tool"]
+    assert _error(await raw.post("/v1/call", json=body), 422, "invalid_request") == "body.tool: Field required"
+    assert "body.calls.0.tool" in _error(await raw.post("/v1/calls", json={"calls": [body]}), 422, "invalid_request")
+    _error(await raw.post("/v1/call", content=b"{oops"), 422, "invalid_request")
+    _error(await raw.post("/v1/call", content=json.dumps(body).encode(), headers={"content-type": "text/plain"}),
+           422, "invalid_request")
+    ok = await raw.post("/v1/call", json=_call_body(leased, "bash", command="echo hi"))
+    assert ok.headers["content-type"] == "application/json" and ok.json()["result"]["stdout"] == "hi\n"
+
+
 # -- leases -------------------------------------------------------------------------------------
 
 

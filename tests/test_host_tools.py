@@ -61,8 +61,9 @@ async def test_bash_cwd_is_workspace_and_workdir_arg(slot: LeasedSlot) -> None:
     await slot.sh("mkdir -p sub/deeper && echo inside > sub/deeper/f")
     out = await slot.sh("pwd; cat f", workdir="sub/deeper")
     assert out["stdout"] == "/workspace/sub/deeper\ninside\n"
-    # workdir resolves inside the workspace even when it tries to climb out
-    assert (await slot.sh("pwd", workdir="../../.."))["stdout"] == "/workspace\n"
+    # a workdir that climbs out of the workspace is refused, not clamped to it
+    code, _ = _error(await slot.call("bash", command="pwd", workdir="../../.."))
+    assert code == "path_escape"
     code, message = _error(await slot.call("bash", command="pwd", workdir="does/not/exist"))
     assert code == "not_found"
     assert "does/not/exist" in message

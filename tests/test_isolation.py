@@ -1,4 +1,4 @@
-"""Adversarial isolation suite: one test per applicable row of shared/reference/isolation.md §(c).
+"""Adversarial isolation suite: one test per row of the adversarial catalogue (docs/isolation.md).
 
 Every test attacks a real sandbox host (real bubblewrap, per-slot uids when run as root) through the
 public tool API and asserts the SAFE outcome. Each test first establishes its premise on the host
@@ -38,6 +38,8 @@ from conftest import HOST_WORKSPACE_BYTES, LeasedSlot, RunningHost, slot_path, s
 
 from atropos.errors import LeaseError
 from atropos.sandbox.protocol import CallResult, ToolCall
+from tests.docker_host import DockerHost, in_docker, start_docker_host, stop_docker_host
+from tests.pool_backends import BACKENDS, DOCKER_IMAGE, require_docker
 
 IS_ROOT = os.geteuid() == 0
 requires_root = pytest.mark.skipif(not IS_ROOT, reason="per-slot uids exist only when the host runs as root")
@@ -49,9 +51,35 @@ SHM, TMP = 64 << 20, 256 << 20
 WORKSPACE_CAP, WORKSPACE_INODES = HOST_WORKSPACE_BYTES, 1 << 18  # the session host's cap; default inodes
 
 
+@pytest.fixture(scope="module", params=BACKENDS)
+def host(request: pytest.FixtureRequest, host: RunningHost) -> Iterator[RunningHost]:
+    """The catalogue runs against a local host (the session's) and a Docker container host (the
+    same slot count and workspace cap, per-slot cgroups delegated by the Docker backend)."""
+    if request.param == "local":
+        yield host
+        return
+    require_docker()
+    running = asyncio.run(start_docker_host(DOCKER_IMAGE, slots=8, slot_workspace_bytes=HOST_WORKSPACE_BYTES))
+    try:
+        yield running  # type: ignore[misc]  # the same interface, seen from this machine
+    finally:
+        asyncio.run(stop_docker_host(running))
+
+
+def local_only(host: RunningHost, why: str) -> None:
+    if in_docker(host):
+        pytest.skip(f"does not apply to a Docker host: {why}")
+
+
+NO_SLOT_UIDS = ("a Docker host runs as uid 1000 with no per-slot uids; its slots are kept apart by their "
+                "PID namespaces and cgroups (tests/test_slot_limits.py)")
+
+
 # -- helpers -------------------------------------------------------------------------------------
 def ws_of(host: RunningHost, s: LeasedSlot) -> Path:
     """Host-side path of a slot's workspace."""
+    if isinstance(host, DockerHost):
+        return host.slot_path(s.lease.slot)
     return slot_path(host.data_dir, s.lease.slot)
 
 
@@ -62,10 +90,18 @@ def uid_of(host: RunningHost, s: LeasedSlot) -> int:
     return uid
 
 
-def procs_of_uid(uid: int) -> list[dict[str, Any]]:
-    """Host-side view: every process (pid, name, state) whose real uid is ``uid``."""
+def slot_procs(host: RunningHost, s: LeasedSlot) -> list[dict[str, Any]]:
+    """Host-side view of a slot's processes: those of its uid on a root host; in a container (one
+    uid for every slot and the host) those in the slot's cgroup."""
+    if isinstance(host, DockerHost):
+        return procs_of_uid(None, host.slot_pids(s.lease.slot))
+    return procs_of_uid(uid_of(host, s))
+
+
+def procs_of_uid(uid: int | None, pids: list[int] | None = None) -> list[dict[str, Any]]:
+    """Host-side view: every process (pid, name, state) whose real uid is ``uid`` (or of ``pids``)."""
     found = []
-    for name in os.listdir("/proc"):
+    for name in os.listdir("/proc") if pids is None else map(str, pids):
         if not name.isdigit():
             continue
         try:
@@ -74,7 +110,7 @@ def procs_of_uid(uid: int) -> list[dict[str, Any]]:
             continue
         fields = {k: v.strip() for k, _, v in (line.partition(":") for line in text.splitlines())}
         try:
-            if int(fields["Uid"].split()[0]) == uid:
+            if uid is None or int(fields["Uid"].split()[0]) == uid:
                 found.append({"pid": int(name), "name": fields.get("Name", ""),
                               "state": fields.get("State", "?")[:1]})
         except (KeyError, ValueError, IndexError):
@@ -298,7 +334,7 @@ async def test_r04_cross_slot_read_file_tools(slot_pair: tuple[LeasedSlot, Lease
             with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
                 assert name not in tar.getnames(), f"archive({p}) contained A's file"
     # whole-workspace archive of B must not contain A's file either
-    r = await b.call("archive", path="/")
+    r = await b.call("archive", path="/workspace")
     assert r.ok, r.error
     with tarfile.open(fileobj=io.BytesIO(base64.b64decode(r.result["content"]))) as tar:  # type: ignore[index]
         assert name not in "\n".join(tar.getnames())
@@ -340,6 +376,7 @@ async def test_r06_cross_slot_symlink_planted(slot_pair: tuple[LeasedSlot, Lease
 async def test_r04_slots_have_distinct_uids_and_private_dirs(
     slot_pair: tuple[LeasedSlot, LeasedSlot], host: RunningHost
 ) -> None:
+    local_only(host, NO_SLOT_UIDS)
     a, b = slot_pair
     ua, ub = uid_of(host, a), uid_of(host, b)
     assert ua != ub and 0 not in (ua, ub)
@@ -354,7 +391,7 @@ async def test_r05_write_traversal_and_absolute_stay_inside(slot: LeasedSlot, ho
     marker = f"iso-pwned-{secrets.token_hex(6)}"
     before_slot = sorted(os.listdir(slot_dir))
     before_data = sorted(os.listdir(host.data_dir))
-    assert before_slot == ["run", "ws"], before_slot
+    assert before_slot == ["run", "shm", "tmp", "ws"], before_slot  # the capped tmpfs mount points
     paths = [
         f"../{marker}", f"../../{marker}", f"../../../{marker}", "../" * 20 + f"tmp/{marker}",
         f"/tmp/{marker}", f"{host.data_dir}/{marker}", f"{slot_dir}/{marker}", f"{host.data_dir}/lib/{marker}",
@@ -433,11 +470,11 @@ async def test_r07_hardlink_to_shared_files_refused(slot: LeasedSlot, host: Runn
 # =================================================================================================
 async def test_shared_lib_etc_usr_read_only(slot: LeasedSlot, host: RunningHost) -> None:
     shared = [host.data_dir / "lib" / "supervisor.py", host.data_dir / "lib" / "session.py",
-              host.data_dir / "lib" / "inslot.py", host.data_dir / "lib" / "tmux.conf",
-              host.data_dir / "etc" / "passwd", host.data_dir / "etc" / "hosts"]
+              host.data_dir / "lib" / "inslot.py", host.data_dir / "lib" / "verifier.py",
+              host.data_dir / "lib" / "tmux.conf", host.data_dir / "etc" / "passwd", host.data_dir / "etc" / "hosts"]
     hashes = {p: sha(p) for p in shared}
     out = await slot.sh(
-        "for f in /run/atropos/supervisor.py /run/atropos/session.py /run/atropos/inslot.py "
+        "for f in /run/atropos/supervisor.py /run/atropos/session.py /run/atropos/inslot.py /run/atropos/verifier.py "
         "/run/atropos/tmux.conf /etc/passwd "
         "/etc/hosts /etc/group "
         "/usr/bin/bash; do echo x >> $f && echo WROTE:$f; done; "
@@ -446,7 +483,8 @@ async def test_shared_lib_etc_usr_read_only(slot: LeasedSlot, host: RunningHost)
     )
     assert out["stdout"] == "end\n", out
     assert {p: sha(p) for p in shared} == hashes
-    assert sorted(os.listdir(host.data_dir / "lib")) == ["inslot.py", "session.py", "supervisor.py", "tmux.conf"]
+    assert sorted(os.listdir(host.data_dir / "lib")) == ["inslot.py", "session.py", "supervisor.py", "tmux.conf",
+                                                          "verifier.py"]
 
 
 # =================================================================================================
@@ -695,7 +733,17 @@ print(json.dumps({"found": found, "pid1_env": blobs.get("/proc/1/environ", "<unr
 
 
 async def test_r17_r18_no_host_env_token_or_lease_inside(canary_host: tuple[RunningHost, str]) -> None:
-    running, canary = canary_host
+    await _no_secret_inside(*canary_host)
+
+
+async def test_r17_r18_container_env_token_not_inside(host: RunningHost) -> None:
+    """In a container the host token is in the container's environment (docker run -e), the canary."""
+    if not in_docker(host):
+        pytest.skip("the local host is checked with a canary (test_r17_r18_no_host_env_token_or_lease_inside)")
+    await _no_secret_inside(host, host.token)
+
+
+async def _no_secret_inside(running: RunningHost, canary: str) -> None:
     host_env = Path(f"/proc/{running.proc.pid}/environ").read_bytes()
     assert canary.encode() in host_env, "premise: the canary is in the host process's environment"
     client = running.client()
@@ -716,8 +764,7 @@ async def test_r17_r18_no_host_env_token_or_lease_inside(canary_host: tuple[Runn
             assert "bwrap" in cmdline, "premise: /proc/1/cmdline is readable (it is bwrap's argv)"
             assert running.token not in cmdline and canary not in cmdline and s.lease.lease not in cmdline
             if IS_ROOT:  # host side: the outer bwrap processes of the slot carry no environment
-                uid = uid_of(running, s)
-                for p in procs_of_uid(uid):
+                for p in slot_procs(running, s):
                     try:
                         environ = Path(f"/proc/{p['pid']}/environ").read_bytes()
                     except OSError:
@@ -851,6 +898,15 @@ async def test_r24_r25_unshare_mount_mknod_fail(slot: LeasedSlot) -> None:
 
 @requires_root
 async def test_r27_setuid_binary_gives_no_privilege(slot: LeasedSlot, host: RunningHost) -> None:
+    if in_docker(host):
+        # the workspace tmpfs belongs to the container's unprivileged user namespace, where uid 0
+        # does not exist: no setuid-root file can be planted in it; the image's own setuid binaries
+        # and one the slot makes itself are the attack there
+        out = await slot.sh("grep NoNewPrivs /proc/self/status; su -c id root; echo rc=$?; "
+                            "cp /usr/bin/id ./mine; chmod 4755 ./mine; ./mine -u")
+        assert "NoNewPrivs:\t1" in out["stdout"] and "rc=0" not in out["stdout"], out
+        assert out["stdout"].splitlines()[-1] == "1000", out
+        return
     ws = ws_of(host, slot)
     target = ws / "suid-id"
     shutil.copy2("/usr/bin/id", target)
@@ -923,10 +979,9 @@ print("PEAK", peak)
 @requires_root
 @pytest.mark.slow
 async def test_r30_fork_bomb_bounded(slot: LeasedSlot, host: RunningHost) -> None:
-    uid = uid_of(host, slot)
     await run_py(slot, "pass")  # the bomb runs in python: the slot's warm python is part of the baseline
     await asyncio.sleep(0.5)
-    baseline = len(procs_of_uid(uid))
+    baseline = len(slot_procs(host, slot))
     task = asyncio.create_task(slot.call("python", code=FORK_BOMB, timeout_s=15))
     host_peak, health_ms = 0, []
     client = host.client()
@@ -936,7 +991,7 @@ async def test_r30_fork_bomb_bounded(slot: LeasedSlot, host: RunningHost) -> Non
             # during the scan next to their successors (seen: +11 over two scans on a loaded
             # CI machine). The smallest of three scans still bounds any real growth: an escape
             # from RLIMIT_NPROC runs to thousands within the call's 15 s, in every scan.
-            scans = [len(await asyncio.to_thread(procs_of_uid, uid)) for _ in range(3)]
+            scans = [len(await asyncio.to_thread(slot_procs, host, slot)) for _ in range(3)]
             host_peak = max(host_peak, min(scans))
             t0 = time.monotonic()
             h = await asyncio.wait_for(client.health(), 10)
@@ -953,7 +1008,7 @@ async def test_r30_fork_bomb_bounded(slot: LeasedSlot, host: RunningHost) -> Non
     # + the slot's processes outside the bomb's namespace (bwrap, its init) and the scan's churn
     assert host_peak <= NPROC + 32, f"host saw {host_peak} processes of the slot uid"
     assert max(health_ms) < 5000, health_ms
-    assert await wait_until(lambda: len(procs_of_uid(uid)) <= baseline, 5), procs_of_uid(uid)
+    assert await wait_until(lambda: len(slot_procs(host, slot)) <= baseline, 5), slot_procs(host, slot)
     assert (await slot.sh("echo after"))["stdout"] == "after\n"
 
 
@@ -1082,18 +1137,18 @@ for _ in range(50):
 
 @requires_root
 async def test_r35_zombies_gone_after_call(slot: LeasedSlot, host: RunningHost) -> None:
-    uid = uid_of(host, slot)
     res = await run_py(slot, ZOMBIES)
     assert int(res["stdout"].split()[1]) >= 100, "premise: the zombies existed during the call"
     await run_py(slot, ORPHAN_ZOMBIES)
 
     def zombies() -> list[dict[str, Any]]:
-        return [p for p in procs_of_uid(uid) if p["state"] == "Z"]
+        return [p for p in slot_procs(host, slot) if p["state"] == "Z"]
 
     assert await wait_until(lambda: not zombies(), 3), zombies()
     # what stands between calls: bwrap (2), the supervisor, and its warm bash and warm python
-    assert [p for p in procs_of_uid(uid) if not _standing(p["pid"])] == [], procs_of_uid(uid)
-    assert len(procs_of_uid(uid)) <= 5, procs_of_uid(uid)
+    left = slot_procs(host, slot)
+    assert [p for p in left if not _standing(p["pid"])] == [], left
+    assert len(left) <= 5, left
 
 
 def _standing(pid: int) -> bool:
@@ -1178,14 +1233,17 @@ async def test_r41_cpu_loop_killed_at_deadline(slot: LeasedSlot) -> None:
 # Rows 42, 44: reset
 # =================================================================================================
 async def test_r42_reset_after_symlinks_to_host(slot: LeasedSlot, host: RunningHost) -> None:
-    sentinel = Path(f"/tmp/iso-sentinel-{secrets.token_hex(6)}")
+    # the host's paths as the host sees them (a container's: inside it, reached here through its root)
+    inside = Path(f"/tmp/iso-sentinel-{secrets.token_hex(6)}")
+    sentinel = host.root / inside.relative_to("/") if isinstance(host, DockerHost) else inside
+    data_inside = host.inside_data_dir if isinstance(host, DockerHost) else host.data_dir
     (sentinel / "sub").mkdir(parents=True)
     (sentinel / "sub" / "keep.txt").write_text("keep")
     sup = host.data_dir / "lib" / "supervisor.py"
     sup_hash = sha(sup)
     try:
-        await slot.sh(f"rm -rf src; ln -s / src; ln -s {sentinel} s; ln -s {sentinel}/sub/keep.txt f; "
-                      f"ln -s {host.data_dir} d; ln -s {host.data_dir}/lib lib; mkdir -p locked/a/b; "
+        await slot.sh(f"rm -rf src; ln -s / src; ln -s {inside} s; ln -s {inside}/sub/keep.txt f; "
+                      f"ln -s {data_inside} d; ln -s {data_inside}/lib lib; mkdir -p locked/a/b; "
                       "touch locked/a/b/f; chmod 000 locked/a locked; mkfifo p; ln -s /etc/passwd pw")
         res = await slot.client.reset(slot.lease.slot, slot.lease.lease)
         assert res.ok and not res.quarantined, res
@@ -1198,7 +1256,8 @@ async def test_r42_reset_after_symlinks_to_host(slot: LeasedSlot, host: RunningH
         assert await wait_until(lambda: not any(trash.iterdir()), 30), list(trash.iterdir())
         assert (sentinel / "sub" / "keep.txt").read_text() == "keep", "reset deleted through a symlink"
         assert sha(sup) == sup_hash and Path("/etc/passwd").exists()
-        assert sorted(os.listdir(host.data_dir / "lib")) == ["inslot.py", "session.py", "supervisor.py", "tmux.conf"]
+        assert sorted(os.listdir(host.data_dir / "lib")) == ["inslot.py", "session.py", "supervisor.py", "tmux.conf",
+                                                          "verifier.py"]
         assert (await slot.sh("echo fresh"))["stdout"] == "fresh\n"
     finally:
         shutil.rmtree(sentinel, ignore_errors=True)
@@ -1296,6 +1355,31 @@ async def test_control_plane_requires_host_token(host: RunningHost, slot: Leased
 # =================================================================================================
 @requires_root
 @pytest.mark.slow
+@pytest.mark.docker
+async def test_r46_container_host_killed_sandboxes_die() -> None:
+    """The host process of a container SIGKILLed (the OOM killer's way): nothing of its slots lives on."""
+    require_docker()
+    running = await start_docker_host(DOCKER_IMAGE, slots=2, slot_workspace_bytes=64 << 20)
+    client = running.client()
+    try:
+        s = LeasedSlot(client, await client.lease("doomed"))
+        await s.ok("terminal", input="sleep 2222 &", wait_ms=500)
+        task = asyncio.create_task(s.call("bash", command="setsid sleep 3333 & sleep 1111", timeout_s=60))
+        sleeps = lambda: [p for p in slot_procs(running, s) if p["name"] == "sleep"]  # noqa: E731
+        assert await wait_until(lambda: len(sleeps()) >= 3, 10), slot_procs(running, s)
+        pids = [p["pid"] for p in sleeps()]
+        os.kill(running.proc.pid, 9)
+        assert await wait_until(lambda: not any(Path(f"/proc/{p}").exists() for p in pids), 15), pids
+        task.cancel()
+        try:
+            await task
+        except BaseException:
+            pass
+    finally:
+        await client.aclose()
+        await stop_docker_host(running)
+
+
 async def test_r46_host_killed_sandboxes_die() -> None:
     data = Path(f"/tmp/atropos-iso-kill-{os.getpid()}-{secrets.token_hex(3)}")
     running = start_host(data, slots=2)

@@ -920,7 +920,8 @@ def test_sandbox_hcl_is_the_job_the_backend_registers() -> None:
     registered = backend.render_job(count=0)
     overrides = {"image": cfg.image, "host_count": 0, "slots_per_host": cfg.slots_per_host, "cpu": cfg.cpu,
                  "memory": cfg.memory, "workspace_bytes": cfg.workspace_bytes, "pids_limit": cfg.pids_limit,
-                 "slot_workspace_bytes": cfg.slot_workspace_bytes,
+                 "slot_workspace_bytes": cfg.slot_workspace_bytes, "slot_memory_bytes": cfg.slot_memory_bytes,
+                 "slot_pids": cfg.slot_pids, "slot_cpus": cfg.slot_cpus,
                  "max_timeout_s": cfg.max_timeout_s, "datacenters": cfg.datacenters,
                  "seccomp_profile": cfg.seccomp_profile, "runtime": cfg.runtime}
     from_hcl, defaults = hcl_to_api(HCL, overrides)
@@ -933,7 +934,8 @@ def test_sandbox_hcl_is_the_job_the_backend_registers() -> None:
     d = NomadBackendConfig()
     assert defaults == {"image": d.image, "host_count": 1, "slots_per_host": d.slots_per_host, "cpu": d.cpu,
                         "memory": d.memory, "workspace_bytes": d.workspace_bytes, "pids_limit": d.pids_limit,
-                        "slot_workspace_bytes": d.slot_workspace_bytes,
+                        "slot_workspace_bytes": d.slot_workspace_bytes, "slot_memory_bytes": d.slot_memory_bytes,
+                        "slot_pids": d.slot_pids, "slot_cpus": d.slot_cpus,
                         "max_timeout_s": d.max_timeout_s, "datacenters": d.datacenters,
                         "seccomp_profile": d.seccomp_profile, "runtime": d.runtime}
     plain, _ = hcl_to_api(HCL, {"host_count": 0})
@@ -984,6 +986,70 @@ def test_runtime_wrapper_unmasks_proc_only_for_unprivileged_containers(tmp_path:
     assert other.returncode == 0 and json.loads(config.read_text())["linux"]["maskedPaths"] == ["/proc/kcore"]
 
 
+def test_runtime_wrapper_delegates_a_slot_cgroup_subtree_inside_the_container_budget(tmp_path: Path) -> None:
+    """For a server started with --cgroup-dir=/run/atropos/cgroup the wrapper nests the container in
+    its own budget cgroup and hands it a writable subtree beside it (on this machine's real cgroupfs;
+    runc itself is a stub, it would only create <budget>/host and apply the same limits there)."""
+    if shutil.which("jq") is None or os.geteuid() != 0:
+        pytest.skip("needs jq and root (it writes /sys/fs/cgroup)")
+    v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+    if not v2 and not Path("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists():
+        pytest.skip("no cgroup hierarchy mounted at /sys/fs/cgroup")
+    stub = tmp_path / "runc"
+    stub.write_text("#!/bin/sh\necho \"runc $*\"\n")
+    stub.chmod(0o755)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    config = bundle / "config.json"
+    top = f"atropos-runc-test-{os.getpid()}"
+    path = f"/{top}/c0ffee"
+    spec = {"process": {"user": {"uid": 1000, "gid": 1000}, "noNewPrivileges": True, "capabilities": {},
+                        "args": ["tini", "--", "python3", "-m", "atropos.sandbox", "--cgroup-dir=/run/atropos/cgroup"]},
+            "mounts": [{"destination": "/proc", "type": "proc"}],
+            "linux": {"cgroupsPath": path, "maskedPaths": [], "readonlyPaths": [],
+                      "resources": {"memory": {"limit": 512 << 20}, "pids": {"limit": 300},
+                                    "cpu": {"quota": 50000, "period": 100000}}}}
+    config.write_text(json.dumps(spec))
+    wrapper = str(ROOT / "nomad" / "atropos-runc")
+    env = {**os.environ, "ATROPOS_REAL_RUNC": str(stub)}
+    cg = Path("/sys/fs/cgroup")
+    budgets = [cg / top] if v2 else [cg / c / top for c in ("memory", "pids", "cpu")]
+    try:
+        done = subprocess.run([wrapper, "create", "--bundle", str(bundle), "--pid-file", "/x/pid", "c0ffee"],
+                              capture_output=True, text=True, env=env, timeout=30)
+        assert done.returncode == 0, done.stderr
+        out = json.loads(config.read_text())
+        assert out["linux"]["cgroupsPath"] == f"{path}/host"  # the container inside its budget
+        binds = [m for m in out["mounts"] if m["destination"].startswith("/run/atropos/cgroup")]
+        assert binds and all(m["type"] == "bind" and "rw" in m["options"] and m["source"].endswith(f"{path}/slots")
+                             for m in binds)
+        for m in binds:
+            slots = Path(m["source"])
+            assert slots.stat().st_uid == 1000 and (slots / "cgroup.procs").stat().st_uid == 1000
+            assert slots.parent.stat().st_uid == 0, "the budget stays root-owned"
+        if v2:
+            budget = Path(f"/sys/fs/cgroup{path}")
+            assert (budget / "memory.max").read_text().strip() == str(512 << 20)
+            assert (budget / "pids.max").read_text().strip() == "300"
+        else:
+            assert Path(f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes").read_text().strip() == str(512 << 20)
+            assert Path(f"/sys/fs/cgroup/pids{path}/pids.max").read_text().strip() == "300"
+            assert Path(f"/sys/fs/cgroup/cpu{path}/cpu.cfs_quota_us").read_text().strip() == "50000"
+        # a container that does not ask keeps its spec
+        plain = {**spec, "process": {**spec["process"], "args": ["sleep", "1"]}}
+        config.write_text(json.dumps(plain))
+        other = subprocess.run([wrapper, "create", "--bundle", str(bundle), "c0ffef"], capture_output=True,
+                               text=True, env=env, timeout=30)
+        assert other.returncode == 0 and json.loads(config.read_text())["linux"]["cgroupsPath"] == path
+        gone = subprocess.run([wrapper, "delete", "--force", "c0ffee"], capture_output=True, text=True, env=env,
+                              timeout=30)
+        assert gone.returncode == 0 and gone.stdout.strip() == "runc delete --force c0ffee"
+        assert all(not (b / "c0ffee").exists() for b in budgets)
+    finally:
+        for b in budgets:
+            subprocess.run(["find", str(b), "-depth", "-type", "d", "-exec", "rmdir", "{}", "+"], capture_output=True)
+
+
 def test_docker_compose_dev_stack() -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
@@ -1015,7 +1081,7 @@ def test_docker_compose_dev_stack() -> None:
     assert "nomad var put" in script and "nomad job run" in script and "/jobs/sandbox.hcl" in script
 
     ts = services["toolserver"]
-    assert ts["command"] == ["serve", "--host", "0.0.0.0", "--port", "8000"]
+    assert ts["command"] == ["serve", "--host", "0.0.0.0", "--port", "8600"]
     assert ts["entrypoint"] == ["atropos-sandbox"] and "atropos-sandbox" in ts["image"]
     env = ts["environment"]
     assert env["ATROPOS_TOOLSERVER_TOKEN"].startswith("${ATROPOS_TOOLSERVER_TOKEN:?")
@@ -1023,7 +1089,7 @@ def test_docker_compose_dev_stack() -> None:
     assert env["ATROPOS_SANDBOX_NOMAD_ADDRESS"] == env["NOMAD_ADDR"] == "http://127.0.0.1:4646"
     assert ts["network_mode"] == "host" and ts["depends_on"]["nomad"]["condition"] == "service_healthy"
     assert ts["cap_drop"] == ["ALL"] and "no-new-privileges" in ts["security_opt"] and ts["read_only"] is True
-    assert ts["user"] == "1000:1000" and "8000" in " ".join(ts["healthcheck"]["test"])
+    assert ts["user"] == "1000:1000" and "8600" in " ".join(ts["healthcheck"]["test"])
     for svc in services.values():  # every local file a service mounts exists
         for vol in svc.get("volumes", []):
             src = vol.split(":")[0]

@@ -1,7 +1,7 @@
 """Tests of the fake Nomad HTTP API (``tests/nomad_fake``), driven exactly as real clients
 would drive a Nomad agent: python-nomad (sync, ``requests``) and httpx (sync and async).
 
-Contract: ``shared/reference/nomad-api.md``. The checks that need no fault-injection hook (status
+Contract: ``docs/nomad-api.md``. The checks that need no fault-injection hook (status
 codes, plain-text errors, ports only on single-allocation reads, scaling refused during a deployment,
 blocking queries, variables, namespaces) take the ``target`` fixture and run twice: against the fake,
 and against a real agent when ``NOMAD_ADDR`` is set (skipped otherwise, saying so). Everything else

@@ -177,3 +177,72 @@ async def test_external_calls_are_counted_by_their_real_outcome() -> None:
     assert statuses == {"x": 200, "fail": 200, "refuse": 422, "outage": 503, "crash": 500}
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     assert delta == {"ok": 1, "failed": 1, "invalid_arguments": 1, "infrastructure": 1, "error": 1}
+
+
+async def test_slot_call_route_answers_like_its_schema_says() -> None:
+    """The slot call is served by a raw ASGI route (the hot path): over real HTTP it still checks the
+    token and body limit first, refuses bad bodies with 422 invalid_request, answers 404/409/429 in
+    the one error shape, returns what its OpenAPI schema documents, and is counted per route."""
+    from atropos.api.server import SlotCallResponse
+
+    pool = SlotPool(make_backend("local", slots=2), PoolConfig(min_hosts=1, max_hosts=1))
+    app = create_tool_server(pool, ToolServerSettings(token=TOKEN, max_body_bytes=4096, max_concurrency=1),
+                             manage_pool=True)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    task = asyncio.create_task(srv.serve(sockets=[sock]))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        while not srv.started:
+            await asyncio.sleep(0.05)
+            if task.done():
+                task.result()
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            body = {"tool": "bash", "args": {"command": "echo ok"}}
+            assert (await http.post("/v1/slots/x/call", json=body)).status_code == 401
+            wrong = await http.post("/v1/slots/x/call", json=body, headers={"Authorization": "Bearer nope"})
+            assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "unauthorized"
+            http.headers["Authorization"] = f"Bearer {TOKEN}"
+            lid = (await http.post("/v1/slots", json={"trajectory_id": "raw"})).json()["lease_id"]
+            call = f"/v1/slots/{lid}/call"
+
+            ok = await http.post(call, json=body)
+            assert ok.status_code == 200 and ok.headers["content-type"] == "application/json"
+            assert SlotCallResponse.model_validate(ok.json()).content == "ok"
+            for bad, headers in ((b'{"args": {}}', {}), (b"{not json", {}), (b'{"tool": ""}', {}),
+                                 (b'{"tool": "bash"}', {"content-type": "text/plain"})):
+                resp = await http.post(call, content=bad, headers={"content-type": "application/json", **headers})
+                assert resp.status_code == 422, bad
+                assert resp.json()["error"]["code"] == "invalid_request" and resp.json()["error"]["status"] == 422
+            missing = (await http.post(call, content=b'{"args": {}}')).json()["error"]["message"]
+            assert missing == "body.tool: Field required"
+            big = await http.post(call, content=b"x" * 8192)
+            assert big.status_code == 413 and big.json()["error"]["code"] == "body_too_large"
+            unknown = await http.post("/v1/slots/nope/call", json=body)
+            assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "unknown_lease"
+            made_up = await http.post(call, json={"tool": "made_up"})
+            assert made_up.status_code == 404 and made_up.json()["error"]["code"] == "unknown_tool"
+
+            served = app.fastapi.state.pool
+            calls_before = served._calls_total
+            slow = asyncio.create_task(http.post(call, json={"tool": "bash", "args": {"command": "sleep 3"}}))
+            while served._calls_total == calls_before:  # the slow call is running: it holds the only place
+                await asyncio.sleep(0.01)
+            busy = await http.post(call, json=body)
+            assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+            assert busy.json()["error"]["code"] == "too_many_requests"
+            assert (await slow).json()["ok"] is True
+
+            spec = (await http.get("/openapi.json")).json()
+            op = spec["paths"]["/v1/slots/{lease_id}/call"]["post"]
+            assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("SlotCallRequest")
+            assert op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith(
+                "SlotCallResponse")
+            metrics_text = (await http.get("/metrics")).text
+            assert 'route="/v1/slots/{lease_id}/call",status="429"' in metrics_text.replace(
+                'method="POST",', "")
+            await http.delete(f"/v1/slots/{lid}")
+    finally:
+        srv.should_exit = True
+        await task

@@ -1,7 +1,7 @@
 """Exact tokens, masks and logprobs from atroposlib's ManagedServer (inference servers that return token ids).
 
 This is the only module that knows ManagedServer's node semantics (atroposlib 0.4.0, see
-shared/reference/atroposlib.md §3.2), so a change upstream is fixed here and tested here.
+docs/atroposlib.md), so a change upstream is fixed here and tested here.
 
 One ``ManagedSession`` per rollout, opened inside ``ServerManager.managed_server(tokenizer=...)``.
 Each turn is one ``chat_completion(n=1)``; ManagedServer renders the prompt with the chat template

@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import re
 import secrets
 import time
 from collections import deque
@@ -21,14 +22,17 @@ from contextlib import asynccontextmanager
 from importlib import resources
 from typing import Any
 
-from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 
 from atropos import __version__, metrics
-from atropos.asgi import RequestGuard, http_error, install_error_handlers
+from atropos.api.openapi import complete_openapi
+from atropos.asgi import ASGIApp, Receive, RequestGuard, Send, http_error, install_error_handlers
 from atropos.errors import InfrastructureError, LeaseError, SlotUnavailable, ToolError
+from atropos.fastroute import BadBody, Disconnected, read_model, send_error, send_json
 from atropos.logs import call_fields
+from atropos.sandbox.protocol import MAX_VERIFY_PROGRAM, SealResult, VerifyResult
 from atropos.slots.lease import Lease
 from atropos.slots.pool import PoolStatus, SlotPool
 from atropos.tools.formatting import format_result
@@ -89,6 +93,16 @@ class SlotCallResponse(BaseModel):
     result: dict[str, Any] | None = Field(None, description="the structured result")
     error: dict[str, Any] | None = None
     duration_ms: float
+
+
+class SlotVerifyRequest(BaseModel):
+    """A verifier program for the slot's final workspace (see docs/verification.md)."""
+
+    program: str = Field(min_length=1, max_length=MAX_VERIFY_PROGRAM,
+                         description="Python source defining verify(workspace, secrets, args)")
+    secrets: dict[str, str] = Field(default_factory=dict, description="reach only the verifier process")
+    args: Any = None
+    timeout_s: float = Field(60.0, gt=0, le=3600)
 
 
 class ReleaseResponse(BaseModel):
@@ -264,8 +278,7 @@ def create_tool_server(
                                                   slot=lease.slot, host=lease.host.id))
         return SlotLeaseResponse(lease_id=lease_id, trajectory_id=req.trajectory_id, network=req.network)
 
-    @app.post("/v1/slots/{lease_id}/call", response_model=SlotCallResponse, dependencies=deps)
-    async def slot_call(lease_id: str, req: SlotCallRequest) -> SlotCallResponse:
+    async def run_slot_call(lease_id: str, req: SlotCallRequest) -> SlotCallResponse:
         entry = held_entry(lease_id)
         lease = entry.lease
         label, counted = req.tool, None  # what SLOT_CALLS counts; an unexpected exception counts nothing
@@ -301,6 +314,11 @@ def create_tool_server(
         finally:
             if counted is not None:
                 metrics.SLOT_CALLS.labels(label, counted).inc()
+
+    @app.post("/v1/slots/{lease_id}/call", response_model=SlotCallResponse, dependencies=deps)
+    async def slot_call(lease_id: str, req: SlotCallRequest) -> SlotCallResponse:
+        """Run one sandbox tool in the leased slot (served by the raw route of ``_slot_call_route``)."""
+        return await run_slot_call(lease_id, req)
 
     async def _host_op(coro: Any) -> Any:
         try:
@@ -341,6 +359,26 @@ def create_tool_server(
         data = await _host_op(held(lease_id).archive(path))
         return Response(data, media_type="application/gzip")
 
+    @app.post("/v1/slots/{lease_id}/seal", response_model=SealResult, dependencies=deps)
+    async def seal(lease_id: str) -> SealResult:
+        """End the agent's part of the lease: every process of the slot is killed and nothing runs
+        or writes in it again (reading files and verify remain) until it is released."""
+        entry = held_entry(lease_id)
+        result = await _host_op(entry.lease.seal())
+        return result if result is not None else SealResult(slot=entry.lease.slot, separation="already sealed")
+
+    @app.post("/v1/slots/{lease_id}/verify", response_model=VerifyResult, dependencies=deps)
+    async def verify(lease_id: str, req: SlotVerifyRequest) -> VerifyResult:
+        """Seal the slot and run a verifier program against its final workspace in a fresh,
+        read-only sandbox; the verdict comes back in this response (see docs/verification.md)."""
+        entry = held_entry(lease_id)
+        result: VerifyResult = await _host_op(entry.lease.verify(
+            req.program, secrets=req.secrets, args=req.args, timeout_s=req.timeout_s))
+        log.info("slot verified: ok=%s score=%s", result.ok, result.score,
+                 extra=call_fields(trajectory_id=entry.lease.trajectory_id, lease=entry.fingerprint,
+                                   slot=entry.lease.slot, host=entry.lease.host.id))
+        return result
+
     @app.delete("/v1/slots/{lease_id}", response_model=ReleaseResponse, dependencies=deps)
     async def release(lease_id: str) -> ReleaseResponse:
         entry = leases.pop(lease_id, None)
@@ -352,14 +390,72 @@ def create_tool_server(
                                                     host=entry.lease.host.id))
         return ReleaseResponse(released=True)
 
+    complete_openapi(app, max_body_bytes=settings.max_body_bytes, max_concurrency=settings.max_concurrency,
+                     lease_idle_s=settings.rest_lease_idle_s)
     # Docs stay readable without a token (they hold no secret); everything else needs it.
     public = {"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json", "/status"}
     if settings.public_metrics:
         public.add("/metrics")
     guard = RequestGuard(app, max_body=settings.max_body_bytes, token=settings.token or None,  # type: ignore[arg-type]
                          public=public)
-    guard.fastapi = app  # type: ignore[attr-defined]
-    return guard
+    hot = RequestGuard(_slot_call_route(run_slot_call, gate, settings.max_concurrency),
+                       max_body=settings.max_body_bytes, token=settings.token or None)
+
+    async def route(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            match = SLOT_CALL_PATH.fullmatch(scope.get("path", ""))
+            if match is not None:
+                scope["path_params"] = {"lease_id": match[1]}
+                return await hot(scope, receive, send)
+        return await guard(scope, receive, send)
+
+    route.fastapi = app  # type: ignore[attr-defined]
+    return route
+
+
+SLOT_CALL_PATH = re.compile(r"/v1/slots/([^/]+)/call")
+SLOT_CALL_ROUTE = "/v1/slots/{lease_id}/call"
+
+
+def _slot_call_route(run: Any, gate: asyncio.Semaphore, limit: int) -> ASGIApp:
+    """``POST /v1/slots/{lease_id}/call`` without FastAPI (see atropos.fastroute): the same
+    concurrency gate, errors and request metrics as the ``limit_concurrency`` middleware gives the
+    other routes."""
+
+    async def slot_call(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        t0 = time.perf_counter()
+        status = 500
+        try:
+            if gate.locked():
+                status = 429
+                return await send_error(send, 429, "too_many_requests", f"over {limit} requests in progress",
+                                        [(b"retry-after", b"1")])
+            async with gate:
+                try:
+                    req = await read_model(scope, receive, SlotCallRequest)
+                    response = await run(scope["path_params"]["lease_id"], req)
+                except BadBody as exc:
+                    status = 422
+                    return await send_error(send, 422, "invalid_request", str(exc))
+                except Disconnected:
+                    status = 499
+                    return
+                except HTTPException as exc:
+                    status = exc.status_code
+                    detail: dict[str, Any] = exc.detail if isinstance(exc.detail, dict) else {}
+                    headers = [(k.lower().encode(), v.encode()) for k, v in (exc.headers or {}).items()]
+                    return await send_error(send, status, str(detail.get("code", "error")),
+                                            str(detail.get("message", exc.detail)), headers)
+                except InfrastructureError as exc:
+                    status = 503
+                    return await send_error(send, 503, "infrastructure", str(exc))
+                status = 200
+                await send_json(send, 200, response.model_dump_json().encode())
+        finally:
+            metrics.API_REQUESTS.labels("POST", SLOT_CALL_ROUTE, str(status)).inc()
+            metrics.API_SECONDS.labels(SLOT_CALL_ROUTE).observe(time.perf_counter() - t0)
+
+    return slot_call
 
 
 def _validation_message(exc: ValidationError) -> str:

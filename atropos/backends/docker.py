@@ -1,6 +1,6 @@
 """Sandbox hosts as Docker containers (Docker Engine API through the docker SDK).
 
-Container options follow shared/reference/isolation.md (a): nothing in the container runs as
+Container options follow docs/isolation.md: nothing in the container runs as
 uid 0 or holds a capability, so ``systempaths=unconfined`` (needed for bwrap to mount a fresh
 /proc) opens nothing; the custom seccomp profile allows only the namespace and mount syscalls
 bwrap needs on top of Docker's usual set. The API port is published on 127.0.0.1 only and every
@@ -22,8 +22,10 @@ from typing import Any, Literal, TypeVar
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from atropos.backends import docker_cgroups
 from atropos.backends.base import Backend, HostInfo, new_token, pid_alive
-from atropos.errors import ConfigError, HostUnavailable
+from atropos.backends.docker_cgroups import HostCgroup
+from atropos.errors import ConfigError, HostUnavailable, IsolationUnavailable
 from atropos.sandbox.launch import HOST_TOKEN_ENV, HostLaunch
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,12 @@ class DockerBackendConfig(BaseModel):
     start_timeout_s: float = 60.0
     prewarm: bool = Field(True, description="start every slot's sandbox before the host reports ready; off: "
                           "ready once serving (its self-test passed), each slot's sandbox starts on first use")
+    slot_memory_bytes: int = Field(1 << 30, ge=64 << 20, description="memory one slot may hold as a whole, tmpfs "
+                                   "and memfd pages included (its own cgroup, inside the container's budget)")
+    slot_pids: int = Field(512, ge=16, description="processes and threads per slot")
+    slot_cpus: float = Field(1.0, ge=0, description="hard CPU quota per slot (CPUs); 0 = equal shares only")
+    slot_cgroups: bool = Field(True, description="give each container a delegated cgroup subtree for its slots' "
+                               "caps; False = DEVELOPMENT ONLY, hosts run --unsafe-no-cgroups (no per-slot caps)")
     docker_url: str | None = Field(None, description="Docker Engine URL; default from the environment "
                                    "(DOCKER_HOST, DOCKER_TLS_VERIFY, DOCKER_CERT_PATH, as the docker CLI)")
     seccomp_profile: str | None = Field(None, description="path of the outer seccomp profile; default: shipped")
@@ -74,6 +82,13 @@ def boot_id() -> str:
             return fh.read().strip()
     except OSError:
         return "unknown"
+
+
+def remove_cgroup(host_id: str) -> None:
+    """Remove a host's slot cgroup subtree once its container is gone (nothing of it runs any more)."""
+    cgroup = docker_cgroups.existing(host_id)
+    if cgroup is not None:
+        cgroup.remove()
 
 
 def shipped_seccomp_profile() -> str:
@@ -113,10 +128,15 @@ class DockerBackend(Backend):
                                       f"else DOCKER_HOST): {exc}") from exc
         return self._client
 
-    def host_config(self) -> dict[str, Any]:
+    def host_config(self, cgroup: HostCgroup | None = None) -> dict[str, Any]:
         """HostConfig of the Engine API (kept separate so tests can inspect it)."""
         c = self.cfg
+        placement: dict[str, Any] = {}
+        if cgroup is not None:
+            # the container inside its budget cgroup, beside the slots' subtree mounted for it
+            placement = {"cgroup_parent": cgroup.cgroup_parent, "binds": cgroup.binds(), "cgroupns": "host"}
         hc: dict[str, Any] = self.client.api.create_host_config(
+            **placement,
             init=True,  # a reaping PID 1: sandbox teardown leaves no zombies behind
             cap_drop=["ALL"],
             security_opt=["no-new-privileges", f"seccomp={self._seccomp}"],
@@ -139,21 +159,32 @@ class DockerBackend(Backend):
         hc["ReadonlyPaths"] = []
         return hc
 
+    def _slot_cgroup_args(self, host_id: str) -> tuple[HostCgroup | None, dict[str, Any]]:
+        """The container's slot cgroup subtree (prepared now) and the host's flags for it."""
+        c = self.cfg
+        if not c.slot_cgroups:
+            return None, {"unsafe_no_cgroups": True}
+        cgroup = docker_cgroups.prepare(host_id, memory_bytes=c.memory_bytes, pids=c.pids_limit, cpus=c.cpus,
+                                        uid=SLOT_UID)
+        return cgroup, {"cgroup_dir": docker_cgroups.CONTAINER_CGROUP_DIR, "slot_memory_bytes": c.slot_memory_bytes,
+                        "slot_pids": c.slot_pids, "slot_cpus": c.slot_cpus}
+
     def _create(self, host_id: str, token: str) -> Any:
         c = self.cfg
         api = self.client.api
+        cgroup, cgroup_args = self._slot_cgroup_args(host_id)
         created = api.create_container(
             c.image,
             # the image's entrypoint is `python3 -m atropos.sandbox`
             command=HostLaunch(host="0.0.0.0", port=CONTAINER_PORT, slots=c.slots_per_host, data_dir="/slots/data",
                                max_timeout_s=c.max_timeout_s, workspace_bytes=c.slot_workspace_bytes,
-                               prewarm=c.prewarm).args(),
+                               prewarm=c.prewarm, **cgroup_args).args(),
             name=host_id,
             user=f"{SLOT_UID}:{SLOT_UID}",
             environment={HOST_TOKEN_ENV: token},
             labels={LABEL_POOL: c.pool_id, LABEL_OWNER: str(os.getpid()), LABEL_BOOT: boot_id(), LABEL_HOST: host_id},
             ports=[CONTAINER_PORT],
-            host_config=self.host_config(),
+            host_config=self.host_config(cgroup),
             detach=True,
         )
         api.start(created["Id"])
@@ -176,7 +207,8 @@ class DockerBackend(Backend):
             # Also on cancellation (not an Exception): otherwise the container runs on, unowned.
             # Shielded so a second cancel cannot interrupt the removal half way.
             await asyncio.shield(self._stop_quietly(host_id))
-            if isinstance(exc, Exception) and not isinstance(exc, HostUnavailable):
+            # IsolationUnavailable (no slot cgroups here) is a setup problem, said as such
+            if isinstance(exc, Exception) and not isinstance(exc, (HostUnavailable, IsolationUnavailable)):
                 raise HostUnavailable(f"docker host {host_id} failed to start: {exc}") from exc
             raise
         log.info("docker host %s ready at %s", host_id, address)
@@ -254,6 +286,7 @@ class DockerBackend(Backend):
             except self._docker.errors.APIError as exc:
                 if "already in progress" not in str(exc):
                     raise
+            remove_cgroup(host_id)
 
         await asyncio.to_thread(remove)
 
@@ -286,7 +319,12 @@ class DockerBackend(Backend):
                 if their_boot == boot and owner.isdigit() and pid_alive(int(owner)):
                     continue
                 container.remove(force=True)
+                remove_cgroup(container.name)
                 n += 1
+            # subtrees of containers that are gone (removed by hand, or a start that died half way)
+            live = {c.name for c in self._labelled()}
+            for name in docker_cgroups.leftover_hosts(f"atropos-{self.cfg.pool_id}-") - live:
+                remove_cgroup(name)
             return n
 
         return await asyncio.to_thread(reap)

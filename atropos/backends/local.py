@@ -6,7 +6,6 @@ import asyncio
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from atropos.sandbox.config import default_data_dir
 from atropos.sandbox.host import ISOLATION_FAILED, owned_dir
 from atropos.sandbox.launch import HostLaunch, host_env
 from atropos.sandbox.sandbox_process import kill_processes_naming
+from atropos.sandbox.workspace import remove_tree
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,11 @@ class LocalBackendConfig(BaseModel):
     prewarm: bool = True
     start_timeout_s: float = 60.0
     unsafe_no_isolation: bool = Field(False, description="DEVELOPMENT ONLY: no bubblewrap")
+    slot_memory_bytes: int = Field(4 << 30, ge=64 << 20, description="memory one slot may hold as a whole "
+                                   "(processes, tmpfs and memfd pages): its own cgroup")
+    slot_pids: int = Field(1024, ge=16, description="processes and threads per slot")
+    slot_cpus: float = Field(0.0, ge=0, description="hard CPU quota per slot (CPUs); 0 = equal shares only")
+    unsafe_no_cgroups: bool = Field(False, description="DEVELOPMENT ONLY: no per-slot cgroup (no slot-wide caps)")
     python: str = Field(default_factory=lambda: sys.executable, description="interpreter running the hosts")
 
     def build(self) -> LocalBackend:
@@ -69,7 +74,10 @@ class LocalBackend(Backend):
         argv = HostLaunch(port=self.cfg.port, slots=self.cfg.slots_per_host, data_dir=str(data_dir),
                           max_timeout_s=self.cfg.max_timeout_s, workspace_bytes=self.cfg.slot_workspace_bytes,
                           prewarm=self.cfg.prewarm, parent_pid=os.getpid(),
-                          unsafe_no_isolation=self.cfg.unsafe_no_isolation).argv(self.cfg.python)
+                          unsafe_no_isolation=self.cfg.unsafe_no_isolation,
+                          slot_memory_bytes=self.cfg.slot_memory_bytes, slot_pids=self.cfg.slot_pids,
+                          slot_cpus=self.cfg.slot_cpus, unsafe_no_cgroups=self.cfg.unsafe_no_cgroups,
+                          ).argv(self.cfg.python)
         env = host_env(token)
         log_path = self.root / f"{host_id}.log"
         with open(log_path, "ab") as log_file:  # noqa: ASYNC230 - a local file, opened once per host
@@ -128,7 +136,7 @@ class LocalBackend(Backend):
         data_dir = self._dirs.pop(host_id, None)
         if data_dir is not None:
             await asyncio.to_thread(kill_processes_naming, data_dir)
-            await asyncio.to_thread(shutil.rmtree, data_dir, True)
+            await asyncio.to_thread(remove_tree, data_dir)  # iterative: any depth a slot built
 
     async def alive(self, host_id: str) -> bool:
         proc = self._procs.get(host_id)
@@ -156,7 +164,7 @@ class LocalBackend(Backend):
                 continue
             if int(parts[-2]) != os.getpid() and not pid_alive(int(parts[-2])):
                 await asyncio.to_thread(kill_processes_naming, entry)
-                await asyncio.to_thread(shutil.rmtree, entry, True) if entry.is_dir() else entry.unlink()
+                await asyncio.to_thread(remove_tree, entry)
                 reaped += 1
         return reaped
 

@@ -1,6 +1,6 @@
 """Sandbox hosts as allocations of one Nomad service job (Nomad HTTP API through ``httpx.AsyncClient``).
 
-Contract: ``shared/reference/nomad-api.md``. The job this backend registers is the same as
+Contract: ``docs/nomad-api.md``. The job this backend registers is the same as
 ``nomad/sandbox.hcl`` (``render_job()`` is the JSON form; a test parses the HCL and compares). One
 task group ``hosts``; every allocation is one sandbox host (a docker container with N slots).
 
@@ -78,6 +78,7 @@ TASK = "host"
 PORT_LABEL = "http"
 CONTAINER_PORT = 8080
 SLOT_UID = 1000
+SLOT_CGROUP_DIR = "/run/atropos/cgroup"  # nomad/atropos-runc mounts the delegated subtree here
 TOKEN_ENV = HOST_TOKEN_ENV
 TMP_BYTES = 64 << 20
 TMPFS_MODE = 0o1777  # HCL has no octal literals: nomad/sandbox.hcl writes 1023
@@ -129,6 +130,10 @@ class NomadBackendConfig(BaseModel):
     workspace_bytes: int = Field(2 << 30, ge=64 << 20, description="size of the tmpfs holding all workspaces")
     slot_workspace_bytes: int = Field(128 << 20, ge=1 << 20, description="what one slot can write (its own tmpfs)")
     pids_limit: int = Field(4096, ge=64)
+    slot_memory_bytes: int = Field(1 << 30, ge=64 << 20, description="memory one slot may hold as a whole, tmpfs "
+                                   "and memfd pages included (its cgroup, in the subtree atropos-runc delegates)")
+    slot_pids: int = Field(512, ge=16, description="processes and threads per slot")
+    slot_cpus: float = Field(1.0, ge=0, description="hard CPU quota per slot (CPUs); 0 = equal shares only")
     max_timeout_s: float = Field(600.0, gt=0)
     datacenters: list[str] = Field(default_factory=lambda: ["*"])
     seccomp_profile: str = Field("/etc/atropos-sandbox/seccomp.json",
@@ -332,9 +337,12 @@ def render_job(cfg: NomadBackendConfig, count: int = 0, *, token: str | None = N
         "Config": {
             "image": c.image,
             "ports": [PORT_LABEL],
-            # the image's entrypoint is `python3 -m atropos.sandbox`
+            # the image's entrypoint is `python3 -m atropos.sandbox`; per-slot cgroups in the subtree the
+            # atropos-runc runtime delegates (nomad/README.md)
             "args": HostLaunch(host="0.0.0.0", port=CONTAINER_PORT, slots=c.slots_per_host, data_dir="/slots/data",
-                               max_timeout_s=c.max_timeout_s, workspace_bytes=c.slot_workspace_bytes).args(),
+                               max_timeout_s=c.max_timeout_s, workspace_bytes=c.slot_workspace_bytes,
+                               cgroup_dir=SLOT_CGROUP_DIR, slot_memory_bytes=c.slot_memory_bytes,
+                               slot_pids=c.slot_pids, slot_cpus=c.slot_cpus).args(),
             "init": True,
             # resources.cpu is only a share (CPU weight) by default; the hard limit turns it into a CFS
             # quota, so a busy host cannot take more than it reserved (isolation.md: a hard CPU cap).

@@ -6,7 +6,7 @@ then every rollout gets a copy-on-write fork of its result), ``setup_trajectory_
 (once per rollout, in its own slot) and ``setup_agent_env`` (once, after the pool is up). Then run
 ``python -m your_env process|serve|evaluate`` as with any Atropos environment.
 
-What this class does for you (see shared/reference/atroposlib.md for the traps it avoids):
+What this class does for you (see docs/atroposlib.md for the traps it avoids):
 
 * starts the slot pool in ``setup`` and stops it when the run ends, in every mode (BaseEnv has no
   teardown hook);
@@ -14,6 +14,8 @@ What this class does for you (see shared/reference/atroposlib.md for the traps i
 * treats a failure of the platform (pool, sandbox host, inference server) as infrastructure: the
   rollout is retried on a fresh slot, and the item goes back to the backlog when retries run out,
   instead of training on a fake score of 0;
+* seals the slot when the agent is done (the verification phase: every process of the agent
+  killed, no command runs in the slot again) before ``verify_and_score_trajectory``;
 * runs the agent loop (Hermes ``<tool_call>`` text or OpenAI ``tool_calls``) within the context
   budget (``max_token_length``);
 * builds tokens and masks: with inference servers that return token ids (``server_type`` vllm or
@@ -89,7 +91,7 @@ class Rollout(BaseModel):
 def _new_stats() -> dict[str, float]:
     return {"rollouts": 0, "tool_calls": 0, "tool_seconds": 0.0, "score_sum": 0.0, "infra_retries": 0,
             "items_backlogged": 0, "group_setups": 0, "group_setup_seconds": 0.0, "context_budget_stops": 0,
-            "token_tracking_fallbacks": 0}
+            "token_tracking_fallbacks": 0, "groups_dropped_same_scores": 0}
 
 
 class AgentEnv(BaseEnv):
@@ -185,7 +187,12 @@ class AgentEnv(BaseEnv):
     async def verify_and_score_trajectory(self, item: Any, final_response: str, *, trajectory_id: str,
                                           exec_tool: ExecTool, lease: Lease,
                                           agent_result: AgentResult) -> tuple[float, dict[str, Any]]:
-        """Verify inside the same slot (run hidden tests) and score. Default: ``score_trajectory``."""
+        """Verify the slot's final workspace and score. Default: ``score_trajectory``.
+
+        It runs in the slot's verification phase: the lease is sealed (every process of the agent
+        killed; commands and writes refused). Read the workspace with ``lease.read_file`` or, to
+        run anything (hidden tests, a checker), use ``lease.verify(program, secrets=...)``: a
+        fresh read-only sandbox whose verdict the agent's code cannot forge (docs/verification.md)."""
         return await self.score_trajectory(item, final_response), {}
 
     def build_backend(self) -> Backend:
@@ -283,8 +290,23 @@ class AgentEnv(BaseEnv):
               f"mean score: {mean:.3f}  sandbox time per call: {per_call:.1f} ms  "
               f"infra retries: {int(s['infra_retries'])}  tokens: "
               f"{'ManagedServer' if self.managed_tokens else 'chat template'}", flush=True)
+        if s["groups_dropped_same_scores"]:
+            print(f"[atropos-sandbox] {int(s['groups_dropped_same_scores'])} group(s) dropped, not saved or sent: "
+                  "all scores equal and ensure_scores_are_not_same=True", flush=True)
         if path:
             print(f"[atropos-sandbox] data: {path}  html: {str(path).rsplit('.', 1)[0]}.html", flush=True)
+
+    async def handle_send_to_api(self, scored_data: Any, item: Any = None, do_send_to_api: bool = True,
+                                 abort_on_any_max_length_exceeded: bool = True) -> None:
+        """BaseEnv's, after counting the groups it will drop for equal scores (it only logs them)."""
+        if self.config.ensure_scores_are_not_same:
+            groups = scored_data if isinstance(scored_data, list) else [scored_data]
+            same = sum(1 for g in groups if g is not None and g.get("scores") and len(set(g["scores"])) == 1)
+            if same:
+                self.stats["groups_dropped_same_scores"] += same
+                log.warning("%d group(s) with all scores equal dropped (ensure_scores_are_not_same=True): "
+                            "not written to the jsonl, not sent to the trainer", same)
+        await super().handle_send_to_api(scored_data, item, do_send_to_api, abort_on_any_max_length_exceeded)
 
     # -- rollouts --------------------------------------------------------------------------
     def system_prompt(self) -> str:
@@ -422,7 +444,8 @@ class AgentEnv(BaseEnv):
         stats["context_budget_stops"] += rollout.finish == "context_budget"
         stats["token_tracking_fallbacks"] += rollout.tracking_fallback
 
-    async def _prepare_group(self, item: Any, leases: list[Lease]) -> PoolTemplate:
+    async def _prepare_group(self, item: Any, leases: list[Lease],
+                             stats: dict[str, float] | None = None) -> PoolTemplate:
         """Run ``setup_group_workspace`` in the group's first slot, make a template of it (that slot
         continues as a fork of it) and fork the other slots from it."""
         assert self.pool is not None and self.executor is not None
@@ -444,8 +467,9 @@ class AgentEnv(BaseEnv):
             await asyncio.gather(*(self.pool.release(lease) for lease in leases), return_exceptions=True)
             await self.pool.delete_template(template)
             raise
-        self.stats["group_setups"] += 1
-        self.stats["group_setup_seconds"] += time.perf_counter() - t0
+        stats = self.stats if stats is None else stats
+        stats["group_setups"] += 1
+        stats["group_setup_seconds"] += time.perf_counter() - t0
         log.debug("group %s: setup + template + %d forks in %.2fs", tid, len(leases) - 1, time.perf_counter() - t0)
         return template
 
@@ -501,6 +525,10 @@ class AgentEnv(BaseEnv):
                       result.finish)
             if result.finish == "context_budget":
                 log.info("rollout %s stopped at the context budget (%d tokens)", tid, self.config.max_token_length)
+            # The verification phase: every process of the agent dies here and nothing runs in the
+            # slot again (reading it and lease.verify remain), so no leftover of the rollout can
+            # watch, race or rewrite what the verification reads.
+            await lease.seal()
             score, _meta = await self.verify_and_score_trajectory(
                 item, result.final_response, trajectory_id=tid, exec_tool=exec_tool, lease=lease, agent_result=result)
         finally:
@@ -551,9 +579,22 @@ class AgentEnv(BaseEnv):
 
         async def one(i: int, item: Any) -> Rollout:
             assert self.pool is not None
-            async with self.pool.leased(f"eval-{uuid.uuid4().hex[:8]}-{i}", self.config.acquire_timeout_s,
-                                        network=self.config.allow_network) as lease:
-                return await self._rollout_with_retries(item, lease, None, self.eval_stats)
+            lease = await self.pool.lease(f"eval-{uuid.uuid4().hex[:8]}-{i}", self.config.acquire_timeout_s,
+                                          network=self.config.allow_network)
+            template: PoolTemplate | None = None
+            try:
+                # the same start as a training rollout: the group step too (its template also
+                # serves a retry on a fresh slot)
+                if self.has_group_setup():
+                    template = await self._prepare_group(item, [lease], self.eval_stats)
+                return await self._rollout_with_retries(item, lease, template, self.eval_stats)
+            finally:
+                await self.pool.release(lease)
+                if template is not None:  # after the release: a template in use cannot go
+                    try:
+                        await self.pool.delete_template(template)
+                    except Exception as exc:  # never let cleanup mask the rollout's outcome
+                        log.warning("could not delete eval template %s: %s", template.id, exc)
 
         results = await asyncio.gather(*(one(i, item) for i, item in enumerate(items)), return_exceptions=True)
         done, lost = self._split_results(results, on_lost=lambda exc: log.warning(
@@ -563,5 +604,8 @@ class AgentEnv(BaseEnv):
         metrics: dict[str, float] = {"eval/n": len(done), "eval/infra_failures": len(lost)}
         if done:
             metrics["eval/mean_score"] = sum(r.score for r in done) / len(done)
+        # evaluate_log writes files only with data_dir_to_save_evals: the result is always printed
+        print("[atropos-sandbox] eval: " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                                     for k, v in metrics.items()), flush=True)
         await self.evaluate_log(metrics=metrics, start_time=start, end_time=time.time(),
                                 samples=[{"messages": r.messages, "score": r.score} for r in done])

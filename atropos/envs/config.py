@@ -35,6 +35,11 @@ ALIASES: dict[str, str] = {
 class AgentEnvConfig(BaseEnvConfig):
     # BaseEnvConfig's 2048 cannot hold a tool-using agent: the tool schemas alone take ~1-1.5k tokens.
     max_token_length: int = Field(4096, description="context budget of a trajectory (prompt + completions)")
+    # BaseEnvConfig's True drops every group whose scores are all equal, so a weak model's all-zero
+    # groups vanish from the jsonl and the trainer without a trace; an agent env keeps them unless asked.
+    ensure_scores_are_not_same: bool = Field(
+        False, description="drop groups whose scores are all equal (they carry no GRPO advantage); "
+                           "dropped groups are counted in the run summary")
     # where sandboxes run
     sandbox_backend: BackendKind = Field("local", description=" | ".join(BACKEND_KINDS))
     slots_per_host: int = Field(16, ge=1, description="slots per sandbox host (process or container)")
@@ -108,7 +113,7 @@ def backend_settings(cfg: AgentEnvConfig, pool_id: str) -> BackendSettings:
                            ray_address=cfg.ray_address)
 
 
-def default_server_configs(model_name: str = "default", base_url: str = "http://127.0.0.1:8000/v1",
+def default_server_configs(model_name: str = "default", base_url: str = "http://127.0.0.1:8090/v1",
                            **extra: Any) -> list[APIServerConfig]:
     """One OpenAI-compatible server, as a LIST: a bare config or a ``ServerBaseline`` makes atroposlib
     ignore ``--openai.*`` and talk to localhost:9004-9007 instead. ``$ATROPOS_MODEL_NAME`` and

@@ -51,6 +51,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
                    help="cap on each slot's workspace, a tmpfs per slot (RAM); 0 = uncapped (default %(default)s)")
     p.add_argument("--workspace-inodes", type=int, default=Limits().workspace_inodes,
                    help="files a slot can create (default %(default)s)")
+    p.add_argument("--tmp-inodes", type=int, default=Limits().tmp_inodes,
+                   help="files a slot can create in /tmp (default %(default)s)")
+    p.add_argument("--shm-inodes", type=int, default=Limits().shm_inodes,
+                   help="files a slot can create in /dev/shm (default %(default)s)")
+    p.add_argument("--slot-memory-bytes", type=int, default=defaults.slot_memory_bytes,
+                   help="memory one slot may hold as a whole, tmpfs and memfd pages included (default %(default)s)")
+    p.add_argument("--slot-pids", type=int, default=defaults.slot_pids,
+                   help="processes and threads per slot (default %(default)s)")
+    p.add_argument("--slot-cpus", type=float, default=defaults.slot_cpus,
+                   help="hard CPU quota per slot in CPUs; 0 = equal shares only (default %(default)s)")
+    p.add_argument("--cgroup-dir", type=Path, help="writable cgroup directory for the slot cgroups "
+                   "(default: a subtree of the host's own cgroup)")
+    p.add_argument("--unsafe-no-cgroups", action="store_true",
+                   help="DEVELOPMENT ONLY: no per-slot memory, process or CPU caps")
     p.add_argument("--unsafe-no-isolation", action="store_true",
                    help="DEVELOPMENT ONLY: run slots without bubblewrap")
     p.add_argument("--no-prewarm", action="store_true", help="start slot sandboxes on first use only")
@@ -73,9 +87,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
         slots=args.slots, data_dir=args.data_dir, host=args.host, port=args.port, token=token,
         uid_base=args.uid_base, max_timeout_s=args.max_timeout, unsafe_no_isolation=args.unsafe_no_isolation,
         limits=Limits(nproc=args.nproc, address_space_bytes=args.memory, workspace_bytes=args.workspace_bytes,
-                      workspace_inodes=args.workspace_inodes),
+                      workspace_inodes=args.workspace_inodes, tmp_inodes=args.tmp_inodes,
+                      shm_inodes=args.shm_inodes),
         workspace_mode=args.workspace_mode, network_isolation=args.network_isolation,
         template_source_dirs=args.template_source_dir,
+        slot_memory_bytes=args.slot_memory_bytes, slot_pids=args.slot_pids, slot_cpus=args.slot_cpus,
+        cgroup_dir=args.cgroup_dir, unsafe_no_cgroups=args.unsafe_no_cgroups,
     )
     return cfg, args
 
@@ -102,7 +119,8 @@ async def serve(cfg: HostConfig, prewarm: bool = True) -> None:
     ))
     port = sock.getsockname()[1]
     print(json.dumps({"event": "ready", "port": port, "pid": os.getpid(), "slots": cfg.slots,
-                      "isolation": "none" if cfg.unsafe_no_isolation else "bubblewrap"}), flush=True)
+                      "isolation": "none" if cfg.unsafe_no_isolation else "bubblewrap",
+                      "slot_cgroups": f"v{host.cgroups.version}" if host.cgroups is not None else "none"}), flush=True)
     try:
         await server.serve(sockets=[sock])
     finally:

@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
+
+from atropos.sandbox.cgroups import SlotCaps
+
+RUN_DIR_INODES = 1024  # the run dir holds the terminal's socket and log, nothing else
 
 
 class Limits(BaseModel):
@@ -20,6 +24,10 @@ class Limits(BaseModel):
     cpu_seconds_per_call: int = Field(600, ge=1, description="RLIMIT_CPU of each call's main process")
     tmp_bytes: int = Field(256 << 20, ge=1 << 20, description="size of the slot's private /tmp tmpfs")
     shm_bytes: int = Field(64 << 20, ge=1 << 20, description="size of the slot's /dev/shm tmpfs")
+    # Every inode of a tmpfs is kernel memory that no size cap counts (~1.7 KiB per empty file):
+    # an uncapped tmpfs lets one call pin gigabytes with empty files.
+    tmp_inodes: int = Field(1 << 16, ge=64, description="files and directories a slot can create in /tmp")
+    shm_inodes: int = Field(1 << 12, ge=64, description="files and directories a slot can create in /dev/shm")
     workspace_bytes: int = Field(
         1 << 30, ge=0, description="cap on what a slot can write to its workspace: each slot's workspace (a "
                                    "fork's upper layer) is its own tmpfs of this size, so the pages count against "
@@ -31,6 +39,12 @@ class Limits(BaseModel):
         if not self.workspace_bytes:
             return None
         return {"bytes": self.workspace_bytes, "inodes": self.workspace_inodes, "uid": uid}
+
+    def scratch_quotas(self, uid: int | None) -> list[dict[str, Any]]:
+        """The mount helper's caps of the run dir (the terminal's socket and log), /tmp and /dev/shm."""
+        return [{"bytes": self.tmp_bytes, "inodes": RUN_DIR_INODES, "uid": uid},
+                {"bytes": self.tmp_bytes, "inodes": self.tmp_inodes, "uid": uid, "mode": 0o1777},
+                {"bytes": self.shm_bytes, "inodes": self.shm_inodes, "uid": uid, "mode": 0o1777}]
 
     def rlimits(self) -> dict[str, int]:
         return {"nproc": self.nproc, "as": self.address_space_bytes, "fsize": self.file_size_bytes,
@@ -87,6 +101,22 @@ class HostConfig(BaseModel):
         "auto", description="slots leased with network: their own network namespace behind slirp4netns "
                             "(private; the host's loopback unreachable) or the host's namespace (shared); auto "
                             "picks private when slirp4netns and /dev/net/tun are present, else shared with a warning")
+
+    slot_memory_bytes: int = Field(
+        4 << 30, ge=64 << 20, description="memory one slot may hold as a whole: every process, and the pages of its "
+                                          "tmpfs mounts (workspace, /tmp, /dev/shm) and memfds (its cgroup's limit; "
+                                          "past it the kernel OOM-kills inside that slot only)")
+    slot_pids: int = Field(1024, ge=16, description="processes and threads one slot may have at once (pids.max)")
+    slot_cpus: float = Field(0.0, ge=0, description="hard CPU quota of one slot, in CPUs; 0 = none (slots still "
+                                                    "share CPU equally: one cgroup each, equal weights)")
+    cgroup_dir: Path | None = Field(
+        None, description="a writable (delegated) cgroup directory for the slot cgroups; default: a subtree of "
+                          "the host's own cgroup")
+    unsafe_no_cgroups: bool = Field(
+        False, description="DEVELOPMENT ONLY: run without per-slot cgroups (no memory, process or CPU cap per slot)")
+
+    def slot_caps(self) -> SlotCaps:
+        return SlotCaps(memory_bytes=self.slot_memory_bytes, pids=self.slot_pids, cpus=self.slot_cpus)
 
     @model_validator(mode="after")
     def _default_within_max(self) -> HostConfig:

@@ -39,12 +39,27 @@ class HostLaunch(BaseModel):
     prewarm: bool = True
     parent_pid: int | None = Field(None, description="the host exits when this process dies")
     unsafe_no_isolation: bool = False
+    cgroup_dir: str | None = Field(None, description="a delegated cgroup directory for the slot cgroups")
+    slot_memory_bytes: int | None = Field(None, description="per-slot caps; None: the host's defaults")
+    slot_pids: int | None = None
+    slot_cpus: float | None = None
+    unsafe_no_cgroups: bool = False
     log_level: str | None = None
 
     def args(self) -> list[str]:
         """The flags after ``python -m atropos.sandbox`` (a container's command)."""
         args = ["--host", self.host, "--port", str(self.port), f"--slots={self.slots}", "--data-dir", self.data_dir,
                 f"--max-timeout={self.max_timeout_s:g}", f"--workspace-bytes={self.workspace_bytes}"]
+        if self.cgroup_dir is not None:
+            args.append(f"--cgroup-dir={self.cgroup_dir}")
+        if self.slot_memory_bytes is not None:
+            args.append(f"--slot-memory-bytes={self.slot_memory_bytes}")
+        if self.slot_pids is not None:
+            args.append(f"--slot-pids={self.slot_pids}")
+        if self.slot_cpus is not None:
+            args.append(f"--slot-cpus={self.slot_cpus:g}")
+        if self.unsafe_no_cgroups:
+            args.append("--unsafe-no-cgroups")
         if self.parent_pid is not None:
             args.append(f"--parent-pid={self.parent_pid}")
         if not self.prewarm:

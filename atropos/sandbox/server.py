@@ -15,7 +15,8 @@ from pydantic import ValidationError
 
 from atropos import __version__, metrics
 from atropos.asgi import ASGIApp, Receive, RequestGuard, Send, http_error, install_error_handlers
-from atropos.errors import LeaseError, SlotUnavailable
+from atropos.errors import LeaseError, SlotUnavailable, ToolError
+from atropos.fastroute import BadBody, Disconnected, read_model, send_error, send_json, stream_lines
 from atropos.sandbox.host import SandboxHost
 from atropos.sandbox.protocol import (
     LEASE_HEADER,
@@ -27,11 +28,15 @@ from atropos.sandbox.protocol import (
     LeaseRequest,
     ResetRequest,
     ResetResult,
+    SealResult,
     SlotInfo,
     TemplateInfo,
     TemplateRequest,
     ToolCall,
+    VerifyRequest,
+    VerifyResult,
 )
+from atropos.sandbox.sandbox_process import SandboxDied
 from atropos.sandbox.workspace import TemplateError, WorkspaceError
 
 log = logging.getLogger(__name__)
@@ -118,6 +123,32 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
     async def release(slot: int, req: LeaseRef) -> ResetResult:
         """Reset the slot and return it to the free list."""
         return await _reset(slot, ResetRequest(lease=req.lease), keep=False)
+
+    @app.post("/v1/slots/{slot}/seal", response_model=SealResult, dependencies=deps)
+    async def seal(slot: int, req: LeaseRef) -> SealResult:
+        """Begin the slot's verification phase: every process of the slot is killed, and from now
+        on nothing runs or writes in it (reading the workspace and verify remain) until its reset."""
+        slot_or_404(slot)
+        try:
+            return await host.seal(slot, req.lease)
+        except LeaseError as exc:
+            raise _error(409, "lease_invalid", str(exc)) from None
+        except SandboxDied as exc:
+            raise _error(503, "sandbox_failed", str(exc)) from None
+
+    @app.post("/v1/slots/{slot}/verify", response_model=VerifyResult, dependencies=deps)
+    async def verify(slot: int, req: VerifyRequest) -> VerifyResult:
+        """Seal the slot, then run a verifier program against its final workspace in a fresh,
+        read-only sandbox; the verdict comes back here (see docs/verification.md)."""
+        slot_or_404(slot)
+        try:
+            return await host.verify(slot, req)
+        except LeaseError as exc:
+            raise _error(409, "lease_invalid", str(exc)) from None
+        except ToolError as exc:
+            raise _error(413, "too_large", str(exc)) from None
+        except SandboxDied as exc:
+            raise _error(503, "sandbox_failed", str(exc)) from None
 
     @app.post("/v1/calls", dependencies=deps, response_class=StreamingResponse,
               responses={200: {"content": {"application/x-ndjson": {}},
@@ -243,8 +274,12 @@ def wrap(app: FastAPI, host: SandboxHost) -> ASGIApp:
     Template tar uploads get their own, larger body limit (``max_template_bytes``)."""
     default = RequestGuard(app, max_body=host.cfg.max_body_bytes, token=host.cfg.token)  # type: ignore[arg-type]
     upload = RequestGuard(app, max_body=host.cfg.max_template_bytes, token=host.cfg.token)  # type: ignore[arg-type]
+    hot = {"/v1/call": RequestGuard(_call_route(host), max_body=host.cfg.max_body_bytes, token=host.cfg.token),
+           "/v1/calls": RequestGuard(_calls_route(host), max_body=host.cfg.max_body_bytes, token=host.cfg.token)}
 
     async def route(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path") in hot:
+            return await hot[scope["path"]](scope, receive, send)
         if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path") == "/v1/templates":
             for key, value in scope.get("headers", []):
                 if key == b"content-type" and value.split(b";")[0].strip().lower().decode() in TAR_TYPES:
@@ -252,3 +287,36 @@ def wrap(app: FastAPI, host: SandboxHost) -> ASGIApp:
         return await default(scope, receive, send)
 
     return route
+
+
+# -- the hot routes, served raw (see atropos.fastroute); their FastAPI twins above are the schema --
+def _call_route(host: SandboxHost) -> ASGIApp:
+    async def call(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        try:
+            req = await read_model(scope, receive, ToolCall)
+        except BadBody as exc:
+            return await send_error(send, 422, "invalid_request", str(exc))
+        except Disconnected:
+            return
+        result = await host.run_call(req)
+        await send_json(send, 200, result.model_dump_json().encode())
+
+    return call
+
+
+def _calls_route(host: SandboxHost) -> ASGIApp:
+    async def calls(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        try:
+            batch = await read_model(scope, receive, CallBatch)
+        except BadBody as exc:
+            return await send_error(send, 422, "invalid_request", str(exc))
+        except Disconnected:
+            return
+
+        async def lines() -> AsyncIterator[bytes]:
+            async for result in host.run_calls(batch.calls):
+                yield result.model_dump_json().encode() + b"\n"
+
+        await stream_lines(receive, send, lines(), b"application/x-ndjson")
+
+    return calls

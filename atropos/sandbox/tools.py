@@ -16,6 +16,7 @@ from atropos.sandbox.config import HostConfig
 
 # Commands longer than this go through stdin: a huge argv fails with E2BIG.
 _ARGV_LIMIT = 64 << 10
+_MAX_OFFSET = (1 << 63) - 1  # a file offset (off_t)
 
 
 class _Args(BaseModel):
@@ -27,7 +28,7 @@ class BashArgs(_Args):
 
     command: str = Field(description="bash command line or script")
     timeout_s: float | None = Field(None, gt=0, description="seconds before the command is killed")
-    workdir: str = Field(".", description="directory relative to the workspace")
+    workdir: str = Field(".", description="directory: relative to /workspace, or absolute under /workspace/")
     stdin: str | None = Field(None, description="text fed to the command's standard input")
 
 
@@ -51,16 +52,16 @@ class PythonSessionArgs(_Args):
 class ReadFileArgs(_Args):
     """Read a file of the workspace."""
 
-    path: str = Field(description="path relative to the workspace")
-    offset: int = Field(0, ge=0, description="byte offset to start at")
-    limit: int = Field(0, ge=0, description="bytes to read (0 = to the end)")
+    path: str = Field(description="relative to /workspace, or absolute under /workspace/")
+    offset: int = Field(0, ge=0, le=_MAX_OFFSET, description="byte offset to start at")
+    limit: int = Field(0, ge=0, le=_MAX_OFFSET, description="bytes to read (0 = to the end)")
     encoding: Literal["text", "base64"] = "text"
 
 
 class WriteFileArgs(_Args):
     """Create or overwrite a file of the workspace (parent directories are created)."""
 
-    path: str = Field(description="path relative to the workspace")
+    path: str = Field(description="relative to /workspace, or absolute under /workspace/")
     content: str = Field(description="the new content")
     encoding: Literal["text", "base64"] = "text"
     append: bool = Field(False, description="append instead of overwriting")
@@ -69,7 +70,7 @@ class WriteFileArgs(_Args):
 class EditFileArgs(_Args):
     """Replace an exact string in a file; refuses when the string is missing or ambiguous."""
 
-    path: str = Field(description="path relative to the workspace")
+    path: str = Field(description="relative to /workspace, or absolute under /workspace/")
     old_string: str = Field(min_length=1, description="exact text to replace (must be unique)")
     new_string: str = Field(description="replacement text")
     replace_all: bool = Field(False, description="replace every occurrence")
@@ -78,7 +79,7 @@ class EditFileArgs(_Args):
 class ListDirArgs(_Args):
     """List a directory of the workspace."""
 
-    path: str = Field(".", description="directory relative to the workspace")
+    path: str = Field(".", description="directory: relative to /workspace, or absolute under /workspace/")
     max_entries: int = Field(1000, ge=1, le=100_000)
 
 

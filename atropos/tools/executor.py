@@ -1,19 +1,23 @@
 """ToolExecutor: route each model tool call to its trajectory's slot, batching calls per host.
 
-Calls are queued per host and sent together after ``tool_batch_window_ms`` or once
-``tool_max_batch_size`` are waiting; each batch is its own request, many are in flight at
-once, and the host streams results back as each call finishes, so a slow call never delays
-another trajectory's fast one. Leasing a slot for a new trajectory happens outside the queues:
-a trajectory waiting for a slot never blocks anyone else's calls.
+Calls are batched per host adaptively (see ``_HostQueue``): a call goes out at once when no
+batch to its host is running, and calls that arrive while one runs go out together when it
+ends, after ``tool_batch_window_ms`` at the latest. Each batch is its own request, many are in
+flight at once, and the host streams results back as each call finishes, so a slow call never
+holds another trajectory's fast one for more than that window. Leasing a slot for a new
+trajectory happens outside the queues: a trajectory waiting for a slot never blocks anyone
+else's calls.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
-from collections.abc import Coroutine, Sequence
+from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -30,8 +34,9 @@ log = logging.getLogger(__name__)
 
 
 class ExecutorConfig(BaseModel):
-    tool_batch_window_ms: float = Field(20.0, ge=0, description="how long a host's queue collects calls")
-    tool_max_batch_size: int = Field(200, ge=1, description="a queue this long is sent at once")
+    tool_batch_window_ms: float = Field(20.0, ge=0, description=(
+        "upper bound on how long a call waits for a batch in flight to its host (a lone call does not wait)"))
+    tool_max_batch_size: int = Field(200, ge=1, description="calls per request at most (a turn is never split)")
     default_timeout_s: float = Field(60.0, gt=0)
     min_timeout_s: float = Field(1.0, gt=0)
     max_timeout_s: float = Field(600.0, gt=0)
@@ -58,52 +63,152 @@ class ToolOutcome(BaseModel):
     duration_ms: float = 0.0
 
 
+TYPICAL_START_S = 0.005
+TYPICAL_WEIGHT = 0.2
+MIN_HOLD_S = 0.001
+
+_Pending = tuple[ToolCall, "asyncio.Future[CallResult]"]
+
+
+class _Request:
+    """One batch in flight: its unanswered calls and whether it still holds the next batch back."""
+
+    __slots__ = ("holding", "pending", "task")
+
+    def __init__(self, batch: list[_Pending]) -> None:
+        self.pending = {call.id: fut for call, fut in batch}
+        self.task: asyncio.Future[None] | None = None
+        self.holding = True
+
+
 class _HostQueue:
+    """Adaptive batching for one host (group commit): no fixed wait.
+
+    A turn goes out at the next turn of the event loop when nothing is in flight to the host; calls
+    arriving while a request *holds* wait and go out together the moment it stops holding. A request
+    holds from its send until all its results are back, but never longer than the *hold time*: twice
+    the host's recent per-call latency (an average that an outlier moves only a little), capped by
+    ``tool_batch_window_ms``. Calls arriving while requests are in flight but none holds (their calls
+    are slow) wait at most one hold time from the oldest of them. So a lone call waits for nothing, a
+    slow call holds a fast one back for about one typical call, and under load the calls arriving
+    while batches run share one request per hold time, as the fixed window shared one per window.
+    """
+
     def __init__(self, executor: ToolExecutor, host: PoolHost) -> None:
         self.executor = executor
         self.host = host
-        self.items: list[tuple[ToolCall, asyncio.Future[CallResult]]] = []
-        self.wake = asyncio.Event()
-        self.full = asyncio.Event()
-        self.task = asyncio.create_task(self._run())
+        self.loop = asyncio.get_running_loop()
+        self.turns: deque[list[_Pending]] = deque()  # a turn's calls always share one request (slot order)
+        self.holding = 0
+        self.inflight: set[_Request] = set()
+        self._soon: asyncio.Handle | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+        self._due = 0.0  # when _deadline fires (loop time)
+        self._first_wait = 0.0  # arrival of the oldest waiting call (loop time)
+        self.typical_s = TYPICAL_START_S  # moving average of send -> result, for the hold
 
-    def put(self, call: ToolCall) -> asyncio.Future[CallResult]:
-        fut: asyncio.Future[CallResult] = asyncio.get_running_loop().create_future()
-        self.items.append((call, fut))
-        self.wake.set()
-        if len(self.items) >= self.executor.cfg.tool_max_batch_size:
-            self.full.set()
-        return fut
+    @property
+    def items(self) -> int:
+        """Calls waiting to be sent."""
+        return sum(len(turn) for turn in self.turns)
 
-    async def _run(self) -> None:
+    def put(self, calls: Sequence[ToolCall]) -> list[asyncio.Future[CallResult]]:
+        turn: list[_Pending] = [(call, self.loop.create_future()) for call in calls]
+        if not self.turns:
+            self._first_wait = self.loop.time()
+        self.turns.append(turn)
+        self._schedule()
+        return [fut for _, fut in turn]
+
+    def _schedule(self) -> None:
+        if not self.turns or self._soon is not None:
+            return
         cfg = self.executor.cfg
-        while True:
-            await self.wake.wait()
-            if cfg.tool_batch_window_ms > 0 and len(self.items) < cfg.tool_max_batch_size:
-                try:
-                    await asyncio.wait_for(self.full.wait(), cfg.tool_batch_window_ms / 1000)
-                except asyncio.TimeoutError:
-                    pass
-            batch = self.items[: cfg.tool_max_batch_size]
-            del self.items[: len(batch)]
-            if len(self.items) < cfg.tool_max_batch_size:
-                self.full.clear()
-            if not self.items:
-                self.wake.clear()
-            if batch:
-                self.executor._spawn(self._send(batch))
+        if self.holding:  # sent when the holding request(s) stop holding; the window bounds the wait
+            due = self._first_wait + cfg.tool_batch_window_ms / 1000
+        elif any(r.pending for r in self.inflight):  # only slow calls in flight: wait one hold time for company
+            due = self._first_wait + self.hold_s()
+        else:
+            due = 0.0
+        if due <= self.loop.time() or self.items >= cfg.tool_max_batch_size:
+            # call_soon, not now: the callers woken by the last results queue their next calls first
+            self._soon = self.loop.call_soon(self._flush)
+        elif self._deadline is None or due < self._due:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._due = due
+            self._deadline = self.loop.call_at(due, self._flush)
 
-    async def _send(self, batch: list[tuple[ToolCall, asyncio.Future[CallResult]]]) -> None:
-        pending = {call.id: fut for call, fut in batch}
+    def hold_s(self) -> float:
+        return min(self.executor.cfg.tool_batch_window_ms / 1000, max(2 * self.typical_s, MIN_HOLD_S))
+
+    def _flush(self) -> None:
+        self._soon = None
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        limit = self.executor.cfg.tool_max_batch_size
+        while self.turns:
+            batch: list[_Pending] = []
+            while self.turns and (not batch or len(batch) + len(self.turns[0]) <= limit):
+                batch.extend(p for p in self.turns.popleft() if not p[1].done())  # drop cancelled calls
+            if batch:
+                self._start(batch)
+
+    def _start(self, batch: list[_Pending]) -> None:
+        request = _Request(batch)
+        self.holding += 1
+        self.inflight.add(request)
+        hold = self.hold_s()
+        timer = self.loop.call_later(hold, self._unhold, request) if hold > 0 else None
+        if timer is None:
+            self._unhold(request)
+        request.task = task = asyncio.ensure_future(self._send(request, [call for call, _ in batch]))
+
+        def finished(_task: object) -> None:
+            if timer is not None:
+                timer.cancel()
+            self.inflight.discard(request)
+            if request.holding:
+                self._unhold(request)
+            else:
+                self._schedule()  # calls waiting for company need not wait for this one any more
+
+        task.add_done_callback(finished)
+        abandoned = functools.partial(self._abandoned, request=request)
+        for _, fut in batch:
+            fut.add_done_callback(abandoned)
+
+    def _unhold(self, request: _Request) -> None:
+        if request.holding:
+            request.holding = False
+            self.holding -= 1
+            self._schedule()
+
+    @staticmethod
+    def _abandoned(fut: asyncio.Future[CallResult], request: _Request) -> None:
+        """Every caller still waiting on the request gave up: close it, the host cancels those calls."""
+        if fut.cancelled() and all(f.done() for f in request.pending.values()):
+            if request.task is not None and not request.task.done():
+                request.task.cancel()
+
+    async def _send(self, request: _Request, calls: list[ToolCall]) -> None:
+        pending = request.pending
         self.executor.requests_sent += 1
-        self.executor.calls_sent += len(batch)
-        self.executor.pool.count_call(len(batch))
+        self.executor.calls_sent += len(calls)
+        self.executor.pool.count_call(len(calls))
+
+        sent = time.perf_counter()
 
         async def consume() -> None:
-            async for result in self.host.client.call_batch([call for call, _ in batch]):
+            async for result in self.host.client.call_batch(calls):
+                took = time.perf_counter() - sent
+                self.typical_s += TYPICAL_WEIGHT * (min(took, 4 * self.typical_s) - self.typical_s)
                 fut = pending.pop(result.id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(result)
+                if not pending:
+                    self._unhold(request)
 
         try:
             await self.host.guard(consume())
@@ -117,6 +222,20 @@ class _HostQueue:
                 if not fut.done():
                     fut.set_exception(error)
 
+    def close(self) -> list[asyncio.Future[None]]:
+        """Stop: waiting calls are cancelled, requests in flight too (the tasks to await)."""
+        for handle in (self._soon, self._deadline):
+            if handle is not None:
+                handle.cancel()
+        self._soon = self._deadline = None
+        while self.turns:
+            for _, fut in self.turns.popleft():
+                fut.cancel()
+        tasks = [r.task for r in self.inflight if r.task is not None]
+        for task in tasks:
+            task.cancel()
+        return tasks
+
 
 class ToolExecutor:
     def __init__(self, pool: SlotPool, registry: ToolRegistry | None = None, cfg: ExecutorConfig | None = None,
@@ -127,7 +246,6 @@ class ToolExecutor:
         self._leases: dict[str, Lease] = {}
         self._leasing: dict[str, asyncio.Future[Lease]] = {}
         self._queues: dict[str, _HostQueue] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
         self._ids = itertools.count()
         self.requests_sent = 0
         self.calls_sent = 0
@@ -137,11 +255,6 @@ class ToolExecutor:
             self._external = httpx.AsyncClient(base_url=self.cfg.tool_server_url, headers=headers,
                                                transport=tool_server_transport, timeout=httpx.Timeout(120.0))
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     # -- leases ----------------------------------------------------------------------------
     def bind(self, trajectory_id: str, lease: Lease) -> None:
         """Use an already leased slot for this trajectory (e.g. leased by AgentEnv for a group)."""
@@ -150,6 +263,11 @@ class ToolExecutor:
     def unbind(self, trajectory_id: str) -> None:
         """Forget the trajectory's slot without releasing it (its owner releases it)."""
         self._leases.pop(trajectory_id, None)
+
+    @property
+    def trajectories(self) -> int:
+        """Trajectories the executor holds state for (a slot bound or being leased): only live ones."""
+        return len(self._leases) + len(self._leasing)
 
     def lease_of(self, trajectory_id: str) -> Lease | None:
         return self._leases.get(trajectory_id)
@@ -210,18 +328,24 @@ class ToolExecutor:
         if sandbox:
             lease = await self.lease_for(trajectory_id)
             lease.check()
-            queue = self._queue(lease.host)
-            futures = []
-            for i, call in sandbox:
+            wires = []
+            for _, call in sandbox:
                 args = dict(call.arguments)
                 requested = timeout_s if timeout_s is not None else args.pop("timeout_s", None)
                 if requested is not None and not isinstance(requested, int | float):
                     requested = None
-                wire = lease.tool_call(call.name, args, timeout_s=self.clamp(requested), call_id=str(next(self._ids)))
+                wires.append(lease.tool_call(call.name, args, timeout_s=self.clamp(requested),
+                                             call_id=str(next(self._ids))))
                 lease.calls += 1
-                futures.append((i, call, queue.put(wire)))
-            for i, call, fut in futures:
-                result = await fut
+            futures = self._queue(lease.host).put(wires)
+            try:
+                results = [await fut for fut in futures]
+            except BaseException:
+                for fut in futures:  # a caller that gives up takes the rest of its turn along
+                    if not fut.cancel() and not fut.cancelled():
+                        fut.exception()  # retrieved: the first failure is the one raised
+                raise
+            for (i, call), result in zip(sandbox, results, strict=True):
                 if result.error is not None and result.error.code == "lease_invalid":
                     raise LeaseError(result.error.message)
                 if result.error is not None and result.error.code == "sandbox_failed":
@@ -239,8 +363,7 @@ class ToolExecutor:
     def _queue(self, host: PoolHost) -> _HostQueue:
         for host_id, stale in list(self._queues.items()):  # forget hosts that died or were removed
             if stale.host.dead.is_set() or host_id not in self.pool.hosts:
-                if not stale.items:
-                    stale.task.cancel()
+                if not stale.turns and not stale.inflight:
                     del self._queues[host_id]
         queue = self._queues.get(host.id)
         if queue is None or queue.host is not host:
@@ -266,11 +389,8 @@ class ToolExecutor:
                            content=str(body.get("content", "")), raw=body.get("raw"))
 
     async def close(self) -> None:
-        for queue in self._queues.values():
-            queue.task.cancel()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*(q.task for q in self._queues.values()), *self._tasks, return_exceptions=True)
+        tasks = [task for queue in self._queues.values() for task in queue.close()]
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._queues.clear()
         if self._external is not None:
             await self._external.aclose()

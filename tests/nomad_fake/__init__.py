@@ -1,4 +1,4 @@
-"""A stateful fake of the Nomad HTTP API for tests (contract: ``shared/reference/nomad-api.md``).
+"""A stateful fake of the Nomad HTTP API for tests (contract: ``docs/nomad-api.md``).
 
 Public API::
 

@@ -1,6 +1,6 @@
 """Job-spec decoding, canonicalization and validation, as Nomad's HTTP agent and server do it.
 
-What this reproduces (see ``shared/reference/nomad-api.md`` sections 1.2, 2 and 4):
+What this reproduces (see ``docs/nomad-api.md`` sections 1.2, 2 and 4):
 
 * Go's ``encoding/json`` decodes field names case-insensitively and silently drops
   unknown fields. We do the same for the levels we know (Job, TaskGroup, Task, Network,

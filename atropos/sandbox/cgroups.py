@@ -1,0 +1,387 @@
+"""Per-slot control groups: one memory, process-count and CPU budget for everything a slot runs.
+
+RLIMIT_AS bounds one process; a slot of many processes, or one that parks pages in tmpfs or memfds
+(shared memory: charged to the memory cgroup of the process that first touched the page, and
+invisible in any process's RSS), needs a bound for the slot as a whole. That is a cgroup per slot:
+every sandbox of the slot starts inside it (``launcher``: placed before bwrap runs, so no child
+can be forked outside), and a reset kills everything in it and checks it is empty.
+
+Both hierarchies are supported:
+
+* cgroup v2 (unified, what systemd hosts and most users have): ``memory.max`` (and
+  ``memory.swap.max`` 0), ``pids.max``, ``cpu.weight`` / ``cpu.max``; ``cgroup.kill`` empties a slot.
+* cgroup v1 (per-controller hierarchies): ``memory.limit_in_bytes`` (and ``memsw`` when swap is
+  accounted), ``pids.max``, ``cpu.shares`` / ``cpu.cfs_quota_us``; emptied by a kill loop, which
+  ends because ``pids.max`` bounds what a fork bomb can add between two rounds.
+
+Where the slot cgroups live: a delegated directory (``HostConfig.cgroup_dir``: what the Docker
+backend bind-mounts into the container, see sandbox_image/README.md), else a subtree created
+under the host's own cgroup, so whatever bounds the host also bounds its slots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from atropos.errors import IsolationUnavailable
+
+log = logging.getLogger(__name__)
+
+V1_CONTROLLERS = ("memory", "pids", "cpu")
+V2_CONTROLLERS = ("memory", "pids", "cpu")
+CFS_PERIOD_US = 100_000
+SH = "/bin/sh"
+# Moves the shell into every cgroup.procs file named before "--", then execs the rest: the
+# sandbox, and every process it will ever fork, starts inside the slot's cgroup.
+_PLACE = 'for f do [ "$f" = -- ] && break; echo $$ >"$f" || exit 125; shift; done; shift; exec "$@"'
+PLACEMENT_FAILED = 125
+
+
+class CgroupUnavailable(IsolationUnavailable):
+    """No writable cgroup for per-slot limits here (the host refuses to start without one)."""
+
+
+@dataclass(frozen=True)
+class SlotCaps:
+    """What one slot may use as a whole (0 = that cap is not set)."""
+
+    memory_bytes: int
+    pids: int
+    cpus: float = 0.0  # a hard quota in CPUs; 0 = none (slots still share CPU equally by weight)
+
+
+@dataclass(frozen=True)
+class Mountinfo:
+    mountpoint: str
+    root: str
+    fstype: str
+    super_options: frozenset[str]
+
+
+def mountinfo() -> list[Mountinfo]:
+    out = []
+    with open("/proc/self/mountinfo") as fh:
+        for line in fh:
+            pre, _, post = line.partition(" - ")
+            f, p = pre.split(), post.split()
+            out.append(Mountinfo(mountpoint=f[4].replace("\\040", " "), root=f[3], fstype=p[0],
+                                 super_options=frozenset(p[2].split(",")) if len(p) > 2 else frozenset()))
+    return out
+
+
+def own_cgroups(pid: str = "self") -> dict[str, str]:
+    """Controller (``""`` for v2) -> this process's cgroup path, from /proc/<pid>/cgroup."""
+    out: dict[str, str] = {}
+    with open(f"/proc/{pid}/cgroup") as fh:
+        for line in fh:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for c in controllers.split(",") if controllers else [""]:
+                out[c.removeprefix("name=")] = path
+    return out
+
+
+def _write(path: Path, value: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(value)
+
+
+def _read(path: Path) -> str:
+    with open(path) as fh:
+        return fh.read()
+
+
+@dataclass
+class SlotCgroup:
+    """One slot's cgroup: a directory per hierarchy (one on v2, one per controller on v1)."""
+
+    name: str
+    version: int
+    dirs: dict[str, Path]  # controller (or "" on v2) -> directory
+
+    @property
+    def procs_files(self) -> list[str]:
+        return [str(d / "cgroup.procs") for d in self.dirs.values()]
+
+    @property
+    def main(self) -> Path:
+        return self.dirs[""] if self.version == 2 else self.dirs["pids"]
+
+    def launcher(self) -> list[str]:
+        """Prefix of a sandbox's argv that runs it inside this cgroup (exit 125 if it cannot)."""
+        return [SH, "-c", _PLACE, "atropos-cgroup", *self.procs_files, "--"]
+
+    def pids(self) -> list[int]:
+        try:
+            return [int(p) for p in _read(self.main / "cgroup.procs").split()]
+        except FileNotFoundError:
+            return []
+
+    def apply(self, caps: SlotCaps) -> None:
+        if self.version == 2:
+            d = self.dirs[""]
+            if caps.memory_bytes:
+                _write(d / "memory.max", str(caps.memory_bytes))
+                if (d / "memory.swap.max").exists():
+                    _write(d / "memory.swap.max", "0")
+            if caps.pids:
+                _write(d / "pids.max", str(caps.pids))
+            _write(d / "cpu.max", f"{int(caps.cpus * CFS_PERIOD_US)} {CFS_PERIOD_US}" if caps.cpus else "max")
+            return
+        mem, pids, cpu = self.dirs["memory"], self.dirs["pids"], self.dirs["cpu"]
+        if caps.memory_bytes:
+            _write(mem / "memory.limit_in_bytes", str(caps.memory_bytes))
+            if (mem / "memory.memsw.limit_in_bytes").exists():  # swap accounted: no escape into swap
+                _write(mem / "memory.memsw.limit_in_bytes", str(caps.memory_bytes))
+        if caps.pids:
+            _write(pids / "pids.max", str(caps.pids))
+        _write(cpu / "cpu.cfs_period_us", str(CFS_PERIOD_US))
+        _write(cpu / "cpu.cfs_quota_us", str(int(caps.cpus * CFS_PERIOD_US)) if caps.cpus else "-1")
+
+    def caps_in_force(self) -> dict[str, str]:
+        """The limits as the kernel reports them (for tests and status)."""
+        if self.version == 2:
+            d = self.dirs[""]
+            names = {"memory": "memory.max", "pids": "pids.max", "cpu": "cpu.max"}
+            return {k: _read(d / f).strip() for k, f in names.items() if (d / f).exists()}
+        return {"memory": _read(self.dirs["memory"] / "memory.limit_in_bytes").strip(),
+                "pids": _read(self.dirs["pids"] / "pids.max").strip(),
+                "cpu": _read(self.dirs["cpu"] / "cpu.cfs_quota_us").strip()}
+
+    def memory_bytes(self) -> int:
+        """Memory charged to the slot now (RSS, page cache, tmpfs and memfd pages, kernel memory)."""
+        if self.version == 2:
+            return int(_read(self.dirs[""] / "memory.current"))
+        return int(_read(self.dirs["memory"] / "memory.usage_in_bytes"))
+
+    def kill(self, rounds: int = 50) -> list[int]:
+        """SIGKILL every process in the cgroup until it is empty; survivors (none, normally)."""
+        if self.version == 2 and (self.main / "cgroup.kill").exists():
+            _write(self.main / "cgroup.kill", "1")
+        left: list[int] = []
+        for i in range(rounds):
+            left = self.pids()
+            if not left:
+                return []
+            for pid in left:
+                with contextlib.suppress(OSError):
+                    fd = os.pidfd_open(pid)
+                    try:
+                        signal.pidfd_send_signal(fd, signal.SIGKILL)
+                    finally:
+                        os.close(fd)
+            # a killed process leaves cgroup.procs once it is reaped (its parent, often in the
+            # cgroup too, dies with it; init reaps the rest)
+            time.sleep(min(0.002 * (i + 1), 0.05))
+        return self.pids()
+
+    def remove(self) -> None:
+        """Kill what is left and remove the directories (children first)."""
+        self.kill()
+        for d in self.dirs.values():
+            rmdir_tree(d)
+
+
+def rmdir_tree(d: Path) -> None:
+    """rmdir a cgroup and its child cgroups (a cgroup directory holds only kernel files)."""
+    if not d.is_dir():
+        return
+    for child in d.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            rmdir_tree(child)
+    for _ in range(50):  # a killed process may take a moment to leave
+        try:
+            d.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.02)
+    log.warning("could not remove cgroup %s", d)
+
+
+class SlotCgroups:
+    """The host's slot cgroups: a parent per hierarchy, a child per slot."""
+
+    def __init__(self, version: int, parents: dict[str, Path], *, owned: bool) -> None:
+        self.version = version
+        self.parents = parents
+        self.owned = owned  # we created the parents (and remove them at the end)
+        self.slots: dict[str, SlotCgroup] = {}
+
+    @property
+    def where(self) -> str:
+        return ", ".join(str(p) for p in self.parents.values())
+
+    @classmethod
+    def setup(cls, cgroup_dir: Path | None) -> SlotCgroups:
+        """Find or make a writable place for slot cgroups; CgroupUnavailable (with what to do) if none.
+
+        The host's slots get a subtree of their own (``atropos-<pid>``; in a delegated directory,
+        which hosts of several containers may share, ``atropos-<hostname>-<pid>``)."""
+        try:
+            if cgroup_dir is not None:
+                return cls._delegated(cgroup_dir, f"atropos-{socket.gethostname()}-{os.getpid()}")
+            return cls._nested(f"atropos-{os.getpid()}")
+        except OSError as exc:
+            raise CgroupUnavailable(f"cannot create per-slot cgroups: {exc}. {HINT}") from exc
+
+    @classmethod
+    def _delegated(cls, d: Path, label: str) -> SlotCgroups:
+        if (d / "cgroup.controllers").exists():
+            _enable_v2(d)
+            (d / label).mkdir(exist_ok=True)
+            _enable_v2(d / label)
+            return cls(2, {"": d / label}, owned=True)
+        parents = {c: d / c for c in V1_CONTROLLERS}
+        missing = [str(p) for p in parents.values() if not (p / "cgroup.procs").exists()]
+        if missing:
+            raise CgroupUnavailable(f"--cgroup-dir {d}: neither a cgroup v2 directory nor one holding v1 "
+                                    f"controller directories ({', '.join(missing)} missing). {HINT}")
+        for p in parents.values():
+            if not os.access(p, os.W_OK):
+                raise CgroupUnavailable(f"--cgroup-dir {d}: {p} is not writable by this host. {HINT}")
+        for c in parents:
+            parents[c] = parents[c] / label
+            parents[c].mkdir(exist_ok=True)
+        return cls(1, parents, owned=True)
+
+    @classmethod
+    def _nested(cls, label: str) -> SlotCgroups:
+        mounts = mountinfo()
+        own = own_cgroups()
+        v1 = {c: _v1_dir(mounts, own, c) for c in V1_CONTROLLERS}
+        if all(v1.values()):
+            parents: dict[str, Path] = {}
+            for c, base in v1.items():
+                assert base is not None
+                _remove_stale(base)
+                parents[c] = base / label
+                parents[c].mkdir(exist_ok=True)
+            return cls(1, parents, owned=True)
+        v2 = _v2_dir(mounts, own)
+        if v2 is None:
+            found = [c for c, p in v1.items() if p] if any(v1.values()) else []
+            raise CgroupUnavailable(
+                "no cgroup hierarchy with the memory, pids and cpu controllers is mounted here"
+                + (f" (v1 has only {found})" if found else "") + f". {HINT}")
+        return cls._nested_v2(v2, label)
+
+    @classmethod
+    def _nested_v2(cls, base: Path, label: str) -> SlotCgroups:
+        """v2 forbids processes in a cgroup that hands controllers to children: the host moves
+        itself into a leaf of its own cgroup first, which works when nothing else lives there
+        (a systemd service or scope with Delegate=yes, a container's own cgroup)."""
+        available = set(_read(base / "cgroup.controllers").split())
+        if not set(V2_CONTROLLERS) <= available:
+            raise CgroupUnavailable(f"cgroup {base} does not offer {sorted(set(V2_CONTROLLERS) - available)} "
+                                    f"to its children. {HINT}")
+        enabled = set(_read(base / "cgroup.subtree_control").split())
+        if not set(V2_CONTROLLERS) <= enabled:
+            others = [p for p in _read(base / "cgroup.procs").split() if _tgid(p) != os.getpid()]
+            if others:
+                raise CgroupUnavailable(
+                    f"cgroup {base} holds other processes ({len(others)}) besides this host, so it cannot "
+                    f"hand controllers to slot cgroups. {HINT}")
+            leaf = base / f"{label}-host"
+            leaf.mkdir(exist_ok=True)
+            _write(leaf / "cgroup.procs", str(os.getpid()))
+            _enable_v2(base)
+        _remove_stale(base)
+        parent = base / label
+        parent.mkdir(exist_ok=True)
+        _enable_v2(parent)
+        return cls(2, {"": parent}, owned=True)
+
+    def slot(self, name: str, caps: SlotCaps) -> SlotCgroup:
+        """The slot's cgroup, created (or emptied, if a previous host left it) with ``caps``."""
+        dirs = {c: p / name for c, p in self.parents.items()}
+        for d in dirs.values():
+            d.mkdir(exist_ok=True)
+        cg = SlotCgroup(name, self.version, dirs)
+        survivors = cg.kill()
+        if survivors:
+            raise CgroupUnavailable(f"cgroup {cg.main} still holds processes {survivors} left by an earlier host")
+        cg.apply(caps)
+        self.slots[name] = cg
+        return cg
+
+    def close(self) -> None:
+        for cg in self.slots.values():
+            cg.remove()
+        self.slots.clear()
+        if self.owned:
+            for p in self.parents.values():
+                rmdir_tree(p)
+
+
+def _remove_stale(base: Path) -> None:
+    """Slot cgroups of hosts that died without cleaning up (SIGKILL): ``atropos-<pid>`` of a dead pid."""
+    for d in base.glob("atropos-*"):
+        pid = d.name.removeprefix("atropos-").removesuffix("-host")
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        for child in d.iterdir() if d.is_dir() else []:
+            if (child / "cgroup.procs").exists():
+                SlotCgroup(child.name, 1, {"pids": child}).kill()
+        rmdir_tree(d)
+
+
+def _tgid(pid: str) -> int:
+    try:
+        for line in _read(Path(f"/proc/{pid}/status")).splitlines():
+            if line.startswith("Tgid:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
+def _enable_v2(d: Path) -> None:
+    enabled = set(_read(d / "cgroup.subtree_control").split())
+    missing = [c for c in V2_CONTROLLERS if c not in enabled]
+    if missing:
+        _write(d / "cgroup.subtree_control", " ".join(f"+{c}" for c in missing))
+
+
+def _v1_dir(mounts: list[Mountinfo], own: dict[str, str], controller: str) -> Path | None:
+    """Where this process's own v1 cgroup of ``controller`` is visible (None: not mounted)."""
+    path = own.get(controller)
+    if path is None:
+        return None
+    for m in mounts:
+        if m.fstype == "cgroup" and controller in m.super_options:
+            rel = os.path.relpath(path, m.root) if m.root != "/" else path.lstrip("/")
+            if rel.startswith(".."):
+                continue
+            d = Path(m.mountpoint) / rel
+            if (d / "cgroup.procs").exists():
+                return d
+    return None
+
+
+def _v2_dir(mounts: list[Mountinfo], own: dict[str, str]) -> Path | None:
+    path = own.get("")
+    if path is None:
+        return None
+    for m in mounts:
+        if m.fstype == "cgroup2":
+            rel = os.path.relpath(path, m.root) if m.root != "/" else path.lstrip("/")
+            d = Path(m.mountpoint) / rel
+            if not rel.startswith("..") and (d / "cgroup.controllers").exists():
+                controllers = set(_read(d / "cgroup.controllers").split())
+                if set(V2_CONTROLLERS) <= controllers or _read(d / "cgroup.subtree_control").strip():
+                    return d
+    return None
+
+
+HINT = ("Slots need a cgroup each for their memory, process and CPU caps: run the host as root, in a "
+        "delegated cgroup (systemd: Delegate=yes), or with --cgroup-dir naming a writable cgroup subtree "
+        "(the Docker backend mounts one, see sandbox_image/README.md). DEVELOPMENT ONLY: --unsafe-no-cgroups "
+        "runs without per-slot caps (one slot can then take the whole machine's memory).")

@@ -1,0 +1,113 @@
+"""A new user's first day with AgentEnv (issue 20): evaluate starts rollouts as training does (the
+group step included), all-equal groups are kept (or, when asked to drop them, counted), and
+evaluate prints its metrics. Scripted policies on a real local pool."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("atroposlib")
+
+from atropos.envs.agent_env import AgentEnvConfig
+from atropos.envs.examples.coding import TASKS, CodingEnv
+from atropos.testing import server_configs
+from tests.scripted_env import CodingPolicy
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir() -> str:
+    from atropos.agent.model import default_gguf_path, ensure_tokenizer_dir
+
+    if not default_gguf_path().exists():
+        pytest.skip("the model file is missing: run `python3 scripts/model_server.py ensure --model-only`")
+    return str(ensure_tokenizer_dir())
+
+
+def _env(env_cls: type[CodingEnv], tokenizer_dir: str, policy: type = CodingPolicy, **overrides: Any) -> CodingEnv:
+    fields: dict[str, Any] = dict(tokenizer_name=tokenizer_dir, group_size=2, use_wandb=False, wandb_name="t",
+                                  slots_per_host=4, max_hosts=1, agent_max_steps=4,
+                                  enabled_toolsets=["shell", "files"], tool_batch_window_ms=5)
+    fields.update(overrides)
+    cls = type("Env", (env_cls,), {"server_cls": policy})
+    env = cls(AgentEnvConfig(**fields), server_configs(), slurm=False, testing=False)
+    env.index = 0
+    return env
+
+
+class GroupSetupEnv(CodingEnv):
+    """Scores 1 only when the group step's file is in the rollout's slot."""
+
+    async def setup_group_workspace(self, item: Any, *, trajectory_id: str, exec_tool: Any,
+                                    lease: Any) -> dict[str, Any]:
+        await lease.write_file("from_group_setup.txt", "prepared")
+        return {}
+
+    async def verify_and_score_trajectory(self, item: Any, final_response: str, *, trajectory_id: str,
+                                          exec_tool: Any, lease: Any,
+                                          agent_result: Any) -> tuple[float, dict[str, Any]]:
+        r = await lease.call("read_file", {"path": "from_group_setup.txt"})
+        return (1.0 if r.ok and r.result["content"] == "prepared" else 0.0), {}
+
+
+async def test_evaluate_runs_the_group_setup(tokenizer_dir: str, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    env = _env(GroupSetupEnv, tokenizer_dir, data_dir_to_save_evals=str(tmp_path))
+    try:
+        await env.evaluate()
+        metrics = json.loads((tmp_path / "metrics.json").read_text())["results"]["all"]
+        assert metrics["eval/n"] == 3 and metrics["eval/mean_score"] == 1.0, metrics
+        assert env.eval_stats["group_setups"] == 3 and env.stats["group_setups"] == 0
+        assert env.pool is not None
+        for host in env.pool.hosts.values():
+            assert await host.client.templates() == []  # each eval item's template went with it
+    finally:
+        await env.shutdown_sandbox()
+    assert "[atropos-sandbox] eval: eval/n=3" in capsys.readouterr().out
+
+
+async def test_evaluate_prints_metrics_without_an_eval_dir(tokenizer_dir: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    env = _env(CodingEnv, tokenizer_dir)
+    try:
+        await env.evaluate()
+    finally:
+        await env.shutdown_sandbox()
+    out = capsys.readouterr().out
+    assert "eval/n=3" in out and "eval/mean_score=1.000" in out, out
+
+
+class Cheat(CodingPolicy):
+    mode = "cheat"  # every rollout fails the hidden tests: an all-zero group
+
+
+async def test_an_all_zero_group_is_saved_by_default(tokenizer_dir: str, tmp_path: Path) -> None:
+    assert AgentEnvConfig().ensure_scores_are_not_same is False
+    out = tmp_path / "groups.jsonl"
+    env = _env(CodingEnv, tokenizer_dir, Cheat, data_path_to_save_groups=str(out))
+    try:
+        group, _ = await env.collect_trajectories(TASKS[0])
+        assert group is not None and group["scores"] == [0.0, 0.0]
+        await env.handle_send_to_api(group, TASKS[0], do_send_to_api=False)
+    finally:
+        await env.shutdown_sandbox()
+    env.jsonl_writer.close()  # type: ignore[union-attr]
+    saved = [json.loads(line) for line in Path(env.config.data_path_to_save_groups or "").read_text().splitlines()]
+    assert [g["scores"] for g in saved] == [[0.0, 0.0]]
+
+
+async def test_dropping_equal_groups_when_asked_is_reported(tokenizer_dir: str, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "groups.jsonl"
+    env = _env(CodingEnv, tokenizer_dir, Cheat, data_path_to_save_groups=str(out), ensure_scores_are_not_same=True)
+    try:
+        group, _ = await env.collect_trajectories(TASKS[0])
+        await env.handle_send_to_api(group, TASKS[0], do_send_to_api=False)
+    finally:
+        await env.shutdown_sandbox()
+    env.print_summary()
+    assert env.stats["groups_dropped_same_scores"] == 1
+    assert "1 group(s) dropped" in capsys.readouterr().out
