@@ -72,6 +72,12 @@ class RayBackendConfig(BaseModel):
     loopback: bool | None = Field(None, description="keep Ray on 127.0.0.1 (a single-machine cluster); "
                                                     "default: when the address is loopback or Ray is started here")
     unsafe_no_isolation: bool = Field(False, description="DEVELOPMENT ONLY: no bubblewrap")
+    # the local backend's per-slot cgroup caps, applied by the host on its node
+    slot_memory_bytes: int = Field(4 << 30, ge=64 << 20, description="memory one slot may hold as a whole "
+                                   "(processes, tmpfs and memfd pages): its own cgroup")
+    slot_pids: int = Field(1024, ge=16, description="processes and threads per slot")
+    slot_cpus: float = Field(0.0, ge=0, description="hard CPU quota per slot (CPUs); 0 = equal shares only")
+    unsafe_no_cgroups: bool = Field(False, description="DEVELOPMENT ONLY: no per-slot cgroup (no slot-wide caps)")
     host_log_level: str = "WARNING"
 
     def build(self) -> RayBackend:
@@ -236,7 +242,8 @@ class RayBackend(Backend):
         launch = {"slots": c.slots_per_host, "data_dir": str(c.data_root / c.pool_id / host_dir),
                   "max_timeout_s": c.max_timeout_s, "workspace_bytes": c.slot_workspace_bytes,
                   "prewarm": c.prewarm, "unsafe_no_isolation": c.unsafe_no_isolation,
-                  "log_level": c.host_log_level, "python": c.python}
+                  "slot_memory_bytes": c.slot_memory_bytes, "slot_pids": c.slot_pids, "slot_cpus": c.slot_cpus,
+                  "unsafe_no_cgroups": c.unsafe_no_cgroups, "log_level": c.host_log_level, "python": c.python}
         actor = self._actor_cls.options(
             name=name, namespace=c.namespace, num_cpus=c.num_cpus, resources={c.resource: c.resource_per_host},
             max_restarts=0, max_task_retries=0, max_concurrency=8,
