@@ -99,6 +99,7 @@ class _HostQueue:
         self.host = host
         self.loop = asyncio.get_running_loop()
         self.turns: deque[list[_Pending]] = deque()  # a turn's calls always share one request (slot order)
+        self.items = 0  # calls waiting in turns
         self.holding = 0
         self.inflight: set[_Request] = set()
         self._soon: asyncio.Handle | None = None
@@ -107,16 +108,12 @@ class _HostQueue:
         self._first_wait = 0.0  # arrival of the oldest waiting call (loop time)
         self.typical_s = TYPICAL_START_S  # moving average of send -> result, for the hold
 
-    @property
-    def items(self) -> int:
-        """Calls waiting to be sent."""
-        return sum(len(turn) for turn in self.turns)
-
     def put(self, calls: Sequence[ToolCall]) -> list[asyncio.Future[CallResult]]:
         turn: list[_Pending] = [(call, self.loop.create_future()) for call in calls]
         if not self.turns:
             self._first_wait = self.loop.time()
         self.turns.append(turn)
+        self.items += len(turn)
         self._schedule()
         return [fut for _, fut in turn]
 
@@ -151,7 +148,9 @@ class _HostQueue:
         while self.turns:
             batch: list[_Pending] = []
             while self.turns and (not batch or len(batch) + len(self.turns[0]) <= limit):
-                batch.extend(p for p in self.turns.popleft() if not p[1].done())  # drop cancelled calls
+                turn = self.turns.popleft()
+                self.items -= len(turn)
+                batch.extend(p for p in turn if not p[1].done())  # drop cancelled calls
             if batch:
                 self._start(batch)
 
@@ -231,6 +230,7 @@ class _HostQueue:
         while self.turns:
             for _, fut in self.turns.popleft():
                 fut.cancel()
+        self.items = 0
         tasks = [r.task for r in self.inflight if r.task is not None]
         for task in tasks:
             task.cancel()
