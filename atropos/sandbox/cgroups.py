@@ -40,7 +40,10 @@ CFS_PERIOD_US = 100_000
 SH = "/bin/sh"
 # Moves the shell into every cgroup.procs file named before "--", then execs the rest: the
 # sandbox, and every process it will ever fork, starts inside the slot's cgroup.
-_PLACE = 'for f do [ "$f" = -- ] && break; echo $$ >"$f" || exit 125; shift; done; shift; exec "$@"'
+# The shell exports PWD (the host's working directory): unset it so bwrap's init, whose environment the
+# slot can read at /proc/1/environ, starts with the empty environment the host gave it.
+_PLACE = ('for f do [ "$f" = -- ] && break; echo $$ >"$f" || exit 125; shift; done; shift; '
+          'unset PWD OLDPWD; exec "$@"')
 PLACEMENT_FAILED = 125
 
 
