@@ -9,8 +9,9 @@ example (hidden tests, ``atropos.envs.examples.hidden_tests``) and on a small us
 checks a file with ``Lease.verify`` as the README shows. Real bubblewrap, real processes.
 
 Against the earlier design (the verifier a ``bash`` call in the agent's own sandbox, helpers
-dumpable, start-up code of warm interpreters outliving its call) the ``steal_and_forge`` row
-scored 1.0 with the unchanged stub (see docs/verification.md).
+dumpable, start-up code of warm interpreters outliving its call) ``steal_and_forge``,
+``startup_files`` and ``waiting_daemon`` scored 1.0 with the unchanged stub (see
+docs/verification.md).
 """
 
 from __future__ import annotations
