@@ -504,6 +504,8 @@ async def test_the_verification_phase_api(pool: SlotPool) -> None:
         await lease.bash("sleep 300 &")
         sealed = await lease.seal()
         assert sealed is not None and sealed.separation
+        info = {i.slot: i for i in await lease.host.client.slots()}[lease.slot]
+        assert info.sealed and not info.sandbox_running  # every process of the agent is gone
         with pytest.raises(ToolError, match="verification_phase"):
             await lease.bash("true")
         with pytest.raises(SlotSealed):
@@ -522,6 +524,7 @@ async def test_the_verification_phase_api(pool: SlotPool) -> None:
         assert write.error is not None and "Read-only file system" in write.error.message
         await lease.reset()
         assert (await lease.bash("echo again"))["stdout"] == "again\n"  # a reset ends the phase
+        assert not {i.slot: i for i in await lease.host.client.slots()}[lease.slot].sealed
 
 
 async def test_the_rest_slot_api_verifies(pool: SlotPool) -> None:
