@@ -9,8 +9,9 @@ example (hidden tests, ``atropos.envs.examples.hidden_tests``) and on a small us
 checks a file with ``Lease.verify`` as the README shows. Real bubblewrap, real processes.
 
 Against the earlier design (the verifier a ``bash`` call in the agent's own sandbox, helpers
-dumpable, start-up code of warm interpreters outliving its call) the ``steal_and_forge`` row
-scored 1.0 with the unchanged stub (see docs/verification.md).
+dumpable, start-up code of warm interpreters outliving its call) ``steal_and_forge``,
+``startup_files`` and ``waiting_daemon`` scored 1.0 with the unchanged stub (see
+docs/verification.md).
 """
 
 from __future__ import annotations
@@ -206,15 +207,16 @@ def late_solver():
             fh.write("def add(a, b):\n    return a + b\n")
     except OSError:
         pass
-def daemon():
-    if os.fork():
-        return
-    os.setsid()
-    if os.fork():
-        os._exit(0)
-    import signal, threading
-    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(s, signal.SIG_IGN)
+def verifier_seen():
+    for p in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            if b"verif" in open(p, "rb").read():
+                return True
+        except OSError:
+            pass
+    return not os.path.exists("/proc/2")
+def work():
+    import threading
     end = time.time() + 60
     def forger():
         while time.time() < end:
@@ -223,10 +225,19 @@ def daemon():
     threading.Thread(target=forger, daemon=True).start()
     while time.time() < end:
         forge(loot())
-        if not os.path.exists("/proc/2") or any("verif" in open(p, "rb").read().decode("latin-1")
-                                                for p in glob.glob("/proc/[0-9]*/cmdline") if os.path.exists(p)):
+        if verifier_seen():
             late_solver()
         time.sleep(0.01)
+def daemon():
+    if os.fork():
+        return
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    import signal
+    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
+    work()
     os._exit(0)
 '''
 
@@ -265,12 +276,13 @@ async def startup_files(lease: Lease) -> None:
 
 
 async def waiting_daemon(lease: Lease) -> None:
-    """A detached process that ignores SIGTERM/SIGHUP and waits for the verifier (or the end of
-    the rollout) to rewrite the workspace with a right answer while the verifier runs."""
+    """A detached process (and a thread of the python_session) that ignores SIGTERM/SIGHUP and
+    waits for the verifier (or the end of the rollout) to rewrite the workspace with a right
+    answer while the verifier runs."""
     await lease.bash("nohup setsid " + _py(DAEMON + "\ndaemon()\n").strip() + " &\ndisown -a; sleep 0.2")
     await lease.call("terminal", {"input": _py(DAEMON + "\ndaemon()\n").strip(), "wait_ms": 500})
-    await lease.python_session("import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', %r], "
-                               "start_new_session=True)" % (DAEMON + "\ndaemon()\n"))
+    # the session kills a call's child processes at its end, but keeps its interpreter: a thread
+    await lease.python_session(DAEMON + "\nimport threading\nthreading.Thread(target=work, daemon=True).start()\n")
 
 
 async def steal_and_forge(lease: Lease) -> None:
@@ -492,6 +504,8 @@ async def test_the_verification_phase_api(pool: SlotPool) -> None:
         await lease.bash("sleep 300 &")
         sealed = await lease.seal()
         assert sealed is not None and sealed.separation
+        info = {i.slot: i for i in await lease.host.client.slots()}[lease.slot]
+        assert info.sealed and not info.sandbox_running  # every process of the agent is gone
         with pytest.raises(ToolError, match="verification_phase"):
             await lease.bash("true")
         with pytest.raises(SlotSealed):
@@ -510,6 +524,7 @@ async def test_the_verification_phase_api(pool: SlotPool) -> None:
         assert write.error is not None and "Read-only file system" in write.error.message
         await lease.reset()
         assert (await lease.bash("echo again"))["stdout"] == "again\n"  # a reset ends the phase
+        assert not {i.slot: i for i in await lease.host.client.slots()}[lease.slot].sealed
 
 
 async def test_the_rest_slot_api_verifies(pool: SlotPool) -> None:
@@ -547,3 +562,60 @@ async def test_the_rest_slot_api_verifies(pool: SlotPool) -> None:
     finally:
         srv.should_exit = True
         await task
+
+
+# -- AgentEnv: every rollout is sealed before verify_and_score_trajectory ---------------------------
+BEATER = ("import threading, time\ndef beat():\n    while True:\n        open('/workspace/beat', 'a').write('x')\n"
+          "        time.sleep(0.02)\nthreading.Thread(target=beat, daemon=True).start()\nprint('beating')")
+
+
+async def test_agent_env_seals_every_rollout_before_its_verification() -> None:
+    """A scripted agent leaves a thread in its python_session (which keeps its interpreter between
+    calls by design) writing into the workspace; by the time ``verify_and_score_trajectory`` runs it
+    is dead and no command runs."""
+    from atropos.agent.loop import assistant_turns
+    from atropos.agent.model import default_gguf_path, ensure_tokenizer_dir
+    from atropos.envs.agent_env import AgentEnvConfig
+    from atropos.envs.examples.coding import CodingEnv
+    from tests.scripted import ScriptedServer, call, reply, server_configs
+
+    if not default_gguf_path().exists():
+        pytest.skip("the model file is missing: run `python3 scripts/model_server.py ensure --model-only`")
+
+    class Beater(ScriptedServer):
+        async def respond(self, messages: list[dict[str, object]]) -> object:
+            turn = assistant_turns(messages)  # type: ignore[arg-type]
+            if turn == 0:
+                return call("python_session", code=BEATER)
+            if turn == 1:
+                return call("write_file", path="solution.py", content=HONEST_ADD)
+            return reply("Done.")
+
+    seen: list[tuple[int, int, str]] = []
+
+    class SealedCheck(CodingEnv):
+        server_cls = Beater
+
+        async def verify_and_score_trajectory(self, item: dict[str, object], final_response: str, *,
+                                              lease: Lease, **kw: object) -> tuple[float, dict[str, object]]:
+            first = int((await lease.ok("stat", {"path": "beat"}))["size"])
+            await asyncio.sleep(0.5)
+            second = int((await lease.ok("stat", {"path": "beat"}))["size"])
+            refused = (await lease.call("bash", {"command": "true"})).error
+            seen.append((first, second, refused.code if refused else "ran"))
+            return await super().verify_and_score_trajectory(item, final_response, lease=lease, **kw)  # type: ignore[arg-type]
+
+    cfg = AgentEnvConfig(tokenizer_name=str(ensure_tokenizer_dir()), group_size=2, use_wandb=False, wandb_name="t",
+                         slots_per_host=2, max_hosts=1, agent_max_steps=4,
+                         enabled_toolsets=["shell", "files", "python"], ensure_scores_are_not_same=False)
+    env = SealedCheck(cfg, server_configs(), slurm=False, testing=False)
+    env.index = 0
+    await env.setup_sandbox()
+    try:
+        group, backlog = await env.collect_trajectories(ADD)
+    finally:
+        await env.shutdown_sandbox()
+    assert backlog == [] and group is not None and group["scores"] == [1.0, 1.0]
+    assert len(seen) == 2
+    for first, second, refused in seen:
+        assert first > 0 and first == second and refused == "verification_phase", seen

@@ -141,6 +141,7 @@ class SlotInfo(BaseModel):
     detail: str = ""
     template: str | None = Field(None, description="the template this workspace is a fork of")
     workspace: WorkspaceKindName = Field("plain", description="plain dir | overlay fork | copy of a template")
+    sealed: bool = Field(False, description="in its verification phase: nothing runs in it until its reset")
 
 
 class HealthInfo(BaseModel):

@@ -149,6 +149,7 @@ class Slot:
             sandbox_running=self.sandbox is not None and self.sandbox.alive,
             session_running=self.session is not None and self.session.alive,
             template=None if self.template is None else self.template.id, workspace=self.ws_kind,
+            sealed=self.sealed,
         )
 
     # -- sandboxes -------------------------------------------------------------------------
