@@ -51,6 +51,7 @@ class ServeSettings(BaseModel):
     max_hosts: int = Field(4, ge=1)
     image: str = "atropos-sandbox:dev"
     nomad_address: str | None = None  # default: $NOMAD_ADDR, else http://127.0.0.1:4646
+    ray_address: str | None = None  # default: $RAY_ADDRESS, else a Ray started by serve on 127.0.0.1
     # names files in the state dir and Nomad job ids: no path separators
     pool_id: str = Field("cli", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     allow_no_auth: bool = False
@@ -203,6 +204,7 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
     _setting_flag(p, "max_hosts", "most hosts (default 4)", type=int)
     _setting_flag(p, "image", "docker/nomad: sandbox image (default atropos-sandbox:dev)")
     _setting_flag(p, "nomad_address", "nomad: agent address (default $NOMAD_ADDR)")
+    _setting_flag(p, "ray_address", "ray: cluster address (default $RAY_ADDRESS, else a Ray started here)")
     _setting_flag(p, "pool_id", "names this pool's hosts and state (default cli)")
     _setting_flag(p, "web_provider", "web_search/web_extract provider (default offline corpus)",
                   choices=["offline", "http", "none"])
@@ -236,7 +238,7 @@ def backend_settings(s: ServeSettings, kind: BackendKind | None = None) -> Any:
     from atropos.backends.config import BackendSettings
 
     return BackendSettings(kind=kind or s.backend, pool_id=s.pool_id, slots_per_host=s.slots_per_host,
-                           image=s.image, nomad_address=s.nomad_address)
+                           image=s.image, nomad_address=s.nomad_address, ray_address=s.ray_address)
 
 
 def nomad_config(s: ServeSettings) -> Any:
@@ -572,13 +574,20 @@ def render_status(status: dict[str, Any]) -> str:
               if k in status]
     if events:
         lines.append("events: " + ", ".join(events))
+    nodes: dict[str, int] = {}
+    for h in status["hosts"]:
+        if h.get("node"):
+            nodes[h["node"]] = nodes.get(h["node"], 0) + 1
+    if nodes:  # backends that place hosts on cluster nodes (ray)
+        lines.append(f"nodes: {len(nodes)} (" + ", ".join(f"{n[:12]}: {k} host(s)" for n, k in nodes.items()) + ")")
     lines.append(f"{'HOST':<34} {'HEALTH':<8} {'FREE':>5} {'LEASED':>6} {'QUAR':>5} {'OLDEST LEASE':>13} "
                  f"{'PROBE ms':>9}")
     for h in status["hosts"]:
         oldest = "-" if h["oldest_lease_s"] is None else f"{h['oldest_lease_s']:.0f}s"
         probe = "-" if h["health_ms"] is None else f"{h['health_ms']:.1f}"
+        node = f"  node {h['node'][:12]}" if h.get("node") else ""
         lines.append(f"{h['id'][:34]:<34} {'ok' if h['healthy'] else 'FAIL':<8} {h['free']:>5} {h['leased']:>6} "
-                     f"{h['quarantined']:>5} {oldest:>13} {probe:>9}")
+                     f"{h['quarantined']:>5} {oldest:>13} {probe:>9}{node}")
     if status.get("starting_hosts"):
         lines.append(f"({status['starting_hosts']} host(s) starting)")
     return "\n".join(lines)

@@ -36,6 +36,11 @@ class LeaseError(AtroposSandboxError):
     """A lease is unknown, stale (the slot was reset since) or belongs to someone else."""
 
 
+class SlotSealed(LeaseError):
+    """The slot is in its verification phase: the agent's part of the lease is over, so nothing
+    runs or writes in it any more (only reading the workspace and ``verify``) until its reset."""
+
+
 class SlotUnavailable(AtroposSandboxError):
     """No slot could be leased within the timeout."""
 

@@ -123,7 +123,9 @@ async def run(quick: bool) -> ScenarioResult:
         held = [await pool.lease(f"many-check-{i}") for i in range(SLOTS)]
         outs = await asyncio.gather(*(lease.bash('test -z "$(ls -A)" || echo DIRTY') for lease in held))
         dirty += sum("DIRTY" in out["stdout"] for out in outs)
+        mark_host = len(host_ms)
         await asyncio.gather(*(pool.release(lease) for lease in held))
+        del host_ms[mark_host:]  # empty slots: not a measurement
     finally:
         await pool.stop()
         shutil.rmtree(BENCH_ROOT / "local" / pool.cfg.pool_id, ignore_errors=True)

@@ -47,6 +47,7 @@ from schemathesis.specs.openapi.checks import content_type_conformance, response
 
 from atropos.agent.parsing import CLOSE, OPEN, ParseResult, parse_hermes, parse_openai
 from atropos.api.server import ToolServerSettings, create_tool_server
+from atropos.sandbox.tools import TOOLS
 from atropos.slots.config import PoolConfig
 from atropos.slots.pool import SlotPool
 from tests.pool_backends import make_backend
@@ -393,6 +394,141 @@ def _workspace_holds(workspace: Path, marker: str) -> bool:
                     p.read_text(errors="replace") == marker:
                 return True
     return False
+
+
+# =====================================================================================================
+# 2b. Every tool's arguments: tool errors, never a dead sandbox, a 5xx or a hang
+# =====================================================================================================
+TOOL_EXAMPLES = int(os.environ.get("ATROPOS_FUZZ_TOOL_EXAMPLES", "200"))
+# Codes of a clean refusal; `sandbox_failed` (the supervisor died) and `tool_error` (an exception the
+# supervisor did not expect) are failures.
+TOOL_CODES = CLEAN_CODES | {"lease_invalid", "no_match", "ambiguous_match", "not_text", "terminal_unavailable",
+                            "changed_during_archive", "os_error"}
+ODD_NAMES = ["odd_fifo", "odd_sock", "odd_dir", "odd_link", "odd_dangling", "odd_deep", "odd_zero", "odd_big",
+             "odd_empty", "odd_ro", "odd_none", "odd_dir/inner", "/run/term/tmux.sock", "/run/term/terminal.log"]
+# any unicode, lone surrogates included (the body goes out with ensure_ascii: they travel as escapes)
+any_text = st.text(alphabet=st.characters(), max_size=24)
+odd_paths = st.one_of(st.sampled_from(ODD_NAMES), st.sampled_from(ODD_NAMES), st.sampled_from([".", ""]), any_text,
+                    st.sampled_from(HOSTILE), paths())
+numbers = st.one_of(
+    st.sampled_from([0, 1, -1, 2**31, 2**32, 2**63 - 1, 2**63, 2**64, 10**20, -(10**20), 10**400]),
+    st.integers(), st.floats(), st.none(), st.booleans(), any_text,
+)
+# Well-typed values (the junk comes from `numbers`, in a third of the calls: see tool_calls)
+offsets = st.one_of(st.integers(0, 2**64), st.sampled_from([0, 1, 4095, 4096, 2**62, 2**63 - 1, 2**63]))
+timeouts = st.floats(0.01, 5)
+flags = st.booleans()
+encodings = st.sampled_from(["text", "base64"])
+# commands stay harmless (the workspace keeps its odd files); everything around them is fuzzed
+commands = st.sampled_from(["true", "echo x", "ls -la", "printf '\\000\\377'", "cat odd_big | head -c 10",
+                            "exit 3", "kill -9 $$"])
+TOOL_ARGS: dict[str, dict[str, Any]] = {
+    "bash": {"command": commands, "timeout_s": timeouts, "workdir": odd_paths, "stdin": st.none() | any_text},
+    "python": {"code": st.sampled_from(["pass", "print(1)", "import os; os.listdir('.')"]), "timeout_s": timeouts},
+    "python_session": {"code": st.sampled_from(["", "x = 1", "x", "1/0"]), "timeout_s": timeouts, "restart": flags},
+    "read_file": {"path": odd_paths, "offset": offsets, "limit": offsets, "encoding": encodings},
+    "write_file": {"path": odd_paths, "content": any_text, "encoding": encodings, "append": flags},
+    "edit_file": {"path": odd_paths, "old_string": any_text, "new_string": any_text, "replace_all": flags},
+    "list_dir": {"path": odd_paths, "max_entries": st.integers(-5, 200_000)},
+    "stat": {"path": odd_paths},
+    # typed text never ends a line: the shell only ever sees C-c'd fragments
+    "terminal": {"input": st.text(alphabet="abcxyz0123 ", max_size=12), "enter": st.just(False),
+                 "keys": st.lists(st.sampled_from(["C-c", "Escape", "-X", "-t", "", "\x00", "Up"]), max_size=3),
+                 "wait_ms": st.one_of(st.integers(0, 1500), st.integers(max_value=-1), st.integers(min_value=60_001))},
+    "archive": {"path": odd_paths},
+}
+ODD_SETUP = r"""
+import os, socket
+os.mkfifo('odd_fifo')
+socket.socket(socket.AF_UNIX).bind('odd_sock')
+os.makedirs('odd_dir/inner')
+os.symlink('/etc', 'odd_link')
+os.symlink('nowhere', 'odd_dangling')
+os.symlink('/dev/zero', 'odd_zero')
+with open('odd_big', 'wb') as fh:
+    fh.truncate(1 << 29)  # sparse: over every read cap, no pages
+open('odd_empty', 'w').close()
+open('odd_ro', 'w').write('read only')
+os.chmod('odd_ro', 0)
+os.mkdir('odd_none', 0)
+fd = os.open('.', os.O_RDONLY)
+os.mkdir('odd_deep', dir_fd=fd)
+for _ in range(3000):
+    nxt = os.open('odd_deep', os.O_RDONLY, dir_fd=fd)
+    os.close(fd)
+    fd = nxt
+    os.mkdir('odd_deep', dir_fd=fd)
+print('ready')
+"""
+
+
+@dataclass
+class ToolRig:
+    http: httpx.Client
+    slot: int
+    lease: str
+    codes: collections.Counter[str] = field(default_factory=collections.Counter)
+    start_id: str = ""
+
+    def post(self, tool: str, args: dict[str, Any]) -> dict[str, Any]:
+        body = {"id": "t", "slot": self.slot, "lease": self.lease, "tool": tool, "args": args}
+        resp = self.http.post("/v1/call", content=json.dumps(body).encode(),
+                              headers={"Content-Type": "application/json"})
+        assert resp.status_code == 200, f"{tool} {args!r}: HTTP {resp.status_code} {resp.text[:300]}"
+        out: dict[str, Any] = resp.json()
+        return out
+
+    def sandbox_id(self) -> str:
+        out = self.post("bash", {"command": "awk '{print $22}' /proc/1/stat"})
+        assert out["ok"], out
+        return str(out["result"]["stdout"].strip())
+
+
+@pytest.fixture(scope="module")
+def tool_rig(path_rig: PathRig) -> Iterator[ToolRig]:
+    """A slot of its own on the path-fuzz host, its workspace full of odd file types."""
+    lease = path_rig.http.post("/v1/leases", json={"trajectory_id": "fuzz-tools", "slot": 2}).json()
+    rig = ToolRig(path_rig.http, lease["slot"], lease["lease"])
+    setup = rig.post("python", {"code": ODD_SETUP})
+    assert setup["ok"] and setup["result"]["stdout"] == "ready\n", setup
+    rig.start_id = rig.sandbox_id()
+    yield rig
+    print(f"\ntool fuzz outcomes: {dict(rig.codes.most_common())}")
+
+
+@st.composite
+def tool_calls(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    tool = draw(st.sampled_from(sorted(TOOL_ARGS)))
+    junk = draw(st.integers(0, 2), label="junk") == 0
+    args = {}
+    model = TOOLS[tool].args.model_fields
+    for key, valid in TOOL_ARGS[tool].items():
+        if (not junk and model[key].is_required()) or draw(st.integers(0, 3), label=f"has {key}"):
+            args[key] = draw(numbers if junk and draw(st.booleans()) else valid, label=key)
+    if junk and draw(st.integers(0, 3)) == 0:
+        args[draw(any_text, label="extra key")] = draw(numbers, label="extra value")
+    return tool, args
+
+
+@settings(max_examples=TOOL_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(call=tool_calls())
+def test_every_tool_argument_is_a_tool_error_never_a_dead_sandbox(tool_rig: ToolRig,
+                                                                    call: tuple[str, dict[str, Any]]) -> None:
+    tool, args = call
+    out = tool_rig.post(tool, args)
+    if out["ok"]:
+        tool_rig.codes[f"ok {tool}"] += 1
+        return
+    err = out["error"]
+    tool_rig.codes[err["code"]] += 1
+    assert err["status"] < 500, f"{tool} {args!r}: server-side error {err}"
+    assert err["code"] in TOOL_CODES, f"{tool} {args!r}: unexpected error {err}"
+
+
+def test_tool_fuzz_never_restarted_the_sandbox(tool_rig: ToolRig) -> None:
+    """Runs after the fuzz (file order): the exec sandbox the rig started with still answers."""
+    assert tool_rig.codes, "premise: the fuzz ran first"
+    assert tool_rig.sandbox_id() == tool_rig.start_id, "a tool call killed the slot's supervisor"
 
 
 # =====================================================================================================

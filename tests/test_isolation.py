@@ -391,7 +391,7 @@ async def test_r05_write_traversal_and_absolute_stay_inside(slot: LeasedSlot, ho
     marker = f"iso-pwned-{secrets.token_hex(6)}"
     before_slot = sorted(os.listdir(slot_dir))
     before_data = sorted(os.listdir(host.data_dir))
-    assert before_slot == ["run", "ws"], before_slot
+    assert before_slot == ["run", "shm", "tmp", "ws"], before_slot  # the capped tmpfs mount points
     paths = [
         f"../{marker}", f"../../{marker}", f"../../../{marker}", "../" * 20 + f"tmp/{marker}",
         f"/tmp/{marker}", f"{host.data_dir}/{marker}", f"{slot_dir}/{marker}", f"{host.data_dir}/lib/{marker}",
@@ -470,11 +470,11 @@ async def test_r07_hardlink_to_shared_files_refused(slot: LeasedSlot, host: Runn
 # =================================================================================================
 async def test_shared_lib_etc_usr_read_only(slot: LeasedSlot, host: RunningHost) -> None:
     shared = [host.data_dir / "lib" / "supervisor.py", host.data_dir / "lib" / "session.py",
-              host.data_dir / "lib" / "inslot.py", host.data_dir / "lib" / "tmux.conf",
-              host.data_dir / "etc" / "passwd", host.data_dir / "etc" / "hosts"]
+              host.data_dir / "lib" / "inslot.py", host.data_dir / "lib" / "verifier.py",
+              host.data_dir / "lib" / "tmux.conf", host.data_dir / "etc" / "passwd", host.data_dir / "etc" / "hosts"]
     hashes = {p: sha(p) for p in shared}
     out = await slot.sh(
-        "for f in /run/atropos/supervisor.py /run/atropos/session.py /run/atropos/inslot.py "
+        "for f in /run/atropos/supervisor.py /run/atropos/session.py /run/atropos/inslot.py /run/atropos/verifier.py "
         "/run/atropos/tmux.conf /etc/passwd "
         "/etc/hosts /etc/group "
         "/usr/bin/bash; do echo x >> $f && echo WROTE:$f; done; "
@@ -483,7 +483,8 @@ async def test_shared_lib_etc_usr_read_only(slot: LeasedSlot, host: RunningHost)
     )
     assert out["stdout"] == "end\n", out
     assert {p: sha(p) for p in shared} == hashes
-    assert sorted(os.listdir(host.data_dir / "lib")) == ["inslot.py", "session.py", "supervisor.py", "tmux.conf"]
+    assert sorted(os.listdir(host.data_dir / "lib")) == ["inslot.py", "session.py", "supervisor.py", "tmux.conf",
+                                                          "verifier.py"]
 
 
 # =================================================================================================
@@ -1255,7 +1256,8 @@ async def test_r42_reset_after_symlinks_to_host(slot: LeasedSlot, host: RunningH
         assert await wait_until(lambda: not any(trash.iterdir()), 30), list(trash.iterdir())
         assert (sentinel / "sub" / "keep.txt").read_text() == "keep", "reset deleted through a symlink"
         assert sha(sup) == sup_hash and Path("/etc/passwd").exists()
-        assert sorted(os.listdir(host.data_dir / "lib")) == ["inslot.py", "session.py", "supervisor.py", "tmux.conf"]
+        assert sorted(os.listdir(host.data_dir / "lib")) == ["inslot.py", "session.py", "supervisor.py", "tmux.conf",
+                                                          "verifier.py"]
         assert (await slot.sh("echo fresh"))["stdout"] == "fresh\n"
     finally:
         shutil.rmtree(sentinel, ignore_errors=True)

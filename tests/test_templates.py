@@ -41,9 +41,11 @@ SRC_ROOT = Path(f"/tmp/atropos-tpl-src-{os.getpid()}")
 
 
 def is_idle(health: HealthInfo) -> bool:
-    """No workspace mounts beyond the capped workspace and run dir of each slot (and the health
-    slot): every fork's template layer and overlay are gone."""
-    return (health.mounts or 0) == (2 * (health.slots + 1) if health.workspace_cap_bytes else 0)
+    """No workspace mounts beyond each slot's (and the health slot's) capped run dir, /tmp and
+    /dev/shm, and capped workspace: every fork's template layer and overlay are gone."""
+    if health.mounts is None:  # no mount helper
+        return True
+    return health.mounts == (3 + (1 if health.workspace_cap_bytes else 0)) * (health.slots + 1)
 
 
 def host_digest(path: Path) -> str:
@@ -619,11 +621,18 @@ async def test_agent_env_group_setup_runs_once_and_every_rollout_gets_a_fork(tmp
         async def verify_and_score_trajectory(self, item: Any, final_response: str, *, trajectory_id: str,
                                               exec_tool: Any, lease: Any, agent_result: Any
                                               ) -> tuple[float, dict[str, Any]]:
-            out = await lease.bash("cd repo && git rev-parse HEAD~1 && git log --oneline | wc -l && cat mine && "
-                                   "echo && git status --porcelain | wc -l && ls")
-            lines = out["stdout"].split()
+            # the slot is sealed by now: the checks run in its verification sandbox (read-only workspace)
+            result = await lease.verify(
+                "import subprocess\ndef verify(ws, secrets, args):\n"
+                "    return {'score': 0.0, 'out': subprocess.run(['bash', '-c', args], cwd=ws, capture_output=True,"
+                " text=True).stdout}\n",
+                args="cd repo && git rev-parse HEAD~1 && git log --oneline | wc -l && cat mine && echo && "
+                     "git --no-optional-locks status --porcelain | wc -l && ls")
+            assert result.ok and result.verdict is not None, result
+            out = str(result.verdict["out"])
+            lines = out.split()
             ok = lines[:5] == [item["head"], "3", trajectory_id, "0", "mine"] and lines[5:] == ["src", "version"]
-            return (1.0 if ok else 0.0), {"out": out["stdout"]}
+            return (1.0 if ok else 0.0), {"out": out}
 
     cfg = AgentEnvConfig(tokenizer_name=str(ensure_tokenizer_dir()), group_size=8, use_wandb=False, wandb_name="t",
                          slots_per_host=8, max_hosts=1, agent_max_steps=3, enabled_toolsets=["shell", "files"],

@@ -32,6 +32,7 @@ from atropos.asgi import ASGIApp, Receive, RequestGuard, Send, http_error, insta
 from atropos.errors import InfrastructureError, LeaseError, SlotUnavailable, ToolError
 from atropos.fastroute import BadBody, Disconnected, read_model, send_error, send_json
 from atropos.logs import call_fields
+from atropos.sandbox.protocol import MAX_VERIFY_PROGRAM, SealResult, VerifyResult
 from atropos.slots.lease import Lease
 from atropos.slots.pool import PoolStatus, SlotPool
 from atropos.tools.formatting import format_result
@@ -92,6 +93,16 @@ class SlotCallResponse(BaseModel):
     result: dict[str, Any] | None = Field(None, description="the structured result")
     error: dict[str, Any] | None = None
     duration_ms: float
+
+
+class SlotVerifyRequest(BaseModel):
+    """A verifier program for the slot's final workspace (see docs/verification.md)."""
+
+    program: str = Field(min_length=1, max_length=MAX_VERIFY_PROGRAM,
+                         description="Python source defining verify(workspace, secrets, args)")
+    secrets: dict[str, str] = Field(default_factory=dict, description="reach only the verifier process")
+    args: Any = None
+    timeout_s: float = Field(60.0, gt=0, le=3600)
 
 
 class ReleaseResponse(BaseModel):
@@ -347,6 +358,26 @@ def create_tool_server(
     async def archive(lease_id: str, path: str = Query(".", min_length=1, max_length=4096)) -> Response:
         data = await _host_op(held(lease_id).archive(path))
         return Response(data, media_type="application/gzip")
+
+    @app.post("/v1/slots/{lease_id}/seal", response_model=SealResult, dependencies=deps)
+    async def seal(lease_id: str) -> SealResult:
+        """End the agent's part of the lease: every process of the slot is killed and nothing runs
+        or writes in it again (reading files and verify remain) until it is released."""
+        entry = held_entry(lease_id)
+        result = await _host_op(entry.lease.seal())
+        return result if result is not None else SealResult(slot=entry.lease.slot, separation="already sealed")
+
+    @app.post("/v1/slots/{lease_id}/verify", response_model=VerifyResult, dependencies=deps)
+    async def verify(lease_id: str, req: SlotVerifyRequest) -> VerifyResult:
+        """Seal the slot and run a verifier program against its final workspace in a fresh,
+        read-only sandbox; the verdict comes back in this response (see docs/verification.md)."""
+        entry = held_entry(lease_id)
+        result: VerifyResult = await _host_op(entry.lease.verify(
+            req.program, secrets=req.secrets, args=req.args, timeout_s=req.timeout_s))
+        log.info("slot verified: ok=%s score=%s", result.ok, result.score,
+                 extra=call_fields(trajectory_id=entry.lease.trajectory_id, lease=entry.fingerprint,
+                                   slot=entry.lease.slot, host=entry.lease.host.id))
+        return result
 
     @app.delete("/v1/slots/{lease_id}", response_model=ReleaseResponse, dependencies=deps)
     async def release(lease_id: str) -> ReleaseResponse:

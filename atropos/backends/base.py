@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 
 # Every backend's ``kind`` (its config class's tag in atropos/backends/config.py); here, where the
 # CLI can name them without importing any backend.
-BackendKind = Literal["local", "docker", "nomad"]
+BackendKind = Literal["local", "docker", "nomad", "ray"]
 BACKEND_KINDS: tuple[str, ...] = get_args(BackendKind)
 
 

@@ -21,10 +21,11 @@ from atropos.backends.base import BACKEND_KINDS, Backend, BackendKind
 from atropos.backends.docker import DockerBackendConfig
 from atropos.backends.local import LocalBackendConfig
 from atropos.backends.nomad import NomadBackendConfig
+from atropos.backends.ray import RayBackendConfig
 from atropos.errors import ConfigError
 
 BackendConfig = Annotated[
-    LocalBackendConfig | DockerBackendConfig | NomadBackendConfig,
+    LocalBackendConfig | DockerBackendConfig | NomadBackendConfig | RayBackendConfig,
     Field(discriminator="kind"),
 ]
 POOL_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
@@ -48,6 +49,7 @@ class BackendSettings(BaseModel):
     image: str | None = Field(None, description="docker/nomad: sandbox image; default: the backend's")
     nomad_address: str | None = Field(None, description="default: $NOMAD_ADDR, else http://127.0.0.1:4646")
     nomad_job_id: str | None = Field(None, description="default: atropos-<pool_id>")
+    ray_address: str | None = Field(None, description="default: $RAY_ADDRESS, else a Ray started in the pool's process")
 
 
 def nomad_job_id(pool_id: str) -> str:
@@ -60,7 +62,7 @@ def backend_config(s: BackendSettings, environ: Mapping[str, str] | None = None,
     backend's config (an unknown one is refused). ``environ`` (default: ours) supplies ``NOMAD_*``
     and ``ATROPOS_NOMAD_<FIELD>`` for Nomad; a setting given here wins over the environment. The
     Docker engine is found as the docker CLI finds it (``DOCKER_HOST``, ...) unless ``docker_url``
-    is given."""
+    is given; the Ray cluster as Ray finds it (``RAY_ADDRESS``) unless ``ray_address`` is given."""
     data: dict[str, Any] = {"kind": s.kind, "slots_per_host": s.slots_per_host}
     if s.max_timeout_s is not None:
         data["max_timeout_s"] = s.max_timeout_s
@@ -72,6 +74,8 @@ def backend_config(s: BackendSettings, environ: Mapping[str, str] | None = None,
             data["address"] = s.nomad_address
     else:
         data["pool_id"] = s.pool_id
+    if s.kind == "ray" and s.ray_address:
+        data["address"] = s.ray_address
     data.update(overrides)
     try:
         if s.kind == "nomad":

@@ -6,7 +6,6 @@ import asyncio
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from atropos.sandbox.config import default_data_dir
 from atropos.sandbox.host import ISOLATION_FAILED, owned_dir
 from atropos.sandbox.launch import HostLaunch, host_env
 from atropos.sandbox.sandbox_process import kill_processes_naming
+from atropos.sandbox.workspace import remove_tree
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class LocalBackend(Backend):
         data_dir = self._dirs.pop(host_id, None)
         if data_dir is not None:
             await asyncio.to_thread(kill_processes_naming, data_dir)
-            await asyncio.to_thread(shutil.rmtree, data_dir, True)
+            await asyncio.to_thread(remove_tree, data_dir)  # iterative: any depth a slot built
 
     async def alive(self, host_id: str) -> bool:
         proc = self._procs.get(host_id)
@@ -164,7 +164,7 @@ class LocalBackend(Backend):
                 continue
             if int(parts[-2]) != os.getpid() and not pid_alive(int(parts[-2])):
                 await asyncio.to_thread(kill_processes_naming, entry)
-                await asyncio.to_thread(shutil.rmtree, entry, True) if entry.is_dir() else entry.unlink()
+                await asyncio.to_thread(remove_tree, entry)
                 reaped += 1
         return reaped
 

@@ -14,6 +14,8 @@ What this class does for you (see docs/atroposlib.md for the traps it avoids):
 * treats a failure of the platform (pool, sandbox host, inference server) as infrastructure: the
   rollout is retried on a fresh slot, and the item goes back to the backlog when retries run out,
   instead of training on a fake score of 0;
+* seals the slot when the agent is done (the verification phase: every process of the agent
+  killed, no command runs in the slot again) before ``verify_and_score_trajectory``;
 * runs the agent loop (Hermes ``<tool_call>`` text or OpenAI ``tool_calls``) within the context
   budget (``max_token_length``);
 * builds tokens and masks: with inference servers that return token ids (``server_type`` vllm or
@@ -185,7 +187,12 @@ class AgentEnv(BaseEnv):
     async def verify_and_score_trajectory(self, item: Any, final_response: str, *, trajectory_id: str,
                                           exec_tool: ExecTool, lease: Lease,
                                           agent_result: AgentResult) -> tuple[float, dict[str, Any]]:
-        """Verify inside the same slot (run hidden tests) and score. Default: ``score_trajectory``."""
+        """Verify the slot's final workspace and score. Default: ``score_trajectory``.
+
+        It runs in the slot's verification phase: the lease is sealed (every process of the agent
+        killed; commands and writes refused). Read the workspace with ``lease.read_file`` or, to
+        run anything (hidden tests, a checker), use ``lease.verify(program, secrets=...)``: a
+        fresh read-only sandbox whose verdict the agent's code cannot forge (docs/verification.md)."""
         return await self.score_trajectory(item, final_response), {}
 
     def build_backend(self) -> Backend:
@@ -518,6 +525,10 @@ class AgentEnv(BaseEnv):
                       result.finish)
             if result.finish == "context_budget":
                 log.info("rollout %s stopped at the context budget (%d tokens)", tid, self.config.max_token_length)
+            # The verification phase: every process of the agent dies here and nothing runs in the
+            # slot again (reading it and lease.verify remain), so no leftover of the rollout can
+            # watch, race or rewrite what the verification reads.
+            await lease.seal()
             score, _meta = await self.verify_and_score_trajectory(
                 item, result.final_response, trajectory_id=tid, exec_tool=exec_tool, lease=lease, agent_result=result)
         finally:

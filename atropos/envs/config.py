@@ -49,6 +49,8 @@ class AgentEnvConfig(BaseEnvConfig):
     nomad_address: str | None = Field(None, description="nomad: agent address (default $NOMAD_ADDR, else "
                                                         "http://127.0.0.1:4646)")
     nomad_job_id: str | None = Field(None, description="nomad: job id (default atropos-<pool id>, as the CLI)")
+    ray_address: str | None = Field(None, description="ray: cluster address (default $RAY_ADDRESS, else a Ray "
+                                                      "started in this process)")
     acquire_timeout_s: float = Field(600.0, gt=0, description="wait for a group's slots")
     # policy
     allow_network: bool = Field(False, description="let sandbox commands reach the network")
@@ -107,7 +109,8 @@ def backend_settings(cfg: AgentEnvConfig, pool_id: str) -> BackendSettings:
 
     return BackendSettings(kind=cfg.sandbox_backend, pool_id=pool_id, slots_per_host=cfg.slots_per_host,
                            max_timeout_s=cfg.tool_timeout_s, image=cfg.sandbox_image,
-                           nomad_address=cfg.nomad_address, nomad_job_id=cfg.nomad_job_id)
+                           nomad_address=cfg.nomad_address, nomad_job_id=cfg.nomad_job_id,
+                           ray_address=cfg.ray_address)
 
 
 def default_server_configs(model_name: str = "default", base_url: str = "http://127.0.0.1:8090/v1",

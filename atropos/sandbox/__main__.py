@@ -51,6 +51,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
                    help="cap on each slot's workspace, a tmpfs per slot (RAM); 0 = uncapped (default %(default)s)")
     p.add_argument("--workspace-inodes", type=int, default=Limits().workspace_inodes,
                    help="files a slot can create (default %(default)s)")
+    p.add_argument("--tmp-inodes", type=int, default=Limits().tmp_inodes,
+                   help="files a slot can create in /tmp (default %(default)s)")
+    p.add_argument("--shm-inodes", type=int, default=Limits().shm_inodes,
+                   help="files a slot can create in /dev/shm (default %(default)s)")
     p.add_argument("--slot-memory-bytes", type=int, default=defaults.slot_memory_bytes,
                    help="memory one slot may hold as a whole, tmpfs and memfd pages included (default %(default)s)")
     p.add_argument("--slot-pids", type=int, default=defaults.slot_pids,
@@ -83,7 +87,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
         slots=args.slots, data_dir=args.data_dir, host=args.host, port=args.port, token=token,
         uid_base=args.uid_base, max_timeout_s=args.max_timeout, unsafe_no_isolation=args.unsafe_no_isolation,
         limits=Limits(nproc=args.nproc, address_space_bytes=args.memory, workspace_bytes=args.workspace_bytes,
-                      workspace_inodes=args.workspace_inodes),
+                      workspace_inodes=args.workspace_inodes, tmp_inodes=args.tmp_inodes,
+                      shm_inodes=args.shm_inodes),
         workspace_mode=args.workspace_mode, network_isolation=args.network_isolation,
         template_source_dirs=args.template_source_dir,
         slot_memory_bytes=args.slot_memory_bytes, slot_pids=args.slot_pids, slot_cpus=args.slot_cpus,

@@ -33,6 +33,10 @@ class SandboxPaths:
     run_dir: Path
     lib_dir: Path
     etc_dir: Path
+    # capped tmpfs mounts (size and inodes) made by the host for /tmp and /dev/shm; None: bubblewrap
+    # mounts its own tmpfs there, capped in size only
+    tmp: Path | None = None
+    shm: Path | None = None
 
 
 def bwrap_argv(bwrap: str, paths: SandboxPaths, limits: Limits, *, network: bool, seccomp_fd: int,
@@ -68,8 +72,10 @@ def bwrap_argv(bwrap: str, paths: SandboxPaths, limits: Limits, *, network: bool
         "--chdir", WORKSPACE,
         "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
         "--dev", "/dev",
-        "--size", str(limits.shm_bytes), "--perms", "1777", "--tmpfs", "/dev/shm",
-        "--size", str(limits.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp",
+        *(["--bind", str(paths.shm), "/dev/shm"] if paths.shm is not None else
+          ["--size", str(limits.shm_bytes), "--perms", "1777", "--tmpfs", "/dev/shm"]),
+        *(["--bind", str(paths.tmp), "/tmp"] if paths.tmp is not None else
+          ["--size", str(limits.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"]),
         "--clearenv",
         "--uid", "1000", "--gid", "1000", "--hostname", "sandbox",
         "--seccomp", str(seccomp_fd),

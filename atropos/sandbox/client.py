@@ -13,6 +13,7 @@ from atropos.errors import (
     HostUnavailable,
     LeaseError,
     PathEscapeError,
+    SlotSealed,
     SlotUnavailable,
     ToolInputError,
 )
@@ -23,9 +24,12 @@ from atropos.sandbox.protocol import (
     HealthInfo,
     LeaseInfo,
     ResetResult,
+    SealResult,
     SlotInfo,
     TemplateInfo,
     ToolCall,
+    VerifyRequest,
+    VerifyResult,
 )
 from atropos.sandbox.workspace import (
     TemplateBuildFailed,
@@ -122,6 +126,17 @@ class HostClient:
             body["template"] = template
         resp = await self._send("POST", f"/v1/slots/{slot}/reset", json=body, timeout=120)
         return ResetResult.model_validate_json(resp.content)
+
+    async def seal(self, slot: int, lease: str) -> SealResult:
+        """Begin the slot's verification phase (every process of it killed; no more commands)."""
+        resp = await self._send("POST", f"/v1/slots/{slot}/seal", json={"lease": lease}, timeout=120)
+        return SealResult.model_validate_json(resp.content)
+
+    async def verify(self, slot: int, req: VerifyRequest) -> VerifyResult:
+        """Seal the slot and run a verifier program against its final workspace."""
+        resp = await self._send("POST", f"/v1/slots/{slot}/verify", content=req.model_dump_json().encode(),
+                                headers={"Content-Type": "application/json"}, timeout=req.timeout_s + 120)
+        return VerifyResult.model_validate_json(resp.content)
 
     # -- templates -------------------------------------------------------------------------
     async def create_template(self, source: str, *, name: str = "", timeout: float = 3600,
@@ -230,6 +245,8 @@ def _raise_for(status: int, body: bytes, where: str) -> NoReturn:
         raise AuthenticationError(f"{where}: {message}")
     if code == "lease_invalid":
         raise LeaseError(message)
+    if code == "verification_phase":
+        raise SlotSealed(message)
     if code == "no_free_slot":
         raise SlotUnavailable(message)
     if code in _TEMPLATE_ERRORS:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from atropos.sandbox.cgroups import SlotCaps
+
+RUN_DIR_INODES = 1024  # the run dir holds the terminal's socket and log, nothing else
 
 
 class Limits(BaseModel):
@@ -22,6 +24,10 @@ class Limits(BaseModel):
     cpu_seconds_per_call: int = Field(600, ge=1, description="RLIMIT_CPU of each call's main process")
     tmp_bytes: int = Field(256 << 20, ge=1 << 20, description="size of the slot's private /tmp tmpfs")
     shm_bytes: int = Field(64 << 20, ge=1 << 20, description="size of the slot's /dev/shm tmpfs")
+    # Every inode of a tmpfs is kernel memory that no size cap counts (~1.7 KiB per empty file):
+    # an uncapped tmpfs lets one call pin gigabytes with empty files.
+    tmp_inodes: int = Field(1 << 16, ge=64, description="files and directories a slot can create in /tmp")
+    shm_inodes: int = Field(1 << 12, ge=64, description="files and directories a slot can create in /dev/shm")
     workspace_bytes: int = Field(
         1 << 30, ge=0, description="cap on what a slot can write to its workspace: each slot's workspace (a "
                                    "fork's upper layer) is its own tmpfs of this size, so the pages count against "
@@ -33,6 +39,12 @@ class Limits(BaseModel):
         if not self.workspace_bytes:
             return None
         return {"bytes": self.workspace_bytes, "inodes": self.workspace_inodes, "uid": uid}
+
+    def scratch_quotas(self, uid: int | None) -> list[dict[str, Any]]:
+        """The mount helper's caps of the run dir (the terminal's socket and log), /tmp and /dev/shm."""
+        return [{"bytes": self.tmp_bytes, "inodes": RUN_DIR_INODES, "uid": uid},
+                {"bytes": self.tmp_bytes, "inodes": self.tmp_inodes, "uid": uid, "mode": 0o1777},
+                {"bytes": self.shm_bytes, "inodes": self.shm_inodes, "uid": uid, "mode": 0o1777}]
 
     def rlimits(self) -> dict[str, int]:
         return {"nproc": self.nproc, "as": self.address_space_bytes, "fsize": self.file_size_bytes,

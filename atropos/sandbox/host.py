@@ -14,19 +14,20 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Iterable
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from atropos import __version__, metrics
-from atropos.errors import IsolationUnavailable, LeaseError, SlotUnavailable, ToolError
+from atropos.errors import IsolationUnavailable, LeaseError, SlotSealed, SlotUnavailable, ToolError
 from atropos.sandbox import seccomp
 from atropos.sandbox.cgroups import CgroupUnavailable, SlotCgroups
 from atropos.sandbox.config import HostConfig
 from atropos.sandbox.network import DNS as SLIRP_DNS
 from atropos.sandbox.network import private_network_available
 from atropos.sandbox.protocol import (
+    MAX_VERIFY_SECRETS,
     CallResult,
     ErrorInfo,
     HealthInfo,
@@ -34,10 +35,13 @@ from atropos.sandbox.protocol import (
     LeaseRequest,
     ResetRequest,
     ResetResult,
+    SealResult,
     SlotInfo,
     TemplateInfo,
     TemplateRequest,
     ToolCall,
+    VerifyRequest,
+    VerifyResult,
 )
 from atropos.sandbox.sandbox_process import SandboxDied
 from atropos.sandbox.slot import SessionLost, Slot, UidKiller, delete_trash
@@ -45,6 +49,7 @@ from atropos.sandbox.tools import clamp_timeout, supervisor_request, validate_ar
 from atropos.sandbox.workspace import Template, TemplateSourceError, WorkspaceError, Workspaces
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TMUX_CONF = """\
 set -g default-shell /bin/bash
@@ -58,6 +63,9 @@ set -g default-terminal screen
 # host's stderr (`error: <message>`, printed by __main__) can tell "cannot confine here" from any
 # other start failure (a port in use, a bad flag) without guessing from words in a traceback.
 ISOLATION_FAILED = "isolation unavailable: "
+
+# What a sealed slot (its verification phase) refuses: everything that runs or writes in it.
+SEALED_REFUSED = frozenset({"bash", "python", "python_session", "terminal", "write_file", "edit_file"})
 
 # Status codes of supervisor error codes; everything else is a 400-class tool error.
 _STATUS = {"not_found": 404, "too_large": 413, "path_escape": 403, "permission_denied": 403}
@@ -151,7 +159,7 @@ class SandboxHost:
         lib = root / "lib"
         os.chmod(lib, 0o755)
         # the supervisor, the python_session driver and what the two share: all run inside the sandbox
-        for script in ("supervisor.py", "session.py", "inslot.py"):
+        for script in ("supervisor.py", "session.py", "inslot.py", "verifier.py"):
             _write(lib / script, resources.files("atropos.sandbox").joinpath(script).read_bytes())
         _write(lib / "tmux.conf", TMUX_CONF.encode())
         etc = root / "etc"
@@ -301,6 +309,43 @@ class SandboxHost:
                  result.duration_ms, detail)
         return result
 
+    # -- verification phase ----------------------------------------------------------------
+    async def _sealing(self, index: int, lease: str) -> Slot:
+        slot = self.slot(index)
+        self.check_lease(slot, lease)
+        slot.sealed = True  # refuse new calls at once, and abort the running one (as a reset does)
+        await slot.stop_sandboxes()
+        return slot
+
+    async def seal(self, index: int, lease: str) -> SealResult:
+        """Begin the slot's verification phase (idempotent): see docs/verification.md."""
+        t0 = time.perf_counter()
+        slot = await self._sealing(index, lease)
+        async with slot.lock:
+            self.check_lease(slot, lease)
+            separation = await self._sealed(slot, slot.seal())
+        return SealResult(slot=index, separation=separation, duration_ms=round((time.perf_counter() - t0) * 1000, 3))
+
+    async def verify(self, index: int, req: VerifyRequest) -> VerifyResult:
+        """Seal the slot and run a verifier program in a fresh sandbox of it."""
+        if req.secrets_size() > MAX_VERIFY_SECRETS:
+            raise ToolError(f"verifier secrets are {req.secrets_size()} bytes, over {MAX_VERIFY_SECRETS}")
+        slot = await self._sealing(index, req.lease)
+        async with slot.lock:
+            self.check_lease(slot, req.lease)
+            result = await self._sealed(slot, slot.verify(req))
+        outcome = "ok" if result.ok else (result.error.code if result.error else "error")
+        metrics.HOST_CALLS.labels("verify", outcome).inc()
+        log.info("verify slot=%d ok=%s score=%s ms=%.1f", index, result.ok, result.score, result.duration_ms)
+        return result
+
+    async def _sealed(self, slot: Slot, work: Awaitable[T]) -> T:
+        try:
+            return await work
+        except RuntimeError as exc:  # a process of the slot survived the kill: never verify beside it
+            slot.quarantine(f"verification phase: {exc}")
+            raise SandboxDied(f"slot {slot.index}: {exc}") from exc
+
     def _schedule_prewarm(self, slot: Slot) -> None:
         task = asyncio.create_task(self._prewarm(slot))
         self._background.add(task)
@@ -398,8 +443,13 @@ class SandboxHost:
             args = validate_args(call.tool, call.args)
             timeout, result.notes = clamp_timeout(call.timeout_s or getattr(args, "timeout_s", None), self.cfg)
             payload = supervisor_request(call.tool, args, timeout, self.cfg)
+            if slot.sealed and call.tool in SEALED_REFUSED:
+                raise SlotSealed(f"{call.tool}: slot {slot.index} is in its verification phase: the agent's "
+                                 "part of the lease is over (only reading the workspace and verify remain)")
             async with slot.lock:
                 self.check_lease(slot, call.lease)  # a reset may have happened while we waited
+                if slot.sealed and call.tool in SEALED_REFUSED:
+                    raise SlotSealed(f"{call.tool}: slot {slot.index} is in its verification phase")
                 slot.calls += 1
                 self.total_calls += 1
                 frame = await self._request(slot, payload, timeout)
@@ -412,6 +462,8 @@ class SandboxHost:
                                          status=_STATUS.get(code, 400))
         except KeyError as exc:
             result.error = ErrorInfo(code="unknown_slot", message=str(exc.args[0]), status=404)
+        except SlotSealed as exc:
+            result.error = ErrorInfo(code="verification_phase", message=str(exc), status=409)
         except LeaseError as exc:
             result.error = ErrorInfo(code="lease_invalid", message=str(exc), status=409)
         except ToolError as exc:

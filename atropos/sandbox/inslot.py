@@ -53,6 +53,32 @@ class Capture:
         return self.head.decode("utf-8", "replace") + marker + tail.decode("utf-8", "replace"), True
 
 
+PR_SET_DUMPABLE = 4
+
+
+def make_undumpable() -> None:
+    """No process of the slot may ptrace this one or open its ``/proc/<pid>/mem``, ``environ`` or
+    ``fd/*``: they carry the host's requests (a verifier's secrets among them). Call it first
+    thing; the flag survives fork but not exec, so every program started from here (the slot's
+    code) is dumpable again, as it must be for its own tools."""
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+
+
+_last_pid_fd: int | None = None
+
+
+def ns_last_pid() -> int:
+    """The last pid handed out in this process's PID namespace (the kernel keeps it per namespace).
+    The file stays open (close-on-exec): a pread is a fraction of an open+read+close."""
+    global _last_pid_fd
+    if _last_pid_fd is None:
+        _last_pid_fd = os.open("/proc/sys/kernel/ns_last_pid", os.O_RDONLY | os.O_CLOEXEC)
+    return int(os.pread(_last_pid_fd, 32, 0))
+
+
 def apply_limits(limits: dict[str, int]) -> None:
     names = {"nproc": resource.RLIMIT_NPROC, "as": resource.RLIMIT_AS, "fsize": resource.RLIMIT_FSIZE,
              "nofile": resource.RLIMIT_NOFILE, "core": resource.RLIMIT_CORE}

@@ -153,7 +153,7 @@ class Helper:
     def mount_tmpfs(self, target: str, quota: dict[str, Any]) -> None:
         """A size- and inode-capped tmpfs: a slot's whole writable workspace lives in one, so a
         slot fills its cap (ENOSPC), never the host's disk; dropping it is one umount."""
-        opts = f"size={int(quota['bytes'])},nr_inodes={int(quota['inodes'])},mode=0700"
+        opts = f"size={int(quota['bytes'])},nr_inodes={int(quota['inodes'])},mode={int(quota.get('mode', 0o700)):o}"
         if quota.get("uid") is not None:
             opts += f",uid={int(quota['uid'])},gid={int(quota['uid'])}"
         _check(_libc.mount(b"tmpfs", target.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts.encode()),

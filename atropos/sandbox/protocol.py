@@ -65,6 +65,45 @@ class ResetResult(BaseModel):
     verified: str = Field("", description="what the host checked before declaring the reset done")
 
 
+MAX_VERIFY_PROGRAM = 1 << 20
+MAX_VERIFY_SECRETS = 16 << 20
+
+
+class VerifyRequest(LeaseRef):
+    """Run a verifier program against the slot's final workspace (the verification phase: see
+    docs/verification.md). Starting it ends the agent's part of the lease for good."""
+
+    program: str = Field(min_length=1, max_length=MAX_VERIFY_PROGRAM,
+                         description="Python source defining verify(workspace, secrets, args) -> number | dict "
+                                     "with a numeric 'score'")
+    secrets: dict[str, str] = Field(default_factory=dict,
+                                    description="hidden tests, expected answers, keys: reach only the verifier "
+                                                "process, in memory (never a file, argv or environment)")
+    args: Any = Field(None, description="any JSON value, passed to verify() as `args`")
+    timeout_s: float = Field(60.0, gt=0, le=3600)
+
+    def secrets_size(self) -> int:
+        return sum(len(k) + len(v.encode()) for k, v in self.secrets.items())
+
+
+class VerifyResult(BaseModel):
+    slot: int
+    ok: bool = Field(description="the program ran and returned a valid verdict")
+    score: float | None = Field(None, description="the verdict's score; None when ok is False")
+    verdict: dict[str, Any] | None = Field(None, description="everything verify() returned (plain JSON)")
+    error: ErrorInfo | None = Field(None, description="why there is no verdict: timed_out, program_failed, "
+                                                      "bad_verdict, bad_program, verifier_died")
+    log: str = Field("", description="tail of the program's stdout/stderr; for reading, never for scoring")
+    duration_ms: float = 0.0
+    separation: str = Field("", description="what the host established before the verifier started")
+
+
+class SealResult(BaseModel):
+    slot: int
+    separation: str = Field(description="what the host established about the agent's processes")
+    duration_ms: float = 0.0
+
+
 class ToolCall(BaseModel):
     id: str = Field(min_length=1, max_length=256)
     slot: int = Field(ge=0)

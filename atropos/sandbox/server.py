@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from atropos import __version__, metrics
 from atropos.asgi import ASGIApp, Receive, RequestGuard, Send, http_error, install_error_handlers
-from atropos.errors import LeaseError, SlotUnavailable
+from atropos.errors import LeaseError, SlotUnavailable, ToolError
 from atropos.fastroute import BadBody, Disconnected, read_model, send_error, send_json, stream_lines
 from atropos.sandbox.host import SandboxHost
 from atropos.sandbox.protocol import (
@@ -28,11 +28,15 @@ from atropos.sandbox.protocol import (
     LeaseRequest,
     ResetRequest,
     ResetResult,
+    SealResult,
     SlotInfo,
     TemplateInfo,
     TemplateRequest,
     ToolCall,
+    VerifyRequest,
+    VerifyResult,
 )
+from atropos.sandbox.sandbox_process import SandboxDied
 from atropos.sandbox.workspace import TemplateError, WorkspaceError
 
 log = logging.getLogger(__name__)
@@ -119,6 +123,32 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
     async def release(slot: int, req: LeaseRef) -> ResetResult:
         """Reset the slot and return it to the free list."""
         return await _reset(slot, ResetRequest(lease=req.lease), keep=False)
+
+    @app.post("/v1/slots/{slot}/seal", response_model=SealResult, dependencies=deps)
+    async def seal(slot: int, req: LeaseRef) -> SealResult:
+        """Begin the slot's verification phase: every process of the slot is killed, and from now
+        on nothing runs or writes in it (reading the workspace and verify remain) until its reset."""
+        slot_or_404(slot)
+        try:
+            return await host.seal(slot, req.lease)
+        except LeaseError as exc:
+            raise _error(409, "lease_invalid", str(exc)) from None
+        except SandboxDied as exc:
+            raise _error(503, "sandbox_failed", str(exc)) from None
+
+    @app.post("/v1/slots/{slot}/verify", response_model=VerifyResult, dependencies=deps)
+    async def verify(slot: int, req: VerifyRequest) -> VerifyResult:
+        """Seal the slot, then run a verifier program against its final workspace in a fresh,
+        read-only sandbox; the verdict comes back here (see docs/verification.md)."""
+        slot_or_404(slot)
+        try:
+            return await host.verify(slot, req)
+        except LeaseError as exc:
+            raise _error(409, "lease_invalid", str(exc)) from None
+        except ToolError as exc:
+            raise _error(413, "too_large", str(exc)) from None
+        except SandboxDied as exc:
+            raise _error(503, "sandbox_failed", str(exc)) from None
 
     @app.post("/v1/calls", dependencies=deps, response_class=StreamingResponse,
               responses={200: {"content": {"application/x-ndjson": {}},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -12,12 +13,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from atropos.sandbox.bwrap import LIB_DIR, RUN_DIR, SANDBOX_ENV, SandboxPaths, bwrap_argv
+from atropos.sandbox.bwrap import LIB_DIR, RUN_DIR, SANDBOX_ENV, WORKSPACE, SandboxPaths, bwrap_argv
 from atropos.sandbox.cgroups import SlotCgroup
 from atropos.sandbox.config import HostConfig
 from atropos.sandbox.network import SlirpHandshake
-from atropos.sandbox.protocol import LeaseInfo, SlotInfo, SlotState
+from atropos.sandbox.protocol import ErrorInfo, LeaseInfo, SlotInfo, SlotState, VerifyRequest, VerifyResult
 from atropos.sandbox.sandbox_process import SandboxDied, SandboxProcess
+from atropos.sandbox.verification import VERIFIER_ENV, verifier_bwrap
 from atropos.sandbox.workspace import (
     MountNamespace,
     Template,
@@ -33,6 +35,7 @@ CHOOM = "/usr/bin/choom"  # util-linux: on every Debian/Ubuntu
 SETPRIV = "/usr/bin/setpriv"  # util-linux too
 HAVE_CHOOM = os.path.exists(CHOOM)
 SANDBOX_OOM_SCORE_ADJ = 1000  # under memory pressure the sandbox dies, never the host
+VERIFY_GRACE_S = 10.0  # beyond the program's own timeout: its start and its answer
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +82,12 @@ class Slot:
         self.killer: UidKiller | None = None  # shared by the host's slots
         self.template: Template | None = None  # the template the workspace is built on
         self.ws_kind: WorkspaceKind = "plain"
-        self.capped = False  # workspace (a fork's layers) and run dir are capped tmpfs mounts
+        self.capped = False  # the workspace (a fork's layers) is a capped tmpfs mount
+        self.scratch = False  # run dir, /tmp and /dev/shm are capped tmpfs mounts (size and inodes)
         self.last_verified = ""
+        # The verification phase of the lease began (see docs/verification.md): every process of
+        # the agent is gone, no command or interpreter runs again in the slot until its reset.
+        self.sealed = False
         self.cgroup: SlotCgroup | None = None  # every sandbox of the slot runs in it (set by the host)
 
     @property
@@ -94,7 +101,7 @@ class Slot:
         def clear() -> None:
             self.dir.mkdir(parents=True, exist_ok=True)
             os.chmod(self.dir, 0o711)
-            for d in (self.paths.workspace, self.paths.run_dir, self.ov):
+            for d in (self.paths.workspace, self.paths.run_dir, self.ov, *self._scratch_dirs()):
                 if d.exists() or d.is_symlink():
                     self._discard(d)
 
@@ -104,7 +111,7 @@ class Slot:
     def _view(self, p: Path) -> Path:
         """Where the host reaches ``p`` as the slot sees it: through the mount namespace when
         ``p`` (or what holds it) is mounted there, else the path itself."""
-        if not self.capped and self.ws_kind != "overlay":
+        if not self.capped and not self.scratch and self.ws_kind != "overlay":
             return p
         return Path(self._ns().proc_path(Path(self._real(p))))
 
@@ -145,21 +152,28 @@ class Slot:
         )
 
     # -- sandboxes -------------------------------------------------------------------------
-    def _argv(self, extra: dict[str, Any], script: str) -> list[str]:
-        sup_cfg = {"limits": self.cfg.limits.rlimits(), "env": SANDBOX_ENV, **extra}
+    def _argv(self, extra: dict[str, Any], script: str, verifier: bool = False) -> list[str]:
+        sup_cfg = {"limits": self.cfg.limits.rlimits(), "env": VERIFIER_ENV if verifier else SANDBOX_ENV, **extra}
         if self.cfg.unsafe_no_isolation:
             sup_cfg.update(workspace=str(self.paths.workspace), run_dir=str(self.paths.run_dir),
                            isolated=False, env={**SANDBOX_ENV, "HOME": str(self.paths.workspace)})
             return [self.cfg.python, "-I", "-S", str(self.paths.lib_dir / script), json.dumps(sup_cfg)]
-        argv = bwrap_argv(self.cfg.bwrap, self.paths, self.cfg.limits, network=self.network,
+        paths = self.paths
+        if self.scratch and not verifier:
+            # the verifier gets fresh /tmp and /dev/shm: nothing the agent left in the slot's own
+            tmp, shm = self._scratch_dirs()
+            paths = dataclasses.replace(paths, tmp=tmp, shm=shm)
+        argv = bwrap_argv(self.cfg.bwrap, paths, self.cfg.limits, network=self.network and not verifier,
                           seccomp_fd=-1, private_net=self.private_net)
         argv[argv.index("-1")] = "{seccomp_fd}"
+        if verifier:
+            argv = verifier_bwrap(argv, self.paths)
         return [*argv, self.cfg.python, "-I", "-S", f"{LIB_DIR}/{script}", json.dumps(sup_cfg)]
 
     async def _start(self, extra: dict[str, Any], label: str, protocol: bool = True,
-                     script: str = "supervisor.py") -> SandboxProcess:
-        argv, uid = self._argv(extra, script), self.uid
-        if self.ws_kind == "overlay" or self.capped:
+                     script: str = "supervisor.py", verifier: bool = False) -> SandboxProcess:
+        argv, uid = self._argv(extra, script, verifier), self.uid
+        if self.ws_kind == "overlay" or self.capped or self.scratch:
             # The fork's overlay and the capped tmpfs mounts exist only in the workspace mount
             # namespace: start bwrap in it (nsenter drops to the slot's uid itself on a root host).
             argv, uid = [*self._ns().launcher(self.uid), *argv], None
@@ -176,7 +190,7 @@ class Slot:
         return await SandboxProcess.start(
             argv, uid=uid, protocol=protocol,
             seccomp_path=None if self.cfg.unsafe_no_isolation else self.seccomp_path, label=label,
-            network=(SlirpHandshake.create() if self.network and self.private_net
+            network=(SlirpHandshake.create() if self.network and self.private_net and not verifier
                      and not self.cfg.unsafe_no_isolation else None),
             network_uid=self.uid,
             echoes_seq=protocol,  # both in-slot programs serve through inslot.serve
@@ -184,21 +198,26 @@ class Slot:
 
     async def ensure_sandbox(self) -> SandboxProcess:
         if self.sandbox is None or not self.sandbox.alive:
-            self.sandbox = await self._start({}, f"slot {self.index}")
+            # sealed: a supervisor that reads the workspace for the host and never starts anything
+            self.sandbox = await self._start({"sealed": True} if self.sealed else {}, f"slot {self.index}")
         return self.sandbox
 
     async def ensure_terminal(self) -> None:
+        sock = self._view(self.paths.run_dir) / "tmux.sock"
         if self.terminal is not None and self.terminal.alive:
-            return
+            if _is_socket(sock):
+                return
+            # the slot put something else where the terminal's socket was: a new terminal
+            await self.terminal.kill()
+            self.terminal = None
         run_dir = RUN_DIR if not self.cfg.unsafe_no_isolation else str(self.paths.run_dir)
         lib_dir = LIB_DIR if not self.cfg.unsafe_no_isolation else str(self.paths.lib_dir)
-        sock = self._view(self.paths.run_dir) / "tmux.sock"
-        if sock.exists():
-            sock.unlink()
+        if os.path.lexists(sock):  # noqa: ASYNC240 - one lstat; whatever the slot left there goes
+            await asyncio.to_thread(remove_tree, sock)
         exec_argv = ["tmux", "-D", "-S", f"{run_dir}/tmux.sock", "-f", f"{lib_dir}/tmux.conf"]
         self.terminal = await self._start({"exec": exec_argv}, f"slot {self.index} terminal", protocol=False)
         deadline = time.monotonic() + 5.0
-        while not sock.exists():
+        while not _is_socket(sock):
             if not self.terminal.alive or time.monotonic() > deadline:
                 await self.terminal.kill()
                 self.terminal = None
@@ -274,6 +293,7 @@ class Slot:
             self.quarantine(f"reset failed: {self._failure(exc, 'during reset')}")
             return False, self.detail
         self.generation += 1
+        self.sealed = False
         self.lease_token = None
         self.trajectory_id = None
         self.network = False
@@ -282,6 +302,54 @@ class Slot:
         self.state = "free"
         self.detail = ""
         return True, ""
+
+    # -- verification phase ----------------------------------------------------------------
+    async def seal(self) -> str:
+        """Begin the verification phase: every process of the slot goes (calls, waiting
+        interpreters, terminal, python_session) and none starts again until the reset. Returns
+        what was established about the agent's processes."""
+        self.sealed = True
+        await self.stop_sandboxes()
+        await self._kill_all()  # RuntimeError if any process of the slot's uid survived
+        return self._processes_checked()
+
+    async def verify(self, req: VerifyRequest) -> VerifyResult:
+        """Run a verifier program in a fresh sandbox of the sealed slot (see docs/verification.md)."""
+        separation = await self.seal()
+        t0 = time.monotonic()
+        result = VerifyResult(slot=self.index, ok=False, separation=separation)
+        workspace = str(self.paths.workspace) if self.cfg.unsafe_no_isolation else WORKSPACE
+        proc: SandboxProcess | None = None
+        try:
+            proc = await self._start({}, f"slot {self.index} verifier", script="verifier.py", verifier=True)
+            frame = await proc.request({"op": "verify", "program": req.program, "secrets": req.secrets,
+                                        "args": req.args, "timeout": req.timeout_s, "workspace": workspace},
+                                       req.timeout_s + VERIFY_GRACE_S)
+        except SandboxDied as exc:
+            late = time.monotonic() - t0 >= req.timeout_s
+            result.error = ErrorInfo(code="timed_out" if late else "verifier_died",
+                                     message=str(exc), status=200)
+            return result
+        finally:
+            if proc is not None:
+                await proc.kill()
+            await self._kill_all()  # nothing the program started outlives it
+            result.duration_ms = round((time.monotonic() - t0) * 1000, 3)
+        answer = frame.get("result") if frame.get("ok") else None
+        if not isinstance(answer, dict):
+            result.error = ErrorInfo(code="verifier_died", message=f"malformed answer: {frame!r:.300}", status=200)
+            return result
+        result.log = str(answer.get("log", ""))
+        verdict = answer.get("verdict")
+        if isinstance(verdict, dict) and isinstance(verdict.get("score"), (int, float)):
+            result.ok, result.verdict, result.score = True, verdict, float(verdict["score"])
+        else:
+            err = answer.get("error")
+            if not isinstance(err, dict):
+                err = {}
+            result.error = ErrorInfo(code=str(err.get("code", "bad_verdict")), message=str(err.get("message", "")),
+                                     status=200)
+        return result
 
     async def _kill_all(self) -> None:
         if self.cgroup is not None:
@@ -312,30 +380,44 @@ class Slot:
         if self.ws_kind == "overlay":
             targets += [self.paths.workspace, self.ov / "lower"]
         if self.capped:
-            targets += [self.ov if self.ws_kind == "overlay" else self.paths.workspace, self.paths.run_dir]
+            targets.append(self.ov if self.ws_kind == "overlay" else self.paths.workspace)
+        if self.scratch:
+            targets += [self.paths.run_dir, *self._scratch_dirs()]
         if targets:
             await self._ns().call({"op": "umount", "targets": [self._real(t) for t in targets]})
         if self.template is not None:
             self.template.users.discard(self.index)
             self.template = None
         self.ws_kind = "plain"
-        self.capped = False
-        for d in (self.paths.workspace, self.ov, self.paths.run_dir):
+        self.capped = self.scratch = False
+        for d in (self.paths.workspace, self.ov, self.paths.run_dir, *self._scratch_dirs()):
             if d.exists() or d.is_symlink():
                 self._discard(d)
+
+    def _scratch_dirs(self) -> tuple[Path, Path]:
+        """Host-side mount points of the slot's /tmp and /dev/shm."""
+        return self.dir / "tmp", self.dir / "shm"
 
     async def _mount_cap(self, target: Path, quota: dict[str, Any]) -> None:
         self.capped = True  # before the await: a half-done mount is still unmounted by a drop
         await self._ns().call({"op": "tmpfs", "target": self._real(target), "quota": quota})
 
+    async def _mount_scratch(self) -> None:
+        """The run dir (the terminal's log), /tmp and /dev/shm: each its own tmpfs capped in size
+        AND inodes (bubblewrap's --tmpfs can only cap the size; empty files cost kernel memory)."""
+        self.scratch = True  # before the awaits: a half-done mount is still unmounted by a drop
+        for target, quota in zip((self.paths.run_dir, *self._scratch_dirs()),
+                                 self.cfg.limits.scratch_quotas(self.uid), strict=True):
+            await self._ns().call({"op": "tmpfs", "target": self._real(target), "quota": quota})
+
     async def _build_workspace(self, template: Template | None) -> None:
         ws, mgr = self.paths.workspace, self.workspaces
         quota = self.cfg.limits.workspace_quota(self.uid) if mgr is not None and mgr.capped else None
         self._fresh_dir(self.paths.run_dir)
-        if quota is not None:
-            # the terminal's log lives in the run dir: capped like /tmp, never on the host's disk
-            await self._mount_cap(self.paths.run_dir, {**quota, "bytes": self.cfg.limits.tmp_bytes,
-                                                       "inodes": 1024})
+        if mgr is not None and mgr.scratch_capped:
+            for d in self._scratch_dirs():
+                self._fresh_dir(d)
+            await self._mount_scratch()
         if template is None:
             self._fresh_dir(ws)
             if quota is not None:
@@ -357,7 +439,7 @@ class Slot:
             if any(m.mountpoint in targets for m in ns.mounts()):
                 raise WorkspaceError("a mount is still in place before the fork; refusing to stack another")
             self.ws_kind = "overlay"
-            self.capped = self.capped or fork_quota is not None
+            self.capped = fork_quota is not None
             idmap = None if ns.mode != "root" else [mgr.owner, self.uid]
             await ns.call({"op": "fork", "tree": str(template.tree), "lower": self._real(lower),
                            "upper": self._real(upper), "work": self._real(work), "target": self._real(ws),
@@ -382,7 +464,9 @@ class Slot:
     def _verify(self) -> str:
         """What a finished reset must show (see docs/templates.md, "What a reset verifies")."""
         dirs = [self.paths.run_dir] + ([self.paths.workspace] if self.ws_kind == "plain" else [])
-        if self.capped:
+        if self.scratch:
+            dirs += self._scratch_dirs()
+        if self.capped or self.scratch:
             problem = self._verify_caps()
             if problem:
                 return problem
@@ -411,20 +495,26 @@ class Slot:
         return ""
 
     def _verify_caps(self) -> str:
-        """Exactly one fresh capped tmpfs on each capped dir, of the configured size."""
+        """Exactly one fresh capped tmpfs on each capped dir, of the configured size and inodes."""
         lim = self.cfg.limits
-        capped = {self._real(self.paths.run_dir): lim.tmp_bytes}
-        ws_or_layers = self.ov if self.ws_kind == "overlay" else self.paths.workspace
-        if self.ws_kind != "overlay" or (self.workspaces is not None and self.workspaces.fork_capped):
-            capped[self._real(ws_or_layers)] = lim.workspace_bytes
+        capped: dict[str, tuple[int, int]] = {}
+        if self.scratch:
+            for d, quota in zip((self.paths.run_dir, *self._scratch_dirs()), lim.scratch_quotas(self.uid), strict=True):
+                capped[self._real(d)] = (int(quota["bytes"]), int(quota["inodes"]))
+        if self.capped:
+            ws_or_layers = self.ov if self.ws_kind == "overlay" else self.paths.workspace
+            capped[self._real(ws_or_layers)] = (lim.workspace_bytes, lim.workspace_inodes)
         mounts = self._ns().mounts()
-        for path, size in capped.items():
+        for path, (size, inodes) in capped.items():
             at = [m for m in mounts if m.mountpoint == path]
             if len(at) != 1 or at[0].fstype != "tmpfs":
                 return f"expected exactly one tmpfs on {path}, found {[(m.mount_id, m.fstype) for m in at]}"
             got = at[0].super_option("size")
             if got is None or _size_bytes(got) != _page_round(size):
                 return f"the tmpfs on {path} has size {got}, expected {size} bytes"
+            got = at[0].super_option("nr_inodes")
+            if got is None or _size_bytes(got) != inodes:
+                return f"the tmpfs on {path} has nr_inodes={got}, expected {inodes}"
         return ""
 
     def _verify_overlay(self) -> str:
@@ -516,6 +606,13 @@ class Slot:
         self.state = "quarantined"
         self.lease_token = None
         self.detail = why
+
+
+def _is_socket(path: Path) -> bool:
+    try:
+        return stat.S_ISSOCK(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _page_round(n: int) -> int:
@@ -644,8 +741,12 @@ def _is_zombie(pid: str) -> bool:
 
 
 def delete_trash(trash: Path) -> None:
-    """Remove discarded trees; rmtree never follows symlinks, so a planted link cannot redirect it."""
+    """Remove discarded trees (remove_tree never follows symlinks, so a planted link cannot redirect
+    it); one tree that resists never keeps the others, or the next pass, from being removed."""
     if not trash.exists():
         return
     for entry in trash.iterdir():
-        remove_tree(entry)
+        try:
+            remove_tree(entry)
+        except Exception:  # a background sweep: log and go on with the next tree
+            log.exception("trash: could not remove %s", entry)

@@ -16,6 +16,7 @@ from atropos.sandbox.config import HostConfig
 
 # Commands longer than this go through stdin: a huge argv fails with E2BIG.
 _ARGV_LIMIT = 64 << 10
+_MAX_OFFSET = (1 << 63) - 1  # a file offset (off_t)
 
 
 class _Args(BaseModel):
@@ -52,8 +53,8 @@ class ReadFileArgs(_Args):
     """Read a file of the workspace."""
 
     path: str = Field(description="relative to /workspace, or absolute under /workspace/")
-    offset: int = Field(0, ge=0, description="byte offset to start at")
-    limit: int = Field(0, ge=0, description="bytes to read (0 = to the end)")
+    offset: int = Field(0, ge=0, le=_MAX_OFFSET, description="byte offset to start at")
+    limit: int = Field(0, ge=0, le=_MAX_OFFSET, description="bytes to read (0 = to the end)")
     encoding: Literal["text", "base64"] = "text"
 
 

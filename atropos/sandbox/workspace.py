@@ -14,6 +14,8 @@ All overlays of a host live in the private mount namespace of one helper process
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -22,7 +24,7 @@ import secrets
 import shutil
 import stat
 import time
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -78,6 +80,23 @@ class TreeSummary:
     bytes: int
 
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def _up(fd: int, expected: tuple[int, int]) -> int:
+    """The parent of directory ``fd``, checked to be the directory we came from."""
+    parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
+    if _identity(parent) != expected:
+        os.close(parent)
+        raise OSError(errno.ESTALE, "a directory was moved during the walk")
+    return parent
+
+
 def walk_tree(root: Path, *, chown_to: int | None = None) -> TreeSummary:
     """Hash a tree's manifest (and, with ``chown_to``, give every entry to that uid/gid).
 
@@ -87,69 +106,149 @@ def walk_tree(root: Path, *, chown_to: int | None = None) -> TreeSummary:
     size and mtime along, so a partial copy, a leftover file or a file modified afterwards
     changes the hash, at the cost of one ``lstat`` per entry. Owners are not part of it (each
     slot sees the tree as its own). Symlinks are never followed; ``lchown`` is used.
+
+    Iterative and relative to directory descriptors (one open at a time, ``..`` to come back):
+    a slot's tree may be any depth, far past PATH_MAX and the recursion limit.
     """
     h = hashlib.sha256()
     files = dirs = others = size = 0
-    base = os.fsencode(root)
-    stack: list[bytes] = [b""]
-    while stack:
-        rel_dir = stack.pop()
-        path = base + b"/" + rel_dir if rel_dir else base
-        with os.scandir(path) as it:
-            entries = sorted(it, key=lambda e: e.name)
+
+    def visit(fd: int, rel_dir: bytes) -> list[bytes]:
+        """Hash the entries of one directory; its subdirectories, in order."""
+        nonlocal files, dirs, others, size
         subdirs: list[bytes] = []
-        for entry in entries:
-            rel = rel_dir + b"/" + entry.name if rel_dir else entry.name
-            full = base + b"/" + rel
-            st = entry.stat(follow_symlinks=False)
+        for name in sorted(os.fsencode(n) for n in os.listdir(fd)):
+            rel = rel_dir + b"/" + name if rel_dir else name
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             if chown_to is not None and (st.st_uid != chown_to or st.st_gid != chown_to):
-                os.chown(full, chown_to, chown_to, follow_symlinks=False)
+                os.chown(name, chown_to, chown_to, dir_fd=fd, follow_symlinks=False)
                 if st.st_mode & (stat.S_ISUID | stat.S_ISGID) and not stat.S_ISLNK(st.st_mode):
-                    st = os.lstat(full)  # chown clears set-id bits
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)  # chown clears set-id bits
             mode = st.st_mode
             perms = stat.S_IMODE(mode)
             if stat.S_ISDIR(mode):
                 dirs += 1
                 line = b"d %o" % perms
-                subdirs.append(rel)
+                subdirs.append(name)
             elif stat.S_ISREG(mode):
                 files += 1
                 size += st.st_size
                 line = b"f %o %d %d" % (perms, st.st_size, int(st.st_mtime))
             elif stat.S_ISLNK(mode):
                 others += 1
-                line = b"l " + os.readlink(full)
+                line = b"l " + os.readlink(name, dir_fd=fd)
             else:
                 others += 1
                 line = b"o %o %o %d" % (stat.S_IFMT(mode), perms, st.st_rdev)
             h.update(rel + b"\0" + line + b"\n")
-        stack.extend(reversed(subdirs))
+        return subdirs
+
+    fd = os.open(root, _DIR_FLAGS)
+    try:
+        levels: list[tuple[bytes, Iterator[bytes], tuple[int, int]]] = [(b"", iter(visit(fd, b"")), _identity(fd))]
+        while levels:
+            rel_dir, subdirs, _ = levels[-1]
+            name = next(subdirs, None)
+            if name is None:
+                levels.pop()
+                if levels:
+                    parent = _up(fd, levels[-1][2])
+                    os.close(fd)
+                    fd = parent
+                continue
+            child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = child
+            rel = rel_dir + b"/" + name if rel_dir else name
+            levels.append((rel, iter(visit(fd, rel)), _identity(fd)))
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
     return TreeSummary(h.hexdigest(), files, dirs, others, size)
 
 
 def remove_tree(path: Path) -> None:
-    """rmtree that also gets through directories without write or search permission (a
-    non-root host owns but cannot enter overlay's 000 work dirs); never follows symlinks."""
-    tried: set[str] = set()
-
-    def fix(_func: Any, p: str, _exc: Any) -> None:
-        if p in tried:
-            return
-        tried.add(p)
-        try:
-            os.chmod(os.path.dirname(p), 0o700)
-            if os.path.isdir(p) and not os.path.islink(p):
-                os.chmod(p, 0o700)
-                shutil.rmtree(p, onerror=fix)
-            else:
-                os.unlink(p)
-        except OSError:
-            pass
-
-    if path.is_symlink() or not path.exists():
-        path.unlink(missing_ok=True)
+    """Delete ``path`` and everything below it, never following a symlink. Iterative and relative
+    to directory descriptors (one open at a time): any depth, far past PATH_MAX and the recursion
+    limit. Gets through directories without write or search permission (a non-root host owns but
+    cannot enter overlay's 000 work dirs). Best effort: what cannot be removed is logged and left,
+    the rest goes."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
         return
-    shutil.rmtree(path, onerror=fix)
+    try:
+        if not stat.S_ISDIR(st.st_mode):
+            os.unlink(path)
+            return
+        parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            _empty_dir(parent, path.name)
+            os.rmdir(path.name, dir_fd=parent)
+        finally:
+            os.close(parent)
+    except OSError as exc:
+        log.warning("could not remove all of %s: %s", path, exc)
+
+
+def _open_dir_for_removal(parent: int, name: str) -> int:
+    """``name`` in ``parent`` opened as a directory we may empty (made 0700 if it was not)."""
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    except PermissionError:
+        # Made searchable through an O_PATH descriptor: the chmod reaches this very directory,
+        # never what a symlink swapped in meanwhile would point at.
+        pfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=parent)
+        try:
+            os.chmod(f"/proc/self/fd/{pfd}", 0o700)
+        finally:
+            os.close(pfd)
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    if stat.S_IMODE(os.fstat(fd).st_mode) & 0o700 != 0o700:
+        os.fchmod(fd, 0o700)
+    return fd
+
+
+def _empty_dir(parent: int, name: str) -> None:
+    fd = _open_dir_for_removal(parent, name)
+    # per level: names still to remove, identity, name in its parent, relists left
+    levels: list[tuple[Iterator[str], tuple[int, int], str, int]] = [(iter(os.listdir(fd)), _identity(fd), name, 3)]
+    try:
+        while levels:
+            names, ident, here, relists = levels[-1]
+            entry = next(names, None)
+            if entry is None:
+                left = os.listdir(fd)  # what appeared meanwhile (a writer still running)
+                if left and relists:
+                    levels[-1] = (iter(left), ident, here, relists - 1)
+                    continue
+                levels.pop()
+                if levels:
+                    parent = _up(fd, levels[-1][1])
+                    os.close(fd)
+                    fd = parent
+                    try:
+                        os.rmdir(here, dir_fd=fd)
+                    except OSError as exc:
+                        log.warning("could not remove directory %r: %s", here, exc)
+                continue
+            try:
+                st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISDIR(st.st_mode):
+                    os.unlink(entry, dir_fd=fd)
+                    continue
+                child = _open_dir_for_removal(fd, entry)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                log.warning("could not remove %r: %s", entry, exc)
+                continue
+            os.close(fd)
+            fd = child
+            levels.append((iter(os.listdir(fd)), _identity(fd), entry, 3))
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 async def run_tool(argv: list[str], *, timeout: float, user: int | None = None, cwd: Path | None = None,
@@ -202,13 +301,124 @@ async def _wait_out(proc: asyncio.subprocess.Process) -> tuple[bytes, bytes]:
 
 async def copy_tree(src: str | Path, dst: Path, *, timeout: float = 3600, into_empty: bool = False) -> None:
     """``cp -a --reflink=auto src dst`` into a path that must not exist yet (never into a tree),
-    or with ``into_empty`` into an empty directory (a freshly mounted tmpfs)."""
+    or with ``into_empty`` into an empty directory (a freshly mounted tmpfs).
+
+    ``cp`` creates by full path: a tree deeper than PATH_MAX (a slot can build one) fails there with
+    ENAMETOOLONG, and is then copied again by ``copy_tree_fds`` (descriptor-relative, any depth)."""
     if into_empty:
         if os.listdir(dst):
             raise WorkspaceError(f"refusing to copy into non-empty {dst}")
     elif os.path.lexists(dst):  # noqa: ASYNC240 - one lstat
         raise WorkspaceError(f"refusing to copy into existing {dst}")
-    await run_tool(["cp", "-a", "--reflink=auto", "-T", "--", str(src), str(dst)], timeout=timeout)
+    try:
+        await run_tool(["cp", "-a", "--reflink=auto", "-T", "--", str(src), str(dst)], timeout=timeout)
+    except WorkspaceError as exc:
+        if os.strerror(errno.ENAMETOOLONG) not in str(exc):
+            raise
+        log.info("copy of %s: too deep for cp, copying by descriptors", src)
+        await asyncio.to_thread(_clear_copy, dst, into_empty)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(copy_tree_fds, Path(src), dst, into_empty=into_empty), timeout)
+        except (OSError, asyncio.TimeoutError) as again:
+            raise WorkspaceError(f"copy of {src} failed: {again!r}") from again
+
+
+def _clear_copy(dst: Path, into_empty: bool) -> None:
+    if not into_empty:
+        remove_tree(dst)
+        return
+    for entry in os.listdir(dst):
+        remove_tree(dst / entry)
+
+
+def copy_tree_fds(src: Path, dst: Path, *, into_empty: bool = False) -> None:
+    """What ``cp -a`` makes of ``src`` (types, modes, mtimes, link targets; owners when root), by
+    descriptors: iterative, one directory of each side open at a time, never following a link."""
+    s = os.open(src, _DIR_FLAGS)
+    d = -1
+    try:
+        if not into_empty:
+            os.mkdir(dst, 0o700)
+        d = os.open(dst, _DIR_FLAGS)
+        # per level: names to copy, both sides' identities, the source directory's stat
+        levels: list[tuple[Iterator[str], tuple[int, int], tuple[int, int], os.stat_result]] = [
+            (iter(sorted(os.listdir(s))), _identity(s), _identity(d), os.fstat(s))]
+        while levels:
+            names, _, _, st_dir = levels[-1]
+            name = next(names, None)
+            if name is None:
+                levels.pop()
+                _copy_attrs(d, st_dir)
+                if levels:
+                    sp = _up(s, levels[-1][1])
+                    os.close(s)
+                    s = sp
+                    dp = _up(d, levels[-1][2])
+                    os.close(d)
+                    d = dp
+                continue
+            st = os.stat(name, dir_fd=s, follow_symlinks=False)
+            mode = st.st_mode
+            if stat.S_ISDIR(mode):
+                os.mkdir(name, 0o700, dir_fd=d)
+                cs = os.open(name, _DIR_FLAGS, dir_fd=s)
+                try:
+                    cd = os.open(name, _DIR_FLAGS, dir_fd=d)
+                except OSError:
+                    os.close(cs)
+                    raise
+                os.close(s)
+                s = cs
+                os.close(d)
+                d = cd
+                levels.append((iter(sorted(os.listdir(s))), _identity(s), _identity(d), os.fstat(s)))
+            elif stat.S_ISREG(mode):
+                _copy_file(s, d, name)
+            elif stat.S_ISLNK(mode):
+                os.symlink(os.readlink(name, dir_fd=s), name, dir_fd=d)
+                if os.geteuid() == 0:
+                    os.chown(name, st.st_uid, st.st_gid, dir_fd=d, follow_symlinks=False)
+                os.utime(name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=d, follow_symlinks=False)
+            else:  # FIFOs, sockets, devices (as root): recreated, as cp -a does
+                os.mknod(name, mode, st.st_rdev, dir_fd=d)
+                if os.geteuid() == 0:
+                    os.chown(name, st.st_uid, st.st_gid, dir_fd=d, follow_symlinks=False)
+                os.chmod(name, stat.S_IMODE(mode), dir_fd=d)
+                os.utime(name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=d, follow_symlinks=False)
+    finally:
+        os.close(s)
+        if d >= 0:
+            os.close(d)
+
+
+def _copy_attrs(fd: int, st: os.stat_result) -> None:
+    if os.geteuid() == 0:
+        os.fchown(fd, st.st_uid, st.st_gid)
+    os.fchmod(fd, stat.S_IMODE(st.st_mode))
+    os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _copy_file(s: int, d: int, name: str) -> None:
+    sfd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=s)
+    try:
+        st = os.fstat(sfd)
+        dfd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=d)
+        try:
+            try:
+                while os.copy_file_range(sfd, dfd, 1 << 30):
+                    pass
+            except OSError as exc:
+                if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                    raise
+                while chunk := os.read(sfd, 1 << 20):  # the offsets both moved on together
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(dfd, view):]
+            _copy_attrs(dfd, st)
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(sfd)
 
 
 # -- mountinfo ---------------------------------------------------------------------------------
@@ -466,6 +676,8 @@ class Workspaces:
         self.capped = False  # plain and copied workspaces are capped tmpfs mounts in the namespace
         self.fork_capped = False  # forks' upper layers are too
         self.cap_detail = ""
+        # each slot's run dir, /tmp and /dev/shm are tmpfs mounts in the namespace, capped in size and inodes
+        self.scratch_capped = False
 
     async def start(self) -> None:
         await asyncio.to_thread(self.store.prepare)
@@ -479,9 +691,7 @@ class Workspaces:
             return
         if quota is None:
             self._uncapped("workspaces uncapped by configuration (--workspace-bytes 0)", warn=False)
-        if wanted == "copy" and quota is None:
-            self._fallback("copy mode forced by configuration (--workspace-mode copy)", warn=False)
-            return
+        # Started even without a workspace cap: /tmp, /dev/shm and the run dir are capped there.
         try:
             ns = await self._start_namespace()
         except (WorkspaceError, OSError, ValueError) as exc:
@@ -489,17 +699,18 @@ class Workspaces:
                 raise WorkspaceError(f"overlay workspaces unavailable (--workspace-mode overlay): {exc}") from exc
             if quota is not None:
                 self._uncapped(f"the mount helper cannot run: {exc}", warn=True)
+            log.warning("workspace: /tmp and /dev/shm are capped in size only, NOT in inodes (a slot can pin "
+                        "kernel memory with empty files): the mount helper cannot run: %s", exc)
             self._fallback(f"overlayfs unavailable: {exc}" if wanted != "copy"
                            else "copy mode forced by configuration (--workspace-mode copy)", warn=wanted != "copy")
             return
         self.ns = ns
-        if quota is not None:
-            await self._probe_cap(quota)
+        await self._probe_cap(quota)
         if wanted == "copy":
             self._fallback("copy mode forced by configuration (--workspace-mode copy)", warn=False)
         else:
             await self._probe_overlay(wanted)
-        if not self.capped and self.mode != "overlay":
+        if not self.capped and not self.scratch_capped and self.mode != "overlay":
             await ns.stop()  # nothing left for it to hold
             self.ns = None
 
@@ -518,20 +729,27 @@ class Workspaces:
         await ns.start()
         return ns
 
-    async def _probe_cap(self, quota: dict[str, Any]) -> None:
-        """Mount and drop one capped tmpfs the way every slot will."""
+    async def _probe_cap(self, quota: dict[str, Any] | None) -> None:
+        """Mount and drop one capped tmpfs the way every slot will (its workspace, or without a
+        workspace cap its /tmp)."""
         assert self.ns is not None
         probe_dir = self.root / f"probe-{secrets.token_hex(4)}"
         probe_dir.mkdir(mode=0o700)
         try:
             uid = self.probe_uid if self.ns.mode == "root" else None
-            await self.ns.call({"op": "tmpfs", "target": str(probe_dir), "quota": {**quota, "uid": uid}})
+            probe = quota if quota is not None else self.cfg.limits.scratch_quotas(None)[1]
+            await self.ns.call({"op": "tmpfs", "target": str(probe_dir), "quota": {**probe, "uid": uid}})
             await self.ns.call({"op": "umount", "targets": [str(probe_dir)]})
         except WorkspaceError as exc:
-            self._uncapped(f"a capped tmpfs cannot be mounted: {exc}", warn=True)
+            if quota is not None:
+                self._uncapped(f"a capped tmpfs cannot be mounted: {exc}", warn=True)
+            log.warning("workspace: /tmp and /dev/shm are capped in size only, NOT in inodes: %s", exc)
             return
         finally:
             await asyncio.to_thread(remove_tree, probe_dir)
+        self.scratch_capped = True
+        if quota is None:
+            return
         self.capped = self.fork_capped = True
         self.cap_detail = (f"each slot's workspace is its own tmpfs of {quota['bytes'] >> 20} MiB, "
                            f"{quota['inodes']} inodes (RAM-backed)")
@@ -588,13 +806,14 @@ class Workspaces:
 
     def problem(self) -> str:
         """Non-empty when forks cannot work any more (the mount helper died)."""
-        if (self.mode == "overlay" or self.capped) and (self.ns is None or not self.ns.alive):
+        if (self.mode == "overlay" or self.capped or self.scratch_capped) and (self.ns is None or not self.ns.alive):
             return "the workspace mount helper died; slots' workspaces cannot be reset"
         return ""
 
     def mount_count(self) -> int | None:
-        """Mounts below the data dir in the workspace namespace: a capped tmpfs per slot, plus the
-        template layer and the overlay per forked slot; no more."""
+        """Mounts below the data dir in the workspace namespace: a capped tmpfs for each slot's
+        workspace (when capped), run dir, /tmp and /dev/shm, plus the template layer and the
+        overlay per forked slot; no more."""
         if self.ns is None or not self.ns.alive:
             return None
         prefix = os.path.realpath(self.root) + "/"

@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from atropos.backends.base import HostInfo
 from atropos.errors import HostUnavailable, InfrastructureError, LeaseError, ResetFailed, ToolError
 from atropos.sandbox.client import HostClient
-from atropos.sandbox.protocol import CallResult, ResetResult, TemplateInfo, ToolCall
+from atropos.sandbox.protocol import (
+    CallResult,
+    ResetResult,
+    SealResult,
+    TemplateInfo,
+    ToolCall,
+    VerifyRequest,
+    VerifyResult,
+)
 
 if TYPE_CHECKING:
     from atropos.slots.pool import SlotPool
@@ -107,6 +115,7 @@ class Lease:
         self.lost: str | None = None
         self.calls = 0
         self.template: PoolTemplate | None = None  # the template the workspace is a fork of
+        self.sealed = False  # in the verification phase (see ``seal``) until the next reset
 
     def __repr__(self) -> str:
         return f"Lease({self.trajectory_id!r} -> {self.host.id}/{self.slot} gen {self.generation})"
@@ -177,6 +186,41 @@ class Lease:
         self.check()
         return await self.host.guard(self.host.client.archive(self.slot, self.token, path))
 
+    async def seal(self) -> SealResult | None:
+        """End the agent's part of the lease: every process of the slot is killed (calls, waiting
+        interpreters, terminal, python_session) and nothing runs or writes in it again until a
+        reset; reading the workspace and ``verify`` remain. AgentEnv seals every rollout before
+        ``verify_and_score_trajectory``. Idempotent (None when this lease is already sealed)."""
+        self.check()
+        if self.sealed:
+            return None
+        result = await self._host_op(self.host.client.seal(self.slot, self.token))
+        self.sealed = True
+        return result
+
+    async def verify(self, program: str, *, secrets: dict[str, str] | None = None, args: Any = None,
+                     timeout_s: float = 60.0) -> VerifyResult:
+        """Run a verifier program against the slot's final workspace and return its verdict.
+
+        ``program`` is Python source defining ``verify(workspace, secrets, args)`` that returns a
+        number or a dict with a numeric ``"score"``. It runs after the lease is sealed, in a fresh
+        sandbox of the slot with the workspace read-only, in a non-dumpable process that alone
+        holds ``secrets`` (in memory); the verdict comes back through the host's protocol. A
+        program that fails, times out or is killed by the code it checks gives ``ok=False`` (score
+        it 0); only a host failure raises. See docs/verification.md."""
+        self.check()
+        req = VerifyRequest(lease=self.token, program=program, secrets=secrets or {}, args=args, timeout_s=timeout_s)
+        result = await self._host_op(self.host.client.verify(self.slot, req))
+        self.sealed = True
+        return result
+
+    async def _host_op(self, work: Awaitable[T]) -> T:
+        try:
+            return await self.host.guard(work)
+        except HostUnavailable:
+            self.pool.suspect(self.host)
+            raise
+
     async def reset(self, template: PoolTemplate | None = None, *, network: bool | None = None) -> ResetResult:
         """Restart this lease's workspace, keeping the lease: empty, or a fresh copy-on-write
         fork of ``template`` (shipped to this host first if it was made elsewhere). Every
@@ -196,6 +240,7 @@ class Lease:
                 del self.host.leases[self.slot]
             raise ResetFailed(f"{self!r}: {result.detail}")
         self.token, self.generation = result.lease.lease, result.lease.generation
+        self.sealed = False
         if network is not None:
             self.network = network
         self.template = template

@@ -57,6 +57,8 @@ class HostStatus(BaseModel):
     healthy: bool = Field(description="not declared dead or suspected, and its last health probe passed")
     health_ms: float | None
     oldest_lease_s: float | None
+    node: str | None = Field(None, description="the cluster node the host runs on, for backends that place "
+                                               "hosts on nodes (ray: the Ray node id)")
 
 
 class PoolStatus(BaseModel):
@@ -577,7 +579,7 @@ class SlotPool:
                 id=h.id, address=h.info.address, slots=h.info.slots, free=len(h.free), leased=len(h.leases),
                 quarantined=h.quarantined, healthy=h.leasable and h.failures == 0,
                 health_ms=None if h.last_health_ms is None else round(h.last_health_ms, 2),
-                oldest_lease_s=round(max(ages), 1) if ages else None,
+                oldest_lease_s=round(max(ages), 1) if ages else None, node=h.info.labels.get("node"),
             ))
         recent = [t for t in self._call_times if now - t <= 10.0]
         return PoolStatus(

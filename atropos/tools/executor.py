@@ -84,12 +84,14 @@ class _Request:
 class _HostQueue:
     """Adaptive batching for one host (group commit): no fixed wait.
 
-    A turn goes out at the next turn of the event loop when no request to the host *holds*; calls
-    arriving while one holds wait and go out together the moment it stops holding. A request holds
-    from its send until all its results are back, but never longer than twice the host's recent
-    per-call latency (an average that an outlier moves only a little) nor than ``tool_batch_window_ms``:
-    a lone call waits for nothing, a slow call holds a fast one back for about one typical call, and
-    under load the calls that arrive while a batch runs share one request, as the fixed window did.
+    A turn goes out at the next turn of the event loop when nothing is in flight to the host; calls
+    arriving while a request *holds* wait and go out together the moment it stops holding. A request
+    holds from its send until all its results are back, but never longer than the *hold time*: twice
+    the host's recent per-call latency (an average that an outlier moves only a little), capped by
+    ``tool_batch_window_ms``. Calls arriving while requests are in flight but none holds (their calls
+    are slow) wait at most one hold time from the oldest of them. So a lone call waits for nothing, a
+    slow call holds a fast one back for about one typical call, and under load the calls arriving
+    while batches run share one request per hold time, as the fixed window shared one per window.
     """
 
     def __init__(self, executor: ToolExecutor, host: PoolHost) -> None:
@@ -101,6 +103,8 @@ class _HostQueue:
         self.inflight: set[_Request] = set()
         self._soon: asyncio.Handle | None = None
         self._deadline: asyncio.TimerHandle | None = None
+        self._due = 0.0  # when _deadline fires (loop time)
+        self._first_wait = 0.0  # arrival of the oldest waiting call (loop time)
         self.typical_s = TYPICAL_START_S  # moving average of send -> result, for the hold
 
     @property
@@ -110,6 +114,8 @@ class _HostQueue:
 
     def put(self, calls: Sequence[ToolCall]) -> list[asyncio.Future[CallResult]]:
         turn: list[_Pending] = [(call, self.loop.create_future()) for call in calls]
+        if not self.turns:
+            self._first_wait = self.loop.time()
         self.turns.append(turn)
         self._schedule()
         return [fut for _, fut in turn]
@@ -118,11 +124,23 @@ class _HostQueue:
         if not self.turns or self._soon is not None:
             return
         cfg = self.executor.cfg
-        if self.holding == 0 or cfg.tool_batch_window_ms == 0 or self.items >= cfg.tool_max_batch_size:
+        if self.holding:  # sent when the holding request(s) stop holding; the window bounds the wait
+            due = self._first_wait + cfg.tool_batch_window_ms / 1000
+        elif any(r.pending for r in self.inflight):  # only slow calls in flight: wait one hold time for company
+            due = self._first_wait + self.hold_s()
+        else:
+            due = 0.0
+        if due <= self.loop.time() or self.items >= cfg.tool_max_batch_size:
             # call_soon, not now: the callers woken by the last results queue their next calls first
             self._soon = self.loop.call_soon(self._flush)
-        elif self._deadline is None:  # the oldest waiting call never waits longer than the window
-            self._deadline = self.loop.call_later(cfg.tool_batch_window_ms / 1000, self._flush)
+        elif self._deadline is None or due < self._due:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._due = due
+            self._deadline = self.loop.call_at(due, self._flush)
+
+    def hold_s(self) -> float:
+        return min(self.executor.cfg.tool_batch_window_ms / 1000, max(2 * self.typical_s, MIN_HOLD_S))
 
     def _flush(self) -> None:
         self._soon = None
@@ -141,7 +159,7 @@ class _HostQueue:
         request = _Request(batch)
         self.holding += 1
         self.inflight.add(request)
-        hold = min(self.executor.cfg.tool_batch_window_ms / 1000, max(2 * self.typical_s, MIN_HOLD_S))
+        hold = self.hold_s()
         timer = self.loop.call_later(hold, self._unhold, request) if hold > 0 else None
         if timer is None:
             self._unhold(request)
@@ -151,7 +169,10 @@ class _HostQueue:
             if timer is not None:
                 timer.cancel()
             self.inflight.discard(request)
-            self._unhold(request)
+            if request.holding:
+                self._unhold(request)
+            else:
+                self._schedule()  # calls waiting for company need not wait for this one any more
 
         task.add_done_callback(finished)
         abandoned = functools.partial(self._abandoned, request=request)
@@ -321,7 +342,8 @@ class ToolExecutor:
                 results = [await fut for fut in futures]
             except BaseException:
                 for fut in futures:  # a caller that gives up takes the rest of its turn along
-                    fut.cancel()
+                    if not fut.cancel() and not fut.cancelled():
+                        fut.exception()  # retrieved: the first failure is the one raised
                 raise
             for (i, call), result in zip(sandbox, results, strict=True):
                 if result.error is not None and result.error.code == "lease_invalid":

@@ -1,6 +1,6 @@
 """A coding environment: implement a function in the slot; hidden tests, which never enter the
-workspace, run in the same slot at verification time and give the reward (see ``hidden_tests``
-for why the solution cannot forge that result).
+workspace, run in the slot's verification sandbox (``Lease.verify``) and give the reward (see
+``hidden_tests`` for why the solution cannot forge that result).
 
 ``python -m atropos.envs.examples.coding process --env.total_steps 2 --env.group_size 4``
 """

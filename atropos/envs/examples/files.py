@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
@@ -79,20 +80,48 @@ class FilesEnv(AgentEnv):
         raise NotImplementedError("scored in the slot")
 
 
-async def check(lease: Lease, item: dict[str, Any]) -> float:
-    """The checker reads the slot's final state (never the agent's claims)."""
-    async def text(path: str) -> str | None:
-        result = await lease.call("read_file", {"path": path})
-        return str(result.result["content"]).strip() if result.ok and result.result else None
+# The checker, run in the slot's verification phase (Lease.verify): it reads the workspace as the
+# agent left it (read-only, every process of the agent dead), resolving paths inside it only.
+CHECKER = r'''
+import json, os
 
+
+def text(path):
+    try:
+        return read_workspace(path, 1 << 20).decode("utf-8", "replace").strip()
+    except OSError:
+        return None
+
+
+def verify(workspace, secrets, args):
+    want = json.loads(secrets["expected"])
+    if want["kind"] in ("count_lines", "sum_numbers"):
+        return 1.0 if text(want["path"]) == want["text"] else 0.0
+    try:
+        fd = open_in_workspace("logs")
+    except OSError:
+        return 0.0
+    try:
+        names = sorted(os.listdir(fd))
+    finally:
+        os.close(fd)
+    return 1.0 if names == sorted(want["names"]) else 0.0
+'''
+
+
+def expected(item: dict[str, Any]) -> dict[str, Any]:
     if item["kind"] == "count_lines":
-        return 1.0 if await text("reports/summary.txt") == str(item["n"]) else 0.0
+        return {"kind": item["kind"], "path": "reports/summary.txt", "text": str(item["n"])}
     if item["kind"] == "sum_numbers":
-        return 1.0 if await text("total.txt") == str(sum(item["nums"])) else 0.0
-    listing = await lease.call("list_dir", {"path": "logs"})
-    names = {e["name"] for e in (listing.result or {}).get("entries", [])} if listing.ok else set()
-    want = {f"{n}.txt" for n in item["names"]} | {"keep.cfg"}
-    return 1.0 if names == want else 0.0
+        return {"kind": item["kind"], "path": "total.txt", "text": str(sum(item["nums"]))}
+    return {"kind": item["kind"], "names": [f"{n}.txt" for n in item["names"]] + ["keep.cfg"]}
+
+
+async def check(lease: Lease, item: dict[str, Any]) -> float:
+    """The checker reads the slot's final state (never the agent's claims); a checker that could
+    not give a verdict scores 0."""
+    result = await lease.verify(CHECKER, secrets={"expected": json.dumps(expected(item))}, timeout_s=30)
+    return result.score if result.ok and result.score is not None else 0.0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,348 @@
+"""Sandbox hosts placed by Ray: one actor per host on a node that offers the custom resource
+(``atropos_sandbox`` by default); the actor runs the same ``python -m atropos.sandbox`` as the
+local backend (bubblewrap on that node, no Docker) and reports its address back.
+
+Why it is built this way:
+
+- The host token reaches the actor in a method call after the actor exists, never in its
+  constructor arguments, options or runtime_env: those are stored in Ray's actor table and shown
+  by its state API and dashboard; a method call's arguments are sent to the actor only. The
+  actor puts it in the host's environment (``HOST_TOKEN_ENV``), which the host pops at start.
+- The host is started with ``--parent-pid`` = the actor's worker: when Ray kills the actor (its
+  node removed, ``ray.kill``, the pool's driver gone) the host gets SIGTERM and stops its slots.
+- Actors are owned by the pool's driver (not detached): when the pool process dies, Ray kills
+  them. They are also named ``<pool_id>/<hostname>/<pid>/<n>`` in the pool's namespace, so a
+  restarted pool reaps any that outlived a dead owner on this machine (``reap_orphans``).
+- A host is lost the moment its actor dies: a watcher awaits the actor's ``wait`` call, which
+  fails at once when Ray reports the actor dead (a removed node), so ``alive`` answers False and
+  the pool fails the host's in-flight calls and starts a replacement on a surviving node.
+
+Ray is imported only when a RayBackend is made (``pip install 'atropos-sandbox[ray]'``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from atropos.backends.base import Backend, HostInfo, new_token, pid_alive
+from atropos.errors import ConfigError, HostUnavailable, IsolationUnavailable
+
+log = logging.getLogger(__name__)
+
+# Ray rewrites a loopback address (its own or a cluster's) to this machine's outward IP unless this
+# variable is 0 (ray/_private/services.py: resolve_ip_for_localhost); a cluster on 127.0.0.1 must
+# stay there.
+RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+NAME_SEP = "/"  # a pool id never holds one (its pattern), so names split back unambiguously
+
+
+class RayBackendConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["ray"] = "ray"
+    address: str | None = Field(None, description="Ray cluster (host:port, 'auto', ray://...); default $RAY_ADDRESS, "
+                                                  "else a Ray started in this process on 127.0.0.1")
+    namespace: str = Field("atropos-sandbox", min_length=1, description="Ray namespace of the host actors")
+    pool_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    slots_per_host: int = Field(16, ge=1, le=1023)
+    max_timeout_s: float = Field(600.0, gt=0)
+    slot_workspace_bytes: int = Field(1 << 30, ge=0, description="what one slot can write (its own tmpfs, RAM)")
+    prewarm: bool = True
+    start_timeout_s: float = Field(120.0, gt=0, description="placement + host start, per host")
+    resource: str = Field("atropos_sandbox", min_length=1,
+                          description="custom resource a node must offer to run hosts (ray start --resources)")
+    resource_per_host: float = Field(1.0, gt=0, description="how much of it one host takes")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per host (a scheduling share, not a cap)")
+    spread: bool = Field(True, description="place hosts on as many nodes as possible (Ray's SPREAD); "
+                                           "off: Ray packs them")
+    data_root: Path = Field(Path("/tmp/atropos-sandbox/ray"), description="on each node: where workspaces live")
+    python: str | None = Field(None, description="interpreter running the hosts on the nodes; default: the actor's")
+    loopback: bool | None = Field(None, description="keep Ray on 127.0.0.1 (a single-machine cluster); "
+                                                    "default: when the address is loopback or Ray is started here")
+    unsafe_no_isolation: bool = Field(False, description="DEVELOPMENT ONLY: no bubblewrap")
+    host_log_level: str = "WARNING"
+
+    def build(self) -> RayBackend:
+        return RayBackend(self)
+
+
+class HostActor:
+    """Runs on a Ray node: starts one sandbox host process, reports where it listens, waits for it
+    and stops it. Made a Ray actor by ``RayBackend`` (``ray.remote(HostActor)``)."""
+
+    def __init__(self, launch: dict[str, Any]) -> None:
+        self.launch = launch
+        self.proc: asyncio.subprocess.Process | None = None
+        self.data_dir = Path(launch["data_dir"])
+        self.log_path = self.data_dir.with_suffix(".log")
+
+    async def start(self, token: str, timeout_s: float) -> dict[str, Any]:
+        import ray
+
+        from atropos.sandbox.host import owned_dir
+        from atropos.sandbox.launch import HostLaunch, host_env
+
+        ip = ray.util.get_node_ip_address()
+        spec = dict(self.launch)
+        python = spec.pop("python", None)
+        launch = HostLaunch(**spec, host=ip, parent_pid=os.getpid())
+        root = self.data_dir.parent
+        root.parent.mkdir(parents=True, exist_ok=True)
+        for d in (root.parent, root):
+            owned_dir(d, 0o711)
+        with open(self.log_path, "ab") as log_file:  # noqa: ASYNC230 - a local file, opened once per host
+            self.proc = await asyncio.create_subprocess_exec(
+                *launch.argv(python or sys.executable), stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=log_file, env=host_env(token), start_new_session=True)
+        assert self.proc.stdout is not None
+        try:
+            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
+            ready = json.loads(line) if line else {}
+        except (asyncio.TimeoutError, ValueError):
+            ready = {}
+        if ready.get("event") != "ready":
+            await self.stop()
+            return {"error": self._tail()}
+        return {"address": f"http://{_url_host(ip)}:{ready['port']}", "pid": self.proc.pid, "node_ip": ip,
+                "node_id": ray.get_runtime_context().get_node_id()}
+
+    async def wait(self) -> int | None:
+        """Returns when the host process exits (fails at once if this actor dies)."""
+        if self.proc is None:
+            return None
+        return await self.proc.wait()
+
+    async def stop(self) -> None:
+        from atropos.sandbox.sandbox_process import kill_processes_naming
+
+        proc = self.proc
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except asyncio.TimeoutError:
+                proc.kill()
+                await proc.wait()
+        await asyncio.to_thread(kill_processes_naming, self.data_dir)
+        await asyncio.to_thread(shutil.rmtree, self.data_dir, True)
+        with contextlib.suppress(OSError):
+            self.log_path.unlink()
+
+    def _tail(self, n: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:].strip()
+        except OSError:
+            return "(no log)"
+
+
+def _url_host(ip: str) -> str:
+    return f"[{ip}]" if ":" in ip else ip
+
+
+def _is_loopback(address: str | None) -> bool:
+    if not address:
+        return False
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _keep_ray_on_loopback() -> None:
+    os.environ[RAY_LOOPBACK_ENV] = "0"  # for Ray imported after this, and the processes it starts
+    if "ray" in sys.modules:  # imported already: the flag it read at import time
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+class RayBackend(Backend):
+    name = "ray"
+
+    def __init__(self, cfg: RayBackendConfig | None = None) -> None:
+        self.cfg = cfg or RayBackendConfig()
+        self._address = self.cfg.address or os.environ.get("RAY_ADDRESS") or None
+        loopback = self.cfg.loopback if self.cfg.loopback is not None else (
+            self._address is None or _is_loopback(self._address))
+        if loopback:
+            _keep_ray_on_loopback()
+        try:
+            import ray
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise ConfigError("the ray backend needs Ray: pip install 'atropos-sandbox[ray]'") from exc
+        self._ray = ray
+        self._loopback = loopback
+        self._actor_cls: Any = None
+        self._actors: dict[str, Any] = {}
+        self._watchers: dict[str, asyncio.Task[Any]] = {}
+        self._counter = 0
+        self._owner = f"{socket.gethostname()}{NAME_SEP}{os.getpid()}"
+        self._started_ray = False
+
+    # -- Ray ------------------------------------------------------------------------------------
+    def _connect(self) -> None:
+        ray = self._ray
+        if ray.is_initialized():
+            if self._actor_cls is None:
+                self._actor_cls = ray.remote(HostActor)
+            return
+        kw: dict[str, Any] = {"namespace": self.cfg.namespace, "include_dashboard": False, "log_to_driver": False,
+                              "ignore_reinit_error": True}
+        if self._loopback:
+            kw["_node_ip_address"] = "127.0.0.1"
+        try:
+            if self._address is None:
+                # no cluster named: a single-node Ray in this process (the node offers the resource)
+                ray.init(resources={self.cfg.resource: 1024}, **kw)
+                self._started_ray = True
+            else:
+                ray.init(address=self._address, **kw)
+        except Exception as exc:
+            raise HostUnavailable(f"cannot reach the Ray cluster at {self._address or '(local)'}: {exc}") from exc
+        self._actor_cls = ray.remote(HostActor)
+
+    def _name(self, n: int) -> str:
+        return NAME_SEP.join((self.cfg.pool_id, self._owner, str(n)))
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """The cluster's live nodes that can run hosts: id, address, resource total and hosts here."""
+        self._connect()
+        out = []
+        for node in self._ray.nodes():
+            total = node.get("Resources", {}).get(self.cfg.resource)
+            if node.get("Alive") and total:
+                out.append({"node_id": node["NodeID"], "address": node["NodeManagerAddress"],
+                            self.cfg.resource: total})
+        return out
+
+    # -- Backend --------------------------------------------------------------------------------
+    async def start_host(self) -> HostInfo:
+        self._connect()
+        self._counter += 1
+        name = self._name(self._counter)
+        c = self.cfg
+        host_dir = name.replace(NAME_SEP, "-")
+        launch = {"slots": c.slots_per_host, "data_dir": str(c.data_root / c.pool_id / host_dir),
+                  "max_timeout_s": c.max_timeout_s, "workspace_bytes": c.slot_workspace_bytes,
+                  "prewarm": c.prewarm, "unsafe_no_isolation": c.unsafe_no_isolation,
+                  "log_level": c.host_log_level, "python": c.python}
+        actor = self._actor_cls.options(
+            name=name, namespace=c.namespace, num_cpus=c.num_cpus, resources={c.resource: c.resource_per_host},
+            max_restarts=0, max_task_retries=0, max_concurrency=8,
+            scheduling_strategy="SPREAD" if c.spread else "DEFAULT",
+        ).remote(launch)
+        self._actors[name] = actor
+        token = new_token()
+        try:
+            ready = await asyncio.wait_for(_as_future(actor.start.remote(token, c.start_timeout_s)),
+                                           c.start_timeout_s + 30)
+        except BaseException as exc:
+            await asyncio.shield(self._kill(name))
+            if isinstance(exc, asyncio.TimeoutError):
+                raise HostUnavailable(f"ray host {name} did not start within {c.start_timeout_s + 30:.0f} s: is there "
+                                      f"a node with free {c.resource!r} ({c.resource_per_host:g}) and "
+                                      f"{c.num_cpus:g} CPU? {self._placement_hint()}") from None
+            if isinstance(exc, Exception):
+                raise HostUnavailable(f"ray host {name} failed to start: {exc}") from exc
+            raise
+        if "error" in ready:
+            await self._kill(name)
+            raise _start_error(ready["error"])
+        self._watchers[name] = asyncio.ensure_future(_as_future(actor.wait.remote()))
+        log.info("ray host %s ready at %s on node %s", name, ready["address"], ready["node_id"][:12])
+        return HostInfo(id=name, address=ready["address"], token=token, slots=c.slots_per_host,
+                        labels={"backend": "ray", "node": ready["node_id"], "node_ip": ready["node_ip"],
+                                "pid": str(ready["pid"])})
+
+    def _placement_hint(self) -> str:
+        try:
+            nodes = self.nodes()
+        except Exception as exc:  # the hint is best effort; the timeout is the error
+            return f"(cannot list nodes: {exc})"
+        return f"{len(nodes)} live node(s) offer it" if nodes else "no live node offers it"
+
+    async def stop_host(self, host_id: str) -> None:
+        actor = self._actors.get(host_id)
+        if actor is not None:
+            with contextlib.suppress(Exception, asyncio.TimeoutError):
+                await asyncio.wait_for(_as_future(actor.stop.remote()), 20)
+        await self._kill(host_id)
+
+    async def _kill(self, host_id: str) -> None:
+        actor = self._actors.pop(host_id, None)
+        watcher = self._watchers.pop(host_id, None)
+        if watcher is not None:
+            watcher.cancel()
+        if actor is not None:
+            with contextlib.suppress(Exception):
+                self._ray.kill(actor, no_restart=True)
+
+    async def alive(self, host_id: str) -> bool:
+        watcher = self._watchers.get(host_id)
+        return watcher is not None and not watcher.done()
+
+    def actor_names(self) -> list[str]:
+        """Names of this pool's host actors alive in the namespace (any owner)."""
+        self._connect()
+        prefix = self.cfg.pool_id + NAME_SEP
+        from ray.util import list_named_actors
+
+        return sorted(a["name"] for a in list_named_actors(all_namespaces=True)
+                      if a.get("namespace") == self.cfg.namespace and a["name"].startswith(prefix))
+
+    async def reap_orphans(self) -> int:
+        """Kill this pool's host actors whose owner (a pool process on this machine) is gone.
+        Owned actors normally die with their owner; this catches the ones Ray has not yet killed."""
+        self._connect()
+        reaped = 0
+        for name in await asyncio.to_thread(self.actor_names):
+            try:
+                _, owner_host, owner_pid, _ = name.split(NAME_SEP)
+            except ValueError:
+                continue
+            if name in self._actors or owner_host != socket.gethostname() or not owner_pid.isdigit():
+                continue
+            if int(owner_pid) == os.getpid() or pid_alive(int(owner_pid)):
+                continue
+            try:
+                actor = self._ray.get_actor(name, namespace=self.cfg.namespace)
+            except ValueError:  # died meanwhile
+                continue
+            with contextlib.suppress(Exception, asyncio.TimeoutError):
+                await asyncio.wait_for(_as_future(actor.stop.remote()), 20)
+            with contextlib.suppress(Exception):
+                self._ray.kill(actor, no_restart=True)
+            reaped += 1
+        return reaped
+
+    async def close(self) -> None:
+        await asyncio.gather(*(self.stop_host(h) for h in list(self._actors)), return_exceptions=True)
+        if self._started_ray:
+            self._ray.shutdown()
+
+
+def _as_future(ref: Any) -> asyncio.Future[Any]:
+    """An asyncio future for a Ray ObjectRef (awaiting it directly is Ray's own coroutine)."""
+    return asyncio.wrap_future(ref.future())
+
+
+def _start_error(tail: str) -> IsolationUnavailable | HostUnavailable:
+    from atropos.sandbox.host import ISOLATION_FAILED
+
+    lines = tail.splitlines()
+    marker = f"error: {ISOLATION_FAILED}"
+    for i, line in enumerate(lines):
+        if line.startswith(marker):
+            return IsolationUnavailable("\n".join([line.removeprefix("error: "), *lines[i + 1:]]).strip())
+    return HostUnavailable(f"ray sandbox host failed to start: {tail}")

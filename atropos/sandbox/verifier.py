@@ -1,0 +1,195 @@
+"""The verification runner: runs *inside* a slot's verification sandbox, once per ``verify``.
+
+The host starts it in a fresh sandbox of the slot only after every process of the slot was
+killed (see docs/verification.md): the workspace is bound read-only, ``HOME`` and the working
+directory are a private ``/tmp``, and no process of the agent exists any more. It makes itself
+non-dumpable before anything arrives, so what it receives (the verifier program, its secrets:
+hidden tests, expected answers, keys) can be read by no other process, not even by the agent's
+code that the program itself runs in child processes.
+
+One request on the protocol pipe: ``{"op": "verify", "program", "secrets", "args", "timeout"}``.
+``program`` is Python source that defines ``verify(workspace, secrets, args)``; it runs in this
+process, and what it returns is the verdict, sent back on the protocol pipe (never a file: nothing
+in the workspace or in ``/tmp`` decides the score). The program's own stdout/stderr go to a
+capture pipe whose tail comes back as ``log`` (a child it starts may write there too: it is for
+reading, never for scoring).
+
+Standard library only, like the supervisor: copied into the host's lib dir and run with the
+sandbox's ``python3 -I -S``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import traceback
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from atropos.sandbox.inslot import Capture, apply_limits, make_undumpable, protocol_fds, serve
+else:  # run from the host's lib dir, beside inslot.py (isolated mode: the dir is not on sys.path)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from inslot import Capture, apply_limits, make_undumpable, protocol_fds, serve
+    del sys.path[0]
+
+LOG_CAP = 16384
+# openat2(2): resolve as if the workspace were /, no /proc magic links (linux/openat2.h)
+RESOLVE_NO_MAGICLINKS, RESOLVE_IN_ROOT = 0x02, 0x10
+SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}.get(os.uname().machine)
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def open_in_workspace(workspace: str, path: str) -> int:
+    """An fd of ``path`` read-only, resolved inside ``workspace`` (``..``, absolute paths and
+    symlinks stay inside it): a link the agent planted (``answer.txt -> /tmp/expected``) cannot
+    make the verifier read its own files. Non-blocking, so a FIFO does not hang it."""
+    if SYS_OPENAT2 is None:
+        raise OSError(errno.ENOSYS, "openat2 is not available on this architecture")
+    root = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        how = _OpenHow(os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY, 0,
+                       RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+        fd = libc.syscall(SYS_OPENAT2, root, os.fsencode(path), ctypes.byref(how), ctypes.sizeof(how))
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), path)
+        return int(fd)
+    finally:
+        os.close(root)
+
+
+def read_workspace(workspace: str, path: str, limit: int = 64 << 20) -> bytes:
+    """The bytes of a regular file of the workspace (see ``open_in_workspace``), at most ``limit``."""
+    import stat
+
+    fd = open_in_workspace(workspace, path)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        chunks, size = [], 0
+        while size < limit:
+            chunk = os.read(fd, min(1 << 20, limit - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+class VerifierTimeout(BaseException):
+    """Raised in the program at its deadline (a BaseException: ``except Exception`` lets it through)."""
+
+
+def _capture_stdio() -> tuple[Capture, threading.Thread]:
+    """Point fds 1 and 2 at a pipe drained into a bounded capture."""
+    r, w = os.pipe2(os.O_CLOEXEC)
+    for fd in (1, 2):
+        os.dup2(w, fd)  # dup2 clears O_CLOEXEC: children inherit 1 and 2, as with any program
+    os.close(w)
+    capture = Capture(LOG_CAP)
+
+    def drain() -> None:
+        while True:
+            try:
+                chunk = os.read(r, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            capture.feed(chunk)
+
+    thread = threading.Thread(target=drain, daemon=True)
+    thread.start()
+    return capture, thread
+
+
+def _plain(value: Any) -> Any:
+    """The verdict as plain JSON values (a program's own objects never cross)."""
+    return json.loads(json.dumps(value, allow_nan=False))
+
+
+def run_program(req: dict[str, Any]) -> dict[str, Any]:
+    secrets = {str(k): str(v) for k, v in (req.get("secrets") or {}).items()}
+    workspace = str(req.get("workspace", "/workspace"))
+    namespace: dict[str, Any] = {
+        "__name__": "__verifier__", "__builtins__": __builtins__,
+        "read_workspace": lambda path, limit=64 << 20: read_workspace(workspace, path, limit),
+        "open_in_workspace": lambda path: open_in_workspace(workspace, path),
+    }
+
+    def expire(_sig: int, _frame: Any) -> None:
+        raise VerifierTimeout(f"the verifier program ran past its {req['timeout']}s")
+
+    signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, float(req["timeout"]))
+    try:
+        exec(compile(str(req["program"]), "<verifier>", "exec"), namespace)
+        fn = namespace.get("verify")
+        if not callable(fn):
+            return {"error": {"code": "bad_program",
+                              "message": "the program defines no verify(workspace, secrets, args)"}}
+        verdict = fn(workspace, secrets, req.get("args"))
+    except VerifierTimeout as exc:
+        return {"error": {"code": "timed_out", "message": str(exc)}}
+    except BaseException as exc:  # the program's failure, reported with its traceback in the log
+        sys.stderr.write(traceback.format_exc())
+        return {"error": {"code": "program_failed", "message": f"{type(exc).__name__}: {exc}"}}
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    if isinstance(verdict, bool) or not isinstance(verdict, (int, float, dict)):
+        return {"error": {"code": "bad_verdict", "message": f"verify() returned {type(verdict).__name__}; "
+                                                           "return a number or a dict with 'score'"}}
+    if not isinstance(verdict, dict):
+        verdict = {"score": verdict}
+    score = verdict.get("score")
+    if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+        return {"error": {"code": "bad_verdict", "message": "the verdict's 'score' is not a finite number"}}
+    try:
+        return {"verdict": _plain(verdict)}
+    except (TypeError, ValueError) as exc:
+        return {"error": {"code": "bad_verdict", "message": f"the verdict is not plain JSON: {exc}"}}
+
+
+def main() -> None:
+    make_undumpable()  # first: the secrets arrive only after the ready frame
+    cfg = json.loads(sys.argv[1])
+    rfd, wfd = protocol_fds()
+    apply_limits(cfg.get("limits", {}))
+    os.environ.clear()
+    os.environ.update({str(k): str(v) for k, v in cfg.get("env", {}).items()})
+    log, _drain = _capture_stdio()
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    done = False
+
+    def handle(req: dict[str, Any]) -> dict[str, Any]:
+        nonlocal done
+        if done or req.get("op") != "verify":
+            return {"ok": False, "error": {"code": "invalid_request", "message": "one verify request per sandbox"}}
+        done = True
+        outcome = run_program(req)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        text, _ = log.text()
+        return {"ok": True, "result": {**outcome, "log": text}}
+
+    serve(rfd, wfd, handle)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+"""Containment: what a slot can do to the memory filesystems it writes, to the tools that walk its
+tree (archive, template snapshot, trash, pool shutdown) and to the tools' arguments.
+
+One test per row of the containment catalogue (docs/containment.md), each attacking a real sandbox
+host (real bubblewrap, real HTTP) through the public API and asserting the safe outcome. The slot
+tests take the ``slot``/``host`` fixtures of tests/conftest.py, so another host (a Docker one) can
+run them by overriding those fixtures; the tests that need a host of their own (other flags, a
+pool's data dir) start it here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import secrets
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import LeasedSlot, RunningHost, start_host, stop_host
+
+from atropos.sandbox.config import RUN_DIR_INODES, Limits
+from atropos.slots.config import PoolConfig
+from atropos.slots.pool import SlotPool
+from tests.pool_backends import make_backend
+
+LIMITS = Limits()
+DEPTH = 10_000  # far past PATH_MAX (4096) and Python's recursion limit (1000)
+
+
+async def wait_until(pred: Any, timeout: float = 60.0, interval: float = 0.1) -> bool:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not await asyncio.to_thread(pred):
+        if loop.time() > end:
+            return False
+        await asyncio.sleep(interval)
+    return True
+
+
+async def alive_and_same_sandbox(slot: LeasedSlot, before: str) -> None:
+    """The slot still answers, from the sandbox it had (its supervisor never died and was restarted)."""
+    assert await sandbox_id(slot) == before, "the slot's sandbox was restarted"
+
+
+async def sandbox_id(slot: LeasedSlot) -> str:
+    """When the slot's sandbox started (its PID 1's start time, in ticks since boot): a restarted
+    sandbox is a new PID namespace whose PID 1 started later."""
+    out = await slot.sh("awk '{print $22}' /proc/1/stat")
+    assert out["stdout"].strip().isdigit(), out
+    return str(out["stdout"].strip())
+
+
+def members(blob: bytes) -> list[tarfile.TarInfo]:
+    with tarfile.open(fileobj=io.BytesIO(blob), mode="r:gz") as tar:
+        return tar.getmembers()
+
+
+def assert_safe_names(infos: list[tarfile.TarInfo]) -> None:
+    for m in infos:
+        parts = m.name.split("/")
+        assert not m.name.startswith("/") and ".." not in parts and "." not in parts and "" not in parts, \
+            f"unsafe member name {m.name[:200]!r}"
+        if m.islnk():  # a hard link names another member: the same rules
+            assert not m.linkname.startswith("/") and ".." not in m.linkname.split("/"), m.linkname
+
+
+MAKE_DEEP = f"""
+import os
+os.mkdir('deep')
+fd = os.open('deep', os.O_RDONLY)
+for i in range({DEPTH}):
+    os.mkdir('d', dir_fd=fd)
+    if i % 2500 == 0:
+        with open(os.open(f'f{{i}}', os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), 'w') as fh:
+            fh.write(f'level {{i}}')
+        os.symlink('/etc', f'link{{i}}', dir_fd=fd)
+    nxt = os.open('d', os.O_RDONLY, dir_fd=fd)
+    os.close(fd)
+    fd = nxt
+print('built')
+"""
+
+
+# =====================================================================================================
+# Row 1: millions of empty files in /tmp, /dev/shm (and the workspace, the run dir): inode caps
+# =====================================================================================================
+FILL = r"""
+import errno, os, sys
+d = sys.argv[1]
+n, err = 0, None
+try:
+    while n < 2_000_000:
+        os.close(os.open(f'{d}/f{n}', os.O_WRONLY | os.O_CREAT, 0o600))
+        n += 1
+except OSError as exc:
+    err = errno.errorcode.get(exc.errno, exc.errno)
+print(n, err)
+"""
+
+
+@pytest.mark.parametrize(("where", "cap"), [
+    ("/tmp", LIMITS.tmp_inodes), ("/dev/shm", LIMITS.shm_inodes), ("/run/term", RUN_DIR_INODES),
+    ("/workspace/fill", LIMITS.workspace_inodes),
+])
+async def test_c01_empty_files_meet_an_inode_cap(slot: LeasedSlot, where: str, cap: int) -> None:
+    await slot.sh(f"mkdir -p {where}")
+    out = await slot.ok("python", code=FILL.replace("sys.argv[1]", repr(where)), timeout_s=300)
+    await slot.sh(f"find {where} -mindepth 1 -delete", timeout_s=300)
+    created, err = out["stdout"].split()
+    assert err == "ENOSPC", f"{where}: {created} files created without meeting a cap ({out})"
+    # the root directory (and, in the workspace, the fill directory) is an inode too
+    assert cap - 8 <= int(created) <= cap, f"{where}: {created} files for a cap of {cap}"
+    # the cap is per filesystem and gone with the files: the slot writes again
+    assert (await slot.sh(f"touch {where}/again && echo ok"))["stdout"] == "ok\n"
+
+
+# =====================================================================================================
+# Row 2: a unix socket (and a FIFO) in the workspace, then archive
+# =====================================================================================================
+async def test_c02_socket_and_fifo_in_workspace_archive_skips_and_reports_them(slot: LeasedSlot) -> None:
+    before = await sandbox_id(slot)
+    await slot.ok("python", code="import os, socket\nos.mkdir('a')\nopen('a/keep.txt', 'w').write('kept')\n"
+                                 "socket.socket(socket.AF_UNIX).bind('a/sock')\nos.mkfifo('a/fifo')")
+    out = await slot.ok("archive", path="a")
+    infos = members(base64.b64decode(out["content"]))
+    assert [m.name for m in infos] == ["keep.txt"]
+    assert sorted((s["path"], s["reason"]) for s in out["skipped"]) == [("fifo", "fifo"), ("sock", "socket")]
+    await alive_and_same_sandbox(slot, before)
+
+
+# =====================================================================================================
+# Row 3: a 10,000-deep tree: archive, snapshot, trash, pool shutdown, uncapped trash
+# =====================================================================================================
+async def test_c03_deep_tree_archive_and_snapshot(slot: LeasedSlot, host: RunningHost) -> None:
+    before = await sandbox_id(slot)
+    assert (await slot.ok("python", code=MAKE_DEEP, timeout_s=300))["stdout"] == "built\n"
+    out = await asyncio.wait_for(slot.call("archive", path="deep"), 300)
+    if not out.ok:  # a clean refusal is the only other acceptable outcome
+        assert out.error is not None and out.error.code == "too_large", out.error
+    else:
+        assert out.result is not None
+        infos = members(base64.b64decode(out.result["content"]))
+        assert_safe_names(infos)
+        dirs = [m for m in infos if m.isdir()]
+        links = [m for m in infos if m.issym()]
+        assert len(dirs) == DEPTH and len(links) == DEPTH // 2500 and all(m.linkname == "/etc" for m in links)
+        deepest = max(infos, key=lambda m: m.name.count("/"))
+        assert deepest.name.count("/") == DEPTH - 1
+    await alive_and_same_sandbox(slot, before)
+
+    # snapshot: a template of the slot's tree, the slot continues as a fork of it
+    info = await asyncio.wait_for(slot.client.template_from_slot(slot.lease.slot, slot.lease.lease), 600)
+    assert info.dirs == DEPTH + 1 and info.files == DEPTH // 2500 and info.others == DEPTH // 2500
+    walk = await slot.ok("python", timeout_s=300, code="import os\nfd = os.open('deep', os.O_RDONLY)\nn = 0\n"
+                         "while True:\n    try:\n        nxt = os.open('d', os.O_RDONLY, dir_fd=fd)\n"
+                         "    except FileNotFoundError:\n        break\n    os.close(fd)\n    fd = nxt\n    n += 1\n"
+                         "print(n)")
+    assert walk["stdout"] == f"{DEPTH}\n"
+    # the template is deleted once nothing uses it: its tree goes to the trash, which empties
+    reset = await slot.client.reset(slot.lease.slot, slot.lease.lease)
+    slot.lease = reset.lease
+    await slot.client.delete_template(info.id)
+    trash = host.data_dir / "trash"
+    assert await wait_until(lambda: not any(trash.iterdir()), 300), f"trash not emptied: {list(trash.iterdir())}"
+
+
+@pytest.fixture(scope="module")
+def uncapped_host() -> Any:
+    data = Path(f"/tmp/atropos-contain-{os.getpid()}-{secrets.token_hex(3)}")
+    running = start_host(data, slots=1, extra=["--workspace-bytes", "0", "--no-prewarm"])
+    yield running
+    stop_host(running)
+
+
+async def test_c03_uncapped_host_empties_its_trash_of_a_deep_tree(uncapped_host: RunningHost) -> None:
+    async with uncapped_host.client() as client:
+        lease = await client.lease("deep-uncapped")
+        slot = LeasedSlot(client, lease)
+        assert (await slot.ok("python", code=MAKE_DEEP, timeout_s=300))["stdout"] == "built\n"
+        ws = uncapped_host.data_dir / "slots" / str(lease.slot) / "ws"
+        assert (ws / "deep" / "d").is_dir(), "premise: an uncapped workspace lives on the data dir's disk"
+        await client.release(lease.slot, lease.lease)
+    trash = uncapped_host.data_dir / "trash"
+    assert await wait_until(lambda: not any(trash.iterdir()), 300), f"trash not emptied: {list(trash.iterdir())}"
+
+
+async def test_c03_pool_shutdown_removes_a_data_dir_holding_a_deep_tree() -> None:
+    backend = make_backend("local", slots=1)
+    backend.cfg.slot_workspace_bytes = 0  # type: ignore[attr-defined]  # the tree on the data dir's disk
+    async with SlotPool(backend, PoolConfig(min_hosts=1, max_hosts=1)) as pool:
+        async with pool.leased("deep-shutdown") as lease:
+            assert (await lease.ok("python", {"code": MAKE_DEEP}, timeout_s=300))["stdout"] == "built\n"
+            data_dirs = list(backend._dirs.values())  # type: ignore[attr-defined]
+            assert len(data_dirs) == 1 and data_dirs[0].is_dir()
+            deep = list(data_dirs[0].glob("slots/*/ws/deep"))
+            assert deep, "premise: the deep tree is on the data dir's disk"
+    assert not data_dirs[0].exists(), f"pool shutdown left {data_dirs[0]}"
+
+
+# =====================================================================================================
+# Row 4: symlinks swapped and files shrinking during archive
+# =====================================================================================================
+RACER = r"""
+import os, threading
+os.makedirs('race/d/sub', exist_ok=True)
+open('race/d/sub/inner.txt', 'w').write('inner')
+def swap():
+    while True:
+        try:
+            os.rename('race/d', 'race/real')
+            os.symlink('/', 'race/d')
+            os.rename('race/d', 'race/gone')
+            os.unlink('race/gone')
+            os.rename('race/real', 'race/d')
+        except OSError:
+            pass
+def shrink():
+    while True:
+        with open('race/shrinking', 'wb') as fh:
+            fh.write(b'x' * (1 << 20))
+        with open('race/shrinking', 'wb'):
+            pass
+for f in (swap, shrink):
+    threading.Thread(target=f, daemon=True).start()
+"""
+
+
+async def test_c04_archive_during_symlink_swaps_and_shrinking_files(slot: LeasedSlot) -> None:
+    await slot.ok("python_session", code=RACER)  # keeps running between calls, in its own sandbox
+    try:
+        outcomes: dict[str, int] = {}
+        for _ in range(20):
+            r = await asyncio.wait_for(slot.call("archive", path="race"), 120)
+            if not r.ok:
+                assert r.error is not None and r.error.code == "changed_during_archive", r.error
+                outcomes["changed"] = outcomes.get("changed", 0) + 1
+                continue
+            assert r.result is not None
+            infos = members(base64.b64decode(r.result["content"]))
+            assert_safe_names(infos)
+            names = {m.name for m in infos}
+            # nothing from the sandbox root: a followed link would bring usr/, etc/, proc/
+            assert names <= {"d", "d/sub", "d/sub/inner.txt", "real", "real/sub", "real/sub/inner.txt", "gone",
+                             "shrinking"}, sorted(names)[:20]
+            for m in infos:
+                assert not m.isreg() or m.name == "shrinking" or m.size == len("inner"), m.name
+                if m.name in ("d", "gone") and m.issym():
+                    assert m.linkname == "/"
+            outcomes["ok"] = outcomes.get("ok", 0) + 1
+        assert outcomes.get("ok", 0) + outcomes.get("changed", 0) == 20
+    finally:
+        await slot.ok("python_session", code="", restart=True)
+
+
+# =====================================================================================================
+# Row 5: read_file at offset 10**20 (and other out-of-range numbers)
+# =====================================================================================================
+@pytest.mark.parametrize("args", [
+    {"offset": 10**20}, {"offset": (1 << 63) - 1}, {"offset": 1 << 63}, {"limit": 10**20},
+    {"offset": 10**20, "limit": 10**20}, {"offset": 5, "limit": 1},
+])
+async def test_c05_read_file_offsets_are_tool_errors(slot: LeasedSlot, args: dict[str, int]) -> None:
+    before = await sandbox_id(slot)
+    await slot.ok("write_file", path="small.txt", content="0123456789")
+    r = await asyncio.wait_for(slot.call("read_file", path="small.txt", **args), 60)
+    if r.ok:
+        assert r.result is not None
+        assert r.result["content"] == "0123456789"[args.get("offset", 0):][:args.get("limit") or None]
+    else:
+        assert r.error is not None and r.error.status < 500, r.error
+        assert r.error.code in ("invalid_arguments", "too_large"), r.error
+    await alive_and_same_sandbox(slot, before)
+
+
+# =====================================================================================================
+# Row 6: the terminal's socket and log replaced from inside the slot
+# =====================================================================================================
+@pytest.mark.parametrize("plant", [
+    "mkdir -p /run/term/tmux.sock/x", "mkfifo /run/term/tmux.sock", "ln -s /etc /run/term/tmux.sock",
+])
+async def test_c06_odd_file_at_terminal_socket_before_first_use(slot: LeasedSlot, plant: str) -> None:
+    await slot.sh(plant)
+    r = await asyncio.wait_for(slot.call("terminal", input="echo hello-$((6*7))", wait_ms=5000), 60)
+    assert r.ok, r.error
+    assert r.result is not None and "hello-42" in r.result["output"]
+
+
+async def test_c06_terminal_socket_replaced_while_running(slot: LeasedSlot) -> None:
+    first = await slot.ok("terminal", input="echo one-$((1+1))", wait_ms=5000)
+    assert "one-2" in first["output"]
+    # from the session sandbox (an exec call's processes die with the call; this one is gone as well)
+    await slot.ok("python_session", code="import os\nos.unlink('/run/term/tmux.sock')\nos.mkdir('/run/term/tmux.sock')")
+    r = await asyncio.wait_for(slot.call("terminal", input="echo two-$((1+2))", wait_ms=5000), 60)
+    assert r.ok, r.error
+    assert r.result is not None and "two-3" in r.result["output"]
+
+
+async def test_c06_fifo_in_place_of_the_terminal_log_does_not_hang(slot: LeasedSlot) -> None:
+    await slot.ok("terminal", input="true", wait_ms=2000)
+    await slot.sh("rm -f /run/term/terminal.log && mkfifo /run/term/terminal.log")
+    r = await asyncio.wait_for(slot.call("terminal", input="echo after", wait_ms=2000), 60)
+    assert r.ok or (r.error is not None and r.error.status < 500), r.error
+    assert (await slot.sh("echo still"))["stdout"] == "still\n"

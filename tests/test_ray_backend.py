@@ -1,0 +1,327 @@
+"""The ray backend against real Ray: a head and two worker nodes (``ray.cluster_utils.Cluster``, as
+Ray's own tests use it), every node and the driver on 127.0.0.1 only, no dashboard.
+
+The hosts are real ``python -m atropos.sandbox`` processes with bubblewrap, started by Ray actors
+placed on the nodes that offer the ``atropos_sandbox`` resource (the head offers none). A node
+removed is a host lost: its actor fails, the pool fails the host's calls and places a
+replacement on the surviving node.
+
+In CI (``CI=true``) a missing Ray is a failure, not a skip: ``dev`` installs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from atropos.errors import HostUnavailable
+from atropos.slots.audit import double_leases
+from atropos.slots.config import PoolConfig
+from atropos.slots.pool import SlotPool
+
+REPO = Path(__file__).resolve().parent.parent
+RESOURCE = "atropos_sandbox"
+DATA_ROOT = Path("/tmp/atropos-sandbox-tests/ray")
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep Ray on 127.0.0.1 (atropos/backends/ray.py)
+try:
+    import ray
+    from ray.cluster_utils import Cluster
+except ImportError:  # pragma: no cover - depends on the install
+    if os.environ.get("CI") == "true":
+        raise
+    pytest.skip("ray is not installed (pip install 'atropos-sandbox[ray]')", allow_module_level=True)
+
+pytestmark = pytest.mark.timeout(600)
+
+
+class RayCluster:
+    def __init__(self) -> None:
+        self.cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False})
+        self.workers = [self.add_worker() for _ in range(2)]
+        ray.init(address=self.cluster.address, _node_ip_address="127.0.0.1", include_dashboard=False,
+                 log_to_driver=False, namespace="atropos-tests")
+        self.cluster.wait_for_nodes()
+
+    def add_worker(self) -> Any:
+        return self.cluster.add_node(num_cpus=4, resources={RESOURCE: 8}, node_ip_address="127.0.0.1")
+
+    @property
+    def address(self) -> str:
+        return str(self.cluster.address)
+
+    def worker_ids(self) -> set[str]:
+        return {w.node_id for w in self.workers}
+
+    def shutdown(self) -> None:
+        ray.shutdown()
+        self.cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RayCluster]:
+    c = RayCluster()
+    yield c
+    c.shutdown()
+
+
+def make_backend(cluster: RayCluster, slots: int, pool_id: str | None = None, **kw: Any) -> Any:
+    from atropos.backends.config import BackendSettings, build_backend
+
+    settings = BackendSettings(kind="ray", pool_id=pool_id or f"r{secrets.token_hex(4)}", slots_per_host=slots,
+                               max_timeout_s=120, ray_address=cluster.address)
+    return build_backend(settings, environ={}, num_cpus=0.5, data_root=DATA_ROOT, **kw)
+
+
+def pool_cfg(**kw: Any) -> PoolConfig:
+    base: dict[str, Any] = {"min_hosts": 1, "max_hosts": 1, "health_interval_s": 0.5, "lease_timeout_s": 120}
+    base.update(kw)
+    return PoolConfig.model_validate(base)
+
+
+def processes_naming(needle: str) -> list[int]:
+    """Pids of processes whose command line contains ``needle``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+async def poll(check: Any, what: str, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.2)
+
+
+# -- placement, token, isolation ------------------------------------------------------------------
+async def test_hosts_spread_over_nodes_and_the_token_stays_private(cluster: RayCluster) -> None:
+    backend = make_backend(cluster, slots=2)
+    async with SlotPool(backend, pool_cfg(min_hosts=2, max_hosts=2)) as pool:
+        hosts = list(pool.hosts.values())
+        nodes = {h.info.labels["node"] for h in hosts}
+        assert nodes == cluster.worker_ids(), "one host per worker node; none on the head (no resource)"
+        assert all(h.info.address.startswith("http://127.0.0.1:") for h in hosts)
+        # Ray's own records of the actors (what its state API and dashboard show) never hold a token
+        records = json.dumps(ray._private.state.actors(), default=str)  # type: ignore[attr-defined]
+        named = json.dumps(ray.util.list_named_actors(all_namespaces=True))
+        for h in hosts:
+            assert h.info.token not in records and h.info.token not in named
+            # ... nor the host's command line (readable by every process)
+            pid = int(h.info.labels["pid"])
+            assert h.info.token.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        async with pool.leased("probe") as lease:
+            env = (await lease.bash("env; cat /proc/1/environ 2>/dev/null | tr '\\0' '\\n'"))["stdout"]
+            assert all(h.info.token not in env for h in hosts) and "ATROPOS_SANDBOX_TOKEN" not in env
+    await poll(lambda: not backend.actor_names(), "the pool's actors to be gone after stop")
+
+
+async def test_isolation_smoke_rows_on_a_ray_placed_host(cluster: RayCluster) -> None:
+    """A few rows of tests/test_isolation.py through a Ray-placed host: the same confinement."""
+    async with SlotPool(make_backend(cluster, slots=2), pool_cfg()) as pool:
+        a, b = await pool.lease_many(["a", "b"])
+        try:
+            host = a.host
+            assert host.info.labels["node"] in cluster.worker_ids()
+            await a.write_file("secret.txt", "only-a")
+            ws_a = (await a.bash("readlink -f secret.txt"))["stdout"].strip()
+            # r01: the host's shadow file; r04: the other slot's file; r13: egress; r14: the host API
+            shadow = await b.bash("cat /etc/shadow; echo rc=$?")
+            assert "rc=0" not in shadow["stdout"] and "root:" not in shadow["stdout"]
+            cross = await b.bash(f"cat {ws_a} 2>&1; cat /slots/*/secret.txt 2>&1; echo done")
+            assert "only-a" not in cross["stdout"]
+            uid_a = (await a.bash("id -u"))["stdout"].strip()
+            uid_b = (await b.bash("id -u"))["stdout"].strip()
+            assert uid_a != "0" and uid_b != "0"
+            port = host.info.address.rsplit(":", 1)[1]
+            api = await b.bash(f"python3 -c \"import socket; s=socket.socket(); s.settimeout(3); "
+                               f"s.connect(('127.0.0.1', {port}))\" 2>&1; echo rc=$?")
+            assert "rc=0" not in api["stdout"], "the host API must be unreachable from an offline slot"
+            egress = await b.bash("python3 -c \"import socket; s=socket.socket(); s.settimeout(3); "
+                                  "s.connect(('10.255.255.1', 9))\" 2>&1; echo rc=$?")
+            assert "rc=0" not in egress["stdout"]
+        finally:
+            for lease in (a, b):
+                await lease.release()
+
+
+# -- load ------------------------------------------------------------------------------------------
+async def test_200_concurrent_trajectories_never_share_a_slot(cluster: RayCluster) -> None:
+    backend = make_backend(cluster, slots=16, prewarm=False)
+    async with SlotPool(backend, pool_cfg(min_hosts=4, max_hosts=4)) as pool:
+        assert sum(h.info.slots for h in pool.hosts.values()) == 64
+        assert {h.info.labels["node"] for h in pool.hosts.values()} == cluster.worker_ids()
+
+        async def trajectory(i: int) -> str:
+            async with pool.leased(f"traj-{i}", timeout=300) as lease:
+                await lease.write_file("owner", f"traj-{i}")
+                listing = await lease.ok("list_dir", {"path": "."})
+                assert [e["name"] for e in listing["entries"]] == ["owner"]
+                return (await lease.read_file("owner")).strip()
+
+        results = await asyncio.gather(*(trajectory(i) for i in range(200)))
+        assert results == [f"traj-{i}" for i in range(200)]
+        assert double_leases(pool.audit.events) == []
+        assert len([e for e in pool.audit.events if e.event == "lease"]) == 200
+
+
+async def test_scales_up_under_demand_and_down_when_idle(cluster: RayCluster) -> None:
+    backend = make_backend(cluster, slots=2, prewarm=False)
+    cfg = pool_cfg(min_hosts=1, max_hosts=3, scale_down_idle_s=0.5)
+    async with SlotPool(backend, cfg) as pool:
+        leases = await pool.lease_many([f"s{i}" for i in range(6)], timeout=180)
+        assert len(pool.hosts) == 3 and len(backend.actor_names()) == 3
+        for lease in leases:
+            await lease.release()
+        await poll(lambda: len(pool.hosts) == 1, "the pool to scale back down to min_hosts")
+        await poll(lambda: len(backend.actor_names()) == 1, "the stopped hosts' actors to be gone")
+
+
+# -- failures --------------------------------------------------------------------------------------
+ORPHAN_SCRIPT = """
+import asyncio, json, os, sys
+sys.path.insert(0, {root!r})
+from atropos.backends.config import BackendSettings, build_backend
+from atropos.slots.config import PoolConfig
+from atropos.slots.pool import SlotPool
+
+async def main():
+    backend = build_backend(BackendSettings(kind="ray", pool_id={pool_id!r}, slots_per_host=1, ray_address={address!r}),
+                            environ={{}}, num_cpus=0.5, data_root={data_root!r}, prewarm=False)
+    pool = SlotPool(backend, PoolConfig(pool_id={pool_id!r}, min_hosts=2, max_hosts=2))
+    await pool.start()
+    print(json.dumps({{"hosts": list(pool.hosts), "pids": [h.info.labels["pid"] for h in pool.hosts.values()]}}),
+          flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+async def test_killed_pool_process_leaves_no_actors_and_a_restart_reaps(cluster: RayCluster) -> None:
+    pool_id = f"orph{os.getpid()}"
+    script = ORPHAN_SCRIPT.format(root=str(REPO), pool_id=pool_id, address=cluster.address, data_root=str(DATA_ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, cwd=REPO)
+    assert proc.stdout is not None
+    line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 180)
+    first = json.loads(line)
+    assert len(first["hosts"]) == 2
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    backend = make_backend(cluster, slots=1, pool_id=pool_id, prewarm=False)
+    async with SlotPool(backend, pool_cfg(pool_id=pool_id)) as pool:
+        # the dead pool's actors are gone (Ray's owner fate-sharing, else reap_orphans at start)
+        await poll(lambda: set(backend.actor_names()) == set(pool.hosts), "only the new pool's actors to remain")
+        assert set(first["hosts"]).isdisjoint(backend.actor_names())
+        await poll(lambda: not any(_alive(int(p)) for p in first["pids"]), "the dead pool's host processes to exit")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+async def test_worker_node_removed_with_64_calls_in_flight(cluster: RayCluster) -> None:
+    """Every call ends with exactly one outcome (its result, or HostUnavailable for the lost
+    node's calls), replacements come up on the surviving node, nothing of the lost hosts remains."""
+    backend = make_backend(cluster, slots=16, prewarm=False)
+    async with SlotPool(backend, pool_cfg(min_hosts=4, max_hosts=4)) as pool:
+        by_node: dict[str, list[str]] = {}
+        for h in pool.hosts.values():
+            by_node.setdefault(h.info.labels["node"], []).append(h.id)
+        assert set(by_node) == cluster.worker_ids()
+        victim = next(w for w in cluster.workers if w.node_id in by_node)
+        lost_hosts = set(by_node[victim.node_id])
+        lost_pids = [int(pool.hosts[h].info.labels["pid"]) for h in lost_hosts]
+        leases = await pool.lease_many([f"t{i}" for i in range(64)], timeout=300)
+        started = asyncio.Event()
+        running = 0
+
+        async def call(lease: Any) -> str:
+            nonlocal running
+            running += 1
+            if running == 64:
+                started.set()
+            try:
+                out = await lease.bash("sleep 6; echo done", timeout_s=60)
+                return "ok" if out["stdout"] == "done\n" else f"bad: {out}"
+            except HostUnavailable:
+                return "lost"
+
+        calls = [asyncio.ensure_future(call(lease)) for lease in leases]
+        await started.wait()
+        await asyncio.sleep(1.0)  # the commands are running in the sandboxes
+        await asyncio.to_thread(cluster.cluster.remove_node, victim)
+        cluster.workers.remove(victim)
+        outcomes = await asyncio.gather(*calls)
+        assert len(outcomes) == 64 and set(outcomes) <= {"ok", "lost"}, outcomes
+        on_victim = sum(1 for lease in leases if lease.host.id in lost_hosts)
+        assert outcomes.count("lost") == on_victim and on_victim > 0
+        for lease in leases:
+            await lease.release()
+        survivor = next(iter(cluster.worker_ids()))
+        await poll(lambda: len(pool.hosts) == 4 and all(h.info.labels["node"] == survivor
+                                                       for h in pool.hosts.values()),
+                   "four hosts again, all on the surviving node", timeout=180)
+        assert lost_hosts.isdisjoint(backend.actor_names())
+        await poll(lambda: not any(_alive(p) for p in lost_pids), "the lost hosts' processes to exit")
+        for host_id in lost_hosts:
+            await poll(lambda h=host_id: not processes_naming(h.replace("/", "-")),
+                       f"no process of {host_id} left")
+        assert double_leases(pool.audit.events) == []
+    cluster.workers.append(cluster.add_worker())  # later tests get two workers again
+
+
+# -- the CLI -------------------------------------------------------------------------------------
+def test_cli_pool_on_ray_shows_its_nodes(cluster: RayCluster, tmp_path: Path) -> None:
+    import socket
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("ATROPOS_SANDBOX_", "RAY_ADDRESS"))}
+        env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), PYTHONPATH=str(REPO))
+        return subprocess.run([sys.executable, "-m", "atropos.cli", *args], capture_output=True, text=True,
+                              timeout=300, env=env, cwd=REPO)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pool_id = f"cliray{os.getpid()}"
+    up = cli("pool", "up", "--backend", "ray", "--ray-address", cluster.address, "--pool-id", pool_id,
+             "--slots-per-host", "1", "--min-hosts", "2", "--max-hosts", "2", "--port", str(port))
+    try:
+        assert up.returncode == 0, up.stderr
+        status = cli("pool", "status", "--pool-id", pool_id)
+        assert status.returncode == 0, status.stderr
+        assert f"pool {pool_id} (ray)" in status.stdout and "nodes: 2 (" in status.stdout, status.stdout
+        as_json = json.loads(cli("pool", "status", "--json", "--pool-id", pool_id).stdout)
+        assert {h["node"] for h in as_json["hosts"]} == cluster.worker_ids()
+        ran = cli("exec", "--pool-id", pool_id, "--", "echo", "from-ray")
+        assert ran.returncode == 0 and ran.stdout == "from-ray\n", ran.stderr
+    finally:
+        down = cli("pool", "down", "--pool-id", pool_id)
+    assert down.returncode == 0, down.stderr
+    prefix = pool_id + "/"
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
