@@ -67,7 +67,8 @@ async def test_pool_container_runs_with_the_isolation_options() -> None:
             mounts = {m["Destination"]: m for m in attrs["Mounts"]}
             cg_mounts = [m for d, m in mounts.items() if d.startswith(CONTAINER_CGROUP_DIR)]
             assert cg_mounts and all(m["RW"] and f"/atropos/{lease.host.id}/slots" in m["Source"] for m in cg_mounts)
-            assert "--cgroup-dir" in attrs["Config"]["Cmd"] and "--unsafe-no-cgroups" not in attrs["Config"]["Cmd"]
+            cmd = attrs["Config"]["Cmd"]
+            assert f"--cgroup-dir={CONTAINER_CGROUP_DIR}" in cmd and "--unsafe-no-cgroups" not in cmd
             # the API port: published, and on loopback only (configured and as actually bound)
             bindings = hc["PortBindings"][f"{CONTAINER_PORT}/tcp"]
             assert bindings and all(b["HostIp"] == "127.0.0.1" for b in bindings)
