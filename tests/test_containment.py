@@ -251,7 +251,12 @@ async def test_c04_archive_during_symlink_swaps_and_shrinking_files(slot: Leased
                 if m.name in ("d", "gone") and m.issym():
                     assert m.linkname == "/"
             outcomes["ok"] = outcomes.get("ok", 0) + 1
+            if names & {"real", "gone"} or any(m.issym() for m in infos) or r.result["skipped"]:
+                outcomes["raced"] = outcomes.get("raced", 0) + 1
         assert outcomes.get("ok", 0) + outcomes.get("changed", 0) == 20
+        # premise: the walks really met the racer (a swap in progress, a change, a skipped entry)
+        assert outcomes.get("raced", 0) + outcomes.get("changed", 0) > 0, outcomes
+        print(f"archive outcomes under the racer: {outcomes}")
     finally:
         await slot.ok("python_session", code="", restart=True)
 
