@@ -25,6 +25,7 @@ import uvicorn
 from atropos.asgi import listening_socket
 from atropos.errors import AtroposSandboxError
 from atropos.logs import configure
+from atropos.sandbox import egress
 from atropos.sandbox.config import HostConfig, Limits
 from atropos.sandbox.host import SandboxHost
 from atropos.sandbox.sandbox_process import SandboxProcess, kill_processes_naming
@@ -57,6 +58,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
     p.add_argument("--parent-pid", type=int, help="exit when this process (the pool) dies")
     p.add_argument("--network-isolation", choices=("auto", "private", "shared"), default="auto",
                    help="network slots: private namespace behind slirp4netns, or the host's (see HostConfig)")
+    p.add_argument("--egress-allow", action="append", default=[], metavar="CIDR",
+                   help="network slots may reach this IPv4 range despite the deny list (repeatable)")
+    p.add_argument("--egress-deny", action="append", default=[], metavar="CIDR",
+                   help="network slots cannot reach this IPv4 range (repeatable; added to the defaults)")
+    p.add_argument("--egress-no-default-deny", action="store_true",
+                   help="drop the default deny list (link-local, private, CGNAT, multicast, reserved ranges)")
+    p.add_argument("--egress-allow-host-addresses", action="store_true",
+                   help="network slots may reach this host's own non-loopback addresses")
     p.add_argument("--workspace-mode", choices=("auto", "overlay", "copy"), default="auto",
                    help="template forks: overlayfs copy-on-write, or full copies (default %(default)s)")
     p.add_argument("--template-source-dir", type=Path, action="append", default=[],
@@ -69,13 +78,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
         token = args.token_file.read_text().strip()
     if not token:
         p.error(f"a token is required: set ${TOKEN_ENV} or pass --token-file")
+    try:
+        deny = egress.parse_networks(args.egress_deny)
+        allow = egress.parse_networks(args.egress_allow)
+    except ValueError as exc:
+        p.error(str(exc))
+    policy = egress.EgressPolicy(deny_host_addresses=not args.egress_allow_host_addresses, allow=allow)
+    policy.deny = deny if args.egress_no_default_deny else [*policy.deny, *deny]
     cfg = HostConfig(
         slots=args.slots, data_dir=args.data_dir, host=args.host, port=args.port, token=token,
         uid_base=args.uid_base, max_timeout_s=args.max_timeout, unsafe_no_isolation=args.unsafe_no_isolation,
         limits=Limits(nproc=args.nproc, address_space_bytes=args.memory, workspace_bytes=args.workspace_bytes,
                       workspace_inodes=args.workspace_inodes),
         workspace_mode=args.workspace_mode, network_isolation=args.network_isolation,
-        template_source_dirs=args.template_source_dir,
+        template_source_dirs=args.template_source_dir, egress=policy,
     )
     return cfg, args
 

@@ -9,6 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from atropos.sandbox.egress import EgressPolicy
+
 
 class Limits(BaseModel):
     """Resource limits applied inside each slot's sandbox (rlimits, tmpfs sizes)."""
@@ -87,6 +89,9 @@ class HostConfig(BaseModel):
         "auto", description="slots leased with network: their own network namespace behind slirp4netns "
                             "(private; the host's loopback unreachable) or the host's namespace (shared); auto "
                             "picks private when slirp4netns and /dev/net/tun are present, else shared with a warning")
+    egress: EgressPolicy = Field(
+        default_factory=EgressPolicy, description="where network slots may connect (private network only: "
+                                                  "shared slots have the host's own routes)")
 
     @model_validator(mode="after")
     def _default_within_max(self) -> HostConfig:
