@@ -56,6 +56,7 @@ class ServeSettings(BaseModel):
     web_base_url: str | None = None
     log_json: bool = False
     log_level: str = "INFO"
+    request_read_timeout_s: float = Field(60.0, gt=0)  # a request's head and body must arrive within it
 
     @field_validator("log_level")
     @classmethod
@@ -211,6 +212,8 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
                   action="store_true", default=None)
     _setting_flag(p, "log_json", "JSON log lines", action="store_true", default=None)
     _setting_flag(p, "log_level", "log level (default INFO)")
+    _setting_flag(p, "request_read_timeout_s", "a request's head and body must arrive within this many "
+                  "seconds, else 408 and the connection closes (default 60)", type=float)
 
 
 def add_pool_flags(p: argparse.ArgumentParser) -> None:
@@ -316,6 +319,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from atropos.request_deadline import server_config
+
     s = load_settings(args)
     setup_logging(s)
     token = resolve_token(s)
@@ -324,7 +329,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     port = sock.getsockname()[1]
     log.info("ToolServer on %s (backend %s, pool %s)", client_url(s.host, port), s.backend, s.pool_id)
     # log_config=None: uvicorn's records go through our (redacting, maybe JSON) root handler
-    config = uvicorn.Config(app, log_level="warning", log_config=None, lifespan="on", timeout_keep_alive=120)
+    config = server_config(app, s.request_read_timeout_s, log_level="warning", log_config=None, lifespan="on",
+                           timeout_keep_alive=120)
     server = uvicorn.Server(config)
     # uvicorn shuts down gracefully on SIGTERM (the pool stops its hosts), then re-raises the signal
     # with the handler it found: make that a clean exit 0, not death by signal (-15) for scripts.

@@ -25,6 +25,7 @@ import uvicorn
 from atropos.asgi import listening_socket
 from atropos.errors import AtroposSandboxError
 from atropos.logs import configure
+from atropos.request_deadline import server_config
 from atropos.sandbox import egress
 from atropos.sandbox.config import HostConfig, Limits
 from atropos.sandbox.host import SandboxHost
@@ -66,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
                    help="drop the default deny list (link-local, private, CGNAT, multicast, reserved ranges)")
     p.add_argument("--egress-allow-host-addresses", action="store_true",
                    help="network slots may reach this host's own non-loopback addresses")
+    p.add_argument("--request-read-timeout", type=float, default=defaults.request_read_timeout_s,
+                   help="seconds a request's head and body may take to arrive (default %(default)s)")
     p.add_argument("--workspace-mode", choices=("auto", "overlay", "copy"), default="auto",
                    help="template forks: overlayfs copy-on-write, or full copies (default %(default)s)")
     p.add_argument("--template-source-dir", type=Path, action="append", default=[],
@@ -92,6 +95,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
                       workspace_inodes=args.workspace_inodes),
         workspace_mode=args.workspace_mode, network_isolation=args.network_isolation,
         template_source_dirs=args.template_source_dir, egress=policy,
+        request_read_timeout_s=args.request_read_timeout,
     )
     return cfg, args
 
@@ -112,8 +116,8 @@ async def serve(cfg: HostConfig, prewarm: bool = True) -> None:
     if prewarm:
         await host.prewarm_all()
     app = create_app(host, manage_lifecycle=False)
-    server = uvicorn.Server(uvicorn.Config(
-        wrap(app, host), loop="asyncio", http="httptools", access_log=False, log_level="warning",
+    server = uvicorn.Server(server_config(
+        wrap(app, host), cfg.request_read_timeout_s, loop="asyncio", access_log=False, log_level="warning",
         timeout_keep_alive=120, lifespan="off",
     ))
     port = sock.getsockname()[1]

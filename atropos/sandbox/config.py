@@ -89,6 +89,8 @@ class HostConfig(BaseModel):
         "auto", description="slots leased with network: their own network namespace behind slirp4netns "
                             "(private; the host's loopback unreachable) or the host's namespace (shared); auto "
                             "picks private when slirp4netns and /dev/net/tun are present, else shared with a warning")
+    request_read_timeout_s: float = Field(60.0, gt=0, description="a request's head and body must arrive within "
+                                                                 "this (else 408 and the connection closes)")
     egress: EgressPolicy = Field(
         default_factory=EgressPolicy, description="where network slots may connect (private network only: "
                                                   "shared slots have the host's own routes)")
