@@ -135,3 +135,21 @@ async def test_sandbox_host_closes_requests_that_never_arrive_whole(slow_host: R
         assert (await client.health()).ok
     finally:
         await client.aclose()
+
+
+def test_lease_audit_stays_bounded_and_still_sees_every_double_lease(tmp_path: Path) -> None:
+    """An RL run leases millions of slots: the audit's memory must not grow with them, yet a double
+    lease after the in-memory window rolled over is still caught, and the file keeps the full trail."""
+    from atropos.slots.audit import LeaseAudit, double_leases, load
+
+    audit = LeaseAudit(tmp_path / "audit.jsonl", keep=100)
+    for i in range(5000):
+        audit.record("lease", f"t{i}", "h", i % 8, i)
+        audit.record("release", f"t{i}", "h", i % 8, i)
+    audit.record("lease", "a", "h", 3, 1)
+    audit.record("lease", "b", "h", 3, 2)  # slot 3 now held twice
+    audit.close()
+    assert len(audit.events) == 100 and len(audit.holders) == 1
+    assert audit.double_leased == 1 and "held by a" in audit.problems[0]
+    trail = load(tmp_path / "audit.jsonl")
+    assert len(trail) == 10_002 and len(double_leases(trail)) == 1
