@@ -61,6 +61,7 @@ class ServeSettings(BaseModel):
     web_base_url: str | None = None
     log_json: bool = False
     log_level: str = "INFO"
+    request_read_timeout_s: float = Field(60.0, gt=0)  # a request's head and body must arrive within it
 
     @field_validator("log_level")
     @classmethod
@@ -220,6 +221,8 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
                   action="store_true", default=None)
     _setting_flag(p, "log_json", "JSON log lines", action="store_true", default=None)
     _setting_flag(p, "log_level", "log level (default INFO)")
+    _setting_flag(p, "request_read_timeout_s", "a request's head and body must arrive within this many "
+                  "seconds, else 408 and the connection closes (default 60)", type=float)
 
 
 def add_pool_flags(p: argparse.ArgumentParser) -> None:
@@ -322,6 +325,8 @@ def where_to_look(url: str) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from atropos.request_deadline import server_config
+
     s = load_settings(args)
     setup_logging(s)
     token = resolve_token(s)
@@ -331,7 +336,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log.info("ToolServer on %s (backend %s, pool %s)", client_url(s.host, port), s.backend, s.pool_id)
     log.info("%s", where_to_look(client_url(s.host, port)))
     # log_config=None: uvicorn's records go through our (redacting, maybe JSON) root handler
-    config = uvicorn.Config(app, log_level="warning", log_config=None, lifespan="on", timeout_keep_alive=120)
+    config = server_config(app, s.request_read_timeout_s, log_level="warning", log_config=None, lifespan="on",
+                           timeout_keep_alive=120)
     server = uvicorn.Server(config)
     # uvicorn shuts down gracefully on SIGTERM (the pool stops its hosts), then re-raises the signal
     # with the handler it found: make that a clean exit 0, not death by signal (-15) for scripts.

@@ -6,7 +6,11 @@ Each of ``--concurrency`` workers loops: a new trajectory leases a slot (on its 
 Every ``--report-every`` seconds it prints throughput, p50/p99 call latency, and the RSS of this
 process and of the hosts (server process, and the whole tree with its sandboxes). At the end it
 checks the invariants: every result correct, no infrastructure error, no lease held, no slot leased
-twice, nothing quarantined, and nothing of the pool left once it stopped.
+twice, nothing quarantined, and nothing of the pool left once it stopped; and it reports, per
+process (this one, which runs the pool and executor; each host server; all sandboxes together),
+the RSS at start and end and its slope after a warm-up (KB per minute and per 1,000 trajectories:
+an RL run leases millions of slots, so any per-trajectory record left behind shows here), and
+calls/s in the first and last interval. This script keeps only bounded samples itself.
 
     .venv/bin/python scripts/soak.py                       # 10 minutes
     .venv/bin/python scripts/soak.py --duration 60
@@ -38,7 +42,6 @@ sys.path.insert(0, str(REPO))
 
 from atropos.backends.local import LocalBackend, LocalBackendConfig  # noqa: E402
 from atropos.errors import InfrastructureError  # noqa: E402
-from atropos.slots.audit import double_leases  # noqa: E402
 from atropos.slots.config import PoolConfig  # noqa: E402
 from atropos.slots.pool import SlotPool  # noqa: E402
 from atropos.tools.executor import AgentToolCall, ExecutorConfig, ToolExecutor  # noqa: E402
@@ -85,6 +88,41 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+class Reservoir:
+    """A uniform sample of at most ``size`` values (percentiles of a run of any length, bounded)."""
+
+    def __init__(self, size: int = 50_000, seed: int = 0) -> None:
+        self.size, self.seen = size, 0
+        self.values: list[float] = []
+        self._rng = random.Random(seed)
+
+    def append(self, value: float) -> None:
+        self.seen += 1
+        if len(self.values) < self.size:
+            self.values.append(value)
+        else:
+            i = self._rng.randrange(self.seen)
+            if i < self.size:
+                self.values[i] = value
+
+
+def slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of y over x (0 with fewer than two distinct x)."""
+    if len(points) < 2:
+        return 0.0
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    return 0.0 if sxx == 0 else sum((x - mx) * (y - my) for x, y in points) / sxx
+
+
+@dataclass
+class Sample:
+    t_s: float
+    trajectories: int
+    rss_kb: dict[str, int]  # process label -> RSS
+
+
 @dataclass
 class Stats:
     trajectories: int = 0
@@ -94,8 +132,10 @@ class Stats:
     other: int = 0
     by_tool: Counter[str] = field(default_factory=Counter)
     latencies: list[float] = field(default_factory=list)  # ms per call (slot already leased), since the last report
-    all_latencies: list[float] = field(default_factory=list)
-    lease_waits: list[float] = field(default_factory=list)  # ms from a trajectory's start to its slot
+    all_latencies: Reservoir = field(default_factory=Reservoir)
+    lease_waits: Reservoir = field(default_factory=Reservoir)  # ms from a trajectory's start to its slot
+    samples: list[Sample] = field(default_factory=list)  # one per report: bounded by duration / interval
+    rates: list[float] = field(default_factory=list)  # calls/s of each report interval
     problems: list[str] = field(default_factory=list)
     peak_host_kb: int = 0
     peak_tree_kb: int = 0
@@ -119,6 +159,7 @@ class Soak:
         self.stats = Stats()
         self.tools = [t.strip() for t in args.tools.split(",")]
         self.started = 0.0
+        self.t0 = time.monotonic()
         self.stop = asyncio.Event()
 
     # -- one trajectory -----------------------------------------------------------------------
@@ -204,14 +245,19 @@ class Soak:
 
     # -- reporting -----------------------------------------------------------------------------
     def memory(self) -> dict[str, float]:
-        host_kb = tree_kb = 0
-        for host_id in list(self.pool.hosts):
+        host_kb = tree_kb = servers_kb = 0
+        per_process = {"pool": vm_kb("self", "VmRSS")}
+        for n, host_id in enumerate(sorted(self.pool.hosts)):
             pid = self.backend.pid(host_id)
             if pid is None:
                 continue
-            host_kb = max(host_kb, vm_kb(pid, "VmRSS"))
+            rss = vm_kb(pid, "VmRSS")
+            per_process[f"host{n}"] = rss
+            host_kb, servers_kb = max(host_kb, rss), servers_kb + rss
             self.stats.peak_host_kb = max(self.stats.peak_host_kb, vm_kb(pid, "VmHWM"))
             tree_kb += sum(vm_kb(p, "VmRSS") for p in descendants(pid))
+        per_process["sandboxes"] = tree_kb - servers_kb  # everything the hosts started, together
+        self.stats.samples.append(Sample(time.monotonic() - self.t0, self.stats.trajectories, per_process))
         self.stats.peak_tree_kb = max(self.stats.peak_tree_kb, tree_kb)
         return {"self_rss_mb": vm_kb("self", "VmRSS") / 1024,
                 "self_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -228,9 +274,12 @@ class Soak:
             lat, self.stats.latencies = self.stats.latencies, []
             mem = await asyncio.to_thread(self.memory)
             status = self.pool.status()
+            rate = (self.stats.calls - last_calls) / max(now - last_t, 1e-9)
+            if not self.stop.is_set():  # the last interval is cut short by the drain: not a rate
+                self.stats.rates.append(rate)
             print(json.dumps({
                 "t_s": round(now - t0), "trajectories": self.stats.trajectories, "calls": self.stats.calls,
-                "calls_per_s": round((self.stats.calls - last_calls) / max(now - last_t, 1e-9), 1),
+                "calls_per_s": round(rate, 1),
                 "p50_ms": round(percentile(lat, 0.5), 1), "p99_ms": round(percentile(lat, 0.99), 1),
                 **{k: round(v, 1) for k, v in mem.items()},
                 "leased": status.leased, "free": status.free, "quarantined": status.quarantined,
@@ -245,7 +294,8 @@ class Soak:
         print(json.dumps({"event": "started", "pool_id": self.pool_id, "hosts": self.args.hosts,
                           "slots": self.args.hosts * self.args.slots, "concurrency": self.args.concurrency,
                           "start_s": round(time.monotonic() - t0, 1)}), flush=True)
-        t0 = time.monotonic()
+        t0 = self.t0 = time.monotonic()
+        await asyncio.to_thread(self.memory)  # the baseline sample
         reporter = asyncio.create_task(self.reporter(t0))
         workers = [asyncio.create_task(self.worker()) for _ in range(self.args.concurrency)]
         if self.args.trajectories:
@@ -259,27 +309,51 @@ class Soak:
         await reporter
         return await self.finish(wall)
 
+    def flatness(self) -> dict[str, Any]:
+        """Per process: RSS at start and end, and its slope after the warm-up; calls/s first and last."""
+        samples = self.stats.samples
+        warm = [x for x in samples if x.t_s >= self.args.warmup * (samples[-1].t_s if samples else 0)]
+        out: dict[str, Any] = {"warmup_fraction": self.args.warmup,
+                               "calls_per_s_first": round(self.stats.rates[0], 1) if self.stats.rates else None,
+                               "calls_per_s_last": round(self.stats.rates[-1], 1) if self.stats.rates else None,
+                               "processes": {}}
+        for label in samples[0].rss_kb if samples else {}:
+            series = [x for x in warm if label in x.rss_kb]
+            per_min = slope([(x.t_s / 60, x.rss_kb[label]) for x in series])
+            per_traj = slope([(x.trajectories, x.rss_kb[label]) for x in series])
+            out["processes"][label] = {
+                "start_mb": round(samples[0].rss_kb[label] / 1024, 1),
+                "end_mb": round(samples[-1].rss_kb.get(label, 0) / 1024, 1),
+                "after_warmup_mb": round(series[0].rss_kb[label] / 1024, 1) if series else None,
+                "slope_kb_per_min": round(per_min, 1),
+                "slope_kb_per_1k_trajectories": round(per_traj * 1000, 1),
+            }
+        return out
+
     async def finish(self, wall: float) -> int:
         mem = await asyncio.to_thread(self.memory)
         status = self.pool.status()
-        dl = double_leases(self.pool.audit.events)
+        # checked online over the whole run (the audit keeps only a window of events in memory)
+        dl = self.pool.audit.problems
         await self.ex.close()
         await self.pool.stop()
         left = await eventually(lambda: pool_leftovers("local", self.pool_id))
         s = self.stats
         figures = {
             "event": "final", "wall_s": round(wall, 1), "trajectories": s.trajectories, "calls": s.calls,
-            "calls_per_s": round(s.calls / wall, 1), "p50_ms": round(percentile(s.all_latencies, 0.5), 1),
-            "p99_ms": round(percentile(s.all_latencies, 0.99), 1), "by_tool": dict(s.by_tool),
-            "lease_wait_p50_ms": round(percentile(s.lease_waits, 0.5), 1),
-            "lease_wait_p99_ms": round(percentile(s.lease_waits, 0.99), 1),
+            "calls_per_s": round(s.calls / wall, 1), "p50_ms": round(percentile(s.all_latencies.values, 0.5), 1),
+            "p99_ms": round(percentile(s.all_latencies.values, 0.99), 1), "by_tool": dict(s.by_tool),
+            "lease_wait_p50_ms": round(percentile(s.lease_waits.values, 0.5), 1),
+            "lease_wait_p99_ms": round(percentile(s.lease_waits.values, 0.99), 1),
             "wrong_results": s.wrong, "infra_errors": s.infra, "other_errors": s.other,
-            "leases_held_at_end": status.leased, "quarantined": status.quarantined, "double_leases": len(dl),
+            "leases_held_at_end": status.leased, "quarantined": status.quarantined,
+            "double_leases": self.pool.audit.double_leased,
             "orphans_after_stop": len(left), "self_peak_rss_mb": round(mem["self_peak_mb"], 1),
             "host_peak_rss_mb": round(s.peak_host_kb / 1024, 1),
             "hosts_tree_peak_rss_mb": round(s.peak_tree_kb / 1024, 1),
         }
         print(json.dumps(figures), flush=True)
+        print(json.dumps({"event": "flatness", **self.flatness()}), flush=True)
         for p in s.problems + dl[:10] + left[:10]:
             print(f"  problem: {p}", flush=True)
         root = DATA_ROOT / self.pool_id
@@ -302,6 +376,8 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=16, help="slots per host")
     p.add_argument("--report-every", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=float, default=0.2,
+                   help="fraction of the run left out of the memory slopes (default %(default)s)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.exit(asyncio.run(Soak(args).run()))

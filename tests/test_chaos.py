@@ -14,11 +14,15 @@ Invariants checked after every iteration:
 
 * every call ends by its deadline with exactly one outcome: its own correct result, or an
   InfrastructureError (HostUnavailable) if its host was killed; calls on hosts nobody killed all
-  succeed. A call without an outcome, with a wrong result or another exception is a *lost result*;
+  succeed (any infrastructure error there is a failure). A call without an outcome, with a wrong
+  result or another exception is a *lost result*; in pool kills, a call without an outcome *died
+  with its pool* only if the pool was killed while it could still be running (before the pool said
+  it was done, within the call deadline); otherwise it is lost;
 * nothing is left over (*orphans*): no host process, sandbox (bwrap) process, container, host data
   directory or mount (any process's mountinfo) of a dead host or pool, and no lease once every
   trajectory released (``pool.status().leased == 0``);
-* no slot ever served two trajectories at once (``double_leases(pool.audit.events) == []``).
+* no slot ever served two trajectories at once: the pool's audit checks every lease as it happens
+  (``pool.audit.double_leased == 0``); a killed pool's audit trail is read back from its file.
 
 The CI test runs the three scenarios at once (separate pools), 100 iterations in all; the counts can
 be changed with ``ATROPOS_CHAOS_*``. ``scripts/chaos_soak.py`` runs the same loops for many more
@@ -38,6 +42,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass, field
@@ -49,7 +54,7 @@ import pytest
 from atropos.backends.base import Backend
 from atropos.backends.local import LocalBackend, LocalBackendConfig
 from atropos.errors import HostUnavailable, InfrastructureError
-from atropos.slots.audit import double_leases
+from atropos.slots.audit import double_leases, load
 from atropos.slots.config import PoolConfig
 from atropos.slots.pool import SlotPool
 from atropos.tools.executor import AgentToolCall, ExecutorConfig, ToolExecutor
@@ -78,9 +83,9 @@ class Figures:
     correct: int = 0
     infra_errors: int = 0  # calls that failed with an InfrastructureError (their host was killed, mostly)
     # InfrastructureErrors other than HostUnavailable on hosts nobody killed: e.g. a slot's sandbox that
-    # did not start within its 15 s under a CPU-starved box. Honest failures, reported, not asserted on.
+    # did not start within its 15 s under a CPU-starved box. Failures, like collateral ones.
     infra_unkilled: int = 0
-    died_with_pool: int = 0  # pool kills: calls whose caller (the pool process) was killed first
+    died_with_pool: int = 0  # pool kills: calls still running when their caller (the pool process) was killed
     lost: int = 0  # no outcome, a wrong result, or an exception that is not an InfrastructureError
     collateral: int = 0  # calls that failed with HostUnavailable on a host nobody killed
     orphans: int = 0
@@ -106,7 +111,7 @@ class Figures:
 
     @property
     def clean(self) -> bool:
-        return not (self.lost or self.collateral or self.orphans or self.double_leases)
+        return not (self.lost or self.collateral or self.infra_unkilled or self.orphans or self.double_leases)
 
     def summary(self) -> dict[str, Any]:
         out = asdict(self)
@@ -387,7 +392,7 @@ class HostChaos:
             if held:
                 fig.orphans += held
                 fig.problem(f"iteration {it}: {held} lease(s) held after every trajectory released")
-        fig.double_leases = len(double_leases(self.pool.audit.events))
+        fig.double_leases = self.pool.audit.double_leased
         # The look at /proc runs in a thread while the next iteration goes on.
         if self.checker is not None:
             self._apply_check(it, await self.checker)
@@ -457,7 +462,9 @@ class HostChaos:
         if held:
             self.fig.orphans += held
             self.fig.problem(f"after releasing everything: {held} lease(s) still held")
-        self.fig.double_leases = len(double_leases(self.pool.audit.events))
+        self.fig.double_leases = self.pool.audit.double_leased
+        for problem in self.pool.audit.problems:
+            self.fig.problem(f"double lease: {problem}")
         if self.checker is not None:
             self._apply_check(-1, await self.checker)
         end = time.monotonic() + CLEANUP_DEADLINE_S
@@ -514,13 +521,15 @@ def say(**kw):
     sys.stdout.flush()
 
 async def main():
-    kind, pool_id, hosts, slots, calls, seed = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
+    kind, pool_id, audit = sys.argv[1:4]
+    hosts, slots, calls, seed = map(int, sys.argv[4:])
     if kind == "local":  # no prewarm: the 64 sandboxes start during the calls the kill interrupts
         backend = LocalBackend(LocalBackendConfig(slots_per_host=slots, pool_id=pool_id, data_root=DATA_ROOT,
                                                   max_timeout_s=120, prewarm=False))
     else:
         backend = make_backend(kind, slots=slots, pool_id=pool_id)
-    pool = SlotPool(backend, PoolConfig(pool_id=pool_id, min_hosts=hosts, max_hosts=hosts, lease_timeout_s=120))
+    pool = SlotPool(backend, PoolConfig(pool_id=pool_id, min_hosts=hosts, max_hosts=hosts, lease_timeout_s=120,
+                                        audit_path=audit))  # streamed: read back after the kill
     await pool.start()
     ex = ToolExecutor(pool, cfg=ExecutorConfig(tool_batch_window_ms=5))
     say(event="ready", hosts=list(pool.hosts))
@@ -562,11 +571,15 @@ class PoolProcess:
         self.kind = kind
         self.pool_id = pool_id
         script = POOL_SCRIPT.format(repo=str(REPO), sleeps=list(SLEEPS))
+        self.audit_path = Path(tempfile.gettempdir()) / f"atropos-chaos-audit-{pool_id}.jsonl"
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", script, kind, pool_id, str(hosts), str(slots), str(IN_FLIGHT), str(seed)],
+            [sys.executable, "-c", script, kind, pool_id, str(self.audit_path), str(hosts), str(slots),
+             str(IN_FLIGHT), str(seed)],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=REPO)
 
         self.lines: list[dict[str, Any]] = []
+        self.seen_at: dict[str, float] = {}  # event -> when this process first read it
+        self.killed_at = 0.0
 
     async def wait_for(self, event: str, timeout: float = 180) -> None:
         """Read the pool's reports until ``event`` (results that come first are kept)."""
@@ -577,6 +590,7 @@ class PoolProcess:
             if not line:
                 raise RuntimeError(f"pool subprocess {self.pool_id} exited before {event!r}")
             self.lines.append(json.loads(line))
+            self.seen_at.setdefault(self.lines[-1]["event"], time.monotonic())
             if self.lines[-1]["event"] == event:
                 return
         raise TimeoutError(f"pool subprocess {self.pool_id}: no {event!r} within {timeout:g}s")
@@ -584,6 +598,7 @@ class PoolProcess:
     def kill(self) -> list[dict[str, Any]]:
         """SIGKILL the pool; return everything it reported before it died."""
         self.proc.send_signal(signal.SIGKILL)
+        self.killed_at = time.monotonic()
         self.proc.wait()
         assert self.proc.stdout is not None
         self.lines += [json.loads(line) for line in self.proc.stdout.read().splitlines() if line.strip()]
@@ -611,18 +626,23 @@ async def run_pool_kills(kind: str, iterations: int, *, seed: int = 0, hosts: in
             await current.wait_for("ready")
             upcoming = spawn(it + 1) if it + 1 < iterations else None
             await current.wait_for("inflight")  # all 64 calls sent: kill while they run
-            if rng.random() < 0.5:
+            draw = rng.random()
+            if draw < 0.2:
+                # ... or once it said it was done: then every call must have its result, none died
+                await current.wait_for("done")
+            elif draw < 0.6:
                 await current.wait_for("result")  # ... or once some results came back
             await asyncio.sleep(rng.uniform(0.0, 0.4))
             reported = current.kill()
             fig.kills += 1
-            await _check_pool_kill(kind, current.pool_id, reported, fig, it, slots)
+            await _check_pool_kill(kind, current, reported, fig, it, slots)
             fig.iterations += 1
             if progress is not None:
                 progress(fig)
     finally:
         if upcoming is not None:
             upcoming.kill()
+            upcoming.audit_path.unlink(missing_ok=True)
             await _reap(kind, upcoming.pool_id, slots)
     fig.wall_s = time.monotonic() - t0
     return fig
@@ -637,8 +657,9 @@ async def _reap(kind: str, pool_id: str, slots: int) -> SlotPool:
     return pool
 
 
-async def _check_pool_kill(kind: str, pool_id: str, reported: list[dict[str, Any]], fig: Figures, it: int,
+async def _check_pool_kill(kind: str, dead: PoolProcess, reported: list[dict[str, Any]], fig: Figures, it: int,
                            slots: int) -> None:
+    pool_id = dead.pool_id
     results = [r for r in reported if r.get("event") == "result"]
     fig.calls += IN_FLIGHT
     seen: set[int] = set()
@@ -656,7 +677,30 @@ async def _check_pool_kill(kind: str, pool_id: str, reported: list[dict[str, Any
         else:
             fig.lost += 1
             fig.problem(f"pool iteration {it}: call {r['i']} returned {r['content'][:200]!r}, want {r['want']!r}")
-    fig.died_with_pool += IN_FLIGHT - len(seen)
+    missing = IN_FLIGHT - len(seen)
+    # Killed after it said "done", or so long after the calls went out that they were all past their
+    # deadline: a call without a result was lost, not cut short by the kill.
+    finished = any(r.get("event") == "done" for r in reported) or (
+        dead.killed_at - dead.seen_at.get("inflight", dead.killed_at) > CALL_DEADLINE_S)
+    if finished:
+        fig.lost += missing
+        if missing:
+            fig.problem(f"pool iteration {it}: {missing} call(s) without a result though the pool had finished")
+    else:
+        fig.died_with_pool += missing
+    try:
+        trail = load(dead.audit_path)
+    except FileNotFoundError:
+        trail = []
+    finally:
+        dead.audit_path.unlink(missing_ok=True)
+    twice = double_leases(trail)
+    fig.double_leases += len(twice)
+    for problem in twice:
+        fig.problem(f"pool iteration {it}: double lease: {problem}")
+    if not trail:
+        fig.problem(f"pool iteration {it}: the killed pool left no audit trail")
+        fig.lost += 1  # nothing to audit: the check cannot pass vacuously
 
     if kind == "local":
         # Local hosts die with their pool (parent-death signal) and take their sandboxes along.

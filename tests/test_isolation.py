@@ -655,28 +655,29 @@ def _host_address() -> str:
         return str(probe.getsockname()[0])
 
 
-async def test_r15_network_slot_has_egress_but_not_host_loopback(net_slot: LeasedSlot) -> None:
-    """Leased with network, a slot reaches the outside through its own namespace's NAT, yet no
-    service bound to the host's loopback (the host API, a model server) is reachable from it."""
+async def test_r15_network_slot_reaches_neither_host_loopback_nor_host_addresses(net_slot: LeasedSlot) -> None:
+    """Leased with network, a slot has its own namespace's NAT (tests/test_egress.py shows what it
+    reaches through it), yet no service bound to the host's loopback (the host API, a model server)
+    nor to one of the host's own addresses (the egress policy's default) is reachable from it."""
     addr = _host_address()
     if addr.startswith("127."):
-        pytest.skip("this machine has no non-loopback address to stand in for 'the outside'")
-    outside = socket.socket()
-    outside.bind((addr, 0))
-    outside.listen(4)
+        pytest.skip("this machine has no non-loopback address to probe")
+    on_host_address = socket.socket()
+    on_host_address.bind((addr, 0))
+    on_host_address.listen(4)
     inside_only = socket.socket()
     inside_only.bind(("127.0.0.1", 0))
     inside_only.listen(4)
     try:
-        got = await _connect(net_slot, "socket.AF_INET", (addr, outside.getsockname()[1]))
-        assert got["ok"], f"egress from a network slot failed: {got}"
+        got = await _connect(net_slot, "socket.AF_INET", (addr, on_host_address.getsockname()[1]))
+        assert not got["ok"] and got["errno"] == errno.EACCES, f"host address reachable from a network slot: {got}"
         for target in (("127.0.0.1", inside_only.getsockname()[1]), ("10.0.2.2", inside_only.getsockname()[1])):
             got = await _connect(net_slot, "socket.AF_INET", target)
             assert not got["ok"], f"host loopback service reachable from a network slot via {target}: {got}"
         out = await net_slot.sh("cat /etc/resolv.conf; cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '")
         assert "nameserver 10.0.2.3" in out["stdout"] and "tap0" in out["stdout"].split(), out
     finally:
-        outside.close()
+        on_host_address.close()
         inside_only.close()
 
 

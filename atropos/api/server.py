@@ -27,6 +27,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 
 from atropos import __version__, metrics
+from atropos.api.disconnect import ClientGone, unless_disconnected
 from atropos.api.openapi import complete_openapi
 from atropos.asgi import ASGIApp, Receive, RequestGuard, Send, http_error, install_error_handlers
 from atropos.errors import InfrastructureError, LeaseError, SlotUnavailable, ToolError
@@ -266,12 +267,17 @@ def create_tool_server(
         return held_entry(lease_id).lease
 
     @app.post("/v1/slots", response_model=SlotLeaseResponse, dependencies=deps)
-    async def lease_slot(req: SlotLeaseRequest) -> SlotLeaseResponse:
+    async def lease_slot(req: SlotLeaseRequest, request: Request) -> SlotLeaseResponse:
         try:
             with metrics.LEASE_WAIT_SECONDS.time():
-                lease = await pool.lease(req.trajectory_id, req.timeout_s, network=req.network)
+                # A client that gave up while queued stops waiting: no slot is ever leased to nobody.
+                lease = await unless_disconnected(
+                    request, pool.lease(req.trajectory_id, req.timeout_s, network=req.network), undo=pool.release)
         except SlotUnavailable as exc:
             raise _error(503, "no_free_slot", str(exc), headers={"Retry-After": "5"}) from None
+        except ClientGone:
+            log.info("lease request abandoned by its client", extra=call_fields(trajectory_id=req.trajectory_id))
+            raise _error(499, "client_gone", "the client disconnected before a slot was free") from None
         lease_id = secrets.token_urlsafe(24)
         entry = leases[lease_id] = _RestLease(lease, lease_id)
         log.info("slot leased", extra=call_fields(trajectory_id=req.trajectory_id, lease=entry.fingerprint,

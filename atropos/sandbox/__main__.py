@@ -25,6 +25,8 @@ import uvicorn
 from atropos.asgi import listening_socket
 from atropos.errors import AtroposSandboxError
 from atropos.logs import configure
+from atropos.request_deadline import server_config
+from atropos.sandbox import egress
 from atropos.sandbox.config import HostConfig, Limits
 from atropos.sandbox.host import SandboxHost
 from atropos.sandbox.launch import HOST_TOKEN_ENV as TOKEN_ENV
@@ -71,6 +73,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
     p.add_argument("--parent-pid", type=int, help="exit when this process (the pool) dies")
     p.add_argument("--network-isolation", choices=("auto", "private", "shared"), default="auto",
                    help="network slots: private namespace behind slirp4netns, or the host's (see HostConfig)")
+    p.add_argument("--egress-allow", action="append", default=[], metavar="CIDR",
+                   help="network slots may reach this IPv4 range despite the deny list (repeatable)")
+    p.add_argument("--egress-deny", action="append", default=[], metavar="CIDR",
+                   help="network slots cannot reach this IPv4 range (repeatable; added to the defaults)")
+    p.add_argument("--egress-no-default-deny", action="store_true",
+                   help="drop the default deny list (link-local, private, CGNAT, multicast, reserved ranges)")
+    p.add_argument("--egress-allow-host-addresses", action="store_true",
+                   help="network slots may reach this host's own non-loopback addresses")
+    p.add_argument("--request-read-timeout", type=float, default=defaults.request_read_timeout_s,
+                   help="seconds a request's head and body may take to arrive (default %(default)s)")
     p.add_argument("--workspace-mode", choices=("auto", "overlay", "copy"), default="auto",
                    help="template forks: overlayfs copy-on-write, or full copies (default %(default)s)")
     p.add_argument("--template-source-dir", type=Path, action="append", default=[],
@@ -83,6 +95,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
         token = args.token_file.read_text().strip()
     if not token:
         p.error(f"a token is required: set ${TOKEN_ENV} or pass --token-file")
+    try:
+        deny = egress.parse_networks(args.egress_deny)
+        allow = egress.parse_networks(args.egress_allow)
+    except ValueError as exc:
+        p.error(str(exc))
+    policy = egress.EgressPolicy(deny_host_addresses=not args.egress_allow_host_addresses, allow=allow)
+    policy.deny = deny if args.egress_no_default_deny else [*policy.deny, *deny]
     cfg = HostConfig(
         slots=args.slots, data_dir=args.data_dir, host=args.host, port=args.port, token=token,
         uid_base=args.uid_base, max_timeout_s=args.max_timeout, unsafe_no_isolation=args.unsafe_no_isolation,
@@ -90,7 +109,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
                       workspace_inodes=args.workspace_inodes, tmp_inodes=args.tmp_inodes,
                       shm_inodes=args.shm_inodes),
         workspace_mode=args.workspace_mode, network_isolation=args.network_isolation,
-        template_source_dirs=args.template_source_dir,
+        template_source_dirs=args.template_source_dir, egress=policy,
+        request_read_timeout_s=args.request_read_timeout,
         slot_memory_bytes=args.slot_memory_bytes, slot_pids=args.slot_pids, slot_cpus=args.slot_cpus,
         cgroup_dir=args.cgroup_dir, unsafe_no_cgroups=args.unsafe_no_cgroups,
     )
@@ -113,8 +133,8 @@ async def serve(cfg: HostConfig, prewarm: bool = True) -> None:
     if prewarm:
         await host.prewarm_all()
     app = create_app(host, manage_lifecycle=False)
-    server = uvicorn.Server(uvicorn.Config(
-        wrap(app, host), loop="asyncio", http="httptools", access_log=False, log_level="warning",
+    server = uvicorn.Server(server_config(
+        wrap(app, host), cfg.request_read_timeout_s, loop="asyncio", access_log=False, log_level="warning",
         timeout_keep_alive=120, lifespan="off",
     ))
     port = sock.getsockname()[1]

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from atropos.sandbox.cgroups import SlotCaps
+from atropos.sandbox.egress import EgressPolicy
 
 RUN_DIR_INODES = 1024  # the run dir holds the terminal's socket and log, nothing else
 
@@ -101,6 +102,11 @@ class HostConfig(BaseModel):
         "auto", description="slots leased with network: their own network namespace behind slirp4netns "
                             "(private; the host's loopback unreachable) or the host's namespace (shared); auto "
                             "picks private when slirp4netns and /dev/net/tun are present, else shared with a warning")
+    request_read_timeout_s: float = Field(60.0, gt=0, description="a request's head and body must arrive within "
+                                                                 "this (else 408 and the connection closes)")
+    egress: EgressPolicy = Field(
+        default_factory=EgressPolicy, description="where network slots may connect (private network only: "
+                                                  "shared slots have the host's own routes)")
 
     slot_memory_bytes: int = Field(
         4 << 30, ge=64 << 20, description="memory one slot may hold as a whole: every process, and the pages of its "

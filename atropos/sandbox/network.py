@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from atropos.errors import InfrastructureError
+from atropos.sandbox.egress import EgressPolicy, install_routes
 
 SLIRP4NETNS = shutil.which("slirp4netns") or "/usr/bin/slirp4netns"
 TAP = "tap0"
@@ -56,10 +57,12 @@ class SlirpHandshake:
     """The pipes of one network sandbox start; placeholders in bwrap's argv name their ends."""
 
     fds: dict[str, int] = field(default_factory=dict)
+    egress: EgressPolicy | None = None  # routes installed before the sandbox is released
+    python: str = "/usr/bin/python3"  # runs the route installer as the slot's uid: a system interpreter
 
     @classmethod
-    def create(cls) -> SlirpHandshake:
-        h = cls()
+    def create(cls, policy: EgressPolicy | None = None, python: str = "/usr/bin/python3") -> SlirpHandshake:
+        h = cls(egress=policy, python=python)
         h.fds["info_r"], h.fds["info_w"] = os.pipe()
         h.fds["block_r"], h.fds["block_w"] = os.pipe()
         h.fds["exit_r"], h.fds["exit_w"] = os.pipe()
@@ -111,16 +114,31 @@ class SlirpHandshake:
             )
         except OSError as exc:
             errors.close()
-            raise NetworkSetupFailed(f"{label}: cannot start slirp4netns: {exc}") from exc
-        finally:
-            for fd in (ready_w, netns, userns):
+            for fd in (netns, userns):
                 if fd >= 0:
                     os.close(fd)
+            raise NetworkSetupFailed(f"{label}: cannot start slirp4netns: {exc}") from exc
+        finally:
+            os.close(ready_w)
             self._close("exit_r")
         try:
             ready = await asyncio.to_thread(os.read, ready_r, 1)
+            refused = None
+            if ready == b"1" and self.egress is not None:
+                # After slirp configured tap0 and its routes (ours replace any of the same range),
+                # before the sandbox runs anything.
+                refused = await install_routes(self.egress, userns, netns, uid, TAP, self.python, timeout=30.0)
         finally:
             os.close(ready_r)
+            for fd in (netns, userns):
+                if fd >= 0:
+                    os.close(fd)
+        if refused is not None:
+            with contextlib.suppress(ProcessLookupError):
+                slirp.kill()
+            await slirp.wait()
+            errors.close()
+            raise NetworkSetupFailed(f"{label}: cannot install the egress policy: {refused}")
         if ready != b"1":
             with contextlib.suppress(ProcessLookupError):
                 slirp.kill()

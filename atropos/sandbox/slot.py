@@ -191,7 +191,8 @@ class Slot:
         return await SandboxProcess.start(
             argv, uid=uid, protocol=protocol,
             seccomp_path=None if self.cfg.unsafe_no_isolation else self.seccomp_path, label=label,
-            network=(SlirpHandshake.create() if self.network and self.private_net and not verifier
+            network=(SlirpHandshake.create(self.cfg.egress, self.cfg.python) if self.network and self.private_net
+                     and not verifier
                      and not self.cfg.unsafe_no_isolation else None),
             network_uid=self.uid,
             echoes_seq=protocol,  # both in-slot programs serve through inslot.serve

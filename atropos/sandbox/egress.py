@@ -1,0 +1,157 @@
+"""Egress policy of network slots: which destinations a slot's own network namespace can route to.
+
+slirp4netns opens the slot's outbound connections from the host's network namespace, so without a
+policy a network slot reaches everything the host reaches: cloud metadata services (link-local
+169.254.0.0/16), the private networks the host sits on, and every service bound to one of the
+host's own addresses. The policy is a set of routes installed in the slot's namespace after
+slirp4netns configured it and before anything runs inside it:
+
+- a denied range is a ``prohibit`` route: ``connect()``/``sendto()`` fail at once with EACCES;
+- an allowed range is an explicit route through slirp's gateway;
+- the most specific entry containing a destination decides (a routing table's longest-prefix
+  match); an allow and a deny entry of the same range: allow wins (allow entries punch holes);
+- the host's own addresses (read from its namespace at each sandbox start) are denied as /32s
+  unless an allow entry contains them.
+
+The agent cannot change these routes: nothing inside the sandbox holds CAP_NET_ADMIN over the
+namespace. A socket bound to the tap device (SO_BINDTODEVICE) makes the kernel treat a prohibited
+destination as on-link, but slirp answers ARP only for its gateway and DNS addresses, so such a
+packet never leaves (tests/test_egress.py proves it). Slots have no IPv6 (slirp4netns runs without
+``--enable-ipv6``), so the policy is IPv4 only.
+
+The routes are written over rtnetlink by a short-lived Python child run as the uid that owns the
+slot's user namespace (as slirp4netns is): it joins that user namespace (gaining CAP_NET_ADMIN over
+the slot's network namespace only) and then the network namespace. It execs nothing after joining
+(an exec would drop those capabilities), so it needs no ``ip`` binary and works where the host
+itself holds no capability (a container with ``cap_drop: ALL``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+from ipaddress import IPv4Address, IPv4Network
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+DEFAULT_DENY: tuple[str, ...] = (
+    "0.0.0.0/8",  # "this network"
+    "10.0.0.0/8",  # private (RFC 1918); slirp's own 10.0.2.0/24 stays reachable (a more specific route)
+    "100.64.0.0/10",  # carrier-grade NAT, used by overlay VPNs
+    "169.254.0.0/16",  # link-local: cloud metadata services (169.254.169.254)
+    "172.16.0.0/12",  # private (RFC 1918), Docker's bridges
+    "192.168.0.0/16",  # private (RFC 1918)
+    "224.0.0.0/4",  # multicast
+    "240.0.0.0/4",  # reserved, and the limited broadcast address
+)
+SLIRP_GATEWAY = "10.0.2.2"
+
+
+class EgressPolicy(BaseModel):
+    """Where network slots may connect (IPv4 ranges in CIDR notation)."""
+
+    deny: list[IPv4Network] = Field(
+        default_factory=lambda: [IPv4Network(n) for n in DEFAULT_DENY],
+        description="ranges network slots cannot reach (default: link-local, private, CGNAT, multicast, reserved)")
+    allow: list[IPv4Network] = Field(
+        default_factory=list, description="exceptions to deny (and to the host's own addresses); the most "
+                                          "specific entry containing a destination decides")
+    deny_host_addresses: bool = Field(True, description="the host's own (non-loopback) addresses are denied")
+
+    def routes(self, host_addresses: list[IPv4Address]) -> dict[IPv4Network, bool]:
+        """Each range with True (routed through slirp) or False (prohibited)."""
+        table: dict[IPv4Network, bool] = {net: False for net in self.deny}
+        table.update({net: True for net in self.allow})  # the same range in both: allow wins
+        if self.deny_host_addresses:
+            for addr in host_addresses:
+                if not any(addr in net for net in self.allow):
+                    table.setdefault(IPv4Network(addr), False)
+        return table
+
+
+def host_addresses(fib_trie: str = "/proc/net/fib_trie") -> list[IPv4Address]:
+    """The calling process's namespace's own IPv4 addresses, loopback excepted."""
+    found: set[IPv4Address] = set()
+    previous = ""
+    with open(fib_trie) as fh:
+        for line in fh:
+            if "/32 host LOCAL" in line and previous:
+                addr = ipaddress.ip_address(previous)
+                if isinstance(addr, IPv4Address) and not addr.is_loopback:
+                    found.add(addr)
+            stripped = line.strip()
+            previous = stripped[4:] if stripped.startswith("|-- ") else ""
+    return sorted(found)
+
+
+# Runs in a fresh interpreter (-I: no site, no environment): joins the slot's user and network
+# namespaces (the fds in argv) and adds the routes, one rtnetlink request each, checking every ack.
+_CHILD = r"""
+import ctypes, json, os, socket, struct, sys
+userns, netns, routes = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+libc = ctypes.CDLL(None, use_errno=True)
+for fd, kind in ((userns, 0x10000000), (netns, 0x40000000)):  # CLONE_NEWUSER, CLONE_NEWNET
+    if libc.setns(fd, kind) != 0:
+        err = ctypes.get_errno()
+        sys.exit("setns: " + os.strerror(err))
+s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
+s.bind((0, 0))
+oif = struct.pack("I", socket.if_nametoindex(sys.argv[4]))
+gateway = socket.inet_aton(sys.argv[5])
+for seq, (dst, plen, allowed) in enumerate(routes, 1):
+    attrs = struct.pack("HH", 8, 1) + socket.inet_aton(dst)  # RTA_DST
+    if allowed:
+        attrs += struct.pack("HH", 8, 5) + gateway + struct.pack("HH", 8, 4) + oif  # RTA_GATEWAY, RTA_OIF
+    # rtmsg: AF_INET, dst_len, src_len, tos, RT_TABLE_MAIN, RTPROT_STATIC, scope universe, RTN_UNICAST/PROHIBIT
+    body = struct.pack("BBBBBBBBI", socket.AF_INET, plen, 0, 0, 254, 4, 0, 1 if allowed else 8, 0) + attrs
+    # RTM_NEWROUTE, NLM_F_REQUEST|ACK|CREATE|REPLACE: replaces slirp's own route of the same range
+    s.send(struct.pack("IHHII", 16 + len(body), 24, 0x1 | 0x4 | 0x400 | 0x100, seq, 0) + body)
+    reply = s.recv(65536)
+    mtype, rseq = struct.unpack_from("H", reply, 4)[0], struct.unpack_from("I", reply, 8)[0]
+    code = struct.unpack_from("i", reply, 16)[0] if mtype == 2 else -1
+    if rseq != seq or code != 0:
+        sys.exit("route %s/%d: %s" % (dst, plen, os.strerror(-code) if code < 0 else "unexpected reply"))
+"""
+
+
+async def install_routes(policy: EgressPolicy, userns: int, netns: int, uid: int | None, device: str, python: str,
+                  timeout: float) -> str | None:
+    """Add ``policy``'s routes to the namespace ``netns`` (owned by ``userns``); None, or why not."""
+    table = policy.routes(host_addresses())
+    if not table:
+        return None
+    routes = [[str(net.network_address), net.prefixlen, allowed] for net, allowed in table.items()]
+    ids: dict[str, Any] = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
+    try:
+        # ``python`` (a system interpreter, as the slot's uid may not read the host's own environment)
+        proc = await asyncio.create_subprocess_exec(
+            python, "-I", "-c", _CHILD, str(userns), str(netns), json.dumps(routes), device, SLIRP_GATEWAY,
+            pass_fds=(userns, netns), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE, env={}, **ids,
+        )
+    except OSError as exc:
+        return f"cannot start {python}: {exc}"
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except BaseException:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        raise
+    if proc.returncode != 0:
+        return err.decode("utf-8", "replace").strip()[-400:] or f"exit status {proc.returncode}"
+    return None
+
+
+def parse_networks(values: list[str]) -> list[IPv4Network]:
+    """CIDR strings (a bare address is a /32) as networks; ValueError names the bad one."""
+    out = []
+    for value in values:
+        try:
+            out.append(IPv4Network(value.strip(), strict=False))
+        except ValueError as exc:
+            raise ValueError(f"not an IPv4 range: {value!r} ({exc})") from None
+    return out
+

@@ -1,0 +1,155 @@
+"""No limbo (issue 17): a client that gives up or stalls holds nothing.
+
+Rows: a REST lease request whose client gave up while waiting (it must stop waiting and never
+lease), and a request that never sends its whole head or body (the ToolServer and the sandbox
+host must close it). Real uvicorn on loopback, real sockets, a real local pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from conftest import RunningHost, start_host, stop_host
+
+from atropos.api.server import ToolServerSettings, create_tool_server
+from atropos.request_deadline import server_config
+from atropos.slots.config import PoolConfig
+from atropos.slots.pool import SlotPool
+from tests.pool_backends import make_backend
+
+TOKEN = "limbo-token-123"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+READ_TIMEOUT_S = 1.0
+WAIT_S = 60.0  # generous bound for polls on a busy machine
+
+
+async def _serve(app: object, read_timeout_s: float) -> AsyncIterator[tuple[str, uvicorn.Server]]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(server_config(app, read_timeout_s, log_level="warning", lifespan="on"))
+    task = asyncio.create_task(srv.serve(sockets=[sock]))
+    while not srv.started:
+        await asyncio.sleep(0.05)
+        if task.done():
+            task.result()
+    yield f"127.0.0.1:{port}", srv
+    srv.should_exit = True
+    await task
+
+
+@pytest.fixture
+async def one_slot_server() -> AsyncIterator[tuple[str, SlotPool]]:
+    pool = SlotPool(make_backend("local", slots=1), PoolConfig(min_hosts=1, max_hosts=1))
+    app = create_tool_server(pool, ToolServerSettings(token=TOKEN), manage_pool=True)
+    async for addr, _ in _serve(app, READ_TIMEOUT_S):
+        yield addr, pool
+
+
+async def _poll(cond: object, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"not within {WAIT_S:.0f}s: {what}"
+        await asyncio.sleep(0.05)
+
+
+async def test_lease_request_abandoned_by_its_client_never_leases(one_slot_server: tuple[str, SlotPool]) -> None:
+    addr, pool = one_slot_server
+    async with httpx.AsyncClient(base_url=f"http://{addr}", headers=AUTH, timeout=WAIT_S) as http:
+        holder = (await http.post("/v1/slots", json={"trajectory_id": "holder"})).json()["lease_id"]
+        # A client queues for the only slot, then gives up (closes its connection) while waiting.
+        body = json.dumps({"trajectory_id": "quitter", "timeout_s": 600}).encode()
+        host, port = addr.split(":")
+        _, w = await asyncio.open_connection(host, int(port))
+        w.write(b"POST /v1/slots HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                + f"authorization: Bearer {TOKEN}\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
+        await w.drain()
+        await _poll(lambda: pool.status().waiting == 1, "the quitter's request is queued")
+        w.close()
+        await _poll(lambda: pool.status().waiting == 0, "the abandoned request stops waiting")
+        # The slot freed next goes to the next live client, at once, not to the quitter.
+        assert (await http.delete(f"/v1/slots/{holder}")).status_code == 200
+        got = await http.post("/v1/slots", json={"trajectory_id": "next", "timeout_s": 30})
+        assert got.status_code == 200, got.text
+        assert [e.trajectory_id for e in pool.audit.events if e.event == "lease"] == ["holder", "next"]
+        assert (await http.delete(f"/v1/slots/{got.json()['lease_id']}")).status_code == 200
+
+
+async def _closed_within(addr: str, payload: bytes) -> bytes:
+    """Sends ``payload`` (an incomplete request) and returns what the server sent before closing."""
+    host, port = addr.split(":")
+    r, w = await asyncio.open_connection(host, int(port))
+    w.write(payload)
+    await w.drain()
+    try:
+        data = await asyncio.wait_for(r.read(), WAIT_S)  # until EOF: the server closed the connection
+    except asyncio.TimeoutError:
+        pytest.fail(f"connection with an incomplete request still open after {WAIT_S:.0f}s: {payload!r}")
+    finally:
+        w.close()
+    return data
+
+
+SLOW_HEAD = b"POST /v1/slots HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"  # never ends
+SLOW_BODY = (b"POST /v1/slots HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+             + f"authorization: Bearer {TOKEN}\r\ncontent-length: 200\r\n\r\n".encode() + b'{"trajectory_id": ')
+
+
+async def test_toolserver_closes_requests_that_never_arrive_whole(one_slot_server: tuple[str, SlotPool]) -> None:
+    addr, pool = one_slot_server
+    assert (await _closed_within(addr, b"")).startswith(b"HTTP/1.1 408")  # connected, sent nothing
+    assert (await _closed_within(addr, SLOW_HEAD)).startswith(b"HTTP/1.1 408")
+    await _closed_within(addr, SLOW_BODY)  # the handler was reading the body: it sees a disconnect
+    assert pool.status().waiting == 0 and not pool.audit.events
+    async with httpx.AsyncClient(base_url=f"http://{addr}", headers=AUTH, timeout=WAIT_S) as http:
+        assert (await http.get("/v1/status")).status_code == 200  # whole requests are served as before
+
+
+@pytest.fixture(scope="module")
+def slow_host() -> Iterator[RunningHost]:
+    running = start_host(Path(f"/tmp/atropos-limbo-{os.getpid()}-{secrets.token_hex(3)}"), slots=1,
+                         extra=["--request-read-timeout", str(READ_TIMEOUT_S), "--no-prewarm"])
+    yield running
+    stop_host(running)
+
+
+async def test_sandbox_host_closes_requests_that_never_arrive_whole(slow_host: RunningHost) -> None:
+    addr = slow_host.address.removeprefix("http://")
+    head = SLOW_HEAD.replace(b"/v1/slots", b"/lease")
+    assert (await _closed_within(addr, b"")).startswith(b"HTTP/1.1 408")
+    assert (await _closed_within(addr, head)).startswith(b"HTTP/1.1 408")
+    body = SLOW_BODY.replace(b"/v1/slots", b"/lease").replace(TOKEN.encode(), slow_host.token.encode())
+    await _closed_within(addr, body)
+    client = slow_host.client()
+    try:
+        assert (await client.health()).ok
+    finally:
+        await client.aclose()
+
+
+def test_lease_audit_stays_bounded_and_still_sees_every_double_lease(tmp_path: Path) -> None:
+    """An RL run leases millions of slots: the audit's memory must not grow with them, yet a double
+    lease after the in-memory window rolled over is still caught, and the file keeps the full trail."""
+    from atropos.slots.audit import LeaseAudit, double_leases, load
+
+    audit = LeaseAudit(tmp_path / "audit.jsonl", keep=100)
+    for i in range(5000):
+        audit.record("lease", f"t{i}", "h", i % 8, i)
+        audit.record("release", f"t{i}", "h", i % 8, i)
+    audit.record("lease", "a", "h", 3, 1)
+    audit.record("lease", "b", "h", 3, 2)  # slot 3 now held twice
+    audit.close()
+    assert len(audit.events) == 100 and len(audit.holders) == 1
+    assert audit.double_leased == 1 and "held by a" in audit.problems[0]
+    trail = load(tmp_path / "audit.jsonl")
+    assert len(trail) == 10_002 and len(double_leases(trail)) == 1
