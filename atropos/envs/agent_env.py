@@ -28,6 +28,7 @@ import asyncio
 import functools
 import logging
 import os
+import signal
 import sys
 import time
 import uuid
@@ -145,7 +146,24 @@ class AgentEnv(BaseEnv):
             default = False  # BaseEnv.cli calls config_init again and reports the error
         if not wandb_requested(sys.argv[1:], default):
             os.environ.setdefault("WANDB_MODE", "disabled")
-        super().cli()
+            if sys.argv[1:2] in (["process"], ["evaluate"]) and "--env.use_wandb" not in sys.argv:
+                # those commands force use_wandb=True over config_init (the config they print said
+                # True while the env had said False): say what the run really does
+                sys.argv += ["--env.use_wandb", "false"]
+        stopped: list[int] = []
+
+        def on_sigterm(signum: int, _frame: Any) -> None:
+            # as Ctrl-C: asyncio.run cancels the run, whose finally stops the pool and prints the summary
+            stopped.append(signum)
+            signal.raise_signal(signal.SIGINT)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        try:
+            super().cli()
+        except KeyboardInterrupt:
+            name = "SIGTERM" if stopped else "interrupt"
+            print(f"[atropos-sandbox] stopped by {name}; the sandbox pool is down", file=sys.stderr, flush=True)
+            sys.exit(128 + (signal.SIGTERM if stopped else signal.SIGINT))
 
     # -- hooks for subclasses --------------------------------------------------------------
     def build_task(self, item: Any) -> str:
@@ -263,7 +281,9 @@ class AgentEnv(BaseEnv):
         try:
             return await super().env_manager()
         finally:
+            status = self.pool.status() if self.pool is not None else None
             await self.shutdown_sandbox()
+            self.print_summary(status)
 
     async def _run_evaluate(self) -> None:
         # BaseEnv's `evaluate` command runs setup() + evaluate() and returns: nothing stops the pool.

@@ -1,0 +1,118 @@
+"""Rough edges of running an env from the command line (issue 20, finding 9): what the run prints
+is true (use_wandb), SIGTERM stops it cleanly (pool down, summary printed, no traceback), and the
+log of a previous run's host survives the next start. Real subprocesses, a real local pool."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("atroposlib")
+
+from atropos.backends.local import KEPT_HOST_LOGS, LocalBackend, LocalBackendConfig
+from atropos.testing import FakeChatServer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir() -> str:
+    from atropos.agent.model import default_gguf_path, ensure_tokenizer_dir
+
+    if not default_gguf_path().exists():
+        pytest.skip("the model file is missing: run `python3 scripts/model_server.py ensure --model-only`")
+    return str(ensure_tokenizer_dir())
+
+
+def _env(tokenizer_dir: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
+    env.update(HF_HUB_OFFLINE="1", ATROPOS_TOKENIZER_DIR=tokenizer_dir, PYTHONPATH=str(REPO))
+    return env
+
+
+def test_process_prints_the_wandb_setting_it_really_uses(tokenizer_dir: str, tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.scripted_env", "process", "--env.total_steps", "1", "--env.group_size", "2",
+         "--env.slots_per_host", "2", "--env.max_hosts", "1", "--env.data_path_to_save_groups",
+         str(tmp_path / "g.jsonl")], cwd=tmp_path, env=_env(tokenizer_dir), capture_output=True, text=True,
+        timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "use_wandb=False" in proc.stdout and "use_wandb=True" not in proc.stdout
+    assert "mean score: 1.000" in proc.stdout
+    assert "Traceback" not in proc.stderr and not (tmp_path / "wandb").exists()
+
+
+def _hosts_of(pid: int) -> list[int]:
+    """Sandbox host processes started for the env process ``pid`` (they carry --parent-pid PID)."""
+    found = []
+    needle = f"--parent-pid\0{pid}\0".encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_sigterm_stops_a_run_cleanly(tokenizer_dir: str, tmp_path: Path) -> None:
+    release = threading.Event()
+
+    def stuck(messages: list[dict[str, Any]]) -> str:
+        release.wait(300)  # the model "thinks" until the test is done
+        return "Done."
+
+    with FakeChatServer(stuck) as server:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "atropos.envs.examples.coding", "process", "--openai.base_url", server.base_url,
+             "--openai.model_name", "fake", "--env.total_steps", "1", "--env.group_size", "2",
+             "--env.slots_per_host", "2", "--env.max_hosts", "1",
+             "--env.data_path_to_save_groups", str(tmp_path / "g.jsonl")],
+            cwd=tmp_path, env=_env(tokenizer_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 300
+            while not server.requests:  # mid-rollout: slots leased, the model asked
+                assert proc.poll() is None, proc.communicate()[1][-3000:]
+                assert time.monotonic() < deadline, "the env never asked the model"
+                time.sleep(0.2)
+            assert _hosts_of(proc.pid), "no sandbox host runs for the env"
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=120)
+        finally:
+            release.set()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "stopped by SIGTERM; the sandbox pool is down" in err
+    assert "Traceback" not in err, err[-3000:]
+    assert "[atropos-sandbox] pool: backend local" in out and "[atropos-sandbox] rollouts: 0" in out
+    assert _hosts_of(proc.pid) == []
+
+
+async def test_logs_of_a_previous_runs_hosts_survive_the_next_start(tmp_path: Path) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    backend = LocalBackend(LocalBackendConfig(data_root=tmp_path / "local", pool_id="p"))
+    backend.root.mkdir(parents=True)
+    logs = []
+    for i in range(KEPT_HOST_LOGS + 3):
+        log = backend.root / f"p-{dead.pid}-{i}.log"
+        log.write_text(f"host {i} died: why\n")
+        os.utime(log, (1000 + i, 1000 + i))
+        logs.append(log)
+    orphan_dir = backend.root / f"p-{dead.pid}-1"
+    orphan_dir.mkdir()
+    assert await backend.reap_orphans() == 4  # the orphan's data dir and the 3 oldest logs
+    assert not orphan_dir.exists()
+    assert [p.exists() for p in logs] == [False] * 3 + [True] * KEPT_HOST_LOGS
+    assert logs[-1].read_text() == f"host {KEPT_HOST_LOGS + 2} died: why\n"
