@@ -4,6 +4,7 @@ log of a previous run's host survives the next start. Real subprocesses, a real 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import LeasedSlot
 
 pytest.importorskip("atroposlib")
 
@@ -116,3 +118,37 @@ async def test_logs_of_a_previous_runs_hosts_survive_the_next_start(tmp_path: Pa
     assert not orphan_dir.exists()
     assert [p.exists() for p in logs] == [False] * 3 + [True] * KEPT_HOST_LOGS
     assert logs[-1].read_text() == f"host {KEPT_HOST_LOGS + 2} died: why\n"
+
+
+def _cli(cache: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    # a cache dir of its own: no background pool is up there, exec runs in an ephemeral local pool
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATROPOS_SANDBOX_")}
+    env.update(PYTHONPATH=str(REPO), XDG_CACHE_HOME=str(cache))
+    return subprocess.run([sys.executable, "-m", "atropos.cli", "exec", *argv],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_exec_timeout_quoting_and_syntax_errors_are_plain(tmp_path: Path) -> None:
+    from atropos.cli import EXIT_TIMED_OUT
+
+    timed = _cli(tmp_path, "--timeout", "1", "--", "sleep 30")
+    assert timed.returncode == EXIT_TIMED_OUT == 124
+    assert "timed out after" in timed.stderr and "--timeout" in timed.stderr
+    words = _cli(tmp_path, "--", "printf", "%s|", "a b", "c;d")
+    assert words.returncode == 0 and words.stdout == "a b|c;d|", words
+    line = _cli(tmp_path, "--", "echo one; echo two | tr a-z A-Z")
+    assert line.stdout == "one\nTWO\n"
+    for _ in range(2):  # the second call gets the slot's warm bash
+        broken = _cli(tmp_path, "--", "echo (")
+        assert broken.returncode == 2 and "syntax error" in broken.stderr
+        assert "__atropos" not in broken.stderr and "unset" not in broken.stderr, broken.stderr
+
+
+async def test_a_syntax_error_quotes_the_command_not_the_bootstrap(slot: LeasedSlot) -> None:
+    await slot.sh("true")
+    for _ in range(3):  # after the first call the slot's warm bash serves them
+        await asyncio.sleep(0.1)
+        out = await slot.sh("echo (")
+        assert out["exit_code"] == 2 and "syntax error" in out["stderr"], out
+        assert "`echo ('" in out["stderr"]
+        assert "__atropos" not in out["stderr"] and "unset" not in out["stderr"], out["stderr"]
