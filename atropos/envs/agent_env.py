@@ -138,6 +138,8 @@ class AgentEnv(BaseEnv):
 
     @classmethod
     def cli(cls) -> None:
+        """``python your_env.py process|serve|evaluate [--env.* --openai.*]``: BaseEnv's CLI, with
+        wandb off unless asked and SIGTERM stopping the run as Ctrl-C does (pool down, summary)."""
         # process and evaluate force use_wandb=True; offline with no API key wandb.init then
         # crashes the run. Unless wandb was asked for, make it a no-op (an explicit WANDB_MODE wins).
         try:
@@ -186,6 +188,7 @@ class AgentEnv(BaseEnv):
         return {}
 
     def has_group_setup(self) -> bool:
+        """Whether the subclass overrides ``setup_group_workspace`` (then groups fork a template)."""
         return type(self).setup_group_workspace is not AgentEnv.setup_group_workspace
 
     async def setup_trajectory_workspace(self, item: Any, *, trajectory_id: str, exec_tool: ExecTool,
@@ -220,10 +223,12 @@ class AgentEnv(BaseEnv):
 
     # -- lifecycle -------------------------------------------------------------------------
     async def setup(self) -> None:
+        """BaseEnv's hook: start the slot pool, then ``setup_agent_env``. Call it first when overriding."""
         await self.setup_sandbox()
         await self.setup_agent_env()
 
     async def setup_sandbox(self) -> None:
+        """Start the slot pool and the tool executor (once; later calls do nothing)."""
         if self.pool is not None:
             return
         c = self.config
@@ -261,6 +266,7 @@ class AgentEnv(BaseEnv):
                        f"env-{self.config.wandb_name or type(self).__name__}")[:60]
 
     async def shutdown_sandbox(self) -> None:
+        """Stop the executor and the pool (every sandbox host goes). Safe to call twice."""
         if self.executor is not None:
             await self.executor.close()
             self.executor = None
@@ -269,6 +275,7 @@ class AgentEnv(BaseEnv):
             self.pool = None
 
     async def process_manager(self) -> Any:
+        """``process`` mode: BaseEnv's loop, then the pool is stopped and the summary printed."""
         self._process_mode = True
         try:
             return await super().process_manager()
@@ -278,6 +285,7 @@ class AgentEnv(BaseEnv):
             self.print_summary(status)
 
     async def env_manager(self) -> Any:
+        """``serve`` mode: BaseEnv's loop, then the pool is stopped and the summary printed."""
         try:
             return await super().env_manager()
         finally:
@@ -293,6 +301,7 @@ class AgentEnv(BaseEnv):
             await self.shutdown_sandbox()
 
     def print_summary(self, status: PoolStatus | None = None) -> None:
+        """The run's ``[atropos-sandbox]`` lines: pool, rollouts, mean score, dropped groups, files."""
         s = self.stats
         rollouts = int(s["rollouts"])
         mean = s["score_sum"] / rollouts if rollouts else 0.0
@@ -327,6 +336,7 @@ class AgentEnv(BaseEnv):
 
     # -- rollouts --------------------------------------------------------------------------
     def system_prompt(self) -> str:
+        """``system_preamble`` plus the tool schemas in Hermes format; override to change the prompt."""
         return hermes_system_prompt(self.tools.schemas(), self.system_preamble)
 
     async def chat(self, messages: list[dict[str, Any]], session: ManagedSession | None = None) -> ChatReply:
@@ -366,6 +376,8 @@ class AgentEnv(BaseEnv):
         return self._grammars[allow_answer]
 
     async def collect_trajectories(self, item: Any) -> tuple[ScoredDataGroup | None, list[Any]]:
+        """BaseEnv's hook: one group of ``group_size`` rollouts of ``item``, each in its own slot.
+        ``(None, [item])`` when infrastructure lost it (the item is retried, never scored 0)."""
         while True:
             group, backlog = await self._collect_group(item)
             if group is not None or not backlog:
