@@ -50,6 +50,11 @@ def test_process_prints_the_wandb_setting_it_really_uses(tokenizer_dir: str, tmp
     assert "use_wandb=False" in proc.stdout and "use_wandb=True" not in proc.stdout
     assert "mean score: 1.000" in proc.stdout
     assert "Traceback" not in proc.stderr and not (tmp_path / "wandb").exists()
+    # the verifier check ran before the groups and is in the summary and the HTML report
+    assert proc.stdout.count("verifier check (in a slot: reference solution -> must score 1, starting stub "
+                             "-> must score 0): all as expected") == 2
+    report = (tmp_path / "g.html").read_text()
+    assert "id='verifier-check'" in report and "is_palindrome" in report
 
 
 def _hosts_of(pid: int) -> list[int]:

@@ -33,6 +33,7 @@ import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, ScoredDataGroup
@@ -53,6 +54,13 @@ from atropos.agent.managed import ManagedSession, TrackedSequence, servers_give_
 from atropos.agent.tokens import IGNORE, count_prompt_tokens, template_wraps_tool_responses, tokenize_conversation
 from atropos.backends.base import Backend
 from atropos.envs.config import AgentEnvConfig, default_server_configs, wandb_requested
+from atropos.envs.verifier_check import (
+    VerifierCheck,
+    VerifierCheckResult,
+    append_to_html,
+    run_checks,
+    summary_lines,
+)
 from atropos.errors import ConfigError, InfrastructureError
 from atropos.progress import GroupProgress
 from atropos.slots.config import PoolConfig
@@ -115,6 +123,7 @@ class AgentEnv(BaseEnv):
         self._lost_in_a_row = 0
         self._grammars: dict[bool, str] = {}  # turn_grammar's two grammars, by allow_answer
         self.progress = GroupProgress()  # one stderr line per scored group (long runs show they move)
+        self.verifier_results: list[VerifierCheckResult] = []
 
     def _decide_token_source(self) -> bool:
         source = self.config.token_source
@@ -226,6 +235,25 @@ class AgentEnv(BaseEnv):
         """BaseEnv's hook: start the slot pool, then ``setup_agent_env``. Call it first when overriding."""
         await self.setup_sandbox()
         await self.setup_agent_env()
+        if self._process_mode and self.config.verifier_check:
+            await self.check_verifier()
+
+    def verifier_checks(self) -> list[VerifierCheck]:
+        """One item per task family with its reference solution (a scripted policy, see
+        ``atropos.testing``): a process run first shows the verifier scoring each reference 1 and
+        each untouched starting state 0, in a slot. Default: none (no check)."""
+        return []
+
+    async def check_verifier(self) -> list[VerifierCheckResult]:
+        """Run ``verifier_checks()`` now (reference and stub of each, in slots) and print the table."""
+        checks = self.verifier_checks()
+        if not checks:
+            return []
+        await self.setup_sandbox()
+        self.verifier_results = await run_checks(self, checks)
+        for line in summary_lines(self.verifier_results):
+            print(f"[atropos-sandbox] {line}", flush=True)
+        return self.verifier_results
 
     async def setup_sandbox(self) -> None:
         """Start the slot pool and the tool executor (once; later calls do nothing)."""
@@ -283,6 +311,9 @@ class AgentEnv(BaseEnv):
             status = self.pool.status() if self.pool is not None else None
             await self.shutdown_sandbox()
             self.print_summary(status)
+            path = getattr(self.config, "data_path_to_save_groups", None)
+            if path:
+                append_to_html(Path(str(path).rsplit(".", 1)[0] + ".html"), self.verifier_results)
 
     async def env_manager(self) -> Any:
         """``serve`` mode: BaseEnv's loop, then the pool is stopped and the summary printed."""
@@ -316,6 +347,8 @@ class AgentEnv(BaseEnv):
               f"mean score: {mean:.3f}  sandbox time per call: {per_call:.1f} ms  "
               f"infra retries: {int(s['infra_retries'])}  tokens: "
               f"{'ManagedServer' if self.managed_tokens else 'chat template'}", flush=True)
+        for line in summary_lines(self.verifier_results):
+            print(f"[atropos-sandbox] {line}", flush=True)
         if s["groups_dropped_same_scores"]:
             print(f"[atropos-sandbox] {int(s['groups_dropped_same_scores'])} group(s) dropped, not saved or sent: "
                   "all scores equal and ensure_scores_are_not_same=True", flush=True)
