@@ -35,7 +35,7 @@ def tokenizer_dir() -> str:
 
 
 def _env(tokenizer_dir: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB", "ATROPOS_MODEL_"))}
     env.update(HF_HUB_OFFLINE="1", ATROPOS_TOKENIZER_DIR=tokenizer_dir, PYTHONPATH=str(REPO))
     return env
 
@@ -157,3 +157,15 @@ async def test_a_syntax_error_quotes_the_command_not_the_bootstrap(slot: LeasedS
         assert out["exit_code"] == 2 and "syntax error" in out["stderr"], out
         assert "`echo ('" in out["stderr"]
         assert "__atropos" not in out["stderr"] and "unset" not in out["stderr"], out["stderr"]
+
+
+def test_help_names_the_values_the_env_sets(tokenizer_dir: str, tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "atropos.envs.examples.coding", "process", "--help"], cwd=tmp_path,
+                          env=_env(tokenizer_dir), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    head, _, rest = proc.stdout.partition("usage:")
+    assert "CodingEnv sets (the defaults shown by --help below are atroposlib's)" in head
+    # the coding env's own values, where --help's Field defaults say 1000 and no grammar
+    assert "  --env.total_steps 2\n" in head and "  --env.tool_call_grammar True\n" in head
+    assert "  --env.enabled_toolsets shell files\n" in head
+    assert "  --openai.base_url http://127.0.0.1:8090/v1\n" in head and "--env.total_steps" in rest

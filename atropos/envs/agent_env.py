@@ -161,6 +161,8 @@ class AgentEnv(BaseEnv):
                 # those commands force use_wandb=True over config_init (the config they print said
                 # True while the env had said False): say what the run really does
                 sys.argv += ["--env.use_wandb", "false"]
+        if "-h" in sys.argv[1:] or "--help" in sys.argv[1:]:
+            cls.print_defaults()
         stopped: list[int] = []
 
         def on_sigterm(signum: int, _frame: Any) -> None:
@@ -175,6 +177,22 @@ class AgentEnv(BaseEnv):
             name = "SIGTERM" if stopped else "interrupt"
             print(f"[atropos-sandbox] stopped by {name}; the sandbox pool is down", file=sys.stderr, flush=True)
             sys.exit(128 + (signal.SIGTERM if stopped else signal.SIGINT))
+
+    @classmethod
+    def print_defaults(cls) -> None:
+        """What this env's ``config_init`` sets: ``--help`` below lists atroposlib's class defaults,
+        not these, and these are what a run uses unless a flag or ``--config`` overrides them."""
+        try:
+            cfg, servers = cls.config_init()
+        except Exception as exc:  # the help must still print
+            print(f"[atropos-sandbox] config_init failed ({type(exc).__name__}: {exc})", flush=True)
+            return
+        lines = [f"  --env.{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                 for k, v in cfg.model_dump(exclude_defaults=True, mode="json").items()]
+        if isinstance(servers, list) and servers:
+            lines += [f"  --openai.{k} {getattr(servers[0], k)}" for k in ("base_url", "model_name", "server_type")]
+        print(f"[atropos-sandbox] {cls.__name__} sets (the defaults shown by --help below are atroposlib's):\n"
+              + "\n".join(lines) + "\n", flush=True)
 
     # -- hooks for subclasses --------------------------------------------------------------
     def build_task(self, item: Any) -> str:
