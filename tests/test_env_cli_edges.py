@@ -169,3 +169,17 @@ def test_help_names_the_values_the_env_sets(tokenizer_dir: str, tmp_path: Path) 
     assert "  --env.total_steps 2\n" in head and "  --env.tool_call_grammar True\n" in head
     assert "  --env.enabled_toolsets shell files\n" in head
     assert "  --openai.base_url http://127.0.0.1:8090/v1\n" in head and "--env.total_steps" in rest
+
+
+def test_a_slow_run_shows_a_rate_not_zero() -> None:
+    import io
+
+    from atropos.progress import GroupProgress
+
+    now = [0.0]
+    progress = GroupProgress(total_groups=2, clock=lambda: now[0], stream=io.StringIO())
+    now[0] = 60.0
+    assert "  2.0 calls/min  " in progress.group_done(rollouts=2, tool_calls=2).line()
+    fast = GroupProgress(clock=lambda: now[0], stream=io.StringIO())
+    now[0] = 61.0
+    assert "  5.0 calls/s  " in fast.group_done(rollouts=1, tool_calls=5).line()
