@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ from atropos.backends.base import BACKEND_KINDS, BackendKind
 from atropos.errors import AtroposSandboxError, ConfigError, InfrastructureError, IsolationUnavailable
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INFRA = 0, 1, 2, 3
+EXIT_TIMED_OUT = 124  # exec: the command ran out of time (as timeout(1) reports it)
 # The bearer token of the ToolServer `serve` runs: not the sandbox hosts' token (HOST_TOKEN_ENV of
 # atropos/sandbox/launch.py), which the pool makes per host and no user ever handles.
 TOOLSERVER_TOKEN_ENV = TOKEN_ENV = "ATROPOS_TOOLSERVER_TOKEN"
@@ -106,7 +108,7 @@ EPILOG = f"""\
 exit codes (stable, for scripts):
   0  success
   1  the command ran but failed (exec: the tool call failed; for bash, exec exits with the
-     command's own status)
+     command's own status, 124 when --timeout killed it, 128+N when signal N did)
   2  bad usage or configuration: unknown flag, invalid setting, missing or malformed --config
      file, bad --args JSON, no token, a request the pool refused as malformed
   3  infrastructure unavailable: no isolation on this machine, no Docker/Nomad, a pool that is
@@ -633,7 +635,9 @@ def _tool_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.tool == "bash":
         if not args.command:
             raise ConfigError("nothing to run: give the command (`exec -- 'python3 -V'`) or --args")
-        return {"command": " ".join(args.command)}
+        # one word is a command line (`exec -- 'ls | wc -l'`); several are argv words, quoted as
+        # given (`exec -- printf '%s\n' 'a b'` prints "a b", never "a" and "b")
+        return {"command": args.command[0] if len(args.command) == 1 else shlex.join(args.command)}
     return {}
 
 
@@ -687,7 +691,16 @@ def _print_call(text: str, result: dict[str, Any] | None, ok: bool) -> int:
         sys.stdout.write(result.get("stdout") or "")
         sys.stderr.write(result.get("stderr") or "")
         code = result.get("exit_code")
-        return int(code) if isinstance(code, int) else EXIT_FAILED
+        if result.get("timed_out"):
+            # as timeout(1): 124, and say so (a killed command prints nothing of its own)
+            seconds = float(result.get("duration_ms") or 0) / 1000
+            print(f"error: the command timed out after {seconds:.1f} s and was killed (--timeout)", file=sys.stderr)
+            return EXIT_TIMED_OUT
+        if not isinstance(code, int):
+            sig = result.get("signal")
+            print(f"error: the command was killed by signal {sig}", file=sys.stderr)
+            return 128 + int(sig) if isinstance(sig, int) else EXIT_FAILED
+        return code
     print(text, file=sys.stdout if ok else sys.stderr)
     return EXIT_OK if ok else EXIT_FAILED
 

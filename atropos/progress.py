@@ -39,7 +39,14 @@ class ProgressSnapshot(BaseModel):
         total = f"/{self.total_groups}" if self.total_groups else ""
         eta = "" if self.eta_s is None else f"  eta {_duration(self.eta_s)}"
         return (f"{PREFIX} group {self.groups_done}{total}  rollouts {self.rollouts}  tool calls {self.tool_calls}  "
-                f"{self.calls_per_s:.1f} calls/s  elapsed {_duration(self.elapsed_s)}{eta}")
+                f"{_rate(self.calls_per_s)}  elapsed {_duration(self.elapsed_s)}{eta}")
+
+
+def _rate(per_s: float) -> str:
+    # a slow model makes a few calls a minute: "0.0 calls/s" would read as "nothing runs"
+    if 0 < per_s < 0.95:
+        return f"{per_s * 60:.1f} calls/min"
+    return f"{per_s:.1f} calls/s"
 
 
 class GroupProgress:

@@ -49,7 +49,7 @@ class RecordingCodingEnv(RecordsPoolStatus, CodingEnv):
             item, final_response, trajectory_id=trajectory_id, exec_tool=exec_tool, lease=lease,
             agent_result=agent_result)
         record = os.environ.get("ATROPOS_E2E_RECORD")
-        if record:
+        if record and not trajectory_id.startswith("verifier-check-"):  # the model's trajectories only
             with open(record, "a") as fh:
                 fh.write(json.dumps({"trajectory_id": trajectory_id, "files": files, "score": score,
                                      "messages": agent_result.messages}) + "\n")

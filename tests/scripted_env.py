@@ -14,18 +14,9 @@ from openai.types.chat import ChatCompletion
 
 from atropos.agent.loop import assistant_turns
 from atropos.envs.examples.coding import TASKS, CodingEnv
+from atropos.envs.examples.coding_reference import SOLUTIONS
 from atropos.testing import ScriptedServer, call, call_text, reply
 from tests.scripted import RecordsPoolStatus
-
-SOLUTIONS = {
-    "add": "def add(a, b):\n    return a + b\n",
-    "is_palindrome": "def is_palindrome(s):\n    return s.lower() == s.lower()[::-1]\n",
-    "fizzbuzz": ("def fizzbuzz(n):\n    return 'FizzBuzz' if n % 15 == 0 else 'Fizz' if n % 3 == 0 else "
-                 "'Buzz' if n % 5 == 0 else str(n)\n"),
-    "count_vowels": "def count_vowels(s):\n    return sum(c in 'aeiouAEIOU' for c in s)\n",
-    "reverse_words": "def reverse_words(s):\n    return ' '.join(s.split(' ')[::-1])\n",
-    "max_of": "def max_of(xs):\n    return max(xs)\n",
-}
 
 
 def task_name(text: str) -> str:

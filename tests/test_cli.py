@@ -87,7 +87,7 @@ def test_pool_up_status_exec_down(pool_up: dict[str, str]) -> None:
     as_json = json.loads(cli("pool", "status", "--json", env=pool_up).stdout)
     assert as_json["free"] == 2 and as_json["backend"] == "local" and as_json["pool_id"] == POOL
 
-    ran = cli("exec", "--", "echo", "hi; echo err >&2; exit 7", env=pool_up)
+    ran = cli("exec", "--", "echo hi; echo err >&2; exit 7", env=pool_up)  # one word: a command line
     assert ran.returncode == 7, ran.stderr  # the command's own exit status
     assert ran.stdout == "hi\n" and ran.stderr == "err\n"
     search = cli("exec", "--tool", "web_search", "--args", '{"query": "tar archive"}', env=pool_up)

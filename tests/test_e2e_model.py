@@ -114,8 +114,8 @@ def test_process_mode_with_the_real_model(model_url: str, tokenizer: object, tmp
                     ran_calls += 1
                     done = re.search(r"wrote \d+ bytes to (\S+)", result)
                     if call.name == "write_file" and done:  # the host names the file it wrote
-                        # file tools resolve paths inside the workspace as if it were "/"
-                        inside = posixpath.normpath("/" + done.group(1)).lstrip("/")
+                        # the path as bash in the slot sees it: under /workspace
+                        inside = posixpath.relpath(posixpath.normpath(done.group(1)), "/workspace")
                         written[inside] = str(call.arguments.get("content", ""))
                     elif call.name not in ("read_file", "list_dir", "stat"):
                         written.clear()  # bash or an edit may have changed any file since

@@ -111,3 +111,37 @@ async def test_dropping_equal_groups_when_asked_is_reported(tokenizer_dir: str, 
     env.print_summary()
     assert env.stats["groups_dropped_same_scores"] == 1
     assert "1 group(s) dropped" in capsys.readouterr().out
+
+
+async def test_the_verifier_check_shows_reference_1_and_stub_0(tokenizer_dir: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    env = _env(CodingEnv, tokenizer_dir, slots_per_host=12)
+    try:
+        results = await env.check_verifier()
+    finally:
+        await env.shutdown_sandbox()
+    assert [r.family for r in results] == [t["name"] for t in TASKS]
+    assert all(r.reference_score == 1.0 and r.stub_score == 0.0 for r in results), results
+    assert all(r.reference_saw and r.stub_saw for r in results)  # what the verifier reported, per run
+    out = capsys.readouterr().out
+    assert "verifier check" in out and "all as expected" in out and "reference 1.000  stub 0.000" in out
+
+
+class YesManEnv(CodingEnv):
+    """A broken verifier: every run passes."""
+
+    async def verify_and_score_trajectory(self, item: Any, final_response: str, *, trajectory_id: str,
+                                          exec_tool: Any, lease: Any,
+                                          agent_result: Any) -> tuple[float, dict[str, Any]]:
+        return 1.0, {}
+
+
+async def test_a_verifier_that_cannot_say_no_is_flagged(tokenizer_dir: str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    env = _env(YesManEnv, tokenizer_dir, slots_per_host=12)
+    try:
+        results = await env.check_verifier()
+    finally:
+        await env.shutdown_sandbox()
+    assert all(r.stub_score == 1.0 and not r.ok for r in results)
+    assert "NOT AS EXPECTED for add" in capsys.readouterr().out

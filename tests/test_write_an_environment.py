@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,7 @@ def test_the_doc_has_the_blocks_a_newcomer_needs() -> None:
     assert all(lang in ("python", "bash") for lang, _, _ in found)
 
 
+@pytest.mark.timeout(1800)  # a whole newcomer's session: three modes end to end, on a shared machine
 def test_every_block_of_the_doc_runs(tmp_path: Path) -> None:
     from atropos.agent.model import default_gguf_path
 
@@ -66,11 +68,13 @@ def test_every_block_of_the_doc_runs(tmp_path: Path) -> None:
             if info.startswith("file="):
                 (tmp_path / info.removeprefix("file=")).write_text(ported(body))
             elif lang == "bash" and info != "skip":
+                t0 = time.monotonic()
                 proc = subprocess.run(["bash", "-euo", "pipefail", "-c", ported(body)], cwd=tmp_path, env=env,
                                       capture_output=True, text=True, timeout=900)
                 assert proc.returncode == 0, f"block failed:\n{body}\n--- stdout\n{proc.stdout[-3000:]}\n" \
                                              f"--- stderr\n{proc.stderr[-5000:]}"
                 outputs.append(proc.stdout)
+                print(f"{time.monotonic() - t0:6.1f}s  {body.splitlines()[0]}")
     finally:
         for pid_file in tmp_path.glob("*.pid"):
             try:
@@ -82,11 +86,15 @@ def test_every_block_of_the_doc_runs(tmp_path: Path) -> None:
     assert "2 passed" in out
     # section 4: process mode scored every rollout with the reference solution (fake server)
     assert "[atropos-sandbox] rollouts: 4" in out and "mean score: 1.000" in out
+    assert "all as expected" in out and "lines  reference 1.000  stub 0.000" in out  # the verifier check
     groups = [json.loads(line) for line in (tmp_path / "runs" / "lines.jsonl").read_text().splitlines()]
     assert [g["scores"] for g in groups] == [[1.0, 1.0], [1.0, 1.0]]
     # section 5: the trainer took two batches of two groups each
     trainer = (tmp_path / "trainer.log").read_text()
     assert "step 0: 2 groups, scores [1.0, 1.0, 1.0, 1.0]" in trainer and "step 1: 2 groups" in trainer
+    # the env stopped by `kill` (SIGTERM) stopped its pool and printed its summary
+    serve_log = (tmp_path / "serve.log").read_text()
+    assert "[atropos-sandbox] pool: backend local" in serve_log and "mean score: 1.000" in serve_log, serve_log[-3000:]
     # section 6: evaluate printed and saved its metrics
     assert "eval/n=2" in out and "eval/mean_score=1.000" in out
     metrics = json.loads((tmp_path / "runs" / "eval" / "metrics.json").read_text())["results"]["all"]

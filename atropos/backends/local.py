@@ -22,6 +22,7 @@ from atropos.sandbox.sandbox_process import kill_processes_naming
 from atropos.sandbox.workspace import remove_tree
 
 log = logging.getLogger(__name__)
+KEPT_HOST_LOGS = 20  # logs of hosts of ended runs kept under the pool's data root (the newest)
 
 
 class LocalBackendConfig(BaseModel):
@@ -158,14 +159,22 @@ class LocalBackend(Backend):
         if not self.root.exists():
             return 0
         reaped = 0
+        old_logs: list[Path] = []
         for entry in self.root.iterdir():
-            parts = entry.name.split("-")
+            parts = entry.name.removesuffix(".log").split("-")
             if len(parts) < 3 or not parts[-2].isdigit() or entry.name in self._dirs:
                 continue
             if int(parts[-2]) != os.getpid() and not pid_alive(int(parts[-2])):
+                if entry.suffix == ".log" and not entry.is_dir():
+                    old_logs.append(entry)  # why the last run's host died is read after the next start
+                    continue
                 await asyncio.to_thread(kill_processes_naming, entry)
                 await asyncio.to_thread(remove_tree, entry)
                 reaped += 1
+        old_logs.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+        for stale in old_logs[KEPT_HOST_LOGS:]:
+            stale.unlink(missing_ok=True)
+            reaped += 1
         return reaped
 
     async def close(self) -> None:

@@ -30,10 +30,12 @@ import asyncio
 import functools
 import logging
 import os
+import signal
 import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, ScoredDataGroup
@@ -55,6 +57,13 @@ from atropos.agent.tokens import IGNORE, count_prompt_tokens, template_wraps_too
 from atropos.backends.base import Backend
 from atropos.backends.config import BackendSettings
 from atropos.envs.config import AgentEnvConfig, backend_settings, default_server_configs, wandb_requested
+from atropos.envs.verifier_check import (
+    VerifierCheck,
+    VerifierCheckResult,
+    append_to_html,
+    run_checks,
+    summary_lines,
+)
 from atropos.errors import AtroposSandboxError, ConfigError, InfrastructureError, exit_code
 from atropos.progress import GroupProgress
 from atropos.slots.config import PoolConfig
@@ -117,6 +126,7 @@ class AgentEnv(BaseEnv):
         self._lost_in_a_row = 0
         self._grammars: dict[bool, str] = {}  # turn_grammar's two grammars, by allow_answer
         self.progress = GroupProgress()  # one stderr line per scored group (long runs show they move)
+        self.verifier_results: list[VerifierCheckResult] = []
 
     def _decide_token_source(self) -> bool:
         source = self.config.token_source
@@ -140,6 +150,8 @@ class AgentEnv(BaseEnv):
 
     @classmethod
     def cli(cls) -> None:
+        """``python your_env.py process|serve|evaluate [--env.* --openai.*]``: BaseEnv's CLI, with
+        wandb off unless asked and SIGTERM stopping the run as Ctrl-C does (pool down, summary)."""
         # process and evaluate force use_wandb=True; offline with no API key wandb.init then
         # crashes the run. Unless wandb was asked for, make it a no-op (an explicit WANDB_MODE wins).
         try:
@@ -148,6 +160,20 @@ class AgentEnv(BaseEnv):
             default = False  # BaseEnv.cli calls config_init again and reports the error
         if not wandb_requested(sys.argv[1:], default):
             os.environ.setdefault("WANDB_MODE", "disabled")
+            if sys.argv[1:2] in (["process"], ["evaluate"]) and "--env.use_wandb" not in sys.argv:
+                # those commands force use_wandb=True over config_init (the config they print said
+                # True while the env had said False): say what the run really does
+                sys.argv += ["--env.use_wandb", "false"]
+        if "-h" in sys.argv[1:] or "--help" in sys.argv[1:]:
+            cls.print_defaults()
+        stopped: list[int] = []
+
+        def on_sigterm(signum: int, _frame: Any) -> None:
+            # as Ctrl-C: asyncio.run cancels the run, whose finally stops the pool and prints the summary
+            stopped.append(signum)
+            signal.raise_signal(signal.SIGINT)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
         try:
             super().cli()
         except AtroposSandboxError as exc:
@@ -155,6 +181,26 @@ class AgentEnv(BaseEnv):
             # tracebacks of the HTTP client under it; a bug (any other exception) keeps its traceback
             print(f"error: {exc}", file=sys.stderr, flush=True)
             sys.exit(exit_code(exc))
+        except KeyboardInterrupt:
+            name = "SIGTERM" if stopped else "interrupt"
+            print(f"[atropos-sandbox] stopped by {name}; the sandbox pool is down", file=sys.stderr, flush=True)
+            sys.exit(128 + (signal.SIGTERM if stopped else signal.SIGINT))
+
+    @classmethod
+    def print_defaults(cls) -> None:
+        """What this env's ``config_init`` sets: ``--help`` below lists atroposlib's class defaults,
+        not these, and these are what a run uses unless a flag or ``--config`` overrides them."""
+        try:
+            cfg, servers = cls.config_init()
+        except Exception as exc:  # the help must still print
+            print(f"[atropos-sandbox] config_init failed ({type(exc).__name__}: {exc})", flush=True)
+            return
+        lines = [f"  --env.{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                 for k, v in cfg.model_dump(exclude_defaults=True, mode="json").items()]
+        if isinstance(servers, list) and servers:
+            lines += [f"  --openai.{k} {getattr(servers[0], k)}" for k in ("base_url", "model_name", "server_type")]
+        print(f"[atropos-sandbox] {cls.__name__} sets (the defaults shown by --help below are atroposlib's):\n"
+              + "\n".join(lines) + "\n", flush=True)
 
     # -- hooks for subclasses --------------------------------------------------------------
     def build_task(self, item: Any) -> str:
@@ -177,6 +223,7 @@ class AgentEnv(BaseEnv):
         return {}
 
     def has_group_setup(self) -> bool:
+        """Whether the subclass overrides ``setup_group_workspace`` (then groups fork a template)."""
         return type(self).setup_group_workspace is not AgentEnv.setup_group_workspace
 
     async def setup_trajectory_workspace(self, item: Any, *, trajectory_id: str, exec_tool: ExecTool,
@@ -205,10 +252,31 @@ class AgentEnv(BaseEnv):
 
     # -- lifecycle -------------------------------------------------------------------------
     async def setup(self) -> None:
+        """BaseEnv's hook: start the slot pool, then ``setup_agent_env``. Call it first when overriding."""
         await self.setup_sandbox()
         await self.setup_agent_env()
+        if self._process_mode and self.config.verifier_check:
+            await self.check_verifier()
+
+    def verifier_checks(self) -> list[VerifierCheck]:
+        """One item per task family with its reference solution (a scripted policy, see
+        ``atropos.testing``): a process run first shows the verifier scoring each reference 1 and
+        each untouched starting state 0, in a slot. Default: none (no check)."""
+        return []
+
+    async def check_verifier(self) -> list[VerifierCheckResult]:
+        """Run ``verifier_checks()`` now (reference and stub of each, in slots) and print the table."""
+        checks = self.verifier_checks()
+        if not checks:
+            return []
+        await self.setup_sandbox()
+        self.verifier_results = await run_checks(self, checks)
+        for line in summary_lines(self.verifier_results):
+            print(f"[atropos-sandbox] {line}", flush=True)
+        return self.verifier_results
 
     async def setup_sandbox(self) -> None:
+        """Start the slot pool and the tool executor (once; later calls do nothing)."""
         if self.pool is not None:
             return
         c = self.config
@@ -246,6 +314,7 @@ class AgentEnv(BaseEnv):
                        f"env-{self.config.wandb_name or type(self).__name__}")[:60]
 
     async def shutdown_sandbox(self) -> None:
+        """Stop the executor and the pool (every sandbox host goes). Safe to call twice."""
         if self.executor is not None:
             await self.executor.close()
             self.executor = None
@@ -254,6 +323,7 @@ class AgentEnv(BaseEnv):
             self.pool = None
 
     async def process_manager(self) -> Any:
+        """``process`` mode: BaseEnv's loop, then the pool is stopped and the summary printed."""
         self._process_mode = True
         try:
             return await super().process_manager()
@@ -261,12 +331,18 @@ class AgentEnv(BaseEnv):
             status = self.pool.status() if self.pool is not None else None
             await self.shutdown_sandbox()
             self.print_summary(status)
+            path = getattr(self.config, "data_path_to_save_groups", None)
+            if path:
+                append_to_html(Path(str(path).rsplit(".", 1)[0] + ".html"), self.verifier_results)
 
     async def env_manager(self) -> Any:
+        """``serve`` mode: BaseEnv's loop, then the pool is stopped and the summary printed."""
         try:
             return await super().env_manager()
         finally:
+            status = self.pool.status() if self.pool is not None else None
             await self.shutdown_sandbox()
+            self.print_summary(status)
 
     async def _run_evaluate(self) -> None:
         # BaseEnv's `evaluate` command runs setup() + evaluate() and returns: nothing stops the pool.
@@ -276,6 +352,7 @@ class AgentEnv(BaseEnv):
             await self.shutdown_sandbox()
 
     def print_summary(self, status: PoolStatus | None = None) -> None:
+        """The run's ``[atropos-sandbox]`` lines: pool, rollouts, mean score, dropped groups, files."""
         s = self.stats
         rollouts = int(s["rollouts"])
         mean = s["score_sum"] / rollouts if rollouts else 0.0
@@ -290,6 +367,8 @@ class AgentEnv(BaseEnv):
               f"mean score: {mean:.3f}  sandbox time per call: {per_call:.1f} ms  "
               f"infra retries: {int(s['infra_retries'])}  tokens: "
               f"{'ManagedServer' if self.managed_tokens else 'chat template'}", flush=True)
+        for line in summary_lines(self.verifier_results):
+            print(f"[atropos-sandbox] {line}", flush=True)
         if s["groups_dropped_same_scores"]:
             print(f"[atropos-sandbox] {int(s['groups_dropped_same_scores'])} group(s) dropped, not saved or sent: "
                   "all scores equal and ensure_scores_are_not_same=True", flush=True)
@@ -310,6 +389,7 @@ class AgentEnv(BaseEnv):
 
     # -- rollouts --------------------------------------------------------------------------
     def system_prompt(self) -> str:
+        """``system_preamble`` plus the tool schemas in Hermes format; override to change the prompt."""
         return hermes_system_prompt(self.tools.schemas(), self.system_preamble)
 
     async def chat(self, messages: list[dict[str, Any]], session: ManagedSession | None = None) -> ChatReply:
@@ -349,6 +429,8 @@ class AgentEnv(BaseEnv):
         return self._grammars[allow_answer]
 
     async def collect_trajectories(self, item: Any) -> tuple[ScoredDataGroup | None, list[Any]]:
+        """BaseEnv's hook: one group of ``group_size`` rollouts of ``item``, each in its own slot.
+        ``(None, [item])`` when infrastructure lost it (the item is retried, never scored 0)."""
         while True:
             group, backlog = await self._collect_group(item)
             if group is not None or not backlog:

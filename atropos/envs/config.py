@@ -35,6 +35,9 @@ ALIASES: dict[str, str] = {
 class AgentEnvConfig(BaseEnvConfig):
     # BaseEnvConfig's 2048 cannot hold a tool-using agent: the tool schemas alone take ~1-1.5k tokens.
     max_token_length: int = Field(4096, description="context budget of a trajectory (prompt + completions)")
+    verifier_check: bool = Field(True, description="process mode: first verify each task family's reference "
+                                                  "solution (must score 1) and starting stub (must score 0) "
+                                                  "in a slot, shown in the summary and the HTML report")
     # BaseEnvConfig's True drops every group whose scores are all equal, so a weak model's all-zero
     # groups vanish from the jsonl and the trainer without a trace; an agent env keeps them unless asked.
     ensure_scores_are_not_same: bool = Field(

@@ -130,8 +130,10 @@ PYTHON = "python3"
 def _bash_boot(go_fd: int, src_fd: int) -> str:
     return (f'IFS= read -r -n 1 -u {go_fd} __atropos_go || exit 0; '
             f'IFS= read -r -d "" -u {src_fd} __atropos_cmd; exec {go_fd}<&- {src_fd}<&-; '
-            'eval "unset __atropos_go; BASH_EXECUTION_STRING=\\$__atropos_cmd; unset __atropos_cmd; '
-            ': \\"\\$0\\"; $__atropos_cmd"')
+            # the source runs from BASH_EXECUTION_STRING (as in `bash -c`): a syntax error in it
+            # quotes its own line, never this bootstrap
+            'unset __atropos_go; BASH_EXECUTION_STRING=$__atropos_cmd; unset __atropos_cmd; '
+            ': "$0"; eval "$BASH_EXECUTION_STRING"')
 
 
 def _python_boot(go_fd: int, src_fd: int) -> str:

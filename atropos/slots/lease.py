@@ -21,6 +21,7 @@ from atropos.sandbox.protocol import (
     VerifyRequest,
     VerifyResult,
 )
+from atropos.slots.results import BashResult, WriteResult
 
 if TYPE_CHECKING:
     from atropos.slots.pool import SlotPool
@@ -122,9 +123,11 @@ class Lease:
 
     @property
     def key(self) -> tuple[str, int]:
+        """``(host id, slot)``: the slot this lease holds."""
         return (self.host.id, self.slot)
 
     def check(self) -> None:
+        """Raise ``LeaseError`` if released, ``HostUnavailable`` if its host was lost."""
         if self.released:
             raise LeaseError(f"{self!r} was released")
         if self.lost is not None:
@@ -132,6 +135,7 @@ class Lease:
 
     def tool_call(self, tool: str, args: dict[str, Any] | None = None, *, timeout_s: float | None = None,
                   call_id: str | None = None) -> ToolCall:
+        """The wire form of a call on this lease (for batching through the host client yourself)."""
         return ToolCall(id=call_id or secrets.token_hex(6), slot=self.slot, lease=self.token, tool=tool,
                         args=args or {}, timeout_s=timeout_s, trajectory_id=self.trajectory_id)
 
@@ -159,8 +163,10 @@ class Lease:
             raise ToolError(f"{tool}: {result.error.code}: {result.error.message}")
         return result.result
 
-    async def bash(self, command: str, *, timeout_s: float | None = None) -> dict[str, Any]:
-        return await self.ok("bash", {"command": command}, timeout_s=timeout_s)
+    async def bash(self, command: str, *, timeout_s: float | None = None) -> BashResult:
+        """Run ``command`` with bash in the workspace (cwd ``/workspace``); a failing command is a
+        result with its ``exit_code``, arguments the tool refuses raise ``ToolError``."""
+        return BashResult.model_validate(await self.ok("bash", {"command": command}, timeout_s=timeout_s))
 
     async def python_session(self, code: str, *, restart: bool = False,
                              timeout_s: float | None = None) -> dict[str, Any]:
@@ -169,20 +175,28 @@ class Lease:
         return await self.ok("python_session", {"code": code, "restart": restart}, timeout_s=timeout_s)
 
     async def read_file(self, path: str) -> str:
+        """The text of a workspace file (``path`` relative to /workspace or under /workspace/);
+        ``ToolError`` when it is missing, binary, too large or outside the workspace."""
         return str((await self.ok("read_file", {"path": path}))["content"])
 
-    async def write_file(self, path: str, content: str) -> dict[str, Any]:
-        return await self.ok("write_file", {"path": path, "content": content})
+    async def write_file(self, path: str, content: str) -> WriteResult:
+        """Create or overwrite a workspace file (parents created); the result names the path
+        bash sees. ``ToolError`` for a path outside the workspace (``path_escape``)."""
+        return WriteResult.model_validate(await self.ok("write_file", {"path": path, "content": content}))
 
     async def read_bytes(self, path: str) -> bytes:
+        """The raw bytes of a workspace file (no text decoding, no base64 in between)."""
         self.check()
         return await self.host.guard(self.host.client.read_bytes(self.slot, self.token, path))
 
     async def write_bytes(self, path: str, data: bytes) -> dict[str, Any]:
+        """Write raw bytes to a workspace file; returns ``{"path", "bytes_written", "size"}``
+        (see ``WriteResult``)."""
         self.check()
         return await self.host.guard(self.host.client.write_bytes(self.slot, self.token, path, data))
 
     async def archive(self, path: str = ".") -> bytes:
+        """A tar.gz of a workspace directory (default: the whole workspace)."""
         self.check()
         return await self.host.guard(self.host.client.archive(self.slot, self.token, path))
 
@@ -247,6 +261,7 @@ class Lease:
         return result
 
     async def release(self) -> None:
+        """Give the slot back (its workspace is wiped before anyone else gets it); idempotent."""
         await self.pool.release(self)
 
     async def __aenter__(self) -> Lease:

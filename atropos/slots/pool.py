@@ -101,6 +101,8 @@ class SlotPool:
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        """Reap what crashed earlier pools left, start ``min_hosts`` hosts and the health and scaling
+        loops. Raises the first error only when no host could start."""
         reaped = await self.backend.reap_orphans()
         if reaped:
             log.info("reaped %d orphaned host(s) of earlier pools", reaped)
@@ -115,6 +117,7 @@ class SlotPool:
         self._spawn(self._scale_loop())
 
     async def stop(self) -> None:
+        """Stop every host and loop; leases still held become invalid. Safe to call twice."""
         self._running = False
         for task in list(self._tasks):
             task.cancel()
@@ -177,6 +180,7 @@ class SlotPool:
         await self.backend.stop_host(host.id)
 
     def declare_dead(self, host: PoolHost, reason: str) -> None:
+        """Take ``host`` out of service: its leases are lost (their calls raise HostUnavailable)."""
         if host.dead.is_set():
             return
         host.dead_reason = reason
@@ -194,7 +198,9 @@ class SlotPool:
         """A call saw a transport error: check the host now instead of at the next health tick,
         and lease nothing more from it until a probe passes (a killed host's other free slots
         would otherwise be handed out in the moment before its death is confirmed)."""
-        if not host.dead.is_set():
+        # once stopped, nothing may start: a probe through a closed client would fail with an
+        # exception no one retrieves ("Task exception was never retrieved" at a normal end)
+        if not host.dead.is_set() and self._running:
             host.suspected = True
             self._spawn(self._check_host(host, urgent=True))
 
@@ -283,6 +289,7 @@ class SlotPool:
         return None if per_host is None else per_host * self.cfg.max_hosts
 
     def free_count(self) -> int:
+        """Slots that could be leased right now, on hosts that take leases."""
         return sum(len(h.free) for h in self.hosts.values() if h.leasable)
 
     def _take(self, trajectory_id: str, network: bool, host: PoolHost | None = None) -> Lease:
@@ -468,6 +475,8 @@ class SlotPool:
     @contextlib.asynccontextmanager
     async def leased(self, trajectory_id: str, timeout: float | None = None, *,
                      network: bool = False, template: PoolTemplate | None = None) -> AsyncIterator[Lease]:
+        """``async with pool.leased(tid) as lease:``: ``lease`` for the block, released after it
+        (also on error or cancellation)."""
         lease = await self.lease(trajectory_id, timeout, network=network, template=template)
         try:
             yield lease
@@ -565,12 +574,14 @@ class SlotPool:
 
     # -- status ----------------------------------------------------------------------------
     def count_call(self, n: int = 1) -> None:
+        """Count ``n`` tool calls for ``status()`` (the calls/s rate and the total)."""
         self._calls_total += n
         now = time.monotonic()
         for _ in range(min(n, 100)):
             self._call_times.append(now)
 
     def status(self) -> PoolStatus:
+        """A snapshot: hosts, free/leased slots, lease ages, calls, scaling and quarantine counts."""
         now = time.monotonic()
         hosts = []
         for h in self.hosts.values():

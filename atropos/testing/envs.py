@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from atroposlib.envs.base import ScoredDataGroup
 
-from atropos.envs.agent_env import AgentEnv
 from atropos.testing.scripted import Policy, scripted_server, server_configs
+
+if TYPE_CHECKING:  # agent_env imports this package (its verifier check): no import cycle at run time
+    from atropos.envs.agent_env import AgentEnv
 
 __all__ = ["make_env", "run_group"]
 
-E = TypeVar("E", bound=AgentEnv)
+E = TypeVar("E", bound="AgentEnv")
 
 
 def make_env(env_cls: type[E], policy: Policy, **config: Any) -> E:

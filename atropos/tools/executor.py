@@ -270,9 +270,11 @@ class ToolExecutor:
         return len(self._leases) + len(self._leasing)
 
     def lease_of(self, trajectory_id: str) -> Lease | None:
+        """The lease bound to (or taken for) the trajectory, if any."""
         return self._leases.get(trajectory_id)
 
     async def lease_for(self, trajectory_id: str) -> Lease:
+        """The trajectory's lease, taken from the pool on first use (concurrent first calls share it)."""
         lease = self._leases.get(trajectory_id)
         if lease is not None:
             return lease
@@ -301,11 +303,14 @@ class ToolExecutor:
 
     # -- calls -----------------------------------------------------------------------------
     def clamp(self, requested: float | None) -> float:
+        """The timeout a call gets: the default when none is asked, else within [min, max]."""
         if requested is None:
             return self.cfg.default_timeout_s
         return min(max(requested, self.cfg.min_timeout_s), self.cfg.max_timeout_s)
 
     async def execute(self, trajectory_id: str, call: AgentToolCall, *, timeout_s: float | None = None) -> ToolOutcome:
+        """Run one call in the trajectory's slot (or on the ToolServer for external tools); a tool
+        failure is an outcome with ``ok=False`` for the model, infrastructure failures raise."""
         return (await self.execute_many(trajectory_id, [call], timeout_s=timeout_s))[0]
 
     async def execute_many(self, trajectory_id: str, calls: Sequence[AgentToolCall], *,
@@ -389,6 +394,7 @@ class ToolExecutor:
                            content=str(body.get("content", "")), raw=body.get("raw"))
 
     async def close(self) -> None:
+        """Stop the batching tasks and close the ToolServer client; leases stay with their owners."""
         tasks = [task for queue in self._queues.values() for task in queue.close()]
         await asyncio.gather(*tasks, return_exceptions=True)
         self._queues.clear()

@@ -11,8 +11,10 @@ import random
 from typing import Any
 
 from atropos.envs.agent_env import AgentEnv, AgentEnvConfig, ExecTool
+from atropos.envs.examples.coding_reference import reference_policy
 from atropos.envs.examples.common import server_configs, tokenizer_dir
 from atropos.envs.examples.hidden_tests import verify
+from atropos.envs.verifier_check import VerifierCheck
 from atropos.slots.lease import Lease
 
 __all__ = ["TASKS", "CodingEnv", "verify", "visible_test"]
@@ -92,6 +94,9 @@ class CodingEnv(AgentEnv):
 
     async def score_trajectory(self, item: dict[str, Any], final_response: str) -> float:
         raise NotImplementedError("scored in the slot by verify_and_score_trajectory")
+
+    def verifier_checks(self) -> list[VerifierCheck]:
+        return [VerifierCheck(task["name"], task, reference_policy(task["name"])) for task in TASKS]
 
 
 if __name__ == "__main__":
