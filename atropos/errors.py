@@ -50,7 +50,16 @@ class ResetFailed(InfrastructureError):
 
 
 class ToolError(AtroposSandboxError):
-    """A tool call the model made cannot run as asked; the message is shown to the model."""
+    """A tool call the model made cannot run as asked; the message is shown to the model.
+
+    ``code`` is the host's stable error code (``not_found``, ``too_large``, ``path_escape``, ...) and
+    ``status`` the HTTP status it maps to, so a caller (the ToolServer's REST routes) answers by
+    code, never by searching the message."""
+
+    def __init__(self, message: str = "", *, code: str = "tool_error", status: int = 400) -> None:
+        super().__init__(message)
+        self.code = code
+        self.status = status
 
 
 class ToolInputError(ToolError):

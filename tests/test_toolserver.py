@@ -79,6 +79,12 @@ async def test_raw_http_client_drives_a_slot_from_lease_to_release(server: str) 
             assert tar.extractfile("a.txt").read() == b"hi\n"  # type: ignore[union-attr]
         missing = await http.get(f"/v1/slots/{lid}/files", params={"path": "nope"})
         assert missing.status_code == 404
+        # the status follows the host's error code, never words in the message (a refused path that
+        # merely names "not_found" or "too_large" is a 400, not a 404 or 413)
+        for name in ("/etc/not_found", "../too_large"):
+            refused = await http.get(f"/v1/slots/{lid}/files", params={"path": name})
+            assert refused.status_code == 400, (name, refused.text)
+            assert "path_escape" in refused.json()["error"]["message"]
         assert (await http.delete(f"/v1/slots/{lid}")).json() == {"released": True}
         after = await http.post(f"/v1/slots/{lid}/call", json={"tool": "bash", "args": {"command": "true"}})
         assert after.status_code == 404 and after.json()["error"]["code"] == "unknown_lease"

@@ -30,7 +30,7 @@ from atropos import __version__, metrics
 from atropos.api.disconnect import ClientGone, unless_disconnected
 from atropos.api.openapi import complete_openapi
 from atropos.asgi import ASGIApp, Receive, RequestGuard, Send, http_error, install_error_handlers
-from atropos.errors import InfrastructureError, LeaseError, SlotUnavailable, ToolError
+from atropos.errors import AtroposSandboxError, InfrastructureError, LeaseError, SlotUnavailable, ToolError
 from atropos.fastroute import BadBody, Disconnected, read_model, send_error, send_json
 from atropos.logs import call_fields
 from atropos.sandbox.protocol import MAX_VERIFY_PROGRAM, SealResult, VerifyResult
@@ -333,10 +333,11 @@ def create_tool_server(
             raise _error(409, "lease_invalid", str(exc)) from None
         except InfrastructureError:
             raise
-        except Exception as exc:  # ToolInputError from the host: not found, too large, ...
-            message = str(exc)
-            status = 404 if "not_found" in message else 413 if "too_large" in message else 400
-            raise _error(status, "file_error", message) from None
+        except ToolError as exc:  # from the host: not found, too large, path escape, ... (by code)
+            status = exc.status if exc.status in (404, 413) else 400
+            raise _error(status, "file_error", str(exc)) from None
+        except AtroposSandboxError as exc:  # anything else the host refused (a template error, ...)
+            raise _error(400, "file_error", str(exc)) from None
 
     @app.get("/v1/slots/{lease_id}/files", dependencies=deps, response_class=Response,
              responses={200: {"content": {"application/octet-stream": {}}}})

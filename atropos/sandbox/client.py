@@ -254,7 +254,7 @@ def _raise_for(status: int, body: bytes, where: str) -> NoReturn:
     if code == "workspace_failed":
         raise WorkspaceError(f"{where}: {message}")
     if code == "path_escape":
-        raise PathEscapeError(f"HTTP {status} {code}: {message}")
+        raise PathEscapeError(f"HTTP {status} {code}: {message}", code=code, status=status)
     if status >= 500:
         raise HostUnavailable(f"{where}: HTTP {status}: {message}")
-    raise ToolInputError(f"HTTP {status} {code}: {message}")
+    raise ToolInputError(f"HTTP {status} {code}: {message}", code=code or "tool_error", status=status)
