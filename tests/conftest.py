@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -19,6 +20,22 @@ from atropos.sandbox.protocol import CallResult, LeaseInfo, ToolCall
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir() -> str:
+    from atropos.agent.model import default_gguf_path, ensure_tokenizer_dir
+
+    if not default_gguf_path().exists():
+        pytest.skip("the model file is missing: run `python3 scripts/model_server.py ensure --model-only`")
+    return str(ensure_tokenizer_dir())
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for servers a test starts itself)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 # above RLIMIT_FSIZE (1 GiB), so the largest-file test meets that limit before the cap

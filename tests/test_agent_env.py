@@ -55,15 +55,6 @@ def mode(name: str) -> type:
     return type(f"Policy_{name}", (CodingPolicy,), {"mode": name})
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir() -> str:
-    from atropos.agent.model import default_gguf_path, ensure_tokenizer_dir
-
-    if not default_gguf_path().exists():
-        pytest.skip("the model file is missing: run `python3 scripts/model_server.py ensure --model-only`")
-    return str(ensure_tokenizer_dir())
-
-
 def check_chat_template_tokens(env: CodingEnv, group: Any) -> None:
     tok = env.tokenizer
     for tokens, masks, messages in zip(group["tokens"], group["masks"], group["messages"], strict=True):

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import free_port
 
 from atropos import cli as cli_module
 from atropos.cli import EXIT_INFRA, EXIT_USAGE, ServeSettings, load_settings, parser
@@ -30,12 +31,6 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> 
     base = {k: v for k, v in os.environ.items() if not k.startswith("ATROPOS_SANDBOX_")}
     return subprocess.run([sys.executable, "-m", "atropos.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**base, **(env or {})})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

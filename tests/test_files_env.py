@@ -48,15 +48,6 @@ def make_env(tokenizer_dir: str, wrong: bool, eval_dir: Path | None = None) -> F
     return env
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir() -> str:
-    from atropos.agent.model import default_gguf_path, ensure_tokenizer_dir
-
-    if not default_gguf_path().exists():
-        pytest.skip("the model file is missing: run `python3 scripts/model_server.py ensure --model-only`")
-    return str(ensure_tokenizer_dir())
-
-
 @pytest.mark.parametrize("kind", ["count_lines", "sum_numbers", "rename_logs"])
 async def test_checker_rewards_the_state_not_the_claim(tokenizer_dir: str, kind: str) -> None:
     item = make_task(kind, random.Random(3))

@@ -69,15 +69,6 @@ def test_normalized_match_and_final_answer_extraction() -> None:
     assert extract_final_answer("just 7") == "just 7"
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir() -> str:
-    from atropos.agent.model import default_gguf_path, ensure_tokenizer_dir
-
-    if not default_gguf_path().exists():
-        pytest.skip("the model file is missing: run `python3 scripts/model_server.py ensure --model-only`")
-    return str(ensure_tokenizer_dir())
-
-
 async def test_attachments_and_web_search_score_in_the_slot(tokenizer_dir: str) -> None:
     cfg = GaiaEnvConfig(tokenizer_name=tokenizer_dir, group_size=1, use_wandb=False, wandb_name="g",
                         slots_per_host=4, max_hosts=1, agent_max_steps=4, tool_server_url="inprocess",
