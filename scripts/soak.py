@@ -91,7 +91,7 @@ def percentile(values: list[float], q: float) -> float:
 class Reservoir:
     """A uniform sample of at most ``size`` values (percentiles of a run of any length, bounded)."""
 
-    def __init__(self, size: int = 50_000, seed: int = 0) -> None:
+    def __init__(self, size: int = 10_000, seed: int = 0) -> None:
         self.size, self.seen = size, 0
         self.values: list[float] = []
         self._rng = random.Random(seed)
