@@ -136,6 +136,7 @@ async def test_c02_socket_and_fifo_in_workspace_archive_skips_and_reports_them(s
 # =====================================================================================================
 # Row 3: a 10,000-deep tree: archive, snapshot, trash, pool shutdown, uncapped trash
 # =====================================================================================================
+@pytest.mark.timeout(900)  # 10,000 directories made, copied and removed on a shared, loaded disk
 async def test_c03_deep_tree_archive_and_snapshot(slot: LeasedSlot, host: RunningHost) -> None:
     before = await sandbox_id(slot)
     assert (await slot.ok("python", code=MAKE_DEEP, timeout_s=300))["stdout"] == "built\n"
@@ -213,6 +214,7 @@ def uncapped_host() -> Any:
     stop_host(running)
 
 
+@pytest.mark.timeout(900)  # 10,000 directories made, copied and removed on a shared, loaded disk
 async def test_c03_uncapped_host_empties_its_trash_of_a_deep_tree(uncapped_host: RunningHost) -> None:
     async with uncapped_host.client() as client:
         lease = await client.lease("deep-uncapped")
@@ -225,6 +227,7 @@ async def test_c03_uncapped_host_empties_its_trash_of_a_deep_tree(uncapped_host:
     assert await wait_until(lambda: not any(trash.iterdir()), 300), f"trash not emptied: {list(trash.iterdir())}"
 
 
+@pytest.mark.timeout(900)  # 10,000 directories made, copied and removed on a shared, loaded disk
 async def test_c03_pool_shutdown_removes_a_data_dir_holding_a_deep_tree() -> None:
     backend = make_backend("local", slots=1)
     backend.cfg.slot_workspace_bytes = 0  # type: ignore[attr-defined]  # the tree on the data dir's disk
