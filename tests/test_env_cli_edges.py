@@ -25,15 +25,6 @@ from atropos.testing import FakeChatServer
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir() -> str:
-    from atropos.agent.model import default_gguf_path, ensure_tokenizer_dir
-
-    if not default_gguf_path().exists():
-        pytest.skip("the model file is missing: run `python3 scripts/model_server.py ensure --model-only`")
-    return str(ensure_tokenizer_dir())
-
-
 def _env(tokenizer_dir: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB", "ATROPOS_MODEL_"))}
     env.update(HF_HUB_OFFLINE="1", ATROPOS_TOKENIZER_DIR=tokenizer_dir, PYTHONPATH=str(REPO))

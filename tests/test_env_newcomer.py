@@ -18,15 +18,6 @@ from atropos.testing import server_configs
 from tests.scripted_env import CodingPolicy
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir() -> str:
-    from atropos.agent.model import default_gguf_path, ensure_tokenizer_dir
-
-    if not default_gguf_path().exists():
-        pytest.skip("the model file is missing: run `python3 scripts/model_server.py ensure --model-only`")
-    return str(ensure_tokenizer_dir())
-
-
 def _env(env_cls: type[CodingEnv], tokenizer_dir: str, policy: type = CodingPolicy, **overrides: Any) -> CodingEnv:
     fields: dict[str, Any] = dict(tokenizer_name=tokenizer_dir, group_size=2, use_wandb=False, wandb_name="t",
                                   slots_per_host=4, max_hosts=1, agent_max_steps=4,

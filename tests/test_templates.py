@@ -557,11 +557,10 @@ async def test_group_of_8_forked_from_a_prepared_git_repo_across_two_hosts(tmp_p
 async def test_agent_env_group_setup_runs_once_and_every_rollout_gets_a_fork(tmp_path: Path) -> None:
     pytest.importorskip("atroposlib")
     from atroposlib.envs.base import APIServerConfig
-    from atroposlib.envs.server_handling.server_baseline import APIServer
-    from openai.types.chat import ChatCompletion
 
     from atropos.agent.model import default_gguf_path, ensure_tokenizer_dir
     from atropos.envs.agent_env import AgentEnv, AgentEnvConfig
+    from atropos.testing import by_turn, scripted_server, tool_call
 
     if not default_gguf_path().exists():
         pytest.skip("the model file is missing: run `python3 scripts/model_server.py ensure --model-only`")
@@ -571,29 +570,10 @@ async def test_agent_env_group_setup_runs_once_and_every_rollout_gets_a_fork(tmp
     subprocess.run(["git", "-C", str(repo), "bundle", "create", "-q", str(bundle), "--all"], check=True)
     item = {"bundle": bundle.read_bytes(), "head": head}
 
-    def completion(text: str) -> ChatCompletion:
-        return ChatCompletion.model_validate({
-            "id": "s", "object": "chat.completion", "created": int(time.time()), "model": "s",
-            "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}]})
-
     commit = ("cd repo && cat ../trajectory > mine && git add mine && "
               "git -c user.email=a@b -c user.name=a commit -qm mine && git log --oneline | wc -l")
 
-    class Policy(APIServer):
-        async def check_server_status_task(self, chat_completion: bool = True) -> None:
-            self.server_healthy = True
-
-        async def _completion_wrapper(self, **kwargs: Any) -> Any:
-            raise NotImplementedError
-
-        async def _tokens_and_logprobs_completion_wrapper(self, **kwargs: Any) -> Any:
-            raise NotImplementedError
-
-        async def _chat_completion_wrapper(self, **kwargs: Any) -> ChatCompletion:
-            if not any(m["role"] == "assistant" for m in kwargs["messages"]):
-                call = {"name": "bash", "arguments": {"command": commit}}
-                return completion("<tool_call>\n" + json.dumps(call) + "\n</tool_call>")
-            return completion("Committed.")
+    Policy = scripted_server(by_turn(tool_call("bash", command=commit), "Committed."))
 
     class GitRepoEnv(AgentEnv):
         server_cls = Policy

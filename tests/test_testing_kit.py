@@ -23,15 +23,6 @@ HONEST = by_turn(tool_call("write_file", path="/workspace/solution.py", content=
                  tool_call("bash", command="python3 test_visible.py"), "Done.")
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir() -> str:
-    from atropos.agent.model import default_gguf_path, ensure_tokenizer_dir
-
-    if not default_gguf_path().exists():
-        pytest.skip("the model file is missing: run `python3 scripts/model_server.py ensure --model-only`")
-    return str(ensure_tokenizer_dir())
-
-
 def test_by_turn_replies_per_assistant_turn() -> None:
     policy = by_turn("a", "b")
     assert policy([{"role": "user", "content": "x"}]) == "a"
