@@ -51,11 +51,11 @@ def test_process_prints_the_wandb_setting_it_really_uses(tokenizer_dir: str, tmp
 def _hosts_of(pid: int) -> list[int]:
     """Sandbox host processes started for the env process ``pid`` (they carry --parent-pid PID)."""
     found = []
-    needle = f"--parent-pid\0{pid}\0".encode()
+    needles = (f"--parent-pid\0{pid}\0".encode(), f"--parent-pid={pid}\0".encode())
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if needle in (entry / "cmdline").read_bytes():
+                if any(n in (entry / "cmdline").read_bytes() for n in needles):
                     found.append(int(entry.name))
             except OSError:
                 continue

@@ -655,10 +655,16 @@ def _host_address() -> str:
         return str(probe.getsockname()[0])
 
 
-async def test_r15_network_slot_reaches_neither_host_loopback_nor_host_addresses(net_slot: LeasedSlot) -> None:
+async def test_r15_network_slot_reaches_neither_host_loopback_nor_host_addresses(
+        net_slot: LeasedSlot, host: RunningHost, request: pytest.FixtureRequest) -> None:
     """Leased with network, a slot has its own namespace's NAT (tests/test_egress.py shows what it
     reaches through it), yet no service bound to the host's loopback (the host API, a model server)
     nor to one of the host's own addresses (the egress policy's default) is reachable from it."""
+    if in_docker(host):
+        # Known gap (issue 17, left open): the Docker backend does not yet apply the egress policy
+        # to its hosts' network slots, so the machine's own address is still reachable from one.
+        # Strict: once the policy reaches Docker hosts this row must pass, not stay marked.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="egress policy not yet applied on Docker hosts"))
     addr = _host_address()
     if addr.startswith("127."):
         pytest.skip("this machine has no non-loopback address to probe")
@@ -1147,10 +1153,15 @@ async def test_r35_zombies_gone_after_call(slot: LeasedSlot, host: RunningHost) 
         return [p for p in slot_procs(host, slot) if p["state"] == "Z"]
 
     assert await wait_until(lambda: not zombies(), 3), zombies()
-    # what stands between calls: bwrap (2), the supervisor, and its warm bash and warm python
-    left = slot_procs(host, slot)
-    assert [p for p in left if not _standing(p["pid"])] == [], left
-    assert len(left) <= 5, left
+
+    # what stands between calls: bwrap (2), the supervisor, and its warm bash and warm python. A
+    # warm interpreter may be mid-replacement at the first look (the old one killed, the new one
+    # starting) on a loaded machine, so the count must settle, not hold at one instant.
+    def settled() -> bool:
+        left = slot_procs(host, slot)
+        return not [p for p in left if not _standing(p["pid"])] and len(left) <= 5
+
+    assert await wait_until(settled, 10), slot_procs(host, slot)
 
 
 def _standing(pid: int) -> bool:

@@ -315,3 +315,37 @@ def test_v2_placement_and_kill_on_a_real_unified_hierarchy() -> None:
     finally:
         cg.remove()
     assert not d.exists()
+
+
+@needs_v1
+def test_hosts_sweeping_the_same_stale_cgroups_at_once_never_fail_their_start() -> None:
+    """Hosts that start together (a pool replacing killed hosts) sweep the same leftovers of dead
+    hosts; a cgroup removed under one sweep by another must not fail that host's start."""
+    import subprocess
+    import threading
+
+    from atropos.sandbox.cgroups import _remove_stale, _v1_dir, mountinfo
+
+    base = _v1_dir(mountinfo(), own_cgroups(), "pids")
+    assert base is not None
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer exists (a host SIGKILLed earlier)
+    errors: list[BaseException] = []
+    for _ in range(20):
+        stale = base / f"atropos-{dead.pid}"
+        for i in range(8):
+            (stale / f"slot-{i}").mkdir(parents=True, exist_ok=True)
+
+        def sweep() -> None:
+            try:
+                _remove_stale(base)
+            except BaseException as exc:  # any escape is the failure under test
+                errors.append(exc)
+
+        threads = [threading.Thread(target=sweep) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not stale.exists()
+    assert errors == []

@@ -248,6 +248,8 @@ class AgentEnv(BaseEnv):
         return build_backend(self.backend_settings())
 
     def backend_settings(self) -> BackendSettings:
+        """What this env's fields say about the backend (kind, pool id, slots, image, cluster
+        addresses), mapped exactly as the CLI maps its settings; ``build_backend`` builds from it."""
         return backend_settings(self.config, self.build_backend_pool_id())
 
     # -- lifecycle -------------------------------------------------------------------------

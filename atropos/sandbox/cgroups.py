@@ -330,10 +330,16 @@ def _remove_stale(base: Path) -> None:
         pid = d.name.removeprefix("atropos-").removesuffix("-host")
         if not pid.isdigit() or Path(f"/proc/{pid}").exists():
             continue
-        for child in d.iterdir() if d.is_dir() else []:
-            if (child / "cgroup.procs").exists():
-                SlotCgroup(child.name, 1, {"pids": child}).kill()
-        rmdir_tree(d)
+        # Best effort: hosts starting at the same moment sweep the same leftovers, so a cgroup
+        # may vanish under us (ENOENT, or ENODEV from a file of a cgroup being removed); what one
+        # host cannot remove now the next one will, and it never stops this host's own start.
+        try:
+            for child in d.iterdir() if d.is_dir() else []:
+                if (child / "cgroup.procs").exists():
+                    SlotCgroup(child.name, 1, {"pids": child}).kill()
+            rmdir_tree(d)
+        except OSError as exc:
+            log.debug("stale cgroup %s not removed: %s", d, exc)
 
 
 def _tgid(pid: str) -> int:
