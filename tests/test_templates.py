@@ -15,6 +15,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 
 from atropos.errors import LeaseError
+from atropos.sandbox.cgroups import V1_CONTROLLERS, _v1_dir, mountinfo, own_cgroups, rmdir_tree
 from atropos.sandbox.client import HostClient
 from atropos.sandbox.protocol import HealthInfo, TemplateInfo
 from atropos.sandbox.workspace import (
@@ -122,10 +124,38 @@ def start_unprivileged_host(data_dir: Path, slots: int, extra: list[str]) -> Run
 def userns_host(source: Path) -> Iterator[RunningHost]:
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root (to start a host as uid 1000) and setpriv")
-    h = start_unprivileged_host(_data_dir("userns"), 4, ["--template-source-dir", str(SRC_ROOT)])
-    yield h
-    stop_host(h)
-    subprocess.run(["rm", "-rf", str(h.data_dir)], check=False)
+    # An unprivileged host needs a cgroup subtree delegated to it for its slots' caps (it refuses
+    # to start without one), as a container host gets one from the Docker backend: made here by root.
+    cgroup_dir, made = delegated_cgroup_dir(Path(tempfile.mkdtemp(prefix="atropos-cg-")), 1000)
+    try:
+        h = start_unprivileged_host(_data_dir("userns"), 4, ["--template-source-dir", str(SRC_ROOT),
+                                                             "--cgroup-dir", str(cgroup_dir)])
+        yield h
+        stop_host(h)
+        subprocess.run(["rm", "-rf", str(h.data_dir)], check=False)
+    finally:
+        for d in made:
+            rmdir_tree(d)
+        shutil.rmtree(cgroup_dir, ignore_errors=True)
+
+
+def delegated_cgroup_dir(where: Path, uid: int) -> tuple[Path, list[Path]]:
+    """A ``--cgroup-dir`` for a host running as ``uid``: on cgroup v1 one directory per controller
+    (memory, pids, cpu) owned by ``uid``, linked from ``where``. Returns it and the cgroups made."""
+    base = {c: _v1_dir(mountinfo(), own_cgroups(), c) for c in V1_CONTROLLERS}
+    if not all(base.values()):
+        pytest.skip("no cgroup v1 hierarchies to delegate from (this test delegates the v1 way)")
+    made = []
+    for c, parent in base.items():
+        assert parent is not None
+        d = parent / f"atropos-test-delegated-{os.getpid()}"
+        d.mkdir(exist_ok=True)
+        for f in (d, d / "cgroup.procs", d / "tasks"):
+            os.chown(f, uid, uid)
+        (where / c).symlink_to(d)
+        made.append(d)
+    os.chmod(where, 0o755)  # under /tmp: uid 1000 must reach it (pytest's own tmp dirs are 0700)
+    return where, made
 
 
 @pytest.fixture
