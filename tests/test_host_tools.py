@@ -474,7 +474,9 @@ async def test_terminal_after_a_burst_shows_its_end_then_only_new_output(slot: L
                                                                           host: RunningHost) -> None:
     log = slot_path(host.data_dir, slot.lease.slot, "run") / "terminal.log"
     # ~2.7 MB of output: far over the output cap (64 KiB) and the old per-read window (8x the cap)
-    await slot.ok("terminal", input="seq 1 400000; echo burst-$((6 * 7))", wait_ms=200)
+    # the burst starts after this call's read has returned (on an idle machine the whole burst
+    # takes less than the read's wait, and that read would show its end instead of the next one)
+    await slot.ok("terminal", input="sleep 2; seq 1 400000; echo burst-$((6 * 7))", wait_ms=200)
     deadline = time.monotonic() + 120
     while True:  # watched from outside the slot: until the shell is back at its prompt
         with open(log, "rb") as fh:
