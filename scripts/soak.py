@@ -62,6 +62,17 @@ def vm_kb(pid: int | str, key: str) -> int:
     return 0
 
 
+def cpu_s(pid: int | str) -> float:
+    """CPU seconds of a process and of its reaped children (utime+stime+cutime+cstime): a host's
+    sandboxes are its children, so this is the host's whole cost, whatever else loads the machine."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def descendants(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
@@ -136,6 +147,7 @@ class Stats:
     lease_waits: Reservoir = field(default_factory=Reservoir)  # ms from a trajectory's start to its slot
     samples: list[Sample] = field(default_factory=list)  # one per report: bounded by duration / interval
     rates: list[float] = field(default_factory=list)  # calls/s of each report interval
+    cpu_per_call: list[float] = field(default_factory=list)  # ms of CPU (pool + hosts) per call, per interval
     problems: list[str] = field(default_factory=list)
     peak_host_kb: int = 0
     peak_tree_kb: int = 0
@@ -263,8 +275,13 @@ class Soak:
                 "self_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 "host_rss_max_mb": host_kb / 1024, "hosts_tree_rss_mb": tree_kb / 1024}
 
+    def cpu_total_s(self) -> float:
+        """CPU seconds used so far by this process and every host (with the sandboxes it reaped)."""
+        pids = [self.backend.pid(h) for h in self.pool.hosts]
+        return cpu_s("self") + sum(cpu_s(p) for p in pids if p is not None)
+
     async def reporter(self, t0: float) -> None:
-        last_t, last_calls = t0, 0
+        last_t, last_calls, last_cpu = t0, 0, self.cpu_total_s()
         while not self.stop.is_set():
             try:
                 await asyncio.wait_for(self.stop.wait(), self.args.report_every)
@@ -275,17 +292,21 @@ class Soak:
             mem = await asyncio.to_thread(self.memory)
             status = self.pool.status()
             rate = (self.stats.calls - last_calls) / max(now - last_t, 1e-9)
+            cpu = self.cpu_total_s()
+            cpu_ms = (cpu - last_cpu) * 1000 / max(self.stats.calls - last_calls, 1)
             if not self.stop.is_set():  # the last interval is cut short by the drain: not a rate
                 self.stats.rates.append(rate)
+                self.stats.cpu_per_call.append(cpu_ms)
             print(json.dumps({
                 "t_s": round(now - t0), "trajectories": self.stats.trajectories, "calls": self.stats.calls,
-                "calls_per_s": round(rate, 1),
+                "calls_per_s": round(rate, 1), "cpu_ms_per_call": round(cpu_ms, 2),
+                "load1": round(os.getloadavg()[0], 1),
                 "p50_ms": round(percentile(lat, 0.5), 1), "p99_ms": round(percentile(lat, 0.99), 1),
                 **{k: round(v, 1) for k, v in mem.items()},
                 "leased": status.leased, "free": status.free, "quarantined": status.quarantined,
                 "errors": self.stats.wrong + self.stats.infra + self.stats.other,
             }), flush=True)
-            last_t, last_calls = now, self.stats.calls
+            last_t, last_calls, last_cpu = now, self.stats.calls, cpu
 
     # -- run ----------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -316,6 +337,15 @@ class Soak:
         out: dict[str, Any] = {"warmup_fraction": self.args.warmup,
                                "calls_per_s_first": round(self.stats.rates[0], 1) if self.stats.rates else None,
                                "calls_per_s_last": round(self.stats.rates[-1], 1) if self.stats.rates else None,
+                               # calls/s depends on whatever else runs on the machine; the CPU a call
+                               # costs the pool and hosts does not, so it is the flatness figure
+                               "cpu_ms_per_call_first": round(self.stats.cpu_per_call[0], 2)
+                               if self.stats.cpu_per_call else None,
+                               "cpu_ms_per_call_last": round(self.stats.cpu_per_call[-1], 2)
+                               if self.stats.cpu_per_call else None,
+                               "cpu_ms_per_call_slope_per_hour": round(slope(
+                                   [(i * self.args.report_every / 3600, v)
+                                    for i, v in enumerate(self.stats.cpu_per_call)]), 3),
                                "processes": {}}
         for label in samples[0].rss_kb if samples else {}:
             series = [x for x in warm if label in x.rss_kb]
