@@ -155,6 +155,7 @@ class Stats:
     def problem(self, text: str) -> None:
         if len(self.problems) < 30:
             self.problems.append(text)
+            print(f"  problem at {time.strftime('%H:%M:%S')}: {text}", flush=True)  # as it happens
 
 
 class Soak:
@@ -305,6 +306,7 @@ class Soak:
                 **{k: round(v, 1) for k, v in mem.items()},
                 "leased": status.leased, "free": status.free, "quarantined": status.quarantined,
                 "errors": self.stats.wrong + self.stats.infra + self.stats.other,
+                "wrong": self.stats.wrong, "infra": self.stats.infra, "other": self.stats.other,
             }), flush=True)
             last_t, last_calls, last_cpu = now, self.stats.calls, cpu
 

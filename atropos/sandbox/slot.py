@@ -218,7 +218,9 @@ class Slot:
             await asyncio.to_thread(remove_tree, sock)
         exec_argv = ["tmux", "-D", "-S", f"{run_dir}/tmux.sock", "-f", f"{lib_dir}/tmux.conf"]
         self.terminal = await self._start({"exec": exec_argv}, f"slot {self.index} terminal", protocol=False)
-        deadline = time.monotonic() + 5.0
+        # generous: a dead tmux is noticed at once (``alive``), so the deadline only bounds a slow
+        # start, and on a starved machine tmux took over 5 s (the soak's "did not start" errors)
+        deadline = time.monotonic() + 30.0
         while not _is_socket(sock):
             if not self.terminal.alive or time.monotonic() > deadline:
                 await self.terminal.kill()
