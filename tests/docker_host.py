@@ -76,13 +76,14 @@ class DockerHost:
         return Path(f"/proc/{helper}/root{CONTAINER_DATA_DIR}/slots/{slot}/{sub}")
 
 
-async def start_docker_host(image: str, slots: int, slot_workspace_bytes: int) -> DockerHost:
+async def start_docker_host(image: str, slots: int, slot_workspace_bytes: int, **config: Any) -> DockerHost:
+    """A container host of ``image``; ``config`` sets other DockerBackendConfig fields."""
     from atropos.backends.docker import DockerBackend, DockerBackendConfig
 
-    backend = DockerBackend(DockerBackendConfig(
-        image=image, slots_per_host=slots, pool_id=f"iso{secrets.token_hex(3)}", cpus=2.0, memory_bytes=6 << 30,
-        workspace_bytes=max(4 << 30, slot_workspace_bytes), slot_workspace_bytes=slot_workspace_bytes,
-        slot_memory_bytes=3 << 30, max_timeout_s=600))
+    backend = DockerBackend(DockerBackendConfig(**{
+        "image": image, "slots_per_host": slots, "pool_id": f"iso{secrets.token_hex(3)}", "cpus": 2.0,
+        "memory_bytes": 6 << 30, "workspace_bytes": max(4 << 30, slot_workspace_bytes),
+        "slot_workspace_bytes": slot_workspace_bytes, "slot_memory_bytes": 3 << 30, "max_timeout_s": 600, **config}))
     info = await backend.start_host()
     container = await asyncio.to_thread(backend.client.containers.get, info.id)
     top = await asyncio.to_thread(container.top, ps_args="-eo pid,args")
