@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,3 +99,20 @@ async def stop_docker_host(host: DockerHost) -> None:
 
 def in_docker(host: object) -> bool:
     return isinstance(host, DockerHost)
+
+
+def host_of_kind(kind: str, local: Any, slots: int = 8, slot_workspace_bytes: int = 1536 << 20) -> Iterator[Any]:
+    """A module fixture's host: ``local`` (the session's host) or a Docker container host of the
+    same shape (the catalogue modules override conftest's ``host`` with this, parametrized over
+    tests.pool_backends.BACKENDS); the container is removed afterwards."""
+    if kind == "local":
+        yield local
+        return
+    from tests.pool_backends import DOCKER_IMAGE, require_docker
+
+    require_docker()
+    running = asyncio.run(start_docker_host(DOCKER_IMAGE, slots=slots, slot_workspace_bytes=slot_workspace_bytes))
+    try:
+        yield running
+    finally:
+        asyncio.run(stop_docker_host(running))
