@@ -11,7 +11,9 @@ slirp4netns configured it and before anything runs inside it:
 - the most specific entry containing a destination decides (a routing table's longest-prefix
   match); an allow and a deny entry of the same range: allow wins (allow entries punch holes);
 - the host's own addresses (read from its namespace at each sandbox start) are denied as /32s
-  unless an allow entry contains them.
+  unless an allow entry contains them; so are ``machine_addresses``, those of the machine around
+  the host, which a host in a container cannot see (the Docker backend passes its engine
+  machine's, ``--egress-machine-address``).
 
 The agent cannot change these routes: nothing inside the sandbox holds CAP_NET_ADMIN over the
 namespace. A socket bound to the tap device (SO_BINDTODEVICE) makes the kernel treat a prohibited
