@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -169,6 +170,7 @@ async def probe(host_flags: list[str]) -> dict[str, Any]:
         await client.aclose()
         stop_host(host)
         stop_listeners(procs)
+        shutil.rmtree(data, ignore_errors=True)
 
 
 async def probe_docker(image: str, **config: Any) -> dict[str, Any]:
