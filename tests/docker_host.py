@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,13 +77,14 @@ class DockerHost:
         return Path(f"/proc/{helper}/root{CONTAINER_DATA_DIR}/slots/{slot}/{sub}")
 
 
-async def start_docker_host(image: str, slots: int, slot_workspace_bytes: int) -> DockerHost:
+async def start_docker_host(image: str, slots: int, slot_workspace_bytes: int, **config: Any) -> DockerHost:
+    """A container host of ``image``; ``config`` sets other DockerBackendConfig fields."""
     from atropos.backends.docker import DockerBackend, DockerBackendConfig
 
-    backend = DockerBackend(DockerBackendConfig(
-        image=image, slots_per_host=slots, pool_id=f"iso{secrets.token_hex(3)}", cpus=2.0, memory_bytes=6 << 30,
-        workspace_bytes=max(4 << 30, slot_workspace_bytes), slot_workspace_bytes=slot_workspace_bytes,
-        slot_memory_bytes=3 << 30, max_timeout_s=600))
+    backend = DockerBackend(DockerBackendConfig(**{
+        "image": image, "slots_per_host": slots, "pool_id": f"iso{secrets.token_hex(3)}", "cpus": 2.0,
+        "memory_bytes": 6 << 30, "workspace_bytes": max(4 << 30, slot_workspace_bytes),
+        "slot_workspace_bytes": slot_workspace_bytes, "slot_memory_bytes": 3 << 30, "max_timeout_s": 600, **config}))
     info = await backend.start_host()
     container = await asyncio.to_thread(backend.client.containers.get, info.id)
     top = await asyncio.to_thread(container.top, ps_args="-eo pid,args")
@@ -97,3 +99,20 @@ async def stop_docker_host(host: DockerHost) -> None:
 
 def in_docker(host: object) -> bool:
     return isinstance(host, DockerHost)
+
+
+def host_of_kind(kind: str, local: Any, slots: int = 8, slot_workspace_bytes: int = 1536 << 20) -> Iterator[Any]:
+    """A module fixture's host: ``local`` (the session's host) or a Docker container host of the
+    same shape (the catalogue modules override conftest's ``host`` with this, parametrized over
+    tests.pool_backends.BACKENDS); the container is removed afterwards."""
+    if kind == "local":
+        yield local
+        return
+    from tests.pool_backends import DOCKER_IMAGE, require_docker
+
+    require_docker()
+    running = asyncio.run(start_docker_host(DOCKER_IMAGE, slots=slots, slot_workspace_bytes=slot_workspace_bytes))
+    try:
+        yield running
+    finally:
+        asyncio.run(stop_docker_host(running))

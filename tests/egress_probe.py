@@ -1,22 +1,27 @@
-"""Driver of tests/test_egress.py, run as root inside a network namespace the test creates.
+"""Driver of tests/test_egress.py: probes what a network slot reaches, inside network namespaces the test creates.
 
-It gives that namespace's loopback interface the addresses to probe (link-local, private,
-documentation ranges: they exist only in this namespace), listens on each, starts a sandbox host
-there with the host flags it is given, leases a network slot and has the slot connect to each
-address, once plainly and once from a socket bound to the slot's tap device. It prints one JSON
-object: {"plain"|"device": {"address": {"ok": ..., "errno": ..., "banner": ...}, ...}}.
-The test makes the assertions.
+Local hosts: it runs as root inside a network namespace the test creates (``unshare --net``) and starts
+the sandbox host there. Docker hosts (``probe_docker``): the host's container has a network namespace of
+its own, made for this test; the driver works in it from outside (``nsenter --net``). Either way the
+host's namespace gets the addresses to probe on its loopback interface (link-local, private,
+documentation ranges: they exist only in that namespace), and a veth link to a second namespace the
+driver creates, standing for the machine around the host (``MACHINE``: not an address of the host's
+namespace, reachable through it, as a container's engine machine is). Listeners answer on each; a
+network slot connects to each address, once plainly and once from a socket bound to the slot's tap
+device. It returns (prints) one JSON object: {"plain"|"device": {"address": {"ok": ..., "errno":
+..., "banner": ...}, ...}, "unroute": <netlink error>}. The test makes the assertions.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
-import socket
+import shutil
 import subprocess
 import sys
-import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,53 +62,133 @@ print(struct.unpack_from("i", s.recv(4096), 16)[0])
 """
 
 
-def _serve(sock: socket.socket) -> None:
-    while True:
-        try:
+# A listener process, started in the namespace it serves: binds each address of argv once told to
+# (a line on stdin: the addresses exist by then), prints {address: port}, answers BANNER until stdin closes.
+LISTENER = r"""
+import json, socket, sys, threading
+sys.stdin.readline()
+ports = {}
+for addr in sys.argv[1:]:
+    sock = socket.create_server((addr, 0))
+    ports[addr] = sock.getsockname()[1]
+    def serve(sock=sock):
+        while True:
             conn, _ = sock.accept()
-        except OSError:
-            return
-        with conn:
-            conn.sendall(BANNER)
+            with conn:
+                conn.sendall(BANNER)
+    threading.Thread(target=serve, daemon=True).start()
+print(json.dumps(ports), flush=True)
+sys.stdin.read()
+""".replace("BANNER", repr(BANNER))
+
+MACHINE, MACHINE_LINK = "203.0.113.9", "203.0.113.10"  # the machine's side and the host's side of the veth
 
 
-def setup_namespace() -> None:
+def _ip(netns: str | None, *args: str) -> None:
+    """``ip`` in the namespace ``netns`` (a /proc/<pid>/ns/net path), or in ours."""
+    prefix = ["nsenter", f"--net={netns}", "--"] if netns else []
+    subprocess.run([*prefix, "ip", *args], check=True, capture_output=True, timeout=60)
+
+
+def _listener(prefix: list[str], addrs: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen([*prefix, sys.executable, "-I", "-c", LISTENER, *addrs], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def _listening(proc: subprocess.Popen[str]) -> dict[str, int]:
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    line = proc.stdout.readline()
+    assert line, "a listener failed to start"
+    ports: dict[str, int] = json.loads(line)
+    return ports
+
+
+def setup_namespaces(netns: str | None) -> tuple[list[tuple[str, int]], list[subprocess.Popen[str]]]:
+    """Give the host's namespace (``netns``, None: ours) the addresses and the link to a machine
+    namespace of its own; start the listeners. Returns the targets (address, port) and the processes."""
+    ns_prefix = ["nsenter", f"--net={netns}", "--"] if netns else []
     # On lo (dummy interfaces need a kernel module this machine may lack): local to this namespace alike.
-    for cmd in (["ip", "link", "set", "lo", "up"], *(["ip", "addr", "add", a, "dev", "lo"] for a in ADDRESSES)):
-        subprocess.run(cmd, check=True)
+    _ip(netns, "link", "set", "lo", "up")
+    for cidr in ADDRESSES:
+        _ip(netns, "addr", "add", cidr, "dev", "lo")
+    local = _listener(ns_prefix, [a.split("/")[0] for a in ADDRESSES])
+    machine = _listener(["unshare", "--net", "--"], [MACHINE])
+    procs = [local, machine]
+    try:
+        peer = f"/proc/{machine.pid}/ns/net"
+        # until unshare has made the namespace and exec'd the listener in it
+        for _ in range(1200):
+            if not os.readlink(f"/proc/{machine.pid}/exe").endswith("unshare"):
+                break
+            time.sleep(0.05)
+        link = f"eg{secrets.token_hex(3)}"
+        _ip(netns, "link", "add", link, "type", "veth", "peer", "name", "eg-machine")
+        _ip(netns, "link", "set", "eg-machine", "netns", str(machine.pid))
+        _ip(netns, "addr", "add", f"{MACHINE_LINK}/24", "dev", link)
+        _ip(netns, "link", "set", link, "up")
+        for args in (["link", "set", "lo", "up"], ["addr", "add", f"{MACHINE}/24", "dev", "eg-machine"],
+                     ["link", "set", "eg-machine", "up"]):
+            _ip(peer, *args)
+        ports = {**_listening(local), **_listening(machine)}
+    except BaseException:
+        stop_listeners(procs)
+        raise
+    return list(ports.items()), procs
+
+
+def stop_listeners(procs: list[subprocess.Popen[str]]) -> None:
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+async def probe_slot(client: Any, targets: list[tuple[str, int]]) -> dict[str, Any]:
+    """Lease a network slot and probe every target from it; the slot tries to lift the policy too."""
+    leased = LeasedSlot(client, await client.lease(f"egress-{secrets.token_hex(3)}", network=True))
+    got: dict[str, Any] = {}
+    for mode in ("plain", "device"):
+        code = f"ADDRS = {targets!r}\nDEVICE = {mode == 'device'!r}\n{PROBE}"
+        res = await leased.ok("python", code=code, timeout_s=120)
+        got[mode] = json.loads(res["stdout"])
+    res = await leased.ok("python", code=UNROUTE, timeout_s=60)
+    got["unroute"] = int(res["stdout"])
+    await client.release(leased.lease.slot, leased.lease.lease)
+    return got
 
 
 async def probe(host_flags: list[str]) -> dict[str, Any]:
-    listeners = []
-    targets = []
-    for cidr in ADDRESSES:
-        addr = cidr.split("/")[0]
-        sock = socket.create_server((addr, 0))
-        listeners.append(sock)
-        threading.Thread(target=_serve, args=(sock,), daemon=True).start()
-        targets.append((addr, sock.getsockname()[1]))
+    """A local host in this (the test's) namespace, started with ``host_flags``."""
+    targets, procs = setup_namespaces(None)
     data = Path(f"/tmp/atropos-egress-{secrets.token_hex(4)}")
     host = start_host(data, slots=1, extra=["--network-isolation", "private", *host_flags])
     client = host.client()
     try:
-        leased = LeasedSlot(client, await client.lease(f"egress-{secrets.token_hex(3)}", network=True))
-        got: dict[str, Any] = {}
-        for mode in ("plain", "device"):
-            code = f"ADDRS = {targets!r}\nDEVICE = {mode == 'device'!r}\n{PROBE}"
-            res = await leased.ok("python", code=code, timeout_s=120)
-            got[mode] = json.loads(res["stdout"])
-        res = await leased.ok("python", code=UNROUTE, timeout_s=60)
-        got["unroute"] = int(res["stdout"])
-        return got
+        return await probe_slot(client, targets)
     finally:
         await client.aclose()
         stop_host(host)
-        for sock in listeners:
-            sock.close()
+        stop_listeners(procs)
+        shutil.rmtree(data, ignore_errors=True)
+
+
+async def probe_docker(image: str, **config: Any) -> dict[str, Any]:
+    """A Docker host (DockerBackendConfig fields ``config``, e.g. ``egress``), probed in its container's namespace."""
+    from tests.docker_host import start_docker_host, stop_docker_host
+
+    host = await start_docker_host(image, slots=1, slot_workspace_bytes=64 << 20, **config)
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        targets, procs = await asyncio.to_thread(setup_namespaces, f"/proc/{host.proc.pid}/ns/net")
+        async with host.client() as client:
+            return await probe_slot(client, targets)
+    finally:
+        stop_listeners(procs)
+        await stop_docker_host(host)
 
 
 def main() -> None:
-    setup_namespace()
     print(json.dumps(asyncio.run(probe(json.loads(sys.argv[1])))), flush=True)
 
 

@@ -3,9 +3,9 @@ tree (archive, template snapshot, trash, pool shutdown) and to the tools' argume
 
 One test per row of the containment catalogue (docs/containment.md), each attacking a real sandbox
 host (real bubblewrap, real HTTP) through the public API and asserting the safe outcome. The slot
-tests take the ``slot``/``host`` fixtures of tests/conftest.py, so another host (a Docker one) can
-run them by overriding those fixtures; the tests that need a host of their own (other flags, a
-pool's data dir) start it here.
+tests take the ``slot``/``host`` fixtures of tests/conftest.py, with ``host`` overridden here to run
+on a local host and on a Docker container host (tests/docker_host.py); the tests that need a host
+of their own (other flags, a pool's data dir) start it here.
 """
 
 from __future__ import annotations
@@ -16,20 +16,30 @@ import io
 import os
 import secrets
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import LeasedSlot, RunningHost, start_host, stop_host
+from conftest import HOST_WORKSPACE_BYTES, LeasedSlot, RunningHost, start_host, stop_host
 
+from atropos.backends import docker_cgroups
 from atropos.sandbox.config import RUN_DIR_INODES, Limits
 from atropos.sandbox.workspace import copy_tree, remove_tree, walk_tree
 from atropos.slots.config import PoolConfig
 from atropos.slots.pool import SlotPool
-from tests.pool_backends import make_backend
+from tests.docker_host import host_of_kind
+from tests.pool_backends import BACKENDS, make_backend
 
 LIMITS = Limits()
 DEPTH = 10_000  # far past PATH_MAX (4096) and Python's recursion limit (1000)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def host(request: pytest.FixtureRequest, host: RunningHost) -> Iterator[RunningHost]:
+    """Every slot row runs against the session's local host and a Docker container host (the same
+    slot count and workspace cap, per-slot cgroups delegated by the Docker backend)."""
+    yield from host_of_kind(request.param, host, slot_workspace_bytes=HOST_WORKSPACE_BYTES)
 
 
 async def wait_until(pred: Any, timeout: float = 60.0, interval: float = 0.1) -> bool:
@@ -166,9 +176,8 @@ async def test_c03_deep_tree_archive_and_snapshot(slot: LeasedSlot, host: Runnin
     reset = await slot.client.reset(slot.lease.slot, slot.lease.lease)
     slot.lease = reset.lease
     await slot.client.delete_template(info.id)
-    trash = host.data_dir / "trash"
-    if not trash.is_dir():
-        pytest.skip("the host's data dir is not on this machine (a container): its trash is checked by its backend")
+    trash = host.data_dir / "trash"  # a container's, through /proc/<pid>/root
+    assert trash.is_dir(), f"premise: the host's trash is visible from here ({trash})"
     assert await wait_until(lambda: not any(trash.iterdir()), 300), f"trash not emptied: {list(trash.iterdir())}"
 
 
@@ -206,8 +215,11 @@ async def test_c03_copy_of_a_deep_tree_is_exact(into_empty: bool) -> None:
     tmp_path.rmdir()
 
 
-@pytest.fixture(scope="module")
-def uncapped_host() -> Any:
+@pytest.fixture(scope="module", params=BACKENDS)
+def uncapped_host(request: pytest.FixtureRequest) -> Any:
+    if request.param == "docker":
+        pytest.skip("does not apply to a Docker host: its slots always have a capped tmpfs workspace "
+                    "(DockerBackendConfig.slot_workspace_bytes >= 1 MiB), never one on the data dir's disk")
     data = Path(f"/tmp/atropos-contain-{os.getpid()}-{secrets.token_hex(3)}")
     running = start_host(data, slots=1, extra=["--workspace-bytes", "0", "--no-prewarm"])
     yield running
@@ -228,17 +240,30 @@ async def test_c03_uncapped_host_empties_its_trash_of_a_deep_tree(uncapped_host:
 
 
 @pytest.mark.timeout(900)  # 10,000 directories made, copied and removed on a shared, loaded disk
-async def test_c03_pool_shutdown_removes_a_data_dir_holding_a_deep_tree() -> None:
-    backend = make_backend("local", slots=1)
-    backend.cfg.slot_workspace_bytes = 0  # type: ignore[attr-defined]  # the tree on the data dir's disk
+@pytest.mark.parametrize("kind", BACKENDS)
+async def test_c03_pool_shutdown_removes_a_data_dir_holding_a_deep_tree(kind: str) -> None:
+    """Local: the host's data dir (the tree on its disk) goes. Docker: the container (its data dir is
+    the container's tmpfs) and its slot cgroup subtree on this machine go."""
+    backend = make_backend(kind, slots=1)
+    if kind == "local":
+        backend.cfg.slot_workspace_bytes = 0  # type: ignore[attr-defined]  # the tree on the data dir's disk
     async with SlotPool(backend, PoolConfig(min_hosts=1, max_hosts=1)) as pool:
         async with pool.leased("deep-shutdown") as lease:
             assert (await lease.ok("python", {"code": MAKE_DEEP}, timeout_s=300))["stdout"] == "built\n"
-            data_dirs = list(backend._dirs.values())  # type: ignore[attr-defined]
-            assert len(data_dirs) == 1 and data_dirs[0].is_dir()
-            deep = list(data_dirs[0].glob("slots/*/ws/deep"))
-            assert deep, "premise: the deep tree is on the data dir's disk"
-    assert not data_dirs[0].exists(), f"pool shutdown left {data_dirs[0]}"
+            host_id = lease.host.id
+            if kind == "local":
+                data_dirs = list(backend._dirs.values())  # type: ignore[attr-defined]
+                assert len(data_dirs) == 1 and data_dirs[0].is_dir()
+                deep = list(data_dirs[0].glob("slots/*/ws/deep"))
+                assert deep, "premise: the deep tree is on the data dir's disk"
+            else:
+                assert host_id in await backend.list_hosts()
+                assert docker_cgroups.existing(host_id) is not None, "premise: the container's slot cgroups"
+    if kind == "local":
+        assert not data_dirs[0].exists(), f"pool shutdown left {data_dirs[0]}"
+    else:
+        assert host_id not in await backend.list_hosts(), f"pool shutdown left container {host_id}"
+        assert docker_cgroups.existing(host_id) is None, f"pool shutdown left the cgroups of {host_id}"
 
 
 # =====================================================================================================

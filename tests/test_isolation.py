@@ -656,15 +656,12 @@ def _host_address() -> str:
 
 
 async def test_r15_network_slot_reaches_neither_host_loopback_nor_host_addresses(
-        net_slot: LeasedSlot, host: RunningHost, request: pytest.FixtureRequest) -> None:
+        net_slot: LeasedSlot) -> None:
     """Leased with network, a slot has its own namespace's NAT (tests/test_egress.py shows what it
     reaches through it), yet no service bound to the host's loopback (the host API, a model server)
-    nor to one of the host's own addresses (the egress policy's default) is reachable from it."""
-    if in_docker(host):
-        # Known gap (issue 17, left open): the Docker backend does not yet apply the egress policy
-        # to its hosts' network slots, so the machine's own address is still reachable from one.
-        # Strict: once the policy reaches Docker hosts this row must pass, not stay marked.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="egress policy not yet applied on Docker hosts"))
+    nor to one of the host's own addresses (the egress policy's default) is reachable from it. In a
+    Docker host "the host's own addresses" are also those of the machine the container runs on
+    (the backend passes them, ``--egress-machine-address``): this machine's address is probed."""
     addr = _host_address()
     if addr.startswith("127."):
         pytest.skip("this machine has no non-loopback address to probe")

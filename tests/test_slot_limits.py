@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from atropos.backends.base import Backend
+from atropos.errors import HostUnavailable
 from atropos.sandbox.cgroups import own_cgroups
 from atropos.slots.config import PoolConfig
 from atropos.slots.lease import Lease
@@ -278,6 +279,53 @@ def test_unsafe_no_cgroups_starts_with_a_loud_warning() -> None:
 def test_default_host_runs_every_slot_in_a_capped_cgroup() -> None:
     ready, stderr = _run_host()
     assert ready.get("slot_cgroups") in ("v1", "v2"), (ready, stderr)
+
+
+async def _docker_host_output(**config: object) -> tuple[dict[str, object], str]:
+    """Start one Docker host (DockerBackendConfig fields ``config``): its ready line and its log, or
+    ({}, the start's error, which carries the container's log) when it did not start."""
+    import json
+
+    backend = make_capped_backend("docker", f"capsd{int(time.time() * 1000) % 10**8}")
+    for name, value in config.items():
+        setattr(backend.cfg, name, value)  # type: ignore[attr-defined]
+    try:
+        try:
+            info = await backend.start_host()
+        except HostUnavailable as exc:
+            return {}, str(exc)
+        container = await asyncio.to_thread(backend.client.containers.get, info.id)  # type: ignore[attr-defined]
+        out = (await asyncio.to_thread(container.logs, stdout=True, stderr=False)).decode()
+        err = (await asyncio.to_thread(container.logs, stdout=False, stderr=True)).decode()
+        return json.loads(out.splitlines()[0]), err
+    finally:
+        await backend.close()
+
+
+@pytest.mark.docker
+async def test_docker_host_without_a_delegated_cgroup_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container whose host gets no writable cgroup (the backend delegates none, and does not say
+    --unsafe-no-cgroups): Docker mounts the container's own cgroup read-only, so the host refuses."""
+    from atropos.backends.docker import DockerBackend
+
+    monkeypatch.setattr(DockerBackend, "_slot_cgroup_args", lambda self, host_id: (None, {}))
+    ready, err = await _docker_host_output()
+    assert ready == {}, "the host started without per-slot caps"
+    assert "isolation unavailable:" in err and "--unsafe-no-cgroups" in err, err
+
+
+@pytest.mark.docker
+async def test_docker_unsafe_no_cgroups_starts_with_a_loud_warning() -> None:
+    ready, err = await _docker_host_output(slot_cgroups=False)
+    assert ready.get("event") == "ready" and ready.get("slot_cgroups") == "none", (ready, err)
+    warnings = [line for line in err.splitlines() if "UNSAFE" in line]
+    assert warnings and "WITHOUT per-slot cgroups" in warnings[0], err
+
+
+@pytest.mark.docker
+async def test_default_docker_host_runs_every_slot_in_a_capped_cgroup() -> None:
+    ready, err = await _docker_host_output()
+    assert ready.get("slot_cgroups") in ("v1", "v2"), (ready, err)
 
 
 UNIFIED = Path("/sys/fs/cgroup/unified")

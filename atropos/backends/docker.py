@@ -26,6 +26,8 @@ from atropos.backends import docker_cgroups
 from atropos.backends.base import Backend, HostInfo, new_token, pid_alive
 from atropos.backends.docker_cgroups import HostCgroup
 from atropos.errors import ConfigError, HostUnavailable, IsolationUnavailable
+from atropos.sandbox import egress
+from atropos.sandbox.egress import EgressSettings
 from atropos.sandbox.launch import HOST_TOKEN_ENV, HostLaunch
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,8 @@ class DockerBackendConfig(BaseModel):
     docker_url: str | None = Field(None, description="Docker Engine URL; default from the environment "
                                    "(DOCKER_HOST, DOCKER_TLS_VERIFY, DOCKER_CERT_PATH, as the docker CLI)")
     seccomp_profile: str | None = Field(None, description="path of the outer seccomp profile; default: shipped")
+    egress: EgressSettings = Field(default_factory=EgressSettings, description="network slots' egress policy; "
+                                   "the engine machine's own addresses are added to machine_addresses")
 
     @model_validator(mode="after")
     def _slot_fits(self) -> DockerBackendConfig:
@@ -108,6 +112,10 @@ class DockerBackend(Backend):
         self._client: Any = None
         self._mine: set[str] = set()
         self._counter = 0
+        e = self.cfg.egress
+        if e.deny_host_addresses and not e.machine_addresses and not self.engine_is_local():
+            log.warning("the Docker engine is not on this machine: its machine's own addresses are unknown here, so "
+                        "network slots may reach services bound to them; list them in egress.machine_addresses")
         if self.cfg.seccomp_profile:
             with open(self.cfg.seccomp_profile) as fh:
                 self._seccomp = fh.read()
@@ -159,6 +167,25 @@ class DockerBackend(Backend):
         hc["ReadonlyPaths"] = []
         return hc
 
+    def engine_is_local(self) -> bool:
+        """The engine is reached through a unix socket: it runs on this machine."""
+        url = self.cfg.docker_url or os.environ.get("DOCKER_HOST") or "unix://"
+        return url.startswith("unix://")
+
+    def egress_settings(self) -> EgressSettings:
+        """The hosts' egress settings: the config's, plus this machine's addresses when the engine runs here.
+
+        A slot's connections leave through its container's network, on which the engine's machine is
+        just another host: without these, a service bound to one of its addresses (not loopback) would
+        be reachable from a network slot. They are read from this process's network namespace (the
+        machine's, as the slot cgroups' delegation needs the engine here too), at each container start."""
+        e = self.cfg.egress
+        if not e.deny_host_addresses or not self.engine_is_local():
+            return e
+        known = set(e.machine_addresses)
+        extra = tuple(a for a in egress.host_addresses() if a not in known)
+        return e.model_copy(update={"machine_addresses": (*e.machine_addresses, *extra)})
+
     def _slot_cgroup_args(self, host_id: str) -> tuple[HostCgroup | None, dict[str, Any]]:
         """The container's slot cgroup subtree (prepared now) and the host's flags for it."""
         c = self.cfg
@@ -178,7 +205,7 @@ class DockerBackend(Backend):
             # the image's entrypoint is `python3 -m atropos.sandbox`
             command=HostLaunch(host="0.0.0.0", port=CONTAINER_PORT, slots=c.slots_per_host, data_dir="/slots/data",
                                max_timeout_s=c.max_timeout_s, workspace_bytes=c.slot_workspace_bytes,
-                               prewarm=c.prewarm, **cgroup_args).args(),
+                               prewarm=c.prewarm, egress=self.egress_settings(), **cgroup_args).args(),
             name=host_id,
             user=f"{SLOT_UID}:{SLOT_UID}",
             environment={HOST_TOKEN_ENV: token},

@@ -81,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
                    help="drop the default deny list (link-local, private, CGNAT, multicast, reserved ranges)")
     p.add_argument("--egress-allow-host-addresses", action="store_true",
                    help="network slots may reach this host's own non-loopback addresses")
+    p.add_argument("--egress-machine-address", action="append", default=[], metavar="ADDR",
+                   help="an address of the machine this host runs on (a container's engine machine), denied "
+                        "like the host's own (repeatable)")
     p.add_argument("--request-read-timeout", type=float, default=defaults.request_read_timeout_s,
                    help="seconds a request's head and body may take to arrive (default %(default)s)")
     p.add_argument("--workspace-mode", choices=("auto", "overlay", "copy"), default="auto",
@@ -96,12 +99,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
     if not token:
         p.error(f"a token is required: set ${TOKEN_ENV} or pass --token-file")
     try:
-        deny = egress.parse_networks(args.egress_deny)
-        allow = egress.parse_networks(args.egress_allow)
+        policy = egress.EgressSettings(
+            deny=tuple(egress.parse_networks(args.egress_deny)), allow=tuple(egress.parse_networks(args.egress_allow)),
+            machine_addresses=tuple(egress.parse_addresses(args.egress_machine_address)),
+            default_deny=not args.egress_no_default_deny, deny_host_addresses=not args.egress_allow_host_addresses,
+        ).policy()
     except ValueError as exc:
         p.error(str(exc))
-    policy = egress.EgressPolicy(deny_host_addresses=not args.egress_allow_host_addresses, allow=allow)
-    policy.deny = deny if args.egress_no_default_deny else [*policy.deny, *deny]
     cfg = HostConfig(
         slots=args.slots, data_dir=args.data_dir, host=args.host, port=args.port, token=token,
         uid_base=args.uid_base, max_timeout_s=args.max_timeout, unsafe_no_isolation=args.unsafe_no_isolation,

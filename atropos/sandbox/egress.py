@@ -11,7 +11,9 @@ slirp4netns configured it and before anything runs inside it:
 - the most specific entry containing a destination decides (a routing table's longest-prefix
   match); an allow and a deny entry of the same range: allow wins (allow entries punch holes);
 - the host's own addresses (read from its namespace at each sandbox start) are denied as /32s
-  unless an allow entry contains them.
+  unless an allow entry contains them; so are ``machine_addresses``, those of the machine around
+  the host, which a host in a container cannot see (the Docker backend passes its engine
+  machine's, ``--egress-machine-address``).
 
 The agent cannot change these routes: nothing inside the sandbox holds CAP_NET_ADMIN over the
 namespace. A socket bound to the tap device (SO_BINDTODEVICE) makes the kernel treat a prohibited
@@ -34,7 +36,7 @@ import json
 from ipaddress import IPv4Address, IPv4Network
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 DEFAULT_DENY: tuple[str, ...] = (
     "0.0.0.0/8",  # "this network"
@@ -59,16 +61,54 @@ class EgressPolicy(BaseModel):
         default_factory=list, description="exceptions to deny (and to the host's own addresses); the most "
                                           "specific entry containing a destination decides")
     deny_host_addresses: bool = Field(True, description="the host's own (non-loopback) addresses are denied")
+    machine_addresses: list[IPv4Address] = Field(
+        default_factory=list, description="addresses of the machine around the host (a container's engine "
+                                          "machine), treated as the host's own")
 
     def routes(self, host_addresses: list[IPv4Address]) -> dict[IPv4Network, bool]:
         """Each range with True (routed through slirp) or False (prohibited)."""
         table: dict[IPv4Network, bool] = {net: False for net in self.deny}
         table.update({net: True for net in self.allow})  # the same range in both: allow wins
         if self.deny_host_addresses:
-            for addr in host_addresses:
+            for addr in [*host_addresses, *self.machine_addresses]:
                 if not any(addr in net for net in self.allow):
                     table.setdefault(IPv4Network(addr), False)
         return table
+
+
+class EgressSettings(BaseModel):
+    """A backend's egress settings for its hosts: what it passes as ``--egress-*`` flags (HostLaunch).
+
+    A host in a container sees only the container's own addresses; the machine the container runs
+    on (its engine's) is another host on the container's network, reachable through slirp unless
+    its addresses are denied too: ``machine_addresses`` (the Docker backend adds those of its own
+    network namespace, the engine machine's)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    allow: tuple[IPv4Network, ...] = Field((), description="ranges network slots may reach despite the deny list")
+    deny: tuple[IPv4Network, ...] = Field((), description="ranges network slots cannot reach, besides the defaults")
+    default_deny: bool = Field(True, description="deny link-local, private, CGNAT, multicast and reserved ranges")
+    deny_host_addresses: bool = Field(True, description="deny the host's own (and its machine's) addresses")
+    machine_addresses: tuple[IPv4Address, ...] = Field(
+        (), description="addresses of the machine the host runs on, denied like the host's own")
+
+    def host_args(self) -> list[str]:
+        """The flags of ``python -m atropos.sandbox`` for these settings (none for the defaults)."""
+        args = [f"--egress-allow={n}" for n in self.allow] + [f"--egress-deny={n}" for n in self.deny]
+        args += [f"--egress-machine-address={a}" for a in self.machine_addresses]
+        if not self.default_deny:
+            args.append("--egress-no-default-deny")
+        if not self.deny_host_addresses:
+            args.append("--egress-allow-host-addresses")
+        return args
+
+    def policy(self) -> EgressPolicy:
+        """The policy a host started with ``host_args()`` enforces."""
+        base = EgressPolicy()
+        return EgressPolicy(deny=[*(base.deny if self.default_deny else []), *self.deny], allow=list(self.allow),
+                            deny_host_addresses=self.deny_host_addresses,
+                            machine_addresses=list(self.machine_addresses))
 
 
 def host_addresses(fib_trie: str = "/proc/net/fib_trie") -> list[IPv4Address]:
@@ -155,3 +195,14 @@ def parse_networks(values: list[str]) -> list[IPv4Network]:
             raise ValueError(f"not an IPv4 range: {value!r} ({exc})") from None
     return out
 
+
+
+def parse_addresses(values: list[str]) -> list[IPv4Address]:
+    """IPv4 addresses; ValueError names the bad one."""
+    out = []
+    for value in values:
+        try:
+            out.append(IPv4Address(value.strip()))
+        except ValueError as exc:
+            raise ValueError(f"not an IPv4 address: {value!r} ({exc})") from None
+    return out

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from atropos.sandbox.egress import EgressSettings
+
 HOST_TOKEN_ENV = "ATROPOS_SANDBOX_TOKEN"
 HOST_MODULE = "atropos.sandbox"
 # Settings variables of the CLI (ATROPOS_SANDBOX_<FIELD>) mean nothing to a host; not passed on.
@@ -44,6 +46,7 @@ class HostLaunch(BaseModel):
     slot_pids: int | None = None
     slot_cpus: float | None = None
     unsafe_no_cgroups: bool = False
+    egress: EgressSettings = Field(default_factory=EgressSettings, description="network slots' egress policy")
     log_level: str | None = None
 
     def args(self) -> list[str]:
@@ -60,6 +63,7 @@ class HostLaunch(BaseModel):
             args.append(f"--slot-cpus={self.slot_cpus:g}")
         if self.unsafe_no_cgroups:
             args.append("--unsafe-no-cgroups")
+        args += self.egress.host_args()
         if self.parent_pid is not None:
             args.append(f"--parent-pid={self.parent_pid}")
         if not self.prewarm:
