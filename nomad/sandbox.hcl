@@ -2,7 +2,7 @@
 # container running `python -m atropos.sandbox` with N slots; every tool call runs in a hardened,
 # unprivileged bubblewrap sandbox inside it.
 #
-# The pool (atropos/backends/nomad.py, NomadBackend) registers THIS job from code: render_job() is its
+# The pool (atropos/backends/nomad/, NomadBackend) registers THIS job from code: render_job() is its
 # JSON form and tests/test_nomad_backend.py checks that both stay identical. Keep them in step.
 #
 # Run it by hand (the pool does all of this itself; see nomad/README.md):

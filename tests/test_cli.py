@@ -162,6 +162,19 @@ def test_config_and_argument_errors_exit_2_with_a_message(tmp_path: Path, capsys
         assert code == EXIT_USAGE and message in err and "Traceback" not in err, (argv, err)
 
 
+def test_an_unexpected_failure_is_one_line_and_debug_shows_its_traceback(tmp_path: Path) -> None:
+    # XDG_CACHE_HOME naming a file: the state dir cannot be made, a failure no error of ours names
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    env = {"XDG_CACHE_HOME": str(not_a_dir)}
+    plain = cli("pool", "status", env=env, timeout=120)
+    lines = plain.stderr.strip().splitlines()
+    assert plain.returncode != 0 and len(lines) == 1, plain.stderr
+    assert lines[0].startswith("error: ") and str(not_a_dir) in lines[0] and "--debug" in lines[0], plain.stderr
+    debug = cli("--debug", "pool", "status", env=env, timeout=120)
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "NotADirectoryError" in debug.stderr
+
+
 def test_dead_stale_and_foreign_pools_exit_3(cache: dict[str, str], tmp_path: Path) -> None:
     files = run_dir(cache)
     files.mkdir(parents=True)
@@ -337,7 +350,7 @@ def test_bench_forwards_its_arguments(argv: list[str], forwarded: list[str], cap
         seen.append(cmd)
         return 0
 
-    monkeypatch.setattr(cli_module.subprocess, "call", fake_call)
+    monkeypatch.setattr(subprocess, "call", fake_call)
     code, _out, err = run_main(argv, capsys)
     assert code == 0, err
     assert seen == [[sys.executable, "-m", "benchmarks.run", *forwarded]]

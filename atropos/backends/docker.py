@@ -20,11 +20,12 @@ from importlib import resources
 from typing import Any, Literal, TypeVar
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from atropos.backends import docker_cgroups
 from atropos.backends.base import Backend, HostInfo, new_token, pid_alive
 from atropos.backends.docker_cgroups import HostCgroup
+from atropos.backends.slot_caps import ContainerSlotCaps
 from atropos.errors import ConfigError, HostUnavailable, IsolationUnavailable
 from atropos.sandbox import egress
 from atropos.sandbox.egress import EgressSettings
@@ -41,26 +42,20 @@ CONTAINER_PORT = 8080
 SLOT_UID = 1000
 
 
-class DockerBackendConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DockerBackendConfig(ContainerSlotCaps):
+    """Slot caps (``ContainerSlotCaps``): 1 GiB, 512 pids, 1 CPU per slot, inside the container's budget."""
 
     kind: Literal["docker"] = "docker"
     image: str = "atropos-sandbox:dev"
     pool_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    slots_per_host: int = Field(16, ge=1, le=1023)
     cpus: float = Field(2.0, gt=0)
     memory_bytes: int = Field(4 << 30, ge=256 << 20)
     pids_limit: int = Field(4096, ge=64)
     workspace_bytes: int = Field(4 << 30, ge=64 << 20, description="size of the tmpfs holding all workspaces")
-    slot_workspace_bytes: int = Field(256 << 20, ge=1 << 20, description="what one slot can write (its own tmpfs)")
     max_timeout_s: float = 600.0
     start_timeout_s: float = 60.0
     prewarm: bool = Field(True, description="start every slot's sandbox before the host reports ready; off: "
                           "ready once serving (its self-test passed), each slot's sandbox starts on first use")
-    slot_memory_bytes: int = Field(1 << 30, ge=64 << 20, description="memory one slot may hold as a whole, tmpfs "
-                                   "and memfd pages included (its own cgroup, inside the container's budget)")
-    slot_pids: int = Field(512, ge=16, description="processes and threads per slot")
-    slot_cpus: float = Field(1.0, ge=0, description="hard CPU quota per slot (CPUs); 0 = equal shares only")
     slot_cgroups: bool = Field(True, description="give each container a delegated cgroup subtree for its slots' "
                                "caps; False = DEVELOPMENT ONLY, hosts run --unsafe-no-cgroups (no per-slot caps)")
     docker_url: str | None = Field(None, description="Docker Engine URL; default from the environment "

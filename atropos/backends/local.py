@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from atropos.backends.base import Backend, HostInfo, new_token, pid_alive
+from atropos.backends.slot_caps import SlotCaps
 from atropos.errors import HostUnavailable, IsolationUnavailable
 from atropos.sandbox.config import default_data_dir
 from atropos.sandbox.host import ISOLATION_FAILED, owned_dir
@@ -25,25 +26,18 @@ log = logging.getLogger(__name__)
 KEPT_HOST_LOGS = 20  # logs of hosts of ended runs kept under the pool's data root (the newest)
 
 
-class LocalBackendConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class LocalBackendConfig(SlotCaps):
+    """Slot caps (``SlotCaps``): 4 GiB, 1024 pids, equal CPU shares per slot."""
 
     kind: Literal["local"] = "local"
-    slots_per_host: int = Field(16, ge=1, le=1023)
     data_root: Path = Field(default_factory=lambda: default_data_dir() / "local")
     pool_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     max_timeout_s: float = 600.0
     port: int = Field(0, ge=0, le=65535, description="port each host listens on (127.0.0.1); 0 = any free port. "
                                                      "A fixed port allows one host at a time")
-    slot_workspace_bytes: int = Field(1 << 30, ge=0, description="what one slot can write to its workspace: its "
-                                                                 "own tmpfs (RAM); 0 = uncapped (the data disk)")
     prewarm: bool = True
     start_timeout_s: float = 60.0
     unsafe_no_isolation: bool = Field(False, description="DEVELOPMENT ONLY: no bubblewrap")
-    slot_memory_bytes: int = Field(4 << 30, ge=64 << 20, description="memory one slot may hold as a whole "
-                                   "(processes, tmpfs and memfd pages): its own cgroup")
-    slot_pids: int = Field(1024, ge=16, description="processes and threads per slot")
-    slot_cpus: float = Field(0.0, ge=0, description="hard CPU quota per slot (CPUs); 0 = equal shares only")
     unsafe_no_cgroups: bool = Field(False, description="DEVELOPMENT ONLY: no per-slot cgroup (no slot-wide caps)")
     python: str = Field(default_factory=lambda: sys.executable, description="interpreter running the hosts")
 

@@ -34,9 +34,10 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from atropos.backends.base import Backend, HostInfo, new_token, pid_alive
+from atropos.backends.slot_caps import SlotCaps
 from atropos.errors import ConfigError, HostUnavailable, IsolationUnavailable
 
 log = logging.getLogger(__name__)
@@ -48,17 +49,15 @@ RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 NAME_SEP = "/"  # a pool id never holds one (its pattern), so names split back unambiguously
 
 
-class RayBackendConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class RayBackendConfig(SlotCaps):
+    """Slot caps (``SlotCaps``) as the local backend's, applied by the host on its node."""
 
     kind: Literal["ray"] = "ray"
     address: str | None = Field(None, description="Ray cluster (host:port, 'auto', ray://...); default $RAY_ADDRESS, "
                                                   "else a Ray started in this process on 127.0.0.1")
     namespace: str = Field("atropos-sandbox", min_length=1, description="Ray namespace of the host actors")
     pool_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    slots_per_host: int = Field(16, ge=1, le=1023)
     max_timeout_s: float = Field(600.0, gt=0)
-    slot_workspace_bytes: int = Field(1 << 30, ge=0, description="what one slot can write (its own tmpfs, RAM)")
     prewarm: bool = True
     start_timeout_s: float = Field(120.0, gt=0, description="placement + host start, per host")
     resource: str = Field("atropos_sandbox", min_length=1,
@@ -72,11 +71,6 @@ class RayBackendConfig(BaseModel):
     loopback: bool | None = Field(None, description="keep Ray on 127.0.0.1 (a single-machine cluster); "
                                                     "default: when the address is loopback or Ray is started here")
     unsafe_no_isolation: bool = Field(False, description="DEVELOPMENT ONLY: no bubblewrap")
-    # the local backend's per-slot cgroup caps, applied by the host on its node
-    slot_memory_bytes: int = Field(4 << 30, ge=64 << 20, description="memory one slot may hold as a whole "
-                                   "(processes, tmpfs and memfd pages): its own cgroup")
-    slot_pids: int = Field(1024, ge=16, description="processes and threads per slot")
-    slot_cpus: float = Field(0.0, ge=0, description="hard CPU quota per slot (CPUs); 0 = equal shares only")
     unsafe_no_cgroups: bool = Field(False, description="DEVELOPMENT ONLY: no per-slot cgroup (no slot-wide caps)")
     host_log_level: str = "WARNING"
 

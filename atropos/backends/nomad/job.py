@@ -1,0 +1,126 @@
+"""The sandbox job this backend registers: ``nomad/sandbox.hcl`` as the HTTP API takes it.
+
+One task group ``hosts``; every allocation is one sandbox host (a docker container with N slots).
+A test parses the HCL and compares it with ``render_job()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from atropos.backends.nomad.config import NomadBackendConfig
+from atropos.sandbox.launch import HOST_TOKEN_ENV, HostLaunch
+
+NS = 1_000_000_000  # Nomad durations are int64 nanoseconds
+GROUP = "hosts"
+TASK = "host"
+PORT_LABEL = "http"
+CONTAINER_PORT = 8080
+SLOT_UID = 1000
+SLOT_CGROUP_DIR = "/run/atropos/cgroup"  # nomad/atropos-runc mounts the delegated subtree here
+TOKEN_ENV = HOST_TOKEN_ENV
+TMP_BYTES = 64 << 20
+TMPFS_MODE = 0o1777  # HCL has no octal literals: nomad/sandbox.hcl writes 1023
+MIN_NOMAD_VERSION = "2.0.4"
+
+# The owner record in the job's Meta (see atropos/backends/nomad/owner.py).
+META_MANAGED = "atropos_managed"
+META_OWNER_PID = "atropos_owner_pid"
+META_OWNER_HOST = "atropos_owner_host"
+META_OWNER_START = "atropos_owner_start"
+META_BOOT = "atropos_boot_id"
+META_INSTANCE = "atropos_instance"
+META_VERSION = "atropos_version"
+
+
+def token_template(job_id: str) -> str:
+    """The template that renders the token variable into the task environment."""
+    return f'{{{{ with nomadVar "nomad/jobs/{job_id}" }}}}{TOKEN_ENV}={{{{ .token }}}}{{{{ end }}}}\n'
+
+
+def render_job(cfg: NomadBackendConfig, count: int = 0, *, token: str | None = None,
+               meta: dict[str, str] | None = None) -> dict[str, Any]:
+    """The sandbox job as the HTTP API takes it (``{"Job": render_job(cfg)}``): ``nomad/sandbox.hcl``
+    in JSON. ``token`` matters only with ``token_delivery="env"``; ``meta`` is the owner record."""
+    c = cfg
+    job: dict[str, Any] = {
+        "ID": c.job_id,
+        "Name": c.job_id,
+        "Type": "service",
+        "Namespace": c.namespace,
+        "Datacenters": list(c.datacenters),
+        "Constraints": [
+            {"LTarget": "${attr.kernel.name}", "RTarget": "linux", "Operand": "="},
+            {"LTarget": "${attr.nomad.version}", "RTarget": f">= {MIN_NOMAD_VERSION}", "Operand": "semver"},
+        ],
+        "TaskGroups": [_group(c, count, _task(c, token))],
+    }
+    if meta is not None:
+        job["Meta"] = dict(meta)
+    if c.region:
+        job["Region"] = c.region
+    return job
+
+
+def _group(c: NomadBackendConfig, count: int, task: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "Name": GROUP,
+        "Count": count,
+        "Update": {"MaxParallel": 0},  # no deployments: a scale is never blocked by our own scaling
+        "Networks": [{"Mode": "host", "DynamicPorts": [{"Label": PORT_LABEL, "To": CONTAINER_PORT}]}],
+        # A restarted host has lost its leases: fail and let Nomad reschedule (new ID, same name).
+        "RestartPolicy": {"Attempts": 0, "Interval": 300 * NS, "Delay": 5 * NS, "Mode": "fail"},
+        "ReschedulePolicy": {"Delay": 5 * NS, "DelayFunction": "exponential", "MaxDelay": 60 * NS,
+                             "Unlimited": True},
+        "Tasks": [task],
+    }
+
+
+def _task(c: NomadBackendConfig, token: str | None) -> dict[str, Any]:
+    task: dict[str, Any] = {
+        "Name": TASK,
+        "Driver": "docker",
+        "User": f"{SLOT_UID}:{SLOT_UID}",  # nothing in the container is uid 0 (isolation.md (a))
+        "Config": _docker_config(c),
+        "Resources": {"CPU": c.cpu, "MemoryMB": c.memory},
+        "KillTimeout": 10 * NS,
+    }
+    if c.token_delivery == "variable":
+        task["Templates"] = [{"EmbeddedTmpl": token_template(c.job_id), "DestPath": "secrets/host.env",
+                              "Envvars": True, "ChangeMode": "noop"}]
+    else:
+        task["Env"] = {TOKEN_ENV: token or "<generated per pool>"}
+    return task
+
+
+def _docker_config(c: NomadBackendConfig) -> dict[str, Any]:
+    tmpfs = [
+        {"type": "tmpfs", "target": "/tmp", "readonly": False,
+         "tmpfs_options": [{"size": TMP_BYTES, "mode": TMPFS_MODE}]},
+        {"type": "tmpfs", "target": "/slots", "readonly": False,
+         "tmpfs_options": [{"size": c.workspace_bytes, "mode": TMPFS_MODE}]},
+    ]
+    return {
+        "image": c.image,
+        "ports": [PORT_LABEL],
+        # the image's entrypoint is `python3 -m atropos.sandbox`; per-slot cgroups in the subtree the
+        # atropos-runc runtime delegates (nomad/README.md)
+        "args": HostLaunch(host="0.0.0.0", port=CONTAINER_PORT, slots=c.slots_per_host, data_dir="/slots/data",
+                           max_timeout_s=c.max_timeout_s, workspace_bytes=c.slot_workspace_bytes,
+                           cgroup_dir=SLOT_CGROUP_DIR, slot_memory_bytes=c.slot_memory_bytes,
+                           slot_pids=c.slot_pids, slot_cpus=c.slot_cpus).args(),
+        "init": True,
+        # resources.cpu is only a share (CPU weight) by default; the hard limit turns it into a CFS
+        # quota, so a busy host cannot take more than it reserved (isolation.md: a hard CPU cap).
+        "cpu_hard_limit": True,
+        "cap_drop": ["ALL"],
+        # Nomad inlines the profile file of the client; `systempaths=unconfined` is a docker
+        # CLI option the Engine API rejects, so the runtime wrapper unmasks /proc instead.
+        "security_opt": ["no-new-privileges", f"seccomp={c.seccomp_profile}"],
+        "runtime": c.runtime,
+        "readonly_rootfs": True,
+        "pids_limit": c.pids_limit,
+        "mount": tmpfs,
+        # slirp4netns: slots leased with network get their own namespace (atropos.sandbox.network)
+        "devices": [{"host_path": "/dev/net/tun", "container_path": "/dev/net/tun"}],
+    }
