@@ -169,6 +169,9 @@ job "atropos-sandbox" {
           # nested in the container's own limits, mounted here (nomad/README.md)
           "--cgroup-dir=/run/atropos/cgroup", "--slot-memory-bytes=${var.slot_memory_bytes}",
           "--slot-pids=${var.slot_pids}", "--slot-cpus=${var.slot_cpus}",
+          # the host sees only the container's addresses: network slots must not reach the node's
+          # either (egress policy, docs/containment.md); Nomad fills in the node's address
+          "--egress-machine-address=${attr.unique.network.ip-address}",
         ]
         init     = true
         cap_drop = ["ALL"]

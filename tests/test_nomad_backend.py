@@ -1171,3 +1171,34 @@ class socket_closed_port:
     def __exit__(self, *exc: object) -> None:
         pass
 
+
+
+class _ConfigSeen(NullDriver):
+    """Runs nothing; keeps the driver config each task was started with (interpolated, as Nomad
+    hands it to the docker driver)."""
+
+    def __init__(self) -> None:
+        self.configs: list[dict[str, Any]] = []
+
+    def start(self, alloc: Any) -> None:
+        self.configs.append(alloc.config)
+        super().start(alloc)
+
+
+def test_hosts_deny_network_slots_the_nodes_own_address() -> None:
+    # A host in its container sees only the container's addresses; the job passes the node's, which
+    # Nomad fills in per node, so the egress policy denies it like the host's own. The fake's node
+    # address is a documentation address nothing here sends traffic to (the driver runs nothing).
+    from atropos.sandbox.egress import EgressPolicy, parse_addresses
+
+    seen = _ConfigSeen()
+    with FakeNomad(driver=seen, time_scale=0.02, node_ip="192.0.2.77") as fake:
+        cfg = nomad_test_config(fake.address, slots=1)
+        _register(fake, render_job(cfg, 1, token="t"))
+        fake.wait_for(lambda: seen.configs, message="the task started")
+    args = [str(a) for a in seen.configs[0]["args"]]
+    flag = "--egress-machine-address="
+    machine = parse_addresses([a.removeprefix(flag) for a in args if a.startswith(flag)])
+    assert [str(a) for a in machine] == ["192.0.2.77"], args
+    routes = EgressPolicy(machine_addresses=machine).routes(host_addresses=[])
+    assert routes[next(n for n in routes if n.network_address == machine[0])] is False

@@ -71,7 +71,8 @@ class EgressPolicy(BaseModel):
         table.update({net: True for net in self.allow})  # the same range in both: allow wins
         if self.deny_host_addresses:
             for addr in [*host_addresses, *self.machine_addresses]:
-                if not any(addr in net for net in self.allow):
+                # a loopback "machine" address (a dev agent's 127.0.0.1) is the slot's own loopback
+                if not addr.is_loopback and not any(addr in net for net in self.allow):
                     table.setdefault(IPv4Network(addr), False)
         return table
 

@@ -61,3 +61,15 @@ def interpolate(value: str, env: dict[str, str], extra: dict[str, str]) -> str:
         return m.group(0)
 
     return _INTERP.sub(repl, value)
+
+
+def interpolate_tree(value: Any, env: dict[str, str], extra: dict[str, str]) -> Any:
+    """``interpolate`` every string in a driver ``Config`` (lists and maps too), as the client does
+    before it hands the config to the driver."""
+    if isinstance(value, str):
+        return interpolate(value, env, extra)
+    if isinstance(value, list):
+        return [interpolate_tree(v, env, extra) for v in value]
+    if isinstance(value, dict):
+        return {k: interpolate_tree(v, env, extra) for k, v in value.items()}
+    return value

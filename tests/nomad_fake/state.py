@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .drivers import AllocHandle, RecoverableDriverError
-from .encode import env_key, interpolate, omit_empty, rfc3339nano
+from .encode import env_key, interpolate, interpolate_tree, omit_empty, rfc3339nano
 from .spec import destructive_change, find_group, go_duration, spec_changed
 from .templates import MissingVariable, TemplateError, parse_env, render
 from .variables import Variables
@@ -1415,8 +1415,10 @@ class Cluster:
                 node_id=node.id,
                 host_ip=node.ip,
                 ports={p["Label"]: int(p["Value"]) for p in ports},
-                env=self._task_env(job, tg, task, a, node),
-                task_spec=task,
+                env=(env := self._task_env(job, tg, task, a, node)),
+                # the driver sees its config interpolated (node attributes, NOMAD_* and the task env)
+                task_spec={**task, "Config": interpolate_tree(task.get("Config") or {}, env,
+                                                              self._interp_extra(job, tg, task, node))},
                 job=snapshot,
             )
             tr = TaskRun(name=task["Name"], handle=handle, spec=task)
@@ -1464,12 +1466,17 @@ class Cluster:
             env[f"NOMAD_ALLOC_PORT_{label}"] = inner
             env[f"NOMAD_ADDR_{label}"] = f"{p['HostIP']}:{host_port}"
             env[f"NOMAD_HOST_ADDR_{label}"] = f"{p['HostIP']}:{host_port}"
-        meta: dict[str, Any] = {}
-        for m in (job.get("Meta"), tg.get("Meta"), task.get("Meta")):
-            if isinstance(m, dict):
-                meta.update(m)
-        for k, v in meta.items():
+        for k, v in _merged_meta(job, tg, task).items():
             env[f"NOMAD_META_{env_key(str(k))}"] = str(v)
+        extra = self._interp_extra(job, tg, task, node)
+        for k, v in (task.get("Env") or {}).items():
+            env[str(k)] = interpolate(str(v), env, extra)
+        return env
+
+    def _interp_extra(self, job: dict[str, Any], tg: dict[str, Any], task: dict[str, Any],
+                      node: Node) -> dict[str, str]:
+        """The ``${node.*}``, ``${attr.*}`` and ``${meta.*}`` names a task's Env and Config see."""
+        meta = _merged_meta(job, tg, task)
         extra = {
             "node.unique.id": node.id,
             "node.unique.name": node.name,
@@ -1481,9 +1488,7 @@ class Cluster:
         }
         for k, v in meta.items():
             extra[f"meta.{k}"] = str(v)
-        for k, v in (task.get("Env") or {}).items():
-            env[str(k)] = interpolate(str(v), env, extra)
-        return env
+        return extra
 
     # ------------------------------------------------------------------ client simulation
 
@@ -1933,3 +1938,12 @@ class Cluster:
         with self._op():
             self.clock.advance(seconds)
             self._changed = True
+
+
+def _merged_meta(job: dict[str, Any], tg: dict[str, Any], task: dict[str, Any]) -> dict[str, Any]:
+    """Job, group and task Meta, the innermost winning."""
+    meta: dict[str, Any] = {}
+    for m in (job.get("Meta"), tg.get("Meta"), task.get("Meta")):
+        if isinstance(m, dict):
+            meta.update(m)
+    return meta

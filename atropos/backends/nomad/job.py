@@ -22,6 +22,9 @@ TOKEN_ENV = HOST_TOKEN_ENV
 TMP_BYTES = 64 << 20
 TMPFS_MODE = 0o1777  # HCL has no octal literals: nomad/sandbox.hcl writes 1023
 MIN_NOMAD_VERSION = "2.0.4"
+# The host in its container sees only the container's addresses; Nomad interpolates the node's into
+# the task's args, so network slots are denied the node's own address too (docs/containment.md).
+NODE_ADDRESS_ARG = "--egress-machine-address=${attr.unique.network.ip-address}"
 
 # The owner record in the job's Meta (see atropos/backends/nomad/owner.py).
 META_MANAGED = "atropos_managed"
@@ -105,10 +108,10 @@ def _docker_config(c: NomadBackendConfig) -> dict[str, Any]:
         "ports": [PORT_LABEL],
         # the image's entrypoint is `python3 -m atropos.sandbox`; per-slot cgroups in the subtree the
         # atropos-runc runtime delegates (nomad/README.md)
-        "args": HostLaunch(host="0.0.0.0", port=CONTAINER_PORT, slots=c.slots_per_host, data_dir="/slots/data",
-                           max_timeout_s=c.max_timeout_s, workspace_bytes=c.slot_workspace_bytes,
-                           cgroup_dir=SLOT_CGROUP_DIR, slot_memory_bytes=c.slot_memory_bytes,
-                           slot_pids=c.slot_pids, slot_cpus=c.slot_cpus).args(),
+        "args": [*HostLaunch(host="0.0.0.0", port=CONTAINER_PORT, slots=c.slots_per_host, data_dir="/slots/data",
+                             max_timeout_s=c.max_timeout_s, workspace_bytes=c.slot_workspace_bytes,
+                             cgroup_dir=SLOT_CGROUP_DIR, slot_memory_bytes=c.slot_memory_bytes,
+                             slot_pids=c.slot_pids, slot_cpus=c.slot_cpus).args(), NODE_ADDRESS_ARG],
         "init": True,
         # resources.cpu is only a share (CPU weight) by default; the hard limit turns it into a CFS
         # quota, so a busy host cannot take more than it reserved (isolation.md: a hard CPU cap).
