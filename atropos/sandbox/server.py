@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import functools
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -70,13 +71,23 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
         if not token or scheme.lower() != "bearer" or not hmac.compare_digest(presented.encode(), token):
             raise _error(401, "unauthorized", "missing or wrong bearer token")
 
-    def slot_or_404(index: int) -> None:
-        try:
-            host.slot(index)
-        except KeyError as exc:
-            raise _error(404, "unknown_slot", str(exc.args[0])) from None
-
     deps = [Depends(auth)]
+    _slot_routes(app, host, deps)
+    _template_routes(app, host, deps)
+    _file_routes(app, host, deps)
+    return app
+
+
+def _slot_or_404(host: SandboxHost, index: int) -> None:
+    try:
+        host.slot(index)
+    except KeyError as exc:
+        raise _error(404, "unknown_slot", str(exc.args[0])) from None
+
+
+def _slot_routes(app: FastAPI, host: SandboxHost, deps: list[Any]) -> None:
+    """Health and metrics; leasing, resetting, sealing and verifying slots; tool calls."""
+    slot_or_404 = functools.partial(_slot_or_404, host)
 
     @app.get("/v1/health", response_model=HealthInfo, dependencies=deps)
     async def health() -> JSONResponse:
@@ -146,16 +157,11 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
     async def call(call: ToolCall) -> CallResult:
         return await host.run_call(call)
 
-    async def file_call(slot: int, lease: str, tool: str, args: dict[str, Any]) -> dict[str, Any]:
-        slot_or_404(slot)
-        result = await host.run_call(ToolCall(id=tool, slot=slot, lease=lease, tool=tool, args=args))
-        if not result.ok:
-            assert result.error is not None
-            raise _error(result.error.status, result.error.code, result.error.message)
-        assert result.result is not None
-        return result.result
 
-    # -- templates ---------------------------------------------------------------------------
+def _template_routes(app: FastAPI, host: SandboxHost, deps: list[Any]) -> None:
+    """Templates: made from a slot or a source, listed, deleted, shipped as tar streams."""
+    slot_or_404 = functools.partial(_slot_or_404, host)
+
     @app.post("/v1/templates", response_model=TemplateInfo, dependencies=deps, openapi_extra={
         "requestBody": {"required": True, "content": {
             "application/json": {"schema": TemplateRequest.model_json_schema()},
@@ -197,6 +203,20 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
         """The template as a POSIX tar stream: upload it to another host to use it there."""
         return StreamingResponse(host.template_archive(template_id), media_type="application/x-tar")
 
+
+def _file_routes(app: FastAPI, host: SandboxHost, deps: list[Any]) -> None:
+    """A leased slot's workspace as files (the lease token in a header): read, write, list, stat, archive."""
+    slot_or_404 = functools.partial(_slot_or_404, host)
+
+    async def file_call(slot: int, lease: str, tool: str, args: dict[str, Any]) -> dict[str, Any]:
+        slot_or_404(slot)
+        result = await host.run_call(ToolCall(id=tool, slot=slot, lease=lease, tool=tool, args=args))
+        if not result.ok:
+            assert result.error is not None
+            raise _error(result.error.status, result.error.code, result.error.message)
+        assert result.result is not None
+        return result.result
+
     lease_header = Header(..., alias=LEASE_HEADER, min_length=1, max_length=256)
 
     @app.get("/v1/slots/{slot}/files", dependencies=deps, response_class=Response,
@@ -229,8 +249,6 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
                       lease: str = lease_header) -> Response:
         out = await file_call(slot, lease, "archive", {"path": path})
         return Response(base64.b64decode(out["content"]), media_type="application/gzip")
-
-    return app
 
 
 def wrap(app: FastAPI, host: SandboxHost) -> ASGIApp:
