@@ -1,5 +1,6 @@
 """HTTP plumbing shared by the sandbox host and the ToolServer: auth and body limits before any
-parsing, and one error body shape (``{"error": {"code", "message", "status"}}``) everywhere."""
+parsing, one error body shape (``{"error": {"code", "message", "status"}}``) everywhere, and one
+map per app from the package's errors to their answers (``ErrorMap``)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import socket
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
@@ -16,6 +19,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from atropos.errors import AtroposSandboxError
+
+log = logging.getLogger(__name__)
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[dict[str, Any], Receive, Send], Awaitable[None]]
@@ -47,7 +53,38 @@ def http_error(status: int, code: str, message: str, headers: dict[str, str] | N
     return HTTPException(status_code=status, detail=error_body(status, code, message)["error"], headers=headers)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+# An answer: status, code, extra response headers.
+Answer = tuple[int, str, dict[str, str] | None]
+
+
+@dataclass(frozen=True)
+class ErrorMap:
+    """One app's answer to every error of the package: the (status, code) of ``atropos.errors.ERRORS``
+    (a ``ToolError`` its own), except where ``overrides`` says the app's contract differs, looked up
+    along the error's class hierarchy like the table itself. Every route of the app answers
+    through it: FastAPI's through the handler ``install_error_handlers`` installs, the raw hot
+    routes through ``answer``."""
+
+    overrides: Mapping[type[AtroposSandboxError], Callable[[Any], Answer]] = field(default_factory=dict)
+
+    def answer(self, exc: AtroposSandboxError) -> Answer:
+        for cls in type(exc).__mro__:
+            override = self.overrides.get(cls)
+            if override is not None:
+                return override(exc)
+        return exc.status, exc.code, None
+
+
+def install_error_handlers(app: FastAPI, errors: ErrorMap | None = None) -> None:
+    errors = errors or ErrorMap()
+
+    @app.exception_handler(AtroposSandboxError)
+    async def _package_error(request: Request, exc: AtroposSandboxError) -> JSONResponse:
+        status, code, headers = errors.answer(exc)
+        if status >= 500 and status != 503:  # not an outage the caller retries: a bug or a misconfiguration
+            log.error("%s %s answered %d %s", request.method, request.url.path, status, code, exc_info=exc)
+        return JSONResponse(error_body(status, code, str(exc)), status_code=status, headers=headers)
+
     # Starlette's own (an unknown route, a wrong method) too: one error shape for every answer
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -1,4 +1,4 @@
-"""The few named errors of atropos-sandbox.
+"""Every error atropos-sandbox raises on purpose, with its stable code and HTTP status.
 
 Two families matter to callers:
 
@@ -7,6 +7,15 @@ Two families matter to callers:
 * ``InfrastructureError`` subclasses describe something the *platform* did (a host died, a
   sandbox could not start). They are never shown to the model as an observation and never
   scored as 0: the environment retries the item.
+
+One rule gives every error its HTTP status: it says who has to act. 4xx: the caller, whose request
+cannot be served as asked (401 its credentials, 404 a thing it named does not exist, 409 the
+state of a lease, slot or template forbids it, 422 its arguments fail validation, 499 it left);
+502/503: the platform, retry later or elsewhere, never a verdict on the model; 500: a bug or a
+misconfigured server. ``ERRORS`` (at the end) answers the rule for each class, with the class's
+stable ``code`` for programs; both become the class attributes ``status`` and ``code``, which
+every HTTP app of the package answers with (``atropos.asgi.ErrorMap``), never a code searched for
+in a message. A ``ToolError`` carries the host's code and status per instance.
 """
 
 from __future__ import annotations
@@ -14,6 +23,9 @@ from __future__ import annotations
 
 class AtroposSandboxError(Exception):
     """Base class of every error this package raises on purpose."""
+
+    status: int  # both set from ERRORS below
+    code: str
 
 
 class ConfigError(AtroposSandboxError):
@@ -56,10 +68,10 @@ class ToolError(AtroposSandboxError):
     ``status`` the HTTP status it maps to, so a caller (the ToolServer's REST routes) answers by
     code, never by searching the message."""
 
-    def __init__(self, message: str = "", *, code: str = "tool_error", status: int = 400) -> None:
+    def __init__(self, message: str = "", *, code: str | None = None, status: int | None = None) -> None:
         super().__init__(message)
-        self.code = code
-        self.status = status
+        self.code = code or type(self).code
+        self.status = status or type(self).status
 
 
 class ToolInputError(ToolError):
@@ -68,6 +80,120 @@ class ToolInputError(ToolError):
 
 class PathEscapeError(ToolError):
     """A file path resolves outside the slot's workspace."""
+
+
+# -- defined here, raised by one module each -----------------------------------------------------
+class AuthenticationError(AtroposSandboxError):
+    """A sandbox host refused our token (it answered 401): this server is misconfigured, which is
+    not the fault of whoever called it (so 502, not 401)."""
+
+
+class TransportError(InfrastructureError):
+    """The connection to a host failed, closed early, sent something that is not HTTP, or timed
+    out (``atropos.sandbox.http1``; the host client turns it into ``HostUnavailable``)."""
+
+
+class SandboxDied(InfrastructureError):
+    """The sandbox process exited or stopped answering; the slot's sandbox must be restarted."""
+
+
+class NetworkSetupFailed(InfrastructureError):
+    """The slot's private network could not be configured."""
+
+
+class WorkspaceError(InfrastructureError):
+    """Mounting, unmounting or copying a workspace failed (the slot is quarantined)."""
+
+
+class TemplateError(AtroposSandboxError):
+    """A template request that cannot be served."""
+
+
+class UnknownTemplate(TemplateError):
+    """No template with that id (or name) on this host."""
+
+
+class TemplateInUse(TemplateError):
+    """The template cannot be deleted while a slot is built on it."""
+
+
+class TemplateSourceError(TemplateError):
+    """The template request names no usable source (missing fields, a directory not allowed)."""
+
+
+class TemplateBuildFailed(TemplateError):
+    """The source could not be turned into a tree (git clone failed, corrupt archive, ...)."""
+
+
+class SeccompUnavailable(IsolationUnavailable):
+    """libseccomp is missing or refused to build our filter; we do not start sandboxes without it."""
+
+
+class CgroupUnavailable(IsolationUnavailable):
+    """No writable cgroup for per-slot limits here (the host refuses to start without one)."""
+
+
+class DockerCgroupUnavailable(IsolationUnavailable):
+    """The Docker backend cannot prepare a slot cgroup subtree for a container here."""
+
+
+class GroupTooLarge(SlotUnavailable):
+    """A group asks for more slots than the pool can ever hold (max_hosts x slots per host).
+
+    Raised at once: waiting could only end in a timeout, and meanwhile the group would sit at
+    the head of the FIFO queue holding up every request behind it."""
+
+
+class InferenceUnavailable(InfrastructureError):
+    """The inference server failed: unreachable, timed out, 5xx/429, or atroposlib's retries ran out."""
+
+
+class TokenTrackingError(AtroposSandboxError):
+    """ManagedServer did not track a rollout as one sequence (the chat template re-renders earlier
+    turns differently from what the model generated), so its tokens and masks cannot be trusted."""
+
+
+class ClientGone(AtroposSandboxError):
+    """The HTTP client disconnected before the answer was ready; the work was cancelled (or undone)."""
+
+
+# The rule of the module docstring, answered per class: (HTTP status, stable code). A subclass not
+# listed answers as its nearest listed base.
+ERRORS: dict[type[AtroposSandboxError], tuple[int, str]] = {
+    AtroposSandboxError: (500, "internal_error"),
+    ConfigError: (500, "config_error"),
+    TokenTrackingError: (500, "token_tracking"),
+    # the caller's
+    ToolError: (400, "tool_error"),
+    ToolInputError: (422, "invalid_arguments"),
+    PathEscapeError: (403, "path_escape"),
+    TemplateError: (400, "template_error"),
+    TemplateSourceError: (400, "template_source_invalid"),
+    TemplateBuildFailed: (400, "template_failed"),
+    UnknownTemplate: (404, "unknown_template"),
+    TemplateInUse: (409, "template_in_use"),
+    LeaseError: (409, "lease_invalid"),
+    SlotSealed: (409, "verification_phase"),
+    GroupTooLarge: (400, "group_too_large"),
+    ClientGone: (499, "client_gone"),
+    # the platform's
+    AuthenticationError: (502, "host_refused_token"),
+    SlotUnavailable: (503, "no_free_slot"),
+    IsolationUnavailable: (503, "isolation_unavailable"),
+    SeccompUnavailable: (503, "seccomp_unavailable"),
+    CgroupUnavailable: (503, "cgroup_unavailable"),
+    DockerCgroupUnavailable: (503, "docker_cgroup_unavailable"),
+    InfrastructureError: (503, "infrastructure"),
+    HostUnavailable: (503, "host_unavailable"),
+    TransportError: (503, "transport_failed"),
+    SandboxDied: (503, "sandbox_failed"),
+    NetworkSetupFailed: (503, "network_failed"),
+    WorkspaceError: (503, "workspace_failed"),
+    ResetFailed: (503, "reset_failed"),
+    InferenceUnavailable: (503, "inference_unavailable"),
+}
+for _error, (_status, _code) in ERRORS.items():
+    _error.status, _error.code = _status, _code
 
 
 def exit_code(exc: AtroposSandboxError) -> int:

@@ -14,12 +14,12 @@ import asyncio
 import contextlib
 import email.message
 import json
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from atropos.asgi import Receive, Send, error_body
+from atropos.asgi import ASGIApp, Receive, Send, error_body
 
 M = TypeVar("M", bound=BaseModel)
 JSON = (b"content-type", b"application/json")
@@ -62,6 +62,23 @@ async def read_model(scope: dict[str, Any], receive: Receive, model: type[M]) ->
     except ValidationError as exc:
         raise BadBody("; ".join(f"{'.'.join(str(p) for p in ('body', *err['loc']))}: {err['msg']}"
                                 for err in exc.errors())) from None
+
+
+def body_route(model: type[M], handle: Callable[[dict[str, Any], Receive, Send, M], Awaitable[None]]) -> ASGIApp:
+    """A raw route whose body is ``model``: ``handle(scope, receive, send, body)`` runs once the body
+    is whole and valid; a bad body is answered 422 ``invalid_request``, a client gone before its
+    body arrived is answered nothing."""
+
+    async def route(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        try:
+            body = await read_model(scope, receive, model)
+        except BadBody as exc:
+            return await send_error(send, 422, "invalid_request", str(exc))
+        except Disconnected:
+            return
+        await handle(scope, receive, send, body)
+
+    return route
 
 
 async def send_json(send: Send, status: int, body: bytes, headers: Iterable[tuple[bytes, bytes]] = ()) -> None:

@@ -48,6 +48,18 @@ def test_process_prints_the_wandb_setting_it_really_uses(tokenizer_dir: str, tmp
     assert "id='verifier-check'" in report and "is_palindrome" in report
 
 
+def test_a_bad_setting_ends_the_run_in_one_clear_line(tokenizer_dir: str, tmp_path: Path) -> None:
+    """Issue 18: every env failure ends in one line; a bad flag value was a pydantic traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.scripted_env", "process", "--env.total_steps", "1", "--env.group_size", "2",
+         "--env.slots_per_host", "0", "--env.data_path_to_save_groups", str(tmp_path / "g.jsonl")],
+        cwd=tmp_path, env=_env(tokenizer_dir), capture_output=True, text=True, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(errors) == 1 and "slots_per_host" in errors[0] and "'0'" in errors[0], proc.stderr[-3000:]
+
+
 def _hosts_of(pid: int) -> list[int]:
     """Sandbox host processes started for the env process ``pid`` (they carry --parent-pid PID)."""
     found = []

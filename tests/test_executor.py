@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from atropos.errors import HostUnavailable
+from atropos.errors import HostUnavailable, LeaseError
 from atropos.slots.config import PoolConfig
 from atropos.slots.pool import SlotPool
 from atropos.tools.executor import AgentToolCall, ExecutorConfig, ToolExecutor
@@ -246,3 +246,27 @@ async def test_executor_state_stays_flat_over_many_trajectories(pool: SlotPool) 
         assert len(ex._queues) == 1
     finally:
         await ex.close()
+
+
+async def test_a_lease_the_host_refuses_is_a_lease_error_on_both_call_paths(pool: SlotPool) -> None:
+    """Issue 18: the host's ``lease_invalid`` was a LeaseError (retried on a fresh slot) through the
+    executor, but an ordinary failed result (shown to the model) through ``Lease.call``."""
+    lease = await pool.lease("stale", 60)
+    ex = ToolExecutor(pool)
+    # the host rotates a slot's lease token on every reset: reset it behind the Lease's back
+    rotated = await lease.host.client.reset(lease.slot, lease.token)
+    assert rotated.ok and rotated.lease is not None
+    try:
+        ex.bind("stale", lease)
+        with pytest.raises(LeaseError):
+            await lease.call("bash", {"command": "true"})
+        with pytest.raises(LeaseError):
+            await ex.execute("stale", bash("true"))
+        with pytest.raises(LeaseError):  # Lease.ok and the typed helpers on top of it
+            await lease.bash("true")
+        assert lease.calls == 3  # one bookkeeping: each path counts on the lease itself
+    finally:
+        ex.unbind("stale")
+        await ex.close()
+        lease.token, lease.generation = rotated.lease.lease, rotated.lease.generation
+        await lease.release()

@@ -12,9 +12,11 @@ import json
 import os
 import secrets
 import socket
+import struct
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -24,6 +26,7 @@ from conftest import RunningHost, start_host, stop_host
 from atropos.api.server import ToolServerSettings, create_tool_server
 from atropos.request_deadline import server_config
 from atropos.slots.config import PoolConfig
+from atropos.slots.lease import Lease
 from atropos.slots.pool import SlotPool
 from tests.pool_backends import make_backend
 
@@ -82,6 +85,35 @@ async def test_lease_request_abandoned_by_its_client_never_leases(one_slot_serve
         got = await http.post("/v1/slots", json={"trajectory_id": "next", "timeout_s": 30})
         assert got.status_code == 200, got.text
         assert [e.trajectory_id for e in pool.audit.events if e.event == "lease"] == ["holder", "next"]
+        assert (await http.delete(f"/v1/slots/{got.json()['lease_id']}")).status_code == 200
+
+
+async def test_lease_granted_as_its_client_leaves_is_given_back(one_slot_server: tuple[str, SlotPool]) -> None:
+    """The client leaves at the exact moment its lease is granted: the answer cannot be delivered,
+    so the ToolServer gives the slot back at once instead of holding it until the idle reaper."""
+    addr, pool = one_slot_server
+    host, port = addr.split(":")
+    _, w = await asyncio.open_connection(host, int(port))
+    real_lease = pool.lease
+
+    async def lease_then_client_leaves(*args: Any, **kw: Any) -> Lease:
+        granted = await real_lease(*args, **kw)
+        # the client resets its connection as the grant comes back (no FIN/close handshake to wait for)
+        w.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        w.transport.abort()
+        return granted
+
+    pool.lease = lease_then_client_leaves  # type: ignore[method-assign]
+    body = json.dumps({"trajectory_id": "leaver"}).encode()
+    w.write(b"POST /v1/slots HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            + f"authorization: Bearer {TOKEN}\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
+    await w.drain()
+    await _poll(lambda: [e.event for e in pool.audit.events] == ["lease", "release"], "the undelivered lease released")
+    pool.lease = real_lease  # type: ignore[method-assign]
+    await _poll(lambda: pool.status().free == 1 and pool.status().leased == 0, "the slot is free again")
+    async with httpx.AsyncClient(base_url=f"http://{addr}", headers=AUTH, timeout=WAIT_S) as http:
+        got = await http.post("/v1/slots", json={"trajectory_id": "next", "timeout_s": 30})
+        assert got.status_code == 200, got.text
         assert (await http.delete(f"/v1/slots/{got.json()['lease_id']}")).status_code == 200
 
 

@@ -18,16 +18,15 @@ import httpx
 import openai
 import tenacity
 
-from atropos.errors import AtroposSandboxError, InfrastructureError, LeaseError, SlotUnavailable
+from atropos.errors import (
+    InferenceUnavailable,
+    InfrastructureError,
+    LeaseError,
+    SlotUnavailable,
+    TokenTrackingError,
+)
 
-
-class InferenceUnavailable(InfrastructureError):
-    """The inference server failed: unreachable, timed out, 5xx/429, or atroposlib's retries ran out."""
-
-
-class TokenTrackingError(AtroposSandboxError):
-    """ManagedServer did not track a rollout as one sequence (the chat template re-renders earlier
-    turns differently from what the model generated), so its tokens and masks cannot be trusted."""
+__all__ = ["InferenceUnavailable", "TokenTrackingError", "inference_failure", "is_infrastructure"]
 
 
 # Client errors that retrying cannot fix (bad request, auth, unknown model): raised, not retried.

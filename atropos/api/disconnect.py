@@ -1,20 +1,18 @@
-"""Stop waiting for a client that has gone: a request's work raced against its disconnect."""
+"""Hold nothing for a client that has gone: a request's work raced against its disconnect, and
+an answer that cannot be delivered undone."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from atropos.errors import AtroposSandboxError
+from atropos.asgi import ASGIApp, Receive, Send
+from atropos.errors import ClientGone
 
 T = TypeVar("T")
-
-
-class ClientGone(AtroposSandboxError):
-    """The client disconnected before the answer was ready; the work was cancelled."""
 
 
 async def _disconnected(request: Request) -> None:
@@ -42,3 +40,39 @@ async def unless_disconnected(request: Request, work: Awaitable[T],
             await undo(task.result())
         raise ClientGone("the client disconnected")
     return task.result()
+
+
+async def gone(receive: Receive) -> bool:
+    """Whether the client has disconnected, without waiting: the server has already seen it go."""
+    probe = asyncio.ensure_future(receive())
+    await asyncio.sleep(0)  # one step: a server that saw the disconnect answers at once
+    if not probe.done():
+        probe.cancel()
+        await asyncio.gather(probe, return_exceptions=True)
+        return False
+    return not probe.cancelled() and probe.exception() is None and probe.result()["type"] == "http.disconnect"
+
+
+def release_undelivered(app: ASGIApp, undo: Callable[[dict[str, Any]], Awaitable[object]]) -> ASGIApp:
+    """``app``, and ``undo(scope)`` when its answer cannot be delivered: the client had gone when the
+    response was about to start, so what the route granted it (a lease) is given back, not held
+    for nobody until an idle timeout. A client that leaves after the response was written looks
+    to the server like one that read it; that is where HTTP's knowledge ends."""
+
+    async def guarded(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        dropped = False
+
+        async def deliver(message: dict[str, Any]) -> None:
+            nonlocal dropped
+            if message["type"] == "http.response.start" and await gone(receive):
+                dropped = True
+            if not dropped:
+                await send(message)
+
+        try:
+            await app(scope, receive, deliver)
+        finally:
+            if dropped:
+                await undo(scope)
+
+    return guarded

@@ -27,7 +27,8 @@ ERROR_SCHEMA: dict[str, Any] = {
 # status -> (when, example code, example message)
 _ERRORS: dict[int, tuple[str, str, str]] = {
     400: ("the request cannot run as asked (a file the host refused: not a regular file, a path leaving "
-          "the workspace, ...)", "file_error", "data.txt: is a directory"),
+          "the workspace, ...; the code is the host's: is_directory, path_escape, not_regular, ...)",
+          "is_directory", "HTTP 400 is_directory: data.txt: is a directory"),
     401: ("missing or wrong bearer token (`Authorization: Bearer <token>`)", "unauthorized",
           "missing or wrong bearer token"),
     404: ("no such lease (released, expired after the idle timeout, or never granted), tool or file",
@@ -53,7 +54,7 @@ def _statuses(method: str, path: str) -> list[int]:
         statuses.append(413)
     if "{lease_id}" in path:
         statuses += [404, 409, 503]
-        if path.endswith(("/files", "/archive")):
+        if path.endswith(("/files", "/archive", "/list")):
             statuses.append(400)
     elif path == "/v1/slots" and method == "post":
         statuses.append(503)

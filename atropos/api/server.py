@@ -27,15 +27,16 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 
 from atropos import __version__, metrics
-from atropos.api.disconnect import ClientGone, unless_disconnected
+from atropos.api.disconnect import release_undelivered, unless_disconnected
 from atropos.api.openapi import complete_openapi
-from atropos.asgi import ASGIApp, Receive, RequestGuard, Send, http_error, install_error_handlers
-from atropos.errors import AtroposSandboxError, InfrastructureError, LeaseError, SlotUnavailable, ToolError
-from atropos.fastroute import BadBody, Disconnected, read_model, send_error, send_json
+from atropos.asgi import Answer, ASGIApp, ErrorMap, Receive, RequestGuard, Send, http_error, install_error_handlers
+from atropos.errors import AtroposSandboxError, ClientGone, InfrastructureError, LeaseError, SlotUnavailable, ToolError
+from atropos.fastroute import body_route, send_error, send_json
 from atropos.logs import call_fields
 from atropos.sandbox.protocol import MAX_VERIFY_PROGRAM, SealResult, VerifyResult
 from atropos.slots.lease import Lease
 from atropos.slots.pool import PoolStatus, SlotPool
+from atropos.slots.results import WriteResult
 from atropos.tools.formatting import format_result
 from atropos.tools.registry import ToolRegistry
 
@@ -120,7 +121,173 @@ class _RestLease:
 _error = http_error
 
 
+def _host_tool_error(exc: ToolError) -> Answer:
+    # A file the host refused keeps its code; its status is one the REST routes declare (404 no
+    # such file, 413 too large, else 400: see atropos.api.openapi), whatever the host's own was.
+    return (exc.status if exc.status in (404, 413) else 400), exc.code, None
+
+
+# The ToolServer's answers: the table of atropos.errors, with a retry hint when no slot was free.
+TOOLSERVER_ERRORS = ErrorMap({
+    SlotUnavailable: lambda exc: (503, exc.code, {"Retry-After": "5"}),
+    ToolError: _host_tool_error,
+})
+GRANTED = "atropos_granted_lease"  # scope["state"] key: the lease id a POST /v1/slots granted
+
+
 ExternalHandler = Any  # async (args: dict) -> InvokeResponse
+
+
+class _ToolServer:
+    """The state behind the routes: the pool, the REST leases and the recent calls."""
+
+    def __init__(self, pool: SlotPool, settings: ToolServerSettings, registry: ToolRegistry,
+                 externals: dict[str, ExternalHandler], manage_pool: bool) -> None:
+        self.pool = pool
+        self.settings = settings
+        self.registry = registry
+        self.externals = externals
+        self.manage_pool = manage_pool
+        self.token = (settings.token or "").encode()
+        self.leases: dict[str, _RestLease] = {}
+        self.gate = asyncio.Semaphore(settings.max_concurrency)
+        self.recent: deque[dict[str, Any]] = deque(maxlen=100)
+        self.pool_metrics = metrics.pool_registry(pool)  # this app's own: see atropos.metrics
+
+    async def auth(self, authorization: str = Header("", description="Bearer <token>")) -> None:
+        if self.settings.allow_no_auth and not self.token:
+            return
+        scheme, _, presented = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(presented.encode(), self.token):
+            raise _error(401, "unauthorized", "missing or wrong bearer token")
+
+    async def reap_idle(self) -> None:
+        idle_s = self.settings.rest_lease_idle_s
+        while True:
+            await asyncio.sleep(min(60.0, idle_s / 2))
+            now = time.monotonic()
+            for lease_id, held in list(self.leases.items()):
+                if now - held.last_used > idle_s:
+                    self.leases.pop(lease_id, None)
+                    await self.pool.release(held.lease)
+
+    @asynccontextmanager
+    async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
+        if self.manage_pool:
+            await self.pool.start()
+        reaper = asyncio.create_task(self.reap_idle())
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            for held in list(self.leases.values()):
+                await self.pool.release(held.lease)
+            self.leases.clear()
+            if self.manage_pool:
+                await self.pool.stop()
+
+    def held_entry(self, lease_id: str) -> _RestLease:
+        entry = self.leases.get(lease_id)
+        if entry is None:
+            raise _error(404, "unknown_lease", "no such lease (released, expired or never granted)")
+        entry.last_used = time.monotonic()
+        return entry
+
+    def held(self, lease_id: str) -> Lease:
+        return self.held_entry(lease_id).lease
+
+    async def grant(self, req: SlotLeaseRequest, request: Request) -> SlotLeaseResponse:
+        try:
+            with metrics.LEASE_WAIT_SECONDS.time():
+                # A client that gave up while queued stops waiting: no slot is ever leased to nobody.
+                lease = await unless_disconnected(
+                    request, self.pool.lease(req.trajectory_id, req.timeout_s, network=req.network),
+                    undo=self.pool.release)
+        except ClientGone:
+            log.info("lease request abandoned by its client", extra=call_fields(trajectory_id=req.trajectory_id))
+            raise
+        lease_id = secrets.token_urlsafe(24)
+        entry = self.leases[lease_id] = _RestLease(lease, lease_id)
+        request.scope.setdefault("state", {})[GRANTED] = lease_id  # for release_undelivered
+        log.info("slot leased", extra=call_fields(trajectory_id=req.trajectory_id, lease=entry.fingerprint,
+                                                  slot=lease.slot, host=lease.host.id))
+        return SlotLeaseResponse(lease_id=lease_id, trajectory_id=req.trajectory_id, network=req.network)
+
+    async def release(self, lease_id: str, why: str = "slot released") -> bool:
+        entry = self.leases.pop(lease_id, None)
+        if entry is None:
+            return False
+        await self.pool.release(entry.lease)
+        log.info(why, extra=call_fields(trajectory_id=entry.lease.trajectory_id, lease=entry.fingerprint,
+                                        slot=entry.lease.slot, host=entry.lease.host.id))
+        return True
+
+    async def release_undelivered(self, scope: dict[str, Any]) -> None:
+        lease_id = scope.get("state", {}).get(GRANTED)
+        if lease_id is not None:
+            await self.release(lease_id, "slot released: its client left before the lease reached it")
+
+    async def slot_call(self, lease_id: str, req: SlotCallRequest) -> SlotCallResponse:
+        entry = self.held_entry(lease_id)
+        lease = entry.lease
+        label, counted = req.tool, None  # what SLOT_CALLS counts; an unexpected exception counts nothing
+        try:
+            tool = self.registry.get(req.tool)
+            if (tool is None or tool.kind != "sandbox") and req.tool != "archive":
+                label, counted = metrics.UNKNOWN_TOOL, "unknown_tool"
+                raise _error(404, "unknown_tool", f"no sandbox tool named {req.tool!r}")
+            ids = call_fields(trajectory_id=lease.trajectory_id, lease=entry.fingerprint, tool=req.tool,
+                              slot=lease.slot, host=lease.host.id)
+            try:
+                result = await lease.call(req.tool, req.args, timeout_s=req.timeout_s)
+            except LeaseError:
+                counted = "lease_invalid"
+                log.warning("slot call %s refused: lease invalid", req.tool, extra={**ids, "outcome": counted})
+                raise
+            except InfrastructureError as exc:
+                counted = "infrastructure"
+                log.warning("slot call %s failed: %s", req.tool, exc, extra={**ids, "outcome": counted})
+                raise
+            ok, content = format_result(req.tool, result)
+            outcome = "ok" if ok else (result.error.code if result.error else "failed")
+            # "error" = the tool ran and failed (exit 1, file missing); arguments the tool refused are their
+            # own outcome: a model sending bad calls is a different problem from commands that fail.
+            counted = "ok" if ok else "invalid_arguments" if outcome == "invalid_arguments" else "error"
+            log.info("slot call %s %s in %.1f ms", req.tool, outcome, result.duration_ms,
+                     extra={**ids, "call_id": result.id, "outcome": outcome})
+            self.recent.append({"ts": time.time(), "trajectory_id": lease.trajectory_id, "tool": req.tool,
+                                "outcome": outcome, "duration_ms": result.duration_ms})
+            return SlotCallResponse(ok=ok, content=content, result=result.result,
+                                    error=result.error.model_dump() if result.error else None,
+                                    duration_ms=result.duration_ms)
+        finally:
+            if counted is not None:
+                metrics.SLOT_CALLS.labels(label, counted).inc()
+
+    async def invoke(self, name: str, req: InvokeRequest) -> InvokeResponse:
+        tool = self.registry.get(name)
+        if tool is None:
+            raise _error(404, "unknown_tool", f"no tool named {name!r}")
+        if tool.kind == "sandbox":
+            raise _error(400, "needs_slot", f"{name} runs in a slot: lease one and use /v1/slots/{{lease_id}}/call")
+        handler = self.externals.get(name)
+        if handler is None:
+            raise _error(501, "not_configured", f"{name} has no provider configured on this server")
+        outcome = "error"  # an unexpected exception: the 500 handler answers, the count says so
+        try:
+            result: InvokeResponse = await handler(req.args)
+            outcome = "ok" if result.ok else "failed"
+            return result
+        except (ValidationError, ToolError) as exc:  # what the model asked an external tool cannot run as asked
+            outcome = "invalid_arguments"
+            message = _validation_message(exc) if isinstance(exc, ValidationError) else str(exc)
+            raise _error(422, "invalid_arguments", message) from None
+        except InfrastructureError:
+            outcome = "infrastructure"
+            raise  # 503 through the app's error map
+        finally:
+            metrics.EXTERNAL_CALLS.labels(name, outcome).inc()
+            log.info("external call %s %s", name, outcome, extra=call_fields(tool=name, outcome=outcome))
 
 
 def create_tool_server(
@@ -134,58 +301,33 @@ def create_tool_server(
     """Build the ASGI app. With ``manage_pool`` the app starts and stops the pool in its lifespan."""
     if not settings.token and not settings.allow_no_auth:
         raise ValueError("the ToolServer needs a token (or allow_no_auth for loopback development)")
-    registry = registry or ToolRegistry.default()
-    externals = externals or {}
-    token = (settings.token or "").encode()
-    leases: dict[str, _RestLease] = {}
-    gate = asyncio.Semaphore(settings.max_concurrency)
-    recent: deque[dict[str, Any]] = deque(maxlen=100)
-
-    async def reap_idle() -> None:
-        while True:
-            await asyncio.sleep(min(60.0, settings.rest_lease_idle_s / 2))
-            now = time.monotonic()
-            for lease_id, held in list(leases.items()):
-                if now - held.last_used > settings.rest_lease_idle_s:
-                    leases.pop(lease_id, None)
-                    await pool.release(held.lease)
-
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        if manage_pool:
-            await pool.start()
-        reaper = asyncio.create_task(reap_idle())
-        try:
-            yield
-        finally:
-            reaper.cancel()
-            for held in list(leases.values()):
-                await pool.release(held.lease)
-            leases.clear()
-            if manage_pool:
-                await pool.stop()
-
-    app = FastAPI(title="atropos-sandbox ToolServer", version=__version__, lifespan=lifespan)
+    server = _ToolServer(pool, settings, registry or ToolRegistry.default(), externals or {}, manage_pool)
+    app = FastAPI(title="atropos-sandbox ToolServer", version=__version__, lifespan=server.lifespan)
     app.state.pool = pool
-    pool_metrics = metrics.pool_registry(pool)  # this app's own: see atropos.metrics
-    app.state.rest_leases = leases
+    app.state.rest_leases = server.leases
+    _limit_concurrency(app, server)
+    install_error_handlers(app, TOOLSERVER_ERRORS)
+    deps = [Depends(server.auth)]
+    _pool_routes(app, server, deps)
+    _slot_routes(app, server, deps)
+    _file_routes(app, server, deps)
+    complete_openapi(app, max_body_bytes=settings.max_body_bytes, max_concurrency=settings.max_concurrency,
+                     lease_idle_s=settings.rest_lease_idle_s)
+    return _dispatch(app, server)
 
-    async def auth(authorization: str = Header("", description="Bearer <token>")) -> None:
-        if settings.allow_no_auth and not token:
-            return
-        scheme, _, presented = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(presented.encode(), token):
-            raise _error(401, "unauthorized", "missing or wrong bearer token")
+
+def _limit_concurrency(app: FastAPI, server: _ToolServer) -> None:
+    limit = server.settings.max_concurrency
 
     @app.middleware("http")
     async def limit_concurrency(request: Request, call_next: Any) -> Any:
         t0 = time.perf_counter()
-        if gate.locked():
-            busy = f"over {settings.max_concurrency} requests in progress"
+        if server.gate.locked():
+            busy = f"over {limit} requests in progress"
             response: Any = JSONResponse({"error": {"code": "too_many_requests", "status": 429, "message": busy}},
                                          status_code=429, headers={"Retry-After": "1"})
         else:
-            async with gate:
+            async with server.gate:
                 response = await call_next(request)
         route = request.scope.get("route")
         path = getattr(route, "path", "unmatched")
@@ -193,14 +335,10 @@ def create_tool_server(
         metrics.API_SECONDS.labels(path).observe(time.perf_counter() - t0)
         return response
 
-    install_error_handlers(app)
 
-    @app.exception_handler(InfrastructureError)
-    async def _infra_error(_request: Request, exc: InfrastructureError) -> JSONResponse:
-        return JSONResponse({"error": {"code": "infrastructure", "status": 503, "message": str(exc)}},
-                            status_code=503)
-
-    deps = [Depends(auth)]
+def _pool_routes(app: FastAPI, server: _ToolServer, deps: list[Any]) -> None:
+    """Health, the tool list, external tools, the pool's status and metrics, the status page."""
+    pool, registry = server.pool, server.registry
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
@@ -214,29 +352,7 @@ def create_tool_server(
 
     @app.post("/v1/tools/{name}/invoke", response_model=InvokeResponse, dependencies=deps)
     async def invoke(name: str, req: InvokeRequest) -> InvokeResponse:
-        tool = registry.get(name)
-        if tool is None:
-            raise _error(404, "unknown_tool", f"no tool named {name!r}")
-        if tool.kind == "sandbox":
-            raise _error(400, "needs_slot", f"{name} runs in a slot: lease one and use /v1/slots/{{lease_id}}/call")
-        handler = externals.get(name)
-        if handler is None:
-            raise _error(501, "not_configured", f"{name} has no provider configured on this server")
-        outcome = "error"  # an unexpected exception: the 500 handler answers, the count says so
-        try:
-            result: InvokeResponse = await handler(req.args)
-            outcome = "ok" if result.ok else "failed"
-            return result
-        except (ValidationError, ToolError) as exc:  # what the model asked for cannot run as asked
-            outcome = "invalid_arguments"
-            message = _validation_message(exc) if isinstance(exc, ValidationError) else str(exc)
-            raise _error(422, "invalid_arguments", message) from None
-        except InfrastructureError:
-            outcome = "infrastructure"
-            raise  # 503 through the app's handler
-        finally:
-            metrics.EXTERNAL_CALLS.labels(name, outcome).inc()
-            log.info("external call %s %s", name, outcome, extra=call_fields(tool=name, outcome=outcome))
+        return await server.invoke(name, req)
 
     @app.get("/v1/status", response_model=PoolStatus, dependencies=deps)
     async def status() -> PoolStatus:
@@ -244,11 +360,11 @@ def create_tool_server(
 
     @app.get("/v1/recent-calls", dependencies=deps)
     async def recent_calls() -> dict[str, Any]:
-        return {"calls": list(recent)}
+        return {"calls": list(server.recent)}
 
-    @app.get("/metrics", response_class=Response, dependencies=[] if settings.public_metrics else deps)
+    @app.get("/metrics", response_class=Response, dependencies=[] if server.settings.public_metrics else deps)
     async def prometheus() -> Response:
-        body, content_type = metrics.exposition(pool_metrics)
+        body, content_type = metrics.exposition(server.pool_metrics)
         return Response(body, media_type=content_type)
 
     @app.get("/status", response_class=HTMLResponse)
@@ -256,131 +372,35 @@ def create_tool_server(
         """Live pool view; open /status#token=<token> (the fragment never reaches the server)."""
         return HTMLResponse(STATUS_PAGE)
 
-    def held_entry(lease_id: str) -> _RestLease:
-        entry = leases.get(lease_id)
-        if entry is None:
-            raise _error(404, "unknown_lease", "no such lease (released, expired or never granted)")
-        entry.last_used = time.monotonic()
-        return entry
 
-    def held(lease_id: str) -> Lease:
-        return held_entry(lease_id).lease
+def _slot_routes(app: FastAPI, server: _ToolServer, deps: list[Any]) -> None:
+    """Lease a slot, call a tool in it, seal and verify it, release it."""
 
     @app.post("/v1/slots", response_model=SlotLeaseResponse, dependencies=deps)
     async def lease_slot(req: SlotLeaseRequest, request: Request) -> SlotLeaseResponse:
-        try:
-            with metrics.LEASE_WAIT_SECONDS.time():
-                # A client that gave up while queued stops waiting: no slot is ever leased to nobody.
-                lease = await unless_disconnected(
-                    request, pool.lease(req.trajectory_id, req.timeout_s, network=req.network), undo=pool.release)
-        except SlotUnavailable as exc:
-            raise _error(503, "no_free_slot", str(exc), headers={"Retry-After": "5"}) from None
-        except ClientGone:
-            log.info("lease request abandoned by its client", extra=call_fields(trajectory_id=req.trajectory_id))
-            raise _error(499, "client_gone", "the client disconnected before a slot was free") from None
-        lease_id = secrets.token_urlsafe(24)
-        entry = leases[lease_id] = _RestLease(lease, lease_id)
-        log.info("slot leased", extra=call_fields(trajectory_id=req.trajectory_id, lease=entry.fingerprint,
-                                                  slot=lease.slot, host=lease.host.id))
-        return SlotLeaseResponse(lease_id=lease_id, trajectory_id=req.trajectory_id, network=req.network)
-
-    async def run_slot_call(lease_id: str, req: SlotCallRequest) -> SlotCallResponse:
-        entry = held_entry(lease_id)
-        lease = entry.lease
-        label, counted = req.tool, None  # what SLOT_CALLS counts; an unexpected exception counts nothing
-        try:
-            tool = registry.get(req.tool)
-            if (tool is None or tool.kind != "sandbox") and req.tool != "archive":
-                label, counted = metrics.UNKNOWN_TOOL, "unknown_tool"
-                raise _error(404, "unknown_tool", f"no sandbox tool named {req.tool!r}")
-            ids = call_fields(trajectory_id=lease.trajectory_id, lease=entry.fingerprint, tool=req.tool,
-                              slot=lease.slot, host=lease.host.id)
-            try:
-                result = await lease.call(req.tool, req.args, timeout_s=req.timeout_s)
-            except LeaseError as exc:
-                counted = "lease_invalid"
-                log.warning("slot call %s refused: lease invalid", req.tool, extra={**ids, "outcome": counted})
-                raise _error(409, "lease_invalid", str(exc)) from None
-            except InfrastructureError as exc:
-                counted = "infrastructure"
-                log.warning("slot call %s failed: %s", req.tool, exc, extra={**ids, "outcome": counted})
-                raise
-            ok, content = format_result(req.tool, result)
-            outcome = "ok" if ok else (result.error.code if result.error else "failed")
-            # "error" = the tool ran and failed (exit 1, file missing); arguments the tool refused are their
-            # own outcome: a model sending bad calls is a different problem from commands that fail.
-            counted = "ok" if ok else "invalid_arguments" if outcome == "invalid_arguments" else "error"
-            log.info("slot call %s %s in %.1f ms", req.tool, outcome, result.duration_ms,
-                     extra={**ids, "call_id": result.id, "outcome": outcome})
-            recent.append({"ts": time.time(), "trajectory_id": lease.trajectory_id, "tool": req.tool,
-                           "outcome": outcome, "duration_ms": result.duration_ms})
-            return SlotCallResponse(ok=ok, content=content, result=result.result,
-                                    error=result.error.model_dump() if result.error else None,
-                                    duration_ms=result.duration_ms)
-        finally:
-            if counted is not None:
-                metrics.SLOT_CALLS.labels(label, counted).inc()
+        """Lease a slot (waiting up to ``timeout_s`` for a free one). A client that leaves before the
+        answer reaches it holds nothing: the slot is given back."""
+        return await server.grant(req, request)
 
     @app.post("/v1/slots/{lease_id}/call", response_model=SlotCallResponse, dependencies=deps)
     async def slot_call(lease_id: str, req: SlotCallRequest) -> SlotCallResponse:
         """Run one sandbox tool in the leased slot (served by the raw route of ``_slot_call_route``)."""
-        return await run_slot_call(lease_id, req)
-
-    async def _host_op(coro: Any) -> Any:
-        try:
-            return await coro
-        except LeaseError as exc:
-            raise _error(409, "lease_invalid", str(exc)) from None
-        except InfrastructureError:
-            raise
-        except ToolError as exc:  # from the host: not found, too large, path escape, ... (by code)
-            status = exc.status if exc.status in (404, 413) else 400
-            raise _error(status, "file_error", str(exc)) from None
-        except AtroposSandboxError as exc:  # anything else the host refused (a template error, ...)
-            raise _error(400, "file_error", str(exc)) from None
-
-    @app.get("/v1/slots/{lease_id}/files", dependencies=deps, response_class=Response,
-             responses={200: {"content": {"application/octet-stream": {}}}})
-    async def read_file(lease_id: str, path: str = Query(..., min_length=1, max_length=4096)) -> Response:
-        data = await _host_op(held(lease_id).read_bytes(path))
-        return Response(data, media_type="application/octet-stream")
-
-    @app.put("/v1/slots/{lease_id}/files", dependencies=deps)
-    async def write_file(request: Request, lease_id: str,
-                         path: str = Query(..., min_length=1, max_length=4096)) -> dict[str, Any]:
-        lease = held(lease_id)
-        result: dict[str, Any] = await _host_op(lease.write_bytes(path, await request.body()))
-        return result
-
-    @app.get("/v1/slots/{lease_id}/list", dependencies=deps)
-    async def list_dir(lease_id: str, path: str = Query(".", min_length=1, max_length=4096)) -> dict[str, Any]:
-        result = await held(lease_id).call("list_dir", {"path": path})
-        if not result.ok or result.result is None:
-            assert result.error is not None
-            raise _error(result.error.status, result.error.code, result.error.message)
-        return result.result
-
-    @app.get("/v1/slots/{lease_id}/archive", dependencies=deps, response_class=Response,
-             responses={200: {"content": {"application/gzip": {}}}})
-    async def archive(lease_id: str, path: str = Query(".", min_length=1, max_length=4096)) -> Response:
-        data = await _host_op(held(lease_id).archive(path))
-        return Response(data, media_type="application/gzip")
+        return await server.slot_call(lease_id, req)
 
     @app.post("/v1/slots/{lease_id}/seal", response_model=SealResult, dependencies=deps)
     async def seal(lease_id: str) -> SealResult:
         """End the agent's part of the lease: every process of the slot is killed and nothing runs
         or writes in it again (reading files and verify remain) until it is released."""
-        entry = held_entry(lease_id)
-        result = await _host_op(entry.lease.seal())
-        return result if result is not None else SealResult(slot=entry.lease.slot, separation="already sealed")
+        lease = server.held(lease_id)
+        result = await lease.seal()
+        return result if result is not None else SealResult(slot=lease.slot, separation="already sealed")
 
     @app.post("/v1/slots/{lease_id}/verify", response_model=VerifyResult, dependencies=deps)
     async def verify(lease_id: str, req: SlotVerifyRequest) -> VerifyResult:
         """Seal the slot and run a verifier program against its final workspace in a fresh,
         read-only sandbox; the verdict comes back in this response (see docs/verification.md)."""
-        entry = held_entry(lease_id)
-        result: VerifyResult = await _host_op(entry.lease.verify(
-            req.program, secrets=req.secrets, args=req.args, timeout_s=req.timeout_s))
+        entry = server.held_entry(lease_id)
+        result = await entry.lease.verify(req.program, secrets=req.secrets, args=req.args, timeout_s=req.timeout_s)
         log.info("slot verified: ok=%s score=%s", result.ok, result.score,
                  extra=call_fields(trajectory_id=entry.lease.trajectory_id, lease=entry.fingerprint,
                                    slot=entry.lease.slot, host=entry.lease.host.id))
@@ -388,32 +408,57 @@ def create_tool_server(
 
     @app.delete("/v1/slots/{lease_id}", response_model=ReleaseResponse, dependencies=deps)
     async def release(lease_id: str) -> ReleaseResponse:
-        entry = leases.pop(lease_id, None)
-        if entry is None:
+        if not await server.release(lease_id):
             raise _error(404, "unknown_lease", "no such lease (released, expired or never granted)")
-        await pool.release(entry.lease)
-        log.info("slot released", extra=call_fields(trajectory_id=entry.lease.trajectory_id,
-                                                    lease=entry.fingerprint, slot=entry.lease.slot,
-                                                    host=entry.lease.host.id))
         return ReleaseResponse(released=True)
 
-    complete_openapi(app, max_body_bytes=settings.max_body_bytes, max_concurrency=settings.max_concurrency,
-                     lease_idle_s=settings.rest_lease_idle_s)
+
+def _file_routes(app: FastAPI, server: _ToolServer, deps: list[Any]) -> None:
+    """The leased slot's workspace as files: read, write, list, archive."""
+    held = server.held
+
+    @app.get("/v1/slots/{lease_id}/files", dependencies=deps, response_class=Response,
+             responses={200: {"content": {"application/octet-stream": {}}}})
+    async def read_file(lease_id: str, path: str = Query(..., min_length=1, max_length=4096)) -> Response:
+        return Response(await held(lease_id).read_bytes(path), media_type="application/octet-stream")
+
+    @app.put("/v1/slots/{lease_id}/files", response_model=WriteResult, dependencies=deps)
+    async def write_file(request: Request, lease_id: str,
+                         path: str = Query(..., min_length=1, max_length=4096)) -> WriteResult:
+        lease = held(lease_id)
+        return await lease.write_bytes(path, await request.body())
+
+    @app.get("/v1/slots/{lease_id}/list", dependencies=deps)
+    async def list_dir(lease_id: str, path: str = Query(".", min_length=1, max_length=4096)) -> dict[str, Any]:
+        return await held(lease_id).ok("list_dir", {"path": path})
+
+    @app.get("/v1/slots/{lease_id}/archive", dependencies=deps, response_class=Response,
+             responses={200: {"content": {"application/gzip": {}}}})
+    async def archive(lease_id: str, path: str = Query(".", min_length=1, max_length=4096)) -> Response:
+        return Response(await held(lease_id).archive(path), media_type="application/gzip")
+
+
+def _dispatch(app: FastAPI, server: _ToolServer) -> ASGIApp:
+    """The app's front: the guards, the raw slot-call route, the lease route's delivery check."""
+    settings = server.settings
     # Docs stay readable without a token (they hold no secret); everything else needs it.
     public = {"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json", "/status"}
     if settings.public_metrics:
         public.add("/metrics")
     guard = RequestGuard(app, max_body=settings.max_body_bytes, token=settings.token or None,  # type: ignore[arg-type]
                          public=public)
-    hot = RequestGuard(_slot_call_route(run_slot_call, gate, settings.max_concurrency),
-                       max_body=settings.max_body_bytes, token=settings.token or None)
+    leasing = release_undelivered(guard, server.release_undelivered)
+    hot = RequestGuard(_slot_call_route(server), max_body=settings.max_body_bytes, token=settings.token or None)
 
     async def route(scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope.get("method") == "POST":
-            match = SLOT_CALL_PATH.fullmatch(scope.get("path", ""))
+            path = scope.get("path", "")
+            match = SLOT_CALL_PATH.fullmatch(path)
             if match is not None:
                 scope["path_params"] = {"lease_id": match[1]}
                 return await hot(scope, receive, send)
+            if path == "/v1/slots":
+                return await leasing(scope, receive, send)
         return await guard(scope, receive, send)
 
     route.fastapi = app  # type: ignore[attr-defined]
@@ -424,40 +469,47 @@ SLOT_CALL_PATH = re.compile(r"/v1/slots/([^/]+)/call")
 SLOT_CALL_ROUTE = "/v1/slots/{lease_id}/call"
 
 
-def _slot_call_route(run: Any, gate: asyncio.Semaphore, limit: int) -> ASGIApp:
+def _slot_call_route(server: _ToolServer) -> ASGIApp:
     """``POST /v1/slots/{lease_id}/call`` without FastAPI (see atropos.fastroute): the same
     concurrency gate, errors and request metrics as the ``limit_concurrency`` middleware gives the
     other routes."""
+    gate, limit = server.gate, server.settings.max_concurrency
+
+    async def call(scope: dict[str, Any], _receive: Receive, send: Send, req: SlotCallRequest) -> None:
+        try:
+            response = await server.slot_call(scope["path_params"]["lease_id"], req)
+        except HTTPException as exc:
+            detail: dict[str, Any] = exc.detail if isinstance(exc.detail, dict) else {}
+            headers = [(k.lower().encode(), v.encode()) for k, v in (exc.headers or {}).items()]
+            return await send_error(send, exc.status_code, str(detail.get("code", "error")),
+                                    str(detail.get("message", exc.detail)), headers)
+        except AtroposSandboxError as exc:
+            status, code, extra = TOOLSERVER_ERRORS.answer(exc)
+            return await send_error(send, status, code, str(exc),
+                                    [(k.lower().encode(), v.encode()) for k, v in (extra or {}).items()])
+        await send_json(send, 200, response.model_dump_json().encode())
+
+    served = body_route(SlotCallRequest, call)
 
     async def slot_call(scope: dict[str, Any], receive: Receive, send: Send) -> None:
         t0 = time.perf_counter()
-        status = 500
+        status = 499  # nothing answered: the client left before its body arrived
+
+        async def counted(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
         try:
             if gate.locked():
-                status = 429
-                return await send_error(send, 429, "too_many_requests", f"over {limit} requests in progress",
+                return await send_error(counted, 429, "too_many_requests", f"over {limit} requests in progress",
                                         [(b"retry-after", b"1")])
             async with gate:
-                try:
-                    req = await read_model(scope, receive, SlotCallRequest)
-                    response = await run(scope["path_params"]["lease_id"], req)
-                except BadBody as exc:
-                    status = 422
-                    return await send_error(send, 422, "invalid_request", str(exc))
-                except Disconnected:
-                    status = 499
-                    return
-                except HTTPException as exc:
-                    status = exc.status_code
-                    detail: dict[str, Any] = exc.detail if isinstance(exc.detail, dict) else {}
-                    headers = [(k.lower().encode(), v.encode()) for k, v in (exc.headers or {}).items()]
-                    return await send_error(send, status, str(detail.get("code", "error")),
-                                            str(detail.get("message", exc.detail)), headers)
-                except InfrastructureError as exc:
-                    status = 503
-                    return await send_error(send, 503, "infrastructure", str(exc))
-                status = 200
-                await send_json(send, 200, response.model_dump_json().encode())
+                await served(scope, receive, counted)
+        except Exception:
+            status = 500
+            raise
         finally:
             metrics.API_REQUESTS.labels("POST", SLOT_CALL_ROUTE, str(status)).inc()
             metrics.API_SECONDS.labels(SLOT_CALL_ROUTE).observe(time.perf_counter() - t0)

@@ -22,15 +22,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from atropos.errors import DockerCgroupUnavailable as DockerCgroupUnavailable  # defined there since issue 18
 from atropos.errors import IsolationUnavailable
 from atropos.sandbox.cgroups import CFS_PERIOD_US, V1_CONTROLLERS, V2_CONTROLLERS, mountinfo, rmdir_tree
 
 CONTAINER_CGROUP_DIR = "/run/atropos/cgroup"
 TOP = "atropos"
-
-
-class DockerCgroupUnavailable(IsolationUnavailable):
-    """The backend cannot prepare a slot cgroup subtree for a container here."""
 
 
 HINT = ("the Docker backend prepares each container's slot cgroups on the engine's machine: run it there as root, "

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, ScoredDataGroup
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from atropos.agent.errors import TokenTrackingError, inference_failure, is_infrastructure
 from atropos.agent.loop import (
@@ -56,7 +56,13 @@ from atropos.agent.managed import ManagedSession, TrackedSequence, servers_give_
 from atropos.agent.tokens import IGNORE, count_prompt_tokens, template_wraps_tool_responses, tokenize_conversation
 from atropos.backends.base import Backend
 from atropos.backends.config import BackendSettings
-from atropos.envs.config import AgentEnvConfig, backend_settings, default_server_configs, wandb_requested
+from atropos.envs.config import (
+    AgentEnvConfig,
+    backend_settings,
+    default_server_configs,
+    settings_problem,
+    wandb_requested,
+)
 from atropos.envs.verifier_check import (
     VerifierCheck,
     VerifierCheckResult,
@@ -181,6 +187,11 @@ class AgentEnv(BaseEnv):
             # tracebacks of the HTTP client under it; a bug (any other exception) keeps its traceback
             print(f"error: {exc}", file=sys.stderr, flush=True)
             sys.exit(exit_code(exc))
+        except ValidationError as exc:  # a bad --env.* / --openai.* value: one line too (exit 2, usage)
+            if (problem := settings_problem(exc, cls.env_config_cls)) is None:
+                raise
+            print(f"error: {problem}", file=sys.stderr, flush=True)
+            sys.exit(2)
         except KeyboardInterrupt:
             name = "SIGTERM" if stopped else "interrupt"
             print(f"[atropos-sandbox] stopped by {name}; the sandbox pool is down", file=sys.stderr, flush=True)

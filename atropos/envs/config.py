@@ -11,7 +11,7 @@ import os
 from typing import TYPE_CHECKING, Any, Literal
 
 from atroposlib.envs.base import APIServerConfig, BaseEnvConfig
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from atropos.backends.base import BACKEND_KINDS, BackendKind
 from atropos.tools.registry import DEFAULT_TOOLSETS
@@ -160,3 +160,13 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
 
 def _truthy(value: Any) -> bool:
     return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def settings_problem(exc: ValidationError, config_cls: type[BaseModel]) -> str | None:
+    """A bad ``--env.*`` / ``--openai.*`` value as one line (what is wrong and what was given), or
+    None when ``exc`` is not about the run's settings (a bug elsewhere keeps its traceback)."""
+    if exc.title not in {config_cls.__name__, AgentEnvConfig.__name__, APIServerConfig.__name__, "ServerBaseline"}:
+        return None
+    problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or exc.title}: {err['msg']} (given {err['input']!r})"
+                         for err in exc.errors())
+    return f"invalid settings ({exc.title}): {problems}"

@@ -46,6 +46,7 @@ from smolagents.utils import AgentError
 
 from atropos.errors import ConfigError
 from atropos.slots.lease import Lease
+from atropos.slots.results import SessionResult
 
 # Runs in the slot's session: which packages are importable already (offline leases can still use
 # what the sandbox's /usr ships), and pip (into the user site, importable at once) for the rest
@@ -118,7 +119,7 @@ class SlotPythonExecutor(RemotePythonExecutor):
         self.installed_packages: list[str] = []
 
     # -- transport -------------------------------------------------------------------------------
-    def _session(self, code: str, *, restart: bool = False) -> dict[str, Any]:
+    def _session(self, code: str, *, restart: bool = False) -> SessionResult:
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
@@ -152,7 +153,7 @@ class SlotPythonExecutor(RemotePythonExecutor):
             self._setup.append(code)
         return self._check(self._session(code))
 
-    def _check(self, r: dict[str, Any]) -> CodeOutput:
+    def _check(self, r: SessionResult) -> CodeOutput:
         logs = str(r.get("stdout") or "")
         if r.get("stderr"):
             logs += str(r["stderr"])

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from atropos.errors import IsolationUnavailable
+from atropos.errors import CgroupUnavailable as CgroupUnavailable  # defined there since issue 18
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +45,6 @@ SH = "/bin/sh"
 _PLACE = ('for f do [ "$f" = -- ] && break; echo $$ >"$f" || exit 125; shift; done; shift; '
           'unset PWD OLDPWD; exec "$@"')
 PLACEMENT_FAILED = 125
-
-
-class CgroupUnavailable(IsolationUnavailable):
-    """No writable cgroup for per-slot limits here (the host refuses to start without one)."""
 
 
 @dataclass(frozen=True)

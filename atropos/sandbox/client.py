@@ -10,14 +10,23 @@ import httpx
 
 from atropos.errors import (
     AtroposSandboxError,
+    AuthenticationError,
     HostUnavailable,
+    InfrastructureError,
     LeaseError,
     PathEscapeError,
     SlotSealed,
     SlotUnavailable,
+    TemplateBuildFailed,
+    TemplateInUse,
+    TemplateSourceError,
+    ToolError,
     ToolInputError,
+    TransportError,
+    UnknownTemplate,
+    WorkspaceError,
 )
-from atropos.sandbox.http1 import ConnectionPool, TransportError
+from atropos.sandbox.http1 import ConnectionPool
 from atropos.sandbox.protocol import (
     LEASE_HEADER,
     CallResult,
@@ -31,21 +40,11 @@ from atropos.sandbox.protocol import (
     VerifyRequest,
     VerifyResult,
 )
-from atropos.sandbox.workspace import (
-    TemplateBuildFailed,
-    TemplateError,
-    TemplateInUse,
-    TemplateSourceError,
-    UnknownTemplate,
-    WorkspaceError,
-)
 
-_TEMPLATE_ERRORS: dict[str, type[TemplateError]] = {
-    c.code: c for c in (UnknownTemplate, TemplateInUse, TemplateSourceError, TemplateBuildFailed)}
-
-
-class AuthenticationError(AtroposSandboxError):
-    """The host refused our token (401)."""
+# The host's error codes this side raises as the class the host raised (atropos.errors.ERRORS).
+_BY_CODE: dict[str, type[AtroposSandboxError]] = {cls.code: cls for cls in (
+    LeaseError, SlotSealed, SlotUnavailable, UnknownTemplate, TemplateInUse, TemplateSourceError,
+    TemplateBuildFailed, WorkspaceError, PathEscapeError)}
 
 
 class HostClient:
@@ -243,18 +242,11 @@ def _raise_for(status: int, body: bytes, where: str) -> NoReturn:
         code, message = "", text
     if status == 401:
         raise AuthenticationError(f"{where}: {message}")
-    if code == "lease_invalid":
-        raise LeaseError(message)
-    if code == "verification_phase":
-        raise SlotSealed(message)
-    if code == "no_free_slot":
-        raise SlotUnavailable(message)
-    if code in _TEMPLATE_ERRORS:
-        raise _TEMPLATE_ERRORS[code](message)
-    if code == "workspace_failed":
-        raise WorkspaceError(f"{where}: {message}")
-    if code == "path_escape":
-        raise PathEscapeError(f"HTTP {status} {code}: {message}", code=code, status=status)
+    known = _BY_CODE.get(code)
+    if known is not None and issubclass(known, ToolError):
+        raise known(f"HTTP {status} {code}: {message}", code=code, status=status)
+    if known is not None:  # the platform's errors name the host they happened on
+        raise known(f"{where}: {message}" if issubclass(known, InfrastructureError) else message)
     if status >= 500:
         raise HostUnavailable(f"{where}: HTTP {status}: {message}")
     raise ToolInputError(f"HTTP {status} {code}: {message}", code=code or "tool_error", status=status)

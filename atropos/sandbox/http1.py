@@ -22,14 +22,12 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from atropos.errors import TransportError
+
 # Idle connections older than this are closed instead of reused: the host drops idle keep-alive
 # connections after 120 s, and a request must never race that close (it may or may not have run).
 IDLE_TTL_S = 50.0
 READ_SIZE = 1 << 16
-
-
-class TransportError(Exception):
-    """The connection failed, closed early, sent something that is not HTTP, or timed out."""
 
 
 @dataclass

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from atropos.errors import InfrastructureError
+from atropos.errors import NetworkSetupFailed as NetworkSetupFailed  # defined there since issue 18
 from atropos.sandbox.egress import EgressPolicy, install_routes
 
 SLIRP4NETNS = shutil.which("slirp4netns") or "/usr/bin/slirp4netns"
@@ -46,10 +46,6 @@ def private_network_available() -> str | None:
         return ("/dev/net/tun is not usable by the slots' uids: chmod 0666 /dev/net/tun (the mode udev "
                 "gives it on Debian/Ubuntu; scripts/setup.sh does it)")
     return None
-
-
-class NetworkSetupFailed(InfrastructureError):
-    """The slot's private network could not be configured."""
 
 
 @dataclass

@@ -23,10 +23,6 @@ class ErrorInfo(BaseModel):
     status: int = Field(400, description="the HTTP status this error maps to")
 
 
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
 class LeaseRequest(BaseModel):
     trajectory_id: str = Field(min_length=1, max_length=256)
     network: bool = Field(False, description="let the slot's commands reach the network")

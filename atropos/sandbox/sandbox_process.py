@@ -13,17 +13,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from atropos.errors import InfrastructureError
+from atropos.errors import SandboxDied as SandboxDied  # defined there since issue 18
 from atropos.sandbox.network import NetworkSetupFailed, SlirpHandshake
 
 log = logging.getLogger(__name__)
 FRAME = struct.Struct(">I")
 MAX_FRAME = 96 << 20  # > base64 of the largest archive or read (see HostConfig)
 KILL_WAIT_S = 5.0
-
-
-class SandboxDied(InfrastructureError):
-    """The sandbox process exited or stopped answering; the slot's sandbox must be restarted."""
 
 
 class SandboxProcess:

@@ -26,13 +26,9 @@ import os
 import pathlib
 import tempfile
 
-from atropos.errors import IsolationUnavailable
+from atropos.errors import SeccompUnavailable as SeccompUnavailable  # defined there since issue 18
 
 __all__ = ["SeccompUnavailable", "build_filter_bytes", "write_filter"]
-
-
-class SeccompUnavailable(IsolationUnavailable):
-    """libseccomp is missing or refused to build our filter; we do not start sandboxes without it."""
 
 
 def _act_errno(code: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import functools
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -14,9 +15,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from atropos import __version__, metrics
-from atropos.asgi import ASGIApp, Receive, RequestGuard, Send, http_error, install_error_handlers
-from atropos.errors import LeaseError, SlotUnavailable, ToolError
-from atropos.fastroute import BadBody, Disconnected, read_model, send_error, send_json, stream_lines
+from atropos.asgi import ASGIApp, ErrorMap, Receive, RequestGuard, Send, http_error, install_error_handlers
+from atropos.errors import SlotUnavailable, ToolError
+from atropos.fastroute import body_route, send_json, stream_lines
 from atropos.sandbox.host import SandboxHost
 from atropos.sandbox.protocol import (
     LEASE_HEADER,
@@ -36,12 +37,13 @@ from atropos.sandbox.protocol import (
     VerifyRequest,
     VerifyResult,
 )
-from atropos.sandbox.sandbox_process import SandboxDied
-from atropos.sandbox.workspace import TemplateError, WorkspaceError
 
 log = logging.getLogger(__name__)
 
 _error = http_error
+# The host's answers: the table of atropos.errors, but "no free slot" is a 409: the state of this
+# host (every slot leased), not an outage; the pool asks its next host.
+HOST_ERRORS = ErrorMap({SlotUnavailable: lambda exc: (409, exc.code, None)})
 TAR_TYPES = {"application/x-tar": False, "application/tar": False, "application/gzip": True,
              "application/x-gzip": True}
 
@@ -61,7 +63,7 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
                 await host.stop()
 
     app = FastAPI(title="atropos-sandbox host", version=__version__, lifespan=lifespan)
-    install_error_handlers(app)
+    install_error_handlers(app, HOST_ERRORS)
 
     async def auth(authorization: str = Header("", description="Bearer <host token>")) -> None:
         """Documents the header; RequestGuard has already checked it before the body was read."""
@@ -69,13 +71,23 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
         if not token or scheme.lower() != "bearer" or not hmac.compare_digest(presented.encode(), token):
             raise _error(401, "unauthorized", "missing or wrong bearer token")
 
-    def slot_or_404(index: int) -> None:
-        try:
-            host.slot(index)
-        except KeyError as exc:
-            raise _error(404, "unknown_slot", str(exc.args[0])) from None
-
     deps = [Depends(auth)]
+    _slot_routes(app, host, deps)
+    _template_routes(app, host, deps)
+    _file_routes(app, host, deps)
+    return app
+
+
+def _slot_or_404(host: SandboxHost, index: int) -> None:
+    try:
+        host.slot(index)
+    except KeyError as exc:
+        raise _error(404, "unknown_slot", str(exc.args[0])) from None
+
+
+def _slot_routes(app: FastAPI, host: SandboxHost, deps: list[Any]) -> None:
+    """Health and metrics; leasing, resetting, sealing and verifying slots; tool calls."""
+    slot_or_404 = functools.partial(_slot_or_404, host)
 
     @app.get("/v1/health", response_model=HealthInfo, dependencies=deps)
     async def health() -> JSONResponse:
@@ -96,23 +108,11 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
     async def lease(req: LeaseRequest) -> LeaseInfo:
         if req.slot is not None:
             slot_or_404(req.slot)
-        try:
-            return await host.lease(req)
-        except SlotUnavailable as exc:
-            raise _error(409, "no_free_slot", str(exc)) from None
-        except TemplateError as exc:
-            raise _error(exc.status, exc.code, str(exc)) from None
-        except WorkspaceError as exc:
-            raise _error(503, "workspace_failed", str(exc)) from None
+        return await host.lease(req)
 
     async def _reset(slot: int, req: ResetRequest, keep: bool) -> ResetResult:
         slot_or_404(slot)
-        try:
-            return await host.reset(slot, req, keep=keep)
-        except LeaseError as exc:
-            raise _error(409, "lease_invalid", str(exc)) from None
-        except TemplateError as exc:
-            raise _error(exc.status, exc.code, str(exc)) from None
+        return await host.reset(slot, req, keep=keep)
 
     @app.post("/v1/slots/{slot}/reset", response_model=ResetResult, dependencies=deps)
     async def reset(slot: int, req: ResetRequest) -> ResetResult:
@@ -129,12 +129,7 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
         """Begin the slot's verification phase: every process of the slot is killed, and from now
         on nothing runs or writes in it (reading the workspace and verify remain) until its reset."""
         slot_or_404(slot)
-        try:
-            return await host.seal(slot, req.lease)
-        except LeaseError as exc:
-            raise _error(409, "lease_invalid", str(exc)) from None
-        except SandboxDied as exc:
-            raise _error(503, "sandbox_failed", str(exc)) from None
+        return await host.seal(slot, req.lease)
 
     @app.post("/v1/slots/{slot}/verify", response_model=VerifyResult, dependencies=deps)
     async def verify(slot: int, req: VerifyRequest) -> VerifyResult:
@@ -143,12 +138,10 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
         slot_or_404(slot)
         try:
             return await host.verify(slot, req)
-        except LeaseError as exc:
-            raise _error(409, "lease_invalid", str(exc)) from None
-        except ToolError as exc:
-            raise _error(413, "too_large", str(exc)) from None
-        except SandboxDied as exc:
-            raise _error(503, "sandbox_failed", str(exc)) from None
+        except ToolError as exc:  # the one ToolError verify raises: secrets over MAX_VERIFY_SECRETS
+            if exc.code != ToolError.code:
+                raise
+            raise ToolError(str(exc), code="too_large", status=413) from None
 
     @app.post("/v1/calls", dependencies=deps, response_class=StreamingResponse,
               responses={200: {"content": {"application/x-ndjson": {}},
@@ -164,16 +157,11 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
     async def call(call: ToolCall) -> CallResult:
         return await host.run_call(call)
 
-    async def file_call(slot: int, lease: str, tool: str, args: dict[str, Any]) -> dict[str, Any]:
-        slot_or_404(slot)
-        result = await host.run_call(ToolCall(id=tool, slot=slot, lease=lease, tool=tool, args=args))
-        if not result.ok:
-            assert result.error is not None
-            raise _error(result.error.status, result.error.code, result.error.message)
-        assert result.result is not None
-        return result.result
 
-    # -- templates ---------------------------------------------------------------------------
+def _template_routes(app: FastAPI, host: SandboxHost, deps: list[Any]) -> None:
+    """Templates: made from a slot or a source, listed, deleted, shipped as tar streams."""
+    slot_or_404 = functools.partial(_slot_or_404, host)
+
     @app.post("/v1/templates", response_model=TemplateInfo, dependencies=deps, openapi_extra={
         "requestBody": {"required": True, "content": {
             "application/json": {"schema": TemplateRequest.model_json_schema()},
@@ -183,24 +171,17 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
         """Make a template from a leased slot (it continues as a fork of it), an allowed host
         directory, a git repository, or an uploaded tar archive (the body itself)."""
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype in TAR_TYPES:
+            return await host.upload_template(request.stream(), name, gzip=TAR_TYPES[ctype])
         try:
-            if ctype in TAR_TYPES:
-                return await host.upload_template(request.stream(), name, gzip=TAR_TYPES[ctype])
-            try:
-                req = TemplateRequest.model_validate_json(await request.body())
-            except ValidationError as exc:
-                problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
-                                     for e in exc.errors())
-                raise _error(422, "invalid_request", problems) from None
-            if req.source == "slot" and req.slot is not None:
-                slot_or_404(req.slot)
-            return await host.create_template(req)
-        except TemplateError as exc:
-            raise _error(exc.status, exc.code, str(exc)) from None
-        except LeaseError as exc:
-            raise _error(409, "lease_invalid", str(exc)) from None
-        except WorkspaceError as exc:
-            raise _error(503, "workspace_failed", str(exc)) from None
+            req = TemplateRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
+                                 for e in exc.errors())
+            raise _error(422, "invalid_request", problems) from None
+        if req.source == "slot" and req.slot is not None:
+            slot_or_404(req.slot)
+        return await host.create_template(req)
 
     @app.get("/v1/templates", response_model=list[TemplateInfo], dependencies=deps)
     async def templates() -> list[TemplateInfo]:
@@ -208,29 +189,33 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
 
     @app.get("/v1/templates/{template_id}", response_model=TemplateInfo, dependencies=deps)
     async def template(template_id: str) -> TemplateInfo:
-        try:
-            return host.template(template_id).info()
-        except TemplateError as exc:
-            raise _error(exc.status, exc.code, str(exc)) from None
+        return host.template(template_id).info()
 
     @app.delete("/v1/templates/{template_id}", dependencies=deps)
     async def delete_template(template_id: str) -> dict[str, Any]:
         """Delete a template; refused (409 template_in_use) while any slot is built on it."""
-        try:
-            host.delete_template(template_id)
-        except TemplateError as exc:
-            raise _error(exc.status, exc.code, str(exc)) from None
+        host.delete_template(template_id)
         return {"deleted": template_id}
 
     @app.get("/v1/templates/{template_id}/archive", dependencies=deps, response_class=StreamingResponse,
              responses={200: {"content": {"application/x-tar": {}}}})
     async def template_archive(template_id: str) -> StreamingResponse:
         """The template as a POSIX tar stream: upload it to another host to use it there."""
-        try:
-            stream = host.template_archive(template_id)
-        except TemplateError as exc:
-            raise _error(exc.status, exc.code, str(exc)) from None
-        return StreamingResponse(stream, media_type="application/x-tar")
+        return StreamingResponse(host.template_archive(template_id), media_type="application/x-tar")
+
+
+def _file_routes(app: FastAPI, host: SandboxHost, deps: list[Any]) -> None:
+    """A leased slot's workspace as files (the lease token in a header): read, write, list, stat, archive."""
+    slot_or_404 = functools.partial(_slot_or_404, host)
+
+    async def file_call(slot: int, lease: str, tool: str, args: dict[str, Any]) -> dict[str, Any]:
+        slot_or_404(slot)
+        result = await host.run_call(ToolCall(id=tool, slot=slot, lease=lease, tool=tool, args=args))
+        if not result.ok:
+            assert result.error is not None
+            raise _error(result.error.status, result.error.code, result.error.message)
+        assert result.result is not None
+        return result.result
 
     lease_header = Header(..., alias=LEASE_HEADER, min_length=1, max_length=256)
 
@@ -265,8 +250,6 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
         out = await file_call(slot, lease, "archive", {"path": path})
         return Response(base64.b64decode(out["content"]), media_type="application/gzip")
 
-    return app
-
 
 def wrap(app: FastAPI, host: SandboxHost) -> ASGIApp:
     """Auth and body limit first, for every path (docs included: a host is not a public service).
@@ -291,32 +274,19 @@ def wrap(app: FastAPI, host: SandboxHost) -> ASGIApp:
 
 # -- the hot routes, served raw (see atropos.fastroute); their FastAPI twins above are the schema --
 def _call_route(host: SandboxHost) -> ASGIApp:
-    async def call(scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        try:
-            req = await read_model(scope, receive, ToolCall)
-        except BadBody as exc:
-            return await send_error(send, 422, "invalid_request", str(exc))
-        except Disconnected:
-            return
+    async def call(_scope: dict[str, Any], _receive: Receive, send: Send, req: ToolCall) -> None:
         result = await host.run_call(req)
         await send_json(send, 200, result.model_dump_json().encode())
 
-    return call
+    return body_route(ToolCall, call)
 
 
 def _calls_route(host: SandboxHost) -> ASGIApp:
-    async def calls(scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        try:
-            batch = await read_model(scope, receive, CallBatch)
-        except BadBody as exc:
-            return await send_error(send, 422, "invalid_request", str(exc))
-        except Disconnected:
-            return
-
+    async def calls(_scope: dict[str, Any], receive: Receive, send: Send, batch: CallBatch) -> None:
         async def lines() -> AsyncIterator[bytes]:
             async for result in host.run_calls(batch.calls):
                 yield result.model_dump_json().encode() + b"\n"
 
         await stream_lines(receive, send, lines(), b"application/x-ndjson")
 
-    return calls
+    return body_route(CallBatch, calls)

@@ -29,7 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from atropos.errors import AtroposSandboxError, InfrastructureError
+from atropos.errors import TemplateBuildFailed as TemplateBuildFailed
+from atropos.errors import TemplateError as TemplateError
+from atropos.errors import TemplateInUse as TemplateInUse
+from atropos.errors import TemplateSourceError as TemplateSourceError
+from atropos.errors import UnknownTemplate as UnknownTemplate
+from atropos.errors import WorkspaceError as WorkspaceError
 from atropos.sandbox.protocol import TemplateInfo
 
 log = logging.getLogger(__name__)
@@ -40,34 +45,7 @@ HELPER = Path(__file__).with_name("mounthelper.py")
 TOOL_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
-# -- errors ------------------------------------------------------------------------------------
-class TemplateError(AtroposSandboxError):
-    """A template request that cannot be served; ``code``/``status`` map onto the HTTP error."""
-
-    code = "template_error"
-    status = 400
-
-
-class UnknownTemplate(TemplateError):
-    code, status = "unknown_template", 404
-
-
-class TemplateInUse(TemplateError):
-    code, status = "template_in_use", 409
-
-
-class TemplateSourceError(TemplateError):
-    code, status = "template_source_invalid", 400
-
-
-class TemplateBuildFailed(TemplateError):
-    """The source could not be turned into a tree (git clone failed, corrupt archive, ...)."""
-
-    code, status = "template_failed", 400
-
-
-class WorkspaceError(InfrastructureError):
-    """Mounting, unmounting or copying a workspace failed (the slot is quarantined)."""
+# -- errors: TemplateError and its kinds, WorkspaceError (defined in atropos.errors) ----------
 
 
 # -- trees -------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from atropos.backends.base import HostInfo
-from atropos.errors import HostUnavailable, InfrastructureError, LeaseError, ResetFailed, ToolError
+from atropos.errors import HostUnavailable, InfrastructureError, LeaseError, ResetFailed, SandboxDied, ToolError
 from atropos.sandbox.client import HostClient
 from atropos.sandbox.protocol import (
     CallResult,
@@ -21,7 +21,7 @@ from atropos.sandbox.protocol import (
     VerifyRequest,
     VerifyResult,
 )
-from atropos.slots.results import BashResult, WriteResult
+from atropos.slots.results import BashResult, SessionResult, WriteResult
 
 if TYPE_CHECKING:
     from atropos.slots.pool import SlotPool
@@ -139,28 +139,50 @@ class Lease:
         return ToolCall(id=call_id or secrets.token_hex(6), slot=self.slot, lease=self.token, tool=tool,
                         args=args or {}, timeout_s=timeout_s, trajectory_id=self.trajectory_id)
 
-    async def call(self, tool: str, args: dict[str, Any] | None = None, *, timeout_s: float | None = None,
-                   call_id: str | None = None) -> CallResult:
-        """Run one tool call. Tool failures come back in the result; a dead host raises HostUnavailable."""
+    # -- the one tool-call path: Lease.call and the ToolExecutor's batches both go through
+    # start_call (checks, counts) and settled (what a result means); only the transport differs.
+    def start_call(self, tool: str, args: dict[str, Any] | None = None, *, timeout_s: float | None = None,
+                   call_id: str | None = None) -> ToolCall:
+        """A call about to be sent on this lease: the lease checked, the call counted, its wire form."""
         self.check()
         call = self.tool_call(tool, args, timeout_s=timeout_s, call_id=call_id)
         self.calls += 1
         self.pool.count_call()
+        return call
+
+    @staticmethod
+    def settled(result: CallResult) -> CallResult:
+        """``result``, unless it is the platform's or the lease's failure rather than the tool's:
+        a lease the host no longer honours raises LeaseError (the caller retries on a fresh lease),
+        a sandbox that failed raises InfrastructureError. A tool that failed stays a result."""
+        error = result.error
+        if error is not None:
+            if error.code == LeaseError.code:
+                raise LeaseError(error.message)
+            if error.code == SandboxDied.code:
+                raise InfrastructureError(error.message)  # the platform failed, not the tool
+        return result
+
+    async def call(self, tool: str, args: dict[str, Any] | None = None, *, timeout_s: float | None = None,
+                   call_id: str | None = None) -> CallResult:
+        """Run one tool call. Tool failures come back in the result; a lease the host refuses raises
+        LeaseError, a dead host HostUnavailable (see ``settled``)."""
+        call = self.start_call(tool, args, timeout_s=timeout_s, call_id=call_id)
         try:
             result = await self.host.guard(self.host.client.call(call))
         except HostUnavailable:
             self.pool.suspect(self.host)
             raise
-        if result.error is not None and result.error.code == "sandbox_failed":
-            raise InfrastructureError(result.error.message)  # the platform failed, not the tool
-        return result
+        return self.settled(result)
 
     async def ok(self, tool: str, args: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
-        """Like ``call``, but a failed tool raises ToolError and only the structured result is returned."""
+        """Like ``call``, but a failed tool raises ToolError (with the host's code and status) and
+        only the structured result is returned."""
         result = await self.call(tool, args, **kw)
         if not result.ok or result.result is None:
             assert result.error is not None
-            raise ToolError(f"{tool}: {result.error.code}: {result.error.message}")
+            raise ToolError(f"{tool}: {result.error.code}: {result.error.message}", code=result.error.code,
+                            status=result.error.status)
         return result.result
 
     async def bash(self, command: str, *, timeout_s: float | None = None) -> BashResult:
@@ -169,10 +191,11 @@ class Lease:
         return BashResult.model_validate(await self.ok("bash", {"command": command}, timeout_s=timeout_s))
 
     async def python_session(self, code: str, *, restart: bool = False,
-                             timeout_s: float | None = None) -> dict[str, Any]:
+                             timeout_s: float | None = None) -> SessionResult:
         """Run code in the slot's persistent Python session (state survives between calls; a
         failing cell is a result with ``error`` set, not an exception)."""
-        return await self.ok("python_session", {"code": code, "restart": restart}, timeout_s=timeout_s)
+        return SessionResult.model_validate(
+            await self.ok("python_session", {"code": code, "restart": restart}, timeout_s=timeout_s))
 
     async def read_file(self, path: str) -> str:
         """The text of a workspace file (``path`` relative to /workspace or under /workspace/);
@@ -189,11 +212,11 @@ class Lease:
         self.check()
         return await self.host.guard(self.host.client.read_bytes(self.slot, self.token, path))
 
-    async def write_bytes(self, path: str, data: bytes) -> dict[str, Any]:
-        """Write raw bytes to a workspace file; returns ``{"path", "bytes_written", "size"}``
-        (see ``WriteResult``)."""
+    async def write_bytes(self, path: str, data: bytes) -> WriteResult:
+        """Write raw bytes to a workspace file (parents created)."""
         self.check()
-        return await self.host.guard(self.host.client.write_bytes(self.slot, self.token, path, data))
+        return WriteResult.model_validate(
+            await self.host.guard(self.host.client.write_bytes(self.slot, self.token, path, data)))
 
     async def archive(self, path: str = ".") -> bytes:
         """A tar.gz of a workspace directory (default: the whole workspace)."""

@@ -21,21 +21,22 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from atropos.backends.base import Backend, HostInfo
-from atropos.errors import AtroposSandboxError, HostUnavailable, LeaseError, SlotUnavailable
+from atropos.errors import (
+    AtroposSandboxError,
+    HostUnavailable,
+    LeaseError,
+    SlotUnavailable,
+    TemplateInUse,
+    UnknownTemplate,
+    WorkspaceError,
+)
+from atropos.errors import GroupTooLarge as GroupTooLarge  # defined there since issue 18
 from atropos.sandbox.client import HostClient
-from atropos.sandbox.workspace import TemplateInUse, UnknownTemplate, WorkspaceError
 from atropos.slots.audit import LeaseAudit
 from atropos.slots.config import PoolConfig
 from atropos.slots.lease import Lease, PoolHost, PoolTemplate
 
 log = logging.getLogger(__name__)
-
-
-class GroupTooLarge(SlotUnavailable):
-    """A group asks for more slots than the pool can ever hold (max_hosts x slots per host).
-
-    Raised at once: waiting could only end in a timeout, and meanwhile the group would sit at
-    the head of the FIFO queue holding up every request behind it."""
 
 
 @dataclass

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["BashResult", "WriteResult"]
+__all__ = ["BashResult", "SessionResult", "WriteResult"]
 
 
 class _Result(BaseModel):
@@ -48,3 +48,19 @@ class WriteResult(_Result):
     path: str
     bytes_written: int
     size: int = Field(description="the file's size after the write")
+
+
+class SessionResult(_Result):
+    """What a ``python_session`` cell did. A cell that raises is a result with ``error`` set; a
+    session that was lost (it ignored its interrupt, crashed, ran out of memory) is one with
+    ``restarted`` set: the next call starts an empty interpreter."""
+
+    stdout: str = ""
+    stderr: str = ""
+    value: str | None = Field(None, description="repr of the cell's last expression, if any")
+    error: dict[str, Any] | None = Field(None, description="``type``, ``message`` and ``traceback`` of what it raised")
+    timed_out: bool = Field(False, description="interrupted at its timeout")
+    output_limited: bool = Field(False, description="interrupted at the output limit")
+    restarted: bool = Field(False, description="the session was lost during the call and restarted empty")
+    session_started: bool = Field(False, description="this call started a new interpreter")
+    duration_ms: float = 0.0

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, Field
 
-from atropos.errors import HostUnavailable, InfrastructureError, LeaseError
+from atropos.errors import HostUnavailable, InfrastructureError
 from atropos.sandbox.protocol import CallResult, ToolCall
 from atropos.slots.lease import Lease, PoolHost
 from atropos.slots.pool import SlotPool
@@ -195,7 +195,6 @@ class _HostQueue:
         pending = request.pending
         self.executor.requests_sent += 1
         self.executor.calls_sent += len(calls)
-        self.executor.pool.count_call(len(calls))
 
         sent = time.perf_counter()
 
@@ -339,9 +338,8 @@ class ToolExecutor:
                 requested = timeout_s if timeout_s is not None else args.pop("timeout_s", None)
                 if requested is not None and not isinstance(requested, int | float):
                     requested = None
-                wires.append(lease.tool_call(call.name, args, timeout_s=self.clamp(requested),
-                                             call_id=str(next(self._ids))))
-                lease.calls += 1
+                wires.append(lease.start_call(call.name, args, timeout_s=self.clamp(requested),
+                                              call_id=str(next(self._ids))))
             futures = self._queue(lease.host).put(wires)
             try:
                 results = [await fut for fut in futures]
@@ -351,12 +349,7 @@ class ToolExecutor:
                         fut.exception()  # retrieved: the first failure is the one raised
                 raise
             for (i, call), result in zip(sandbox, results, strict=True):
-                if result.error is not None and result.error.code == "lease_invalid":
-                    raise LeaseError(result.error.message)
-                if result.error is not None and result.error.code == "sandbox_failed":
-                    # the slot's sandbox did not answer or start: the platform's failure, not the model's
-                    raise InfrastructureError(result.error.message)
-                ok, text = format_result(call.name, result)
+                ok, text = format_result(call.name, lease.settled(result))
                 outcomes[i] = ToolOutcome(call_id=call.id, name=call.name, ok=ok, content=text, raw=result.result,
                                           duration_ms=result.duration_ms)
         for i, call in externals:
