@@ -104,6 +104,20 @@ def protocol_fds() -> tuple[int, int]:
     return rfd, wfd
 
 
+def cloexec_all() -> None:
+    """Every descriptor this process holds beyond stdio becomes close-on-exec, so a child started
+    with ``posix_spawn`` (which, unlike ``Popen(close_fds=True)``, closes nothing itself) inherits
+    only what is made inheritable for it on purpose. Descriptors Python opens later are
+    close-on-exec already (PEP 446)."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2:
+            try:
+                os.set_inheritable(fd, False)
+            except OSError:
+                pass  # the listing's own descriptor, closed by now
+
+
 def read_exact(fd: int, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:

@@ -7,7 +7,7 @@ Standard library only; copied into the host's lib dir beside ``supervisor.py`` (
 from __future__ import annotations
 
 import os
-import subprocess
+import signal
 
 # Warm interpreters: a `bash` (and, once the slot has used `python`, a `python3`) that has already
 # paid for exec, dynamic loading and start-up, waiting for its command: the next default call only
@@ -61,29 +61,107 @@ _atropos_boot()
 WARM_KINDS = {BASH: _bash_boot, PYTHON: _python_boot}
 
 
+class Child:
+    """A process this supervisor spawned and has not reaped: what ``subprocess.Popen`` keeps, minus
+    its cost (no Python-level pipe, error pipe or file objects; the spawn is a vfork in libc)."""
+
+    def __init__(self, pid: int, out_fd: int, err_fd: int) -> None:
+        self.pid = pid
+        self.out_fd = out_fd
+        self.err_fd = err_fd
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGKILL)  # unreaped: the pid is still ours
+
+    def close_pipes(self) -> None:
+        for fd in (self.out_fd, self.err_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.out_fd = self.err_fd = -1
+
+
+# Python ignores these at start-up and exec keeps an ignored signal ignored: reset, as Popen does.
+_SIGDEF = tuple(s for s in (getattr(signal, "SIGPIPE", None), getattr(signal, "SIGXFSZ", None)) if s is not None)
+
+
+def executable(name: str, env: dict[str, str]) -> str:
+    """``name`` looked up in the PATH of ``env``, as Popen looks up a program for that environment."""
+    if os.sep in name:
+        return name
+    for d in os.get_exec_path(env):
+        path = os.path.join(d, name)
+        if os.access(path, os.X_OK) and not os.path.isdir(path):
+            return path
+    raise FileNotFoundError(2, f"{name}: not found in PATH", name)
+
+
+def spawn(argv: list[str], env: dict[str, str], cwd: str) -> Child:
+    """Start ``argv`` in its own session with stdin from /dev/null and stdout/stderr into fresh
+    non-blocking pipes. The child inherits this process's inheritable descriptors at their numbers;
+    every other descriptor here is close-on-exec (see ``inslot.cloexec_all``). ``cwd`` becomes this
+    process's own cwd (nothing here uses it: every path the supervisor opens is absolute or relative
+    to a directory descriptor)."""
+    path = executable(argv[0], env)
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        os.chdir(cwd)
+        pid = os.posix_spawn(path, argv, env, setsid=True, setsigdef=_SIGDEF, file_actions=[
+            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)])
+    except BaseException:
+        os.close(out_r)
+        os.close(err_r)
+        raise
+    finally:
+        os.close(out_w)
+        os.close(err_w)
+    os.set_blocking(out_r, False)
+    os.set_blocking(err_r, False)
+    return Child(pid, out_r, err_r)
+
+
 class WarmInterpreter:
     """A pre-started interpreter for the slot's next default call of its kind (workspace cwd, slot
-    env, no stdin), fed its source through a memfd."""
+    env, no stdin), fed its source through a memfd. Its pidfd is opened at the start too: the call
+    it serves pays for nothing but the go."""
 
     def __init__(self, kind: str, cwd: str, env: dict[str, str]) -> None:
-        self.src_fd = os.memfd_create("source", os.MFD_CLOEXEC)
+        # Both inheritable only until the spawn below (this process starts nothing else meanwhile).
+        self.src_fd = os.memfd_create("source", 0)
         go_r, self.go_w = os.pipe2(os.O_CLOEXEC)
-        devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        os.set_inheritable(go_r, True)
         try:
-            self.proc = subprocess.Popen(
-                [kind, "-c", WARM_KINDS[kind](go_r, self.src_fd)], stdin=devnull,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env, close_fds=True,
-                start_new_session=True, pass_fds=(go_r, self.src_fd),
-            )
+            self.proc = spawn([kind, "-c", WARM_KINDS[kind](go_r, self.src_fd)], env, cwd)
         except BaseException:
             os.close(self.src_fd)
             os.close(self.go_w)
             raise
         finally:
             os.close(go_r)
-            os.close(devnull)
+        os.set_inheritable(self.src_fd, False)
         self.kind = kind
         self.cwd = cwd
+        try:
+            self.pidfd = os.pidfd_open(self.proc.pid)
+        except BaseException:
+            self.drop()
+            raise
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -105,12 +183,12 @@ class WarmInterpreter:
     def drop(self) -> None:
         """Kill (if still alive) and reap."""
         self.close_fds()  # EOF on the go pipe: it would exit by itself
-        for pipe in (self.proc.stdout, self.proc.stderr):
-            if pipe is not None:
-                pipe.close()
+        self.proc.close_pipes()
+        pidfd, self.pidfd = getattr(self, "pidfd", -1), -1
+        if pidfd >= 0:
+            os.close(pidfd)
         try:
             self.proc.kill()
         except OSError:
             pass
         self.proc.wait()
-

@@ -26,9 +26,10 @@ table clean.
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
-import selectors
+import select
 import signal
 import subprocess
 import sys
@@ -36,18 +37,26 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from atropos.sandbox.inslot import Capture, apply_limits, make_undumpable, ns_last_pid, protocol_fds, serve
+    from atropos.sandbox.inslot import (
+        Capture,
+        apply_limits,
+        cloexec_all,
+        make_undumpable,
+        ns_last_pid,
+        protocol_fds,
+        serve,
+    )
     from atropos.sandbox.inslot_archive import archive
     from atropos.sandbox.inslot_files import SlotFiles, ToolFailure
     from atropos.sandbox.inslot_terminal import run_terminal
-    from atropos.sandbox.inslot_warm import BASH, WARM_KINDS, WarmInterpreter
+    from atropos.sandbox.inslot_warm import BASH, WARM_KINDS, Child, WarmInterpreter
 else:  # run from the host's lib dir, beside inslot.py (isolated mode: the dir is not on sys.path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from inslot import Capture, apply_limits, make_undumpable, ns_last_pid, protocol_fds, serve
+    from inslot import Capture, apply_limits, cloexec_all, make_undumpable, ns_last_pid, protocol_fds, serve
     from inslot_archive import archive
     from inslot_files import SlotFiles, ToolFailure
     from inslot_terminal import run_terminal
-    from inslot_warm import BASH, WARM_KINDS, WarmInterpreter
+    from inslot_warm import BASH, WARM_KINDS, Child, WarmInterpreter
     del sys.path[0]
 
 
@@ -114,76 +123,85 @@ class Supervisor:
         timeout = float(req.get("timeout", 60.0))
         cap = int(req.get("max_output", 65536))
         hard_cap = int(req.get("hard_output", 64 << 20))
-        cwd = self.files._resolve_dir(req.get("cwd") or ".")
-        env = dict(self.env)
-        env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
+        where = req.get("cwd") or "."
+        # The workspace root never moves while this sandbox lives (see idle): no lookup for it.
+        cwd = self.root_dir if where == "." and self.root_dir is not None else self.files._resolve_dir(where)
         self.guard()  # again, right before a waiting interpreter is handed the call
         warm = self._take_warm(argv, req, cwd)
+        # While the mark holds after the call, nothing was created in the sandbox during it (see below).
+        mark = self.mark if warm is not None and not self.warm else None
         if warm is not None:
-            proc = warm.proc
+            proc: Child | _PopenChild = warm.proc
+            pidfd = warm.pidfd
+            warm.pidfd = -1  # ours to close now
             _limit_cpu(proc.pid, req.get("cpu_seconds"))  # before the source starts
             start = time.monotonic()
             warm.go(argv[2])
         else:
+            env = dict(self.env)
+            env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
             start = time.monotonic()
             try:
-                proc = self._popen(argv, req, cwd, env)
+                proc = _PopenChild(self._popen(argv, req, cwd, env))
             except OSError as exc:
                 return {"exit_code": 127, "signal": None, "timed_out": False, "stdout": "",
                         "stderr": f"cannot start {argv[0]}: {exc.strerror}\n", "stdout_bytes": 0,
                         "stderr_bytes": 0, "stdout_truncated": False, "stderr_truncated": False,
                         "duration_ms": 0.0, "output_limited": False}
             _limit_cpu(proc.pid, req.get("cpu_seconds"))
+            pidfd = os.pidfd_open(proc.pid)
         out, err = Capture(cap), Capture(cap)
-        streams = {proc.stdout: out, proc.stderr: err}
-        sel = selectors.DefaultSelector()
-        for pipe in streams:
-            assert pipe is not None
-            os.set_blocking(pipe.fileno(), False)
-            sel.register(pipe, selectors.EVENT_READ)
-        pidfd = os.pidfd_open(proc.pid)
-        sel.register(pidfd, selectors.EVENT_READ)
+        streams = {proc.out_fd: out, proc.err_fd: err}
+        poller = select.poll()
+        for fd in (proc.out_fd, proc.err_fd, pidfd):
+            poller.register(fd, select.POLLIN)
+        open_fds = 3
         deadline = start + timeout
         timed_out = output_limited = exited = False
-        while sel.get_map():
+        while open_fds:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 timed_out = True
                 break
             # Once the main process is gone, a background child holding the pipe must not keep
             # the call open: give the pipes a short grace to drain, then stop.
-            events = sel.select(0.05 if exited else remaining)
+            events = poller.poll(50 if exited else math.ceil(remaining * 1000))
             if exited and not events:
                 break
-            for key, _ in events:
-                if key.fileobj == pidfd:
+            for fd, _ in events:
+                if fd == pidfd:
                     exited = True
-                    sel.unregister(pidfd)
+                    poller.unregister(pidfd)
+                    open_fds -= 1
                     continue
-                chunk = b""
                 try:
-                    chunk = os.read(key.fd, 65536)
+                    chunk = os.read(fd, 65536)
                 except BlockingIOError:
                     continue
                 if not chunk:
-                    sel.unregister(key.fileobj)
+                    poller.unregister(fd)
+                    open_fds -= 1
                     continue
-                streams[key.fileobj].feed(chunk)  # type: ignore[index]
+                streams[fd].feed(chunk)
             if out.total + err.total > hard_cap:
                 output_limited = True
                 break
-        sel.close()
         os.close(pidfd)
-        self.kill_leftovers()
-        if self.isolated:
-            self._drop_warm()  # kill(-1) took them too: reap them, new ones start when we are idle
-            self.mark = ns_last_pid()  # the call's process is still unreaped: its pid stays taken
+        if (mark is not None and exited and not timed_out and not output_limited and not self.warm
+                and ns_last_pid() == mark):
+            # No pid was handed out in the sandbox since the interpreter that ran the call was
+            # started (it was the last, and is unreaped): the call created no process or thread,
+            # and no waiting interpreter is left that it could have touched. Nothing to sweep.
+            pass
+        else:
+            self.kill_leftovers()
+            if self.isolated:
+                self._drop_warm()  # kill(-1) took them too: reap them, new ones start when we are idle
+                self.mark = ns_last_pid()  # the call's process is still unreaped: its pid stays taken
         if not self.isolated and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         code = proc.wait()
-        for pipe in streams:
-            assert pipe is not None
-            pipe.close()
+        proc.close_pipes()
         stdout, out_trunc = out.text()
         stderr, err_trunc = err.text()
         return {
@@ -307,6 +325,30 @@ class Supervisor:
             return {"ok": False, "error": {"code": "tool_error", "message": f"{op}: {type(exc).__name__}: {exc}"}}
 
 
+class _PopenChild:
+    """A call's own process (not a warm one): the ``Child`` view of its Popen."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None and proc.stderr is not None
+        self.proc = proc
+        self.pid = proc.pid
+        self.out_fd = proc.stdout.fileno()
+        self.err_fd = proc.stderr.fileno()
+        os.set_blocking(self.out_fd, False)
+        os.set_blocking(self.err_fd, False)
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def wait(self) -> int:
+        return self.proc.wait()
+
+    def close_pipes(self) -> None:
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
 SEALED_REFUSED = frozenset({"exec", "terminal", "write_file", "edit_file"})
 
 
@@ -325,6 +367,7 @@ def main() -> None:
     apply_limits(cfg.get("limits", {}))
     if cfg.get("exec"):
         os.execvpe(cfg["exec"][0], cfg["exec"], dict(cfg.get("env", {})))
+    cloexec_all()  # what bwrap handed us stays here: interpreters are spawned without a close-all
     sup = Supervisor(cfg)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     serve(rfd, wfd, sup.handle, idle=sup.idle)  # idle: the next warm bash starts after the reply
