@@ -18,6 +18,10 @@ Variants (timed in alternating chunks, so load changes hit all alike):
   custom seccomp, port on 127.0.0.1 through docker-proxy), one leased slot. Timed in the same
   interleaved rounds as the two docker CLI rows; only with an engine, the image and the docker SDK.
 
+- ``cpu/call: ...``: CPU time per ``true`` call through the host API, by process, from /proc (load
+  inflates it less than wall time): this process (the client), the host process, the slot's
+  supervisor, and the bash interpreters it reaped (one started per call).
+
 - ``bash: true (lease.bash)`` / ``(ToolExecutor.execute)``: the routes users take, on one local
   SlotPool host (``benchmarks.routes``): the Python lease API and the executor every AgentEnv
   rollout uses (default config); ``bash: true (REST, ...)``: the ToolServer's
@@ -198,6 +202,7 @@ async def run(quick: bool) -> ScenarioResult:
 
                 variants["bash: true (DockerBackend host)"] = (docker_true, n_api)
         samples = await time_interleaved(variants, warmup=3 if quick else 5, rounds=5 if quick else 10)
+        cpu_rows = await _cpu_breakdown(host.proc.pid, tool("bash", {"command": "true"}), n_api * 2)
         await client.release(lease.slot, lease.lease)
     finally:
         await routes.aclose()
@@ -226,6 +231,7 @@ async def run(quick: bool) -> ScenarioResult:
                          + (f"uid {UNPRIVILEGED_UID}" if os.geteuid() == 0 else "own uid"))]
     res.rows += _route_rows(res, samples, floor)
     res.rows += _breakdown(res)
+    res.rows += cpu_rows
     true_row.target = "p50 <= 2x floor"
     true_row.passed = true_row.p50 <= 2 * floor.p50
     res.targets.append(Target("`true` p50 <= 2x fork+exec floor",
@@ -274,6 +280,52 @@ def _route_rows(res: ScenarioResult, samples: dict[str, list[float]], floor: Row
                                   f"{row.p50:.2f} ms vs 2.5 x {floor.p50:.2f} = {2.5 * floor.p50:.2f} ms "
                                   f"({row.p50 / floor.p50:.2f}x)", row.passed))
     return rows
+
+
+def _cpu_of(pid: int) -> tuple[float, float]:
+    """(own utime+stime, reaped children's cutime+cstime) of ``pid`` in seconds, or zeros."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
+    except OSError:
+        return 0.0, 0.0
+    tck = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / tck, (int(fields[13]) + int(fields[14])) / tck
+
+
+async def _cpu_breakdown(host_pid: int, call: Any, n: int) -> list[Row]:
+    """CPU per `true` call through the host API, by process: n calls back to back, /proc before and after."""
+    from benchmarks.common import process_tree
+
+    def supervisors() -> list[int]:
+        found = []
+        for pid in process_tree([host_pid]):
+            try:
+                if b"supervisor.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(pid)
+            except OSError:
+                continue
+        return found
+
+    for _ in range(5):
+        await call()
+    sups = supervisors()
+
+    def snap() -> tuple[float, float, float, float]:
+        ru = os.times()
+        per_sup = [_cpu_of(p) for p in sups]
+        return (ru.user + ru.system, _cpu_of(host_pid)[0], sum(c[0] for c in per_sup), sum(c[1] for c in per_sup))
+
+    before = snap()
+    for _ in range(n):
+        await call()
+    after = snap()
+    names = ("client: HostClient + event loop (this process)",
+             "host process: HTTP route, lease check, slot lock, frames",
+             "supervisor: request, go, wait, reap, next warm bash spawned",
+             "bash interpreters (exec, start-up, run, exit)")
+    return [Row(f"cpu/call: {name}", value=round((b - a) / n * 1e6), unit="us",
+                note=f"CPU time per call over {n} back-to-back calls, from /proc" if i == 0 else "")
+            for i, (name, a, b) in enumerate(zip(names, before, after, strict=True))]
 
 
 def _breakdown(res: ScenarioResult) -> list[Row]:

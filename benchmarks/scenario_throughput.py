@@ -61,6 +61,19 @@ def _self_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def _own_cpu(pids: list[int]) -> float:
+    """utime+stime of the host processes themselves (HTTP, slots, frames), without their sandboxes."""
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def _spawn_loop(seconds: float, out: multiprocessing.SimpleQueue) -> None:  # type: ignore[type-arg]
     lat: list[float] = []
     stop = time.perf_counter() + seconds
@@ -107,6 +120,7 @@ async def _window(pool: object, window_ms: float, duration: float, tool: str = "
         req0, calls0 = ex.requests_sent, ex.calls_sent
         hosts = process_tree(host_pids(pool))
         host_cpu0, self_cpu0, busy0 = cpu_seconds(hosts), _self_cpu(), _machine_busy()
+        own0 = _own_cpu(host_pids(pool))
         stop = time.perf_counter() + duration
 
         async def loop(tid: str) -> None:
@@ -124,6 +138,7 @@ async def _window(pool: object, window_ms: float, duration: float, tool: str = "
         elapsed = time.perf_counter() - t0
         hosts = process_tree(host_pids(pool))
         host_cpu = cpu_seconds(hosts) - host_cpu0
+        own_cpu = _own_cpu(host_pids(pool)) - own0
         self_cpu = _self_cpu() - self_cpu0
         busy1 = _machine_busy()
         calls = len(lat)  # successful ones
@@ -143,9 +158,11 @@ async def _window(pool: object, window_ms: float, duration: float, tool: str = "
                  "requests_per_call": round(requests / sent, 3) if sent else None,
                  "pool_cpu_ms_per_call": round(self_cpu / calls * 1e3, 3) if calls else None,
                  "hosts_cpu_ms_per_call": round(host_cpu / calls * 1e3, 3) if calls else None,
+                 "host_processes_cpu_ms_per_call": round(own_cpu / calls * 1e3, 3) if calls else None,
                  "machine_busy_pct": round(busy * 100, 1)}
     row.note = (f"{requests / sent if sent else 0:.3f} requests/call, {failures} failed, CPU/call: pool "
-                f"{row.extra['pool_cpu_ms_per_call']} ms + hosts {row.extra['hosts_cpu_ms_per_call']} ms; "
+                f"{row.extra['pool_cpu_ms_per_call']} ms + hosts {row.extra['hosts_cpu_ms_per_call']} ms (host "
+                f"processes {row.extra['host_processes_cpu_ms_per_call']} ms, the rest sandboxes); "
                 f"machine busy {row.extra['machine_busy_pct']}%")
     return row
 

@@ -866,6 +866,7 @@ async def test_killing_a_starting_sandbox_leaves_no_process_behind() -> None:
 
     from atropos.sandbox.bwrap import SandboxPaths, bwrap_argv
     from atropos.sandbox.config import Limits
+    from atropos.sandbox.inslot import LIB_FILES
     from atropos.sandbox.sandbox_process import SandboxDied, SandboxProcess
     from atropos.sandbox.seccomp import write_filter
 
@@ -879,7 +880,7 @@ async def test_killing_a_starting_sandbox_leaves_no_process_behind() -> None:
             os.chown(d, uid, uid)
     for name in ("passwd", "group", "hosts"):
         (paths.etc_dir / name).write_text("")
-    for script in ("supervisor.py", "inslot.py"):
+    for script in LIB_FILES:
         (paths.lib_dir / script).write_bytes(resources.files("atropos.sandbox").joinpath(script).read_bytes())
     argv = bwrap_argv("/usr/bin/bwrap", paths, Limits(), network=False, seccomp_fd=-1)
     argv[argv.index("-1")] = "{seccomp_fd}"

@@ -37,6 +37,7 @@ import pytest
 from conftest import HOST_WORKSPACE_BYTES, LeasedSlot, RunningHost, slot_path, start_host, stop_host
 
 from atropos.errors import LeaseError
+from atropos.sandbox.inslot import LIB_FILES
 from atropos.sandbox.protocol import CallResult, ToolCall
 from tests.docker_host import DockerHost, in_docker, start_docker_host, stop_docker_host
 from tests.pool_backends import BACKENDS, DOCKER_IMAGE, require_docker
@@ -483,8 +484,7 @@ async def test_shared_lib_etc_usr_read_only(slot: LeasedSlot, host: RunningHost)
     )
     assert out["stdout"] == "end\n", out
     assert {p: sha(p) for p in shared} == hashes
-    assert sorted(os.listdir(host.data_dir / "lib")) == ["inslot.py", "session.py", "supervisor.py", "tmux.conf",
-                                                          "verifier.py"]
+    assert sorted(os.listdir(host.data_dir / "lib")) == sorted([*LIB_FILES, "tmux.conf"])
 
 
 # =================================================================================================
@@ -1266,8 +1266,7 @@ async def test_r42_reset_after_symlinks_to_host(slot: LeasedSlot, host: RunningH
         assert await wait_until(lambda: not any(trash.iterdir()), 30), list(trash.iterdir())
         assert (sentinel / "sub" / "keep.txt").read_text() == "keep", "reset deleted through a symlink"
         assert sha(sup) == sup_hash and Path("/etc/passwd").exists()
-        assert sorted(os.listdir(host.data_dir / "lib")) == ["inslot.py", "session.py", "supervisor.py", "tmux.conf",
-                                                          "verifier.py"]
+        assert sorted(os.listdir(host.data_dir / "lib")) == sorted([*LIB_FILES, "tmux.conf"])
         assert (await slot.sh("echo fresh"))["stdout"] == "fresh\n"
     finally:
         shutil.rmtree(sentinel, ignore_errors=True)

@@ -24,6 +24,7 @@ from atropos.errors import IsolationUnavailable, LeaseError, SlotSealed, SlotUna
 from atropos.sandbox import seccomp
 from atropos.sandbox.cgroups import CgroupUnavailable, SlotCgroups
 from atropos.sandbox.config import HostConfig
+from atropos.sandbox.inslot import LIB_FILES
 from atropos.sandbox.network import DNS as SLIRP_DNS
 from atropos.sandbox.network import private_network_available
 from atropos.sandbox.protocol import (
@@ -159,7 +160,7 @@ class SandboxHost:
         lib = root / "lib"
         os.chmod(lib, 0o755)
         # the supervisor, the python_session driver and what the two share: all run inside the sandbox
-        for script in ("supervisor.py", "session.py", "inslot.py", "verifier.py"):
+        for script in LIB_FILES:
             _write(lib / script, resources.files("atropos.sandbox").joinpath(script).read_bytes())
         _write(lib / "tmux.conf", TMUX_CONF.encode())
         etc = root / "etc"

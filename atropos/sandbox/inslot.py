@@ -22,6 +22,10 @@ from typing import Any
 
 FRAME = struct.Struct(">I")
 MAX_FRAME = 64 << 20
+# What the host copies into its lib dir (mounted read-only at /run/atropos in every sandbox): the
+# programs that run inside a slot and the modules they import from beside them.
+LIB_FILES = ("supervisor.py", "inslot_warm.py", "inslot_files.py", "inslot_archive.py", "inslot_terminal.py",
+             "session.py", "verifier.py", "inslot.py")
 
 
 class Capture:
@@ -98,6 +102,20 @@ def protocol_fds() -> tuple[int, int]:
     os.set_inheritable(rfd, False)
     os.set_inheritable(wfd, False)
     return rfd, wfd
+
+
+def cloexec_all() -> None:
+    """Every descriptor this process holds beyond stdio becomes close-on-exec, so a child started
+    with ``posix_spawn`` (which, unlike ``Popen(close_fds=True)``, closes nothing itself) inherits
+    only what is made inheritable for it on purpose. Descriptors Python opens later are
+    close-on-exec already (PEP 446)."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2:
+            try:
+                os.set_inheritable(fd, False)
+            except OSError:
+                pass  # the listing's own descriptor, closed by now
 
 
 def read_exact(fd: int, n: int) -> bytes:

@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 FRAME = struct.Struct(">I")
 MAX_FRAME = 96 << 20  # > base64 of the largest archive or read (see HostConfig)
 KILL_WAIT_S = 5.0
+_timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
 
 
 class SandboxProcess:
@@ -170,14 +171,22 @@ class SandboxProcess:
     def stderr_tail(self) -> str:
         return self._stderr_tail.decode("utf-8", "replace").strip()
 
-    async def _read_frame(self, timeout: float) -> dict[str, Any]:
+    async def _read_body(self) -> bytes:
         assert self.proc.stdout is not None
+        (size,) = FRAME.unpack(await self.proc.stdout.readexactly(FRAME.size))
+        if size > MAX_FRAME:
+            raise SandboxDied(f"{self.label}: oversized frame from sandbox ({size} bytes)")
+        return await self.proc.stdout.readexactly(size)
+
+    async def _read_frame(self, timeout: float) -> dict[str, Any]:
         try:
-            head = await asyncio.wait_for(self.proc.stdout.readexactly(FRAME.size), timeout)
-            (size,) = FRAME.unpack(head)
-            if size > MAX_FRAME:
-                raise SandboxDied(f"{self.label}: oversized frame from sandbox ({size} bytes)")
-            body = await asyncio.wait_for(self.proc.stdout.readexactly(size), timeout)
+            if _timeout is not None:
+                # One deadline for header and body, no task per read (asyncio.wait_for wraps each
+                # awaited read in a task of its own: two per call on the hot path).
+                async with _timeout(timeout):
+                    body = await self._read_body()
+            else:
+                body = await asyncio.wait_for(self._read_body(), timeout)
         except asyncio.TimeoutError:
             raise SandboxDied(f"{self.label}: sandbox did not answer within {timeout:.1f}s") from None
         except (asyncio.IncompleteReadError, ConnectionError):

@@ -1,0 +1,348 @@
+"""The supervisor's file tools (read, write, edit, list, stat) inside a slot: every path is opened
+strictly beneath the workspace with openat2(2), so a file tool reaches exactly the files bash in the
+slot would reach under the workspace, never a file outside it (symlinks, ``..``, magic links).
+
+Standard library only; copied into the host's lib dir beside ``supervisor.py`` (see there).
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import errno
+import os
+import re
+import stat
+import time
+from typing import Any
+
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_BENEATH = 0x08
+SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}.get(os.uname().machine)
+MAX_OFFSET = (1 << 63) - 1  # off_t
+
+
+class ToolFailure(Exception):
+    """An error the model should read; ``code`` is stable for programs."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def _openat2(dir_fd: int, path: str, flags: int, mode: int = 0o644) -> int:
+    """Open ``path`` strictly beneath ``dir_fd``: an absolute path or symlink, or a ``..`` that
+    climbs above ``dir_fd``, fails with EXDEV. Refusing (rather than re-rooting them at ``dir_fd``)
+    keeps the file tools' view identical to the shell's: a path either names the same file bash
+    would open, or is an error."""
+    raw = path.encode("utf-8", "replace")
+    if b"\0" in raw:
+        raise ToolFailure("invalid_path", "path contains a NUL byte")
+    if SYS_OPENAT2 is None:
+        raise ToolFailure("unsupported", "openat2 is not available on this architecture")
+    how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
+    for _ in range(64):
+        fd = _libc.syscall(SYS_OPENAT2, dir_fd, raw, ctypes.byref(how), ctypes.sizeof(how))
+        if fd >= 0:
+            return int(fd)
+        err = ctypes.get_errno()
+        # EAGAIN: a rename anywhere on the machine raced a ``..`` step; the kernel asks for a retry
+        if err != errno.EAGAIN:
+            break
+    raise OSError(err, os.strerror(err), path)
+
+
+def _os_failure(exc: OSError, path: str) -> ToolFailure:
+    codes = {
+        errno.ENOENT: ("not_found", f"{path}: no such file or directory"),
+        errno.ENOTDIR: ("not_found", f"{path}: a path component is not a directory"),
+        errno.EISDIR: ("is_directory", f"{path}: is a directory"),
+        errno.EACCES: ("permission_denied", f"{path}: permission denied"),
+        errno.EPERM: ("permission_denied", f"{path}: operation not permitted"),
+        errno.ENAMETOOLONG: ("invalid_path", f"path too long ({len(path)} characters)"),
+        errno.ELOOP: ("invalid_path", f"{path}: too many levels of symbolic links"),
+        errno.EXDEV: ("path_escape", f"{path}: leaves the workspace (through '..' or an absolute "
+                                     "symlink); file tools reach only files under the workspace"),
+        errno.ENOSPC: ("no_space", f"{path}: no space left in the workspace"),
+        errno.EFBIG: ("too_large", f"{path}: file size limit reached"),
+        errno.EEXIST: ("exists", f"{path}: already exists"),
+        errno.ENXIO: ("not_regular", f"{path}: not a regular file (a FIFO or device)"),
+    }
+    code, message = codes.get(exc.errno or 0, ("os_error", f"{path}: {exc.strerror}"))
+    return ToolFailure(code, message)
+
+
+
+_CONTROL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f]")
+
+
+class SlotFiles:
+    """File tools on the workspace at ``workspace`` (the path the slot's processes see it at)."""
+
+    def __init__(self, workspace: str) -> None:
+        self.workspace = workspace
+
+    def _root_fd(self) -> int:
+        return os.open(self.workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def _rel(self, path: str) -> str:
+        """``path`` relative to the workspace, read as bash in the slot reads it: ``/workspace/x``
+        (the workspace as the slot's processes see it) is ``x``; any other absolute path is outside
+        the workspace and refused, never re-rooted into it."""
+        if not isinstance(path, str) or not path:
+            raise ToolFailure("invalid_path", "path must be a non-empty string")
+        if not path.startswith("/"):
+            return path
+        root = self.workspace.rstrip("/") or "/"
+        norm = re.sub("/+", "/", path)
+        if norm == root or norm == root + "/":
+            return "."
+        if norm.startswith(root + "/"):
+            return norm[len(root) + 1:]
+        raise ToolFailure("path_escape", f"{path}: outside the workspace; file tools reach only {root} and "
+                                         f"what is under it (give a path relative to {root}, or {root}/...)")
+
+    def _shown(self, fd: int, rel: str) -> str:
+        """The path bash would use for the file open at ``fd``: what a result reports as written."""
+        try:
+            real = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            real = ""
+        root = self.workspace.rstrip("/")
+        if real == root or real.startswith(root + "/"):
+            return real
+        return os.path.normpath(os.path.join(root, rel))
+
+    def _open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        rel = self._rel(path)
+        root = self._root_fd()
+        try:
+            return _openat2(root, rel, flags, mode)
+        except OSError as exc:
+            raise _os_failure(exc, path) from None
+        finally:
+            os.close(root)
+
+    def _resolve_dir(self, path: str) -> str:
+        fd = self._open(path, os.O_PATH | os.O_DIRECTORY)
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
+
+    def _make_parents(self, path: str) -> None:
+        parts = [p for p in path.split("/") if p not in ("", ".")][:-1]
+        prefix = ""
+        for part in parts:
+            prefix = f"{prefix}/{part}" if prefix else part
+            try:
+                fd = self._open(prefix, os.O_PATH | os.O_DIRECTORY)
+                os.close(fd)
+                continue
+            except ToolFailure as exc:
+                if exc.code != "not_found":
+                    raise
+            parent = prefix.rsplit("/", 1)[0] if "/" in prefix else "."
+            pfd = self._open(parent, os.O_PATH | os.O_DIRECTORY)
+            try:
+                os.mkdir(part, 0o755, dir_fd=pfd)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise _os_failure(exc, prefix) from None
+            finally:
+                os.close(pfd)
+
+    def _read_regular(self, path: str, offset: int, limit: int, max_bytes: int) -> tuple[bytes, int]:
+        if not 0 <= offset <= MAX_OFFSET or limit < 0:
+            raise ToolFailure("invalid_arguments", f"offset must be 0..{MAX_OFFSET} and limit >= 0")
+        fd = self._open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise ToolFailure("is_directory", f"{path}: is a directory (use list_dir)")
+            if not stat.S_ISREG(st.st_mode):
+                raise ToolFailure("not_regular", f"{path}: not a regular file")
+            want = max(st.st_size - offset, 0) if limit <= 0 else limit
+            if want > max_bytes:
+                raise ToolFailure(
+                    "too_large",
+                    f"{path}: {st.st_size} bytes, over the read limit of {max_bytes} bytes; "
+                    "pass offset/limit to read part of it",
+                )
+            os.lseek(fd, offset, os.SEEK_SET)
+            chunks: list[bytes] = []
+            got = 0
+            while got < want:
+                chunk = os.read(fd, min(1 << 20, want - got))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                got += len(chunk)
+            return b"".join(chunks), st.st_size
+        finally:
+            os.close(fd)
+
+    def read_file(self, req: dict[str, Any]) -> dict[str, Any]:
+        data, size = self._read_regular(
+            req["path"], int(req.get("offset") or 0), int(req.get("limit") or 0), int(req["max_bytes"])
+        )
+        if req.get("encoding") == "base64" or _CONTROL.search(data):
+            # Control bytes would each become a 6-byte JSON escape: binary goes as base64.
+            return {"content": base64.b64encode(data).decode(), "encoding": "base64", "size": size,
+                    "binary": req.get("encoding") != "base64"}
+        try:
+            return {"content": data.decode("utf-8"), "encoding": "text", "size": size}
+        except UnicodeDecodeError:
+            return {"content": base64.b64encode(data).decode(), "encoding": "base64", "size": size, "binary": True}
+
+    def write_file(self, req: dict[str, Any]) -> dict[str, Any]:
+        path = req["path"]
+        data = base64.b64decode(req["content"]) if req.get("encoding") == "base64" else req["content"].encode()
+        if len(data) > int(req["max_bytes"]):
+            raise ToolFailure("too_large", f"content is {len(data)} bytes, over the write limit of "
+                                           f"{req['max_bytes']} bytes")
+        rel = self._rel(path)
+        self._make_parents(rel)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY
+        flags |= os.O_APPEND if req.get("append") else os.O_TRUNC
+        fd = self._open(path, flags)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ToolFailure("not_regular", f"{path}: not a regular file")
+            view = memoryview(data)
+            while view:
+                try:
+                    n = os.write(fd, view)
+                except OSError as exc:
+                    raise _os_failure(exc, path) from None
+                view = view[n:]
+            return {"path": self._shown(fd, rel), "bytes_written": len(data), "size": os.fstat(fd).st_size}
+        finally:
+            os.close(fd)
+
+    def edit_file(self, req: dict[str, Any]) -> dict[str, Any]:
+        path, old, new = req["path"], req["old_string"], req["new_string"]
+        if old == "":
+            raise ToolFailure("invalid_arguments", "old_string must not be empty")
+        data, _ = self._read_regular(path, 0, 0, int(req["max_bytes"]))
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ToolFailure("not_text", f"{path}: not UTF-8 text; use write_file") from None
+        count = text.count(old)
+        if count == 0:
+            raise ToolFailure("no_match", f"{path}: old_string not found")
+        if count > 1 and not req.get("replace_all"):
+            raise ToolFailure(
+                "ambiguous_match",
+                f"{path}: old_string occurs {count} times; add surrounding context to make it unique "
+                "or set replace_all",
+            )
+        updated = text.replace(old, new) if req.get("replace_all") else text.replace(old, new, 1)
+        shown = self._replace_file(path, updated.encode())
+        return {"path": shown, "replacements": count if req.get("replace_all") else 1}
+
+    def _replace_file(self, path: str, data: bytes) -> str:
+        """Give ``path`` the content ``data`` all at once: written in full to a new file beside it,
+        then renamed over it (mode kept). A failure (no space, file size limit, a short write)
+        leaves the original untouched, where truncating first would lose it. Returns the path
+        (as bash sees it) of the file replaced."""
+        rel_in = self._rel(path)
+        root = self._root_fd()
+        tmp_name: str | None = None
+        dir_fd = -1
+        try:
+            try:
+                # opened for writing only to be refused a file we may not write, as in place editing was
+                fd = _openat2(root, rel_in, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY)
+            except OSError as exc:
+                raise _os_failure(exc, path) from None
+            try:
+                st = os.fstat(fd)
+                # Where `path` really is (a symlink is edited at its target, as in place editing
+                # did); openat2 guaranteed that this is inside the workspace.
+                real = os.readlink(f"/proc/self/fd/{fd}")
+            finally:
+                os.close(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ToolFailure("not_regular", f"{path}: not a regular file")
+            rel = os.path.relpath(real, os.readlink(f"/proc/self/fd/{root}"))
+            parent, name = os.path.split(rel)
+            if rel.startswith("..") or not name:
+                raise ToolFailure("path_escape", f"{path}: resolves outside the workspace")
+            try:
+                dir_fd = _openat2(root, parent or ".", os.O_PATH | os.O_DIRECTORY)
+                tmp_name = f".{name[:200]}.edit-{os.getpid()}-{time.monotonic_ns()}"
+                tfd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                              0o600, dir_fd=dir_fd)
+                try:
+                    view = memoryview(data)
+                    while view:  # os.write may write less than asked (a short write): loop
+                        view = view[os.write(tfd, view):]
+                    os.fchmod(tfd, stat.S_IMODE(st.st_mode))
+                finally:
+                    os.close(tfd)
+                os.rename(tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                tmp_name = None
+                return os.path.normpath(os.path.join(self.workspace, rel))
+            except OSError as exc:
+                raise _os_failure(exc, path) from None
+        finally:
+            if tmp_name is not None and dir_fd >= 0:
+                try:
+                    os.unlink(tmp_name, dir_fd=dir_fd)
+                except OSError:
+                    pass
+            if dir_fd >= 0:
+                os.close(dir_fd)
+            os.close(root)
+
+    def list_dir(self, req: dict[str, Any]) -> dict[str, Any]:
+        path = req.get("path") or "."
+        limit = int(req.get("max_entries") or 1000)
+        fd = self._open(path, os.O_RDONLY | os.O_DIRECTORY)
+        entries = []
+        try:
+            shown = self._shown(fd, self._rel(path))
+            names = sorted(os.listdir(fd))
+            for name in names[:limit]:
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except OSError:
+                    continue
+                entries.append({"name": name, "type": _kind(st.st_mode), "size": st.st_size})
+        finally:
+            os.close(fd)
+        return {"path": shown, "entries": entries, "truncated": len(names) > limit, "total": len(names)}
+
+    def stat(self, req: dict[str, Any]) -> dict[str, Any]:
+        path = req["path"]
+        fd = self._open(path, os.O_PATH | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            shown = self._shown(fd, self._rel(path))
+        finally:
+            os.close(fd)
+        return {"path": shown, "type": _kind(st.st_mode), "size": st.st_size,
+                "mode": oct(stat.S_IMODE(st.st_mode)), "mtime": st.st_mtime}
+
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "dir"
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    return "other"
+

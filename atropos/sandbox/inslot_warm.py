@@ -1,0 +1,194 @@
+"""Warm interpreters inside a slot: a ``bash`` (and a ``python3``) started while the slot is idle,
+waiting for the source of the slot's next default call.
+
+Standard library only; copied into the host's lib dir beside ``supervisor.py`` (see there).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+# Warm interpreters: a `bash` (and, once the slot has used `python`, a `python3`) that has already
+# paid for exec, dynamic loading and start-up, waiting for its command: the next default call only
+# writes the source into a memfd (seekable, so bash's `read` takes it in blocks, not a byte per
+# syscall) and says go through a pipe. What the bootstrap needs is gone before the source runs, so
+# the source sees what a fresh `bash -c` / `python3 -c` gives it.
+BASH = "/bin/bash"
+PYTHON = "python3"
+
+
+def _bash_boot(go_fd: int, src_fd: int) -> str:
+    return (f'IFS= read -r -n 1 -u {go_fd} __atropos_go || exit 0; '
+            f'IFS= read -r -d "" -u {src_fd} __atropos_cmd; exec {go_fd}<&- {src_fd}<&-; '
+            # the source runs from BASH_EXECUTION_STRING (as in `bash -c`): a syntax error in it
+            # quotes its own line, never this bootstrap
+            'unset __atropos_go; BASH_EXECUTION_STRING=$__atropos_cmd; unset __atropos_cmd; '
+            ': "$0"; eval "$BASH_EXECUTION_STRING"')
+
+
+def _python_boot(go_fd: int, src_fd: int) -> str:
+    # One function, deleted from __main__ before the source runs in __main__'s namespace. Uncaught
+    # exceptions are printed by sys.excepthook without the bootstrap's own frame, as `python3 -c`
+    # prints them (exit status 1); SystemExit propagates to the interpreter as usual.
+    return f"""def _atropos_boot():
+    import os, sys
+    if not os.read({go_fd}, 1):
+        os._exit(0)
+    os.close({go_fd})
+    parts = []
+    while True:
+        part = os.read({src_fd}, 1 << 20)
+        if not part:
+            break
+        parts.append(part)
+    os.close({src_fd})
+    namespace = sys.modules["__main__"].__dict__
+    del namespace["_atropos_boot"]
+    source = b"".join(parts).decode("utf-8", "surrogateescape")
+    try:
+        exec(compile(source, "<string>", "exec"), namespace)
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        exc.__traceback__ = exc.__traceback__.tb_next  # the printer reads it from the exception
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        raise SystemExit(1) from None
+_atropos_boot()
+"""
+
+
+WARM_KINDS = {BASH: _bash_boot, PYTHON: _python_boot}
+
+
+class Child:
+    """A process this supervisor spawned and has not reaped: what ``subprocess.Popen`` keeps, minus
+    its cost (no Python-level pipe, error pipe or file objects; the spawn is a vfork in libc)."""
+
+    def __init__(self, pid: int, out_fd: int, err_fd: int) -> None:
+        self.pid = pid
+        self.out_fd = out_fd
+        self.err_fd = err_fd
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGKILL)  # unreaped: the pid is still ours
+
+    def close_pipes(self) -> None:
+        for fd in (self.out_fd, self.err_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.out_fd = self.err_fd = -1
+
+
+# Python ignores these at start-up and exec keeps an ignored signal ignored: reset, as Popen does.
+_SIGDEF = tuple(s for s in (getattr(signal, "SIGPIPE", None), getattr(signal, "SIGXFSZ", None)) if s is not None)
+
+
+def executable(name: str, env: dict[str, str]) -> str:
+    """``name`` looked up in the PATH of ``env``, as Popen looks up a program for that environment."""
+    if os.sep in name:
+        return name
+    for d in os.get_exec_path(env):
+        path = os.path.join(d, name)
+        if os.access(path, os.X_OK) and not os.path.isdir(path):
+            return path
+    raise FileNotFoundError(2, f"{name}: not found in PATH", name)
+
+
+def spawn(argv: list[str], env: dict[str, str], cwd: str) -> Child:
+    """Start ``argv`` in its own session with stdin from /dev/null and stdout/stderr into fresh
+    non-blocking pipes. The child inherits this process's inheritable descriptors at their numbers;
+    every other descriptor here is close-on-exec (see ``inslot.cloexec_all``). ``cwd`` becomes this
+    process's own cwd (nothing here uses it: every path the supervisor opens is absolute or relative
+    to a directory descriptor)."""
+    path = executable(argv[0], env)
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        os.chdir(cwd)
+        pid = os.posix_spawn(path, argv, env, setsid=True, setsigdef=_SIGDEF, file_actions=[
+            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)])
+    except BaseException:
+        os.close(out_r)
+        os.close(err_r)
+        raise
+    finally:
+        os.close(out_w)
+        os.close(err_w)
+    os.set_blocking(out_r, False)
+    os.set_blocking(err_r, False)
+    return Child(pid, out_r, err_r)
+
+
+class WarmInterpreter:
+    """A pre-started interpreter for the slot's next default call of its kind (workspace cwd, slot
+    env, no stdin), fed its source through a memfd. Its pidfd is opened at the start too: the call
+    it serves pays for nothing but the go."""
+
+    def __init__(self, kind: str, cwd: str, env: dict[str, str]) -> None:
+        # Both inheritable only until the spawn below (this process starts nothing else meanwhile).
+        self.src_fd = os.memfd_create("source", 0)
+        go_r, self.go_w = os.pipe2(os.O_CLOEXEC)
+        os.set_inheritable(go_r, True)
+        try:
+            self.proc = spawn([kind, "-c", WARM_KINDS[kind](go_r, self.src_fd)], env, cwd)
+        except BaseException:
+            os.close(self.src_fd)
+            os.close(self.go_w)
+            raise
+        finally:
+            os.close(go_r)
+        os.set_inheritable(self.src_fd, False)
+        self.kind = kind
+        self.cwd = cwd
+        try:
+            self.pidfd = os.pidfd_open(self.proc.pid)
+        except BaseException:
+            self.drop()
+            raise
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def go(self, source: str) -> None:
+        data = os.fsencode(source) + (b"\0" if self.kind == BASH else b"")
+        os.pwrite(self.src_fd, data, 0)
+        os.write(self.go_w, b"g")
+        self.close_fds()
+
+    def close_fds(self) -> None:
+        for fd in (self.src_fd, self.go_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.src_fd = self.go_w = -1
+
+    def drop(self) -> None:
+        """Kill (if still alive) and reap."""
+        self.close_fds()  # EOF on the go pipe: it would exit by itself
+        self.proc.close_pipes()
+        pidfd, self.pidfd = getattr(self, "pidfd", -1), -1
+        if pidfd >= 0:
+            os.close(pidfd)
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
+        self.proc.wait()
