@@ -157,6 +157,36 @@ class ClientGone(AtroposSandboxError):
     """The HTTP client disconnected before the answer was ready; the work was cancelled (or undone)."""
 
 
+class NomadAPIError(HostUnavailable):
+    """Nomad answered with an unexpected status (``body`` is Nomad's plain-text error,
+    ``nomad_status`` its status; ``status`` stays this error's own, as for every class here)."""
+
+    def __init__(self, method: str, path: str, nomad_status: int, body: str) -> None:
+        super().__init__(f"Nomad {method} {path} answered {nomad_status}: {body.strip()}")
+        self.nomad_status = nomad_status
+        self.body = body
+
+
+class NomadUnreachable(HostUnavailable):
+    """No answer from the Nomad agent (connection refused, timeout, TLS failure)."""
+
+
+class PoolReplyError(AtroposSandboxError):
+    """A background pool answered a CLI request with an error: ``status`` and ``code`` are the pool's
+    own answer (the ToolServer's, from this table), passed on unchanged."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(f"the pool answered {status} ({code}): {message}")
+        self.status = status
+        self.code = code
+
+    @property
+    def exit_code(self) -> int:
+        # The request itself was wrong (unknown tool, bad arguments, provider not configured): usage (2).
+        # A refused lease, no free slot, an overloaded or failing pool: infrastructure (3).
+        return 3 if self.status in (401, 409, 429) or (self.status >= 500 and self.status != 501) else 2
+
+
 # The rule of the module docstring, answered per class: (HTTP status, stable code). A subclass not
 # listed answers as its nearest listed base.
 ERRORS: dict[type[AtroposSandboxError], tuple[int, str]] = {
@@ -191,6 +221,9 @@ ERRORS: dict[type[AtroposSandboxError], tuple[int, str]] = {
     WorkspaceError: (503, "workspace_failed"),
     ResetFailed: (503, "reset_failed"),
     InferenceUnavailable: (503, "inference_unavailable"),
+    NomadAPIError: (503, "nomad_error"),
+    NomadUnreachable: (503, "nomad_unreachable"),
+    PoolReplyError: (502, "pool_error"),
 }
 for _error, (_status, _code) in ERRORS.items():
     _error.status, _error.code = _status, _code

@@ -106,13 +106,15 @@ def test_bad_settings_are_one_config_error() -> None:
 def test_every_backend_launches_the_same_host_command_line() -> None:
     """Nomad's job args, Docker's container command and a local host's argv are one HostLaunch's."""
     from atropos.backends.nomad import render_job
+    from atropos.backends.nomad.job import NODE_ADDRESS_ARG
 
     nomad = backend_config(BackendSettings(kind="nomad", pool_id="p", slots_per_host=7, max_timeout_s=9), environ={})
     args = render_job(nomad)["TaskGroups"][0]["Tasks"][0]["Config"]["args"]
-    assert args == HostLaunch(host="0.0.0.0", port=8080, slots=7, data_dir="/slots/data", max_timeout_s=9,
-                              workspace_bytes=nomad.slot_workspace_bytes, cgroup_dir="/run/atropos/cgroup",
-                              slot_memory_bytes=nomad.slot_memory_bytes, slot_pids=nomad.slot_pids,
-                              slot_cpus=nomad.slot_cpus).args()
+    launch = HostLaunch(host="0.0.0.0", port=8080, slots=7, data_dir="/slots/data", max_timeout_s=9,
+                        workspace_bytes=nomad.slot_workspace_bytes, cgroup_dir="/run/atropos/cgroup",
+                        slot_memory_bytes=nomad.slot_memory_bytes, slot_pids=nomad.slot_pids,
+                        slot_cpus=nomad.slot_cpus)
+    assert args == [*launch.args(), NODE_ADDRESS_ARG]  # the node's address: Nomad fills it in
     assert "--slots=7" in args and "--max-timeout=9" in args
     assert HostLaunch(slots=1, data_dir="/d", max_timeout_s=1, workspace_bytes=0).argv()[:3] == [
         sys.executable, "-m", "atropos.sandbox"]

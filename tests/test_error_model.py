@@ -18,8 +18,7 @@ from atropos.sandbox import client
 PACKAGE = Path(errors.__file__).parent
 
 # Exceptions that stay where they are, with why: control flow inside one module, never raised to
-# a caller of the package; or (the last two) folded into atropos/errors.py when their modules
-# become packages (issue 18, the nomad backend and the CLI).
+# a caller of the package.
 PRIVATE = {
     "BadBody": "fastroute: a raw route answers it 422 itself",
     "Disconnected": "fastroute: a raw route answers it nothing",
@@ -27,9 +26,8 @@ PRIVATE = {
     "VerifierTimeout": "verifier (inside the sandbox): interrupts the program",
     "SessionTimeout": "python_session (inside the sandbox): interrupts the cell",
     "SessionLost": "slot: the host answers it with a 'restarted' result",
-    "NomadAPIError": "backends/nomad: folded in when it becomes a package",
-    "NomadUnreachable": "backends/nomad: folded in when it becomes a package",
-    "PoolReplyError": "cli: folded in when it becomes a package",
+    "JobGone": "backends/nomad: the backend answers it by registering the job again",
+    "AllocDied": "backends/nomad: a start answers it with HostUnavailable (or retries elsewhere)",
 }
 
 

@@ -12,7 +12,6 @@ from atropos.cli.exit_codes import EXIT_FAILED, EXIT_INFRA, EXIT_OK, EXIT_TIMED_
 from atropos.cli.extras import render_nomad_job
 from atropos.cli.main import main
 from atropos.cli.parser import parser
-from atropos.cli.pool_client import PoolReplyError
 from atropos.cli.pool_manager import render_status
 from atropos.cli.serve import backend_settings, build_app, build_pool, nomad_config
 from atropos.cli.settings import (
@@ -24,6 +23,7 @@ from atropos.cli.settings import (
     load_settings,
     state_dir,
 )
+from atropos.errors import PoolReplyError
 
 __all__ = [
     "CONFIG_ENV", "EXIT_FAILED", "EXIT_INFRA", "EXIT_OK", "EXIT_TIMED_OUT", "EXIT_USAGE", "SETTINGS_ENV_PREFIX",

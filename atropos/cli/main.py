@@ -11,8 +11,7 @@ from pydantic import ValidationError
 from atropos.cli.exit_codes import EXIT_FAILED, EXIT_INFRA, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from atropos.cli.extras import bench_args
 from atropos.cli.parser import parser
-from atropos.cli.pool_client import PoolReplyError
-from atropos.errors import AtroposSandboxError, ConfigError, InfrastructureError, IsolationUnavailable
+from atropos.errors import AtroposSandboxError, ConfigError, InfrastructureError, IsolationUnavailable, PoolReplyError
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,25 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from atropos.cli.exit_codes import EXIT_INFRA, EXIT_USAGE
 from atropos.cli.pool_state import PoolState, is_pool_process
-from atropos.errors import AtroposSandboxError, InfrastructureError
-
-
-class PoolReplyError(AtroposSandboxError):
-    """A background pool answered a request with an error status (the message is the pool's)."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(f"the pool answered {status} ({code}): {message}")
-        self.status = status
-        self.code = code
-
-    @property
-    def exit_code(self) -> int:
-        # The request itself was wrong (unknown tool, bad arguments, provider not configured): usage.
-        # A refused lease, no free slot, an overloaded or failing pool: infrastructure.
-        return EXIT_INFRA if self.status in (401, 409, 429) or (self.status >= 500 and self.status != 501) \
-            else EXIT_USAGE
+from atropos.errors import InfrastructureError, PoolReplyError
 
 
 class PoolConnection(BaseModel):

@@ -53,7 +53,6 @@ pool's), ``start.py`` (one ``start_host()``), ``backend.py`` (``NomadBackend``).
 """
 
 from atropos.backends.nomad.allocs import alloc_address, describe_alloc, name_index
-from atropos.backends.nomad.api import NomadAPIError, NomadUnreachable
 from atropos.backends.nomad.backend import SUSPECT_GRACE_S, NomadBackend
 from atropos.backends.nomad.config import NomadBackendConfig
 from atropos.backends.nomad.job import (
@@ -73,6 +72,7 @@ from atropos.backends.nomad.job import (
 from atropos.backends.nomad.ledger import AllocationLedger
 from atropos.backends.nomad.owner import process_start
 from atropos.backends.nomad.start import REPLACEMENT_WAIT_S
+from atropos.errors import NomadAPIError, NomadUnreachable
 
 __all__ = [
     "GROUP", "META_BOOT", "META_INSTANCE", "META_MANAGED", "META_OWNER_HOST", "META_OWNER_PID", "META_OWNER_START",

@@ -19,24 +19,11 @@ from atropos import __version__
 from atropos.backends.nomad.allocs import Alloc
 from atropos.backends.nomad.config import NomadBackendConfig
 from atropos.backends.nomad.job import GROUP, META_INSTANCE
-from atropos.errors import ConfigError, HostUnavailable
+from atropos.errors import ConfigError, NomadAPIError, NomadUnreachable
 
 log = logging.getLogger(__name__)
 
 NO_REGION = "No path to region"
-
-
-class NomadAPIError(HostUnavailable):
-    """Nomad answered with an unexpected status (the body is Nomad's plain-text error)."""
-
-    def __init__(self, method: str, path: str, status: int, body: str) -> None:
-        super().__init__(f"Nomad {method} {path} answered {status}: {body.strip()}")
-        self.status = status
-        self.body = body
-
-
-class NomadUnreachable(HostUnavailable):
-    """No answer from the Nomad agent (connection refused, timeout, TLS failure)."""
 
 
 class JobGone(Exception):

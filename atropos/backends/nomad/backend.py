@@ -18,12 +18,12 @@ import httpx
 
 from atropos.backends.base import Backend, HostInfo, new_token
 from atropos.backends.nomad.allocs import Alloc, AllocDied, alloc_address, index_of, is_live, is_usable
-from atropos.backends.nomad.api import JobGone, NomadAPI, NomadAPIError, NomadUnreachable, group_count
+from atropos.backends.nomad.api import JobGone, NomadAPI, group_count
 from atropos.backends.nomad.config import NomadBackendConfig
 from atropos.backends.nomad.ledger import AllocationLedger, NameRoles
 from atropos.backends.nomad.owner import JobOwner
 from atropos.backends.nomad.start import HostStart
-from atropos.errors import ConfigError, HostUnavailable
+from atropos.errors import ConfigError, HostUnavailable, NomadAPIError, NomadUnreachable
 
 log = logging.getLogger(__name__)
 

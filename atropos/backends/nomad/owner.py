@@ -20,7 +20,7 @@ from typing import Any, Literal
 from atropos import __version__
 from atropos.backends.base import pid_alive
 from atropos.backends.docker import boot_id
-from atropos.backends.nomad.api import NomadAPI, NomadAPIError
+from atropos.backends.nomad.api import NomadAPI
 from atropos.backends.nomad.job import (
     META_BOOT,
     META_INSTANCE,
@@ -31,7 +31,7 @@ from atropos.backends.nomad.job import (
     META_VERSION,
     render_job,
 )
-from atropos.errors import ConfigError
+from atropos.errors import ConfigError, NomadAPIError
 
 log = logging.getLogger(__name__)
 
