@@ -16,7 +16,7 @@ from tests.pool_backends import kill_host, make_backend
 
 async def _pool(hosts: int, slots: int) -> SlotPool:
     pool = SlotPool(make_backend("local", slots=slots),
-                    PoolConfig(min_hosts=hosts, max_hosts=hosts, health_interval_s=0.5, lease_timeout_s=300))
+                    PoolConfig(min_hosts=hosts, max_hosts=hosts, health_interval_s=0.5, acquire_timeout_s=300))
     await pool.start()
     return pool
 
@@ -65,7 +65,7 @@ async def test_slow_call_does_not_delay_another_trajectory(pool: SlotPool) -> No
 
 async def test_waiting_for_a_slot_does_not_block_holders() -> None:
     p = await _pool(1, 1)
-    ex = ToolExecutor(p, cfg=ExecutorConfig(lease_timeout_s=60))
+    ex = ToolExecutor(p, cfg=ExecutorConfig(acquire_timeout_s=60))
     try:
         await ex.execute("holder", bash("true"))
         waiting = asyncio.create_task(ex.execute("waiter", bash("echo finally")))
@@ -122,7 +122,7 @@ async def test_dead_host_raises_infrastructure_error() -> None:
 @pytest.mark.slow
 async def test_1000_trajectories_times_10_calls_all_correct() -> None:
     p = await _pool(4, 16)
-    ex = ToolExecutor(p, cfg=ExecutorConfig(lease_timeout_s=600))
+    ex = ToolExecutor(p, cfg=ExecutorConfig(acquire_timeout_s=600))
 
     async def trajectory(i: int) -> list[str]:
         try:

@@ -21,7 +21,7 @@ from tests.pool_backends import BACKENDS, DATA_ROOT, kill_host, make_backend
 
 
 def pool_cfg(**kw: object) -> PoolConfig:
-    base: dict[str, object] = {"min_hosts": 1, "max_hosts": 1, "health_interval_s": 0.5, "lease_timeout_s": 30}
+    base: dict[str, object] = {"min_hosts": 1, "max_hosts": 1, "health_interval_s": 0.5, "acquire_timeout_s": 30}
     base.update(kw)
     return PoolConfig.model_validate(base)
 
@@ -86,7 +86,7 @@ async def test_waiting_is_fifo_and_times_out_with_a_clear_error(kind: str) -> No
 
 @pytest.mark.parametrize("kind", BACKENDS)
 async def test_200_concurrent_trajectories_never_share_a_slot(kind: str) -> None:
-    cfg = pool_cfg(min_hosts=4, max_hosts=4, lease_timeout_s=120)
+    cfg = pool_cfg(min_hosts=4, max_hosts=4, acquire_timeout_s=120)
     async with SlotPool(make_backend(kind, slots=16), cfg) as pool:
         assert sum(h.info.slots for h in pool.hosts.values()) == 64
 
@@ -168,7 +168,7 @@ async def test_release_after_cancellation_via_the_batch_path_returns_a_clean_slo
     from atropos.tools.executor import AgentToolCall, ExecutorConfig, ToolExecutor
 
     async with SlotPool(make_backend(kind, slots=1), pool_cfg()) as pool:
-        ex = ToolExecutor(pool, cfg=ExecutorConfig(tool_batch_window_ms=5, lease_timeout_s=10))
+        ex = ToolExecutor(pool, cfg=ExecutorConfig(tool_batch_window_ms=5, acquire_timeout_s=10))
         try:
             async def trajectory() -> None:
                 try:  # the call goes out in a /v1/calls batch request
@@ -219,7 +219,7 @@ async def test_release_after_cancellation_returns_a_clean_slot(kind: str) -> Non
 
 
 async def test_scales_up_under_demand_and_down_when_idle() -> None:
-    cfg = pool_cfg(min_hosts=1, max_hosts=3, scale_down_idle_s=0.5, lease_timeout_s=60)
+    cfg = pool_cfg(min_hosts=1, max_hosts=3, scale_down_idle_s=0.5, acquire_timeout_s=60)
     async with SlotPool(make_backend("local", slots=2), cfg) as pool:
         assert len(pool.hosts) == 1
         # the min_hosts started by start() are not scaling events

@@ -88,7 +88,7 @@ def make_backend(cluster: RayCluster, slots: int, pool_id: str | None = None, **
 def pool_cfg(**kw: Any) -> PoolConfig:
     # Generous probes: on a busy 2-core machine running a Ray cluster, a loaded host may answer its
     # health probe late; a lost node is noticed through its actor, not through probes.
-    base: dict[str, Any] = {"min_hosts": 1, "max_hosts": 1, "health_interval_s": 0.5, "lease_timeout_s": 120,
+    base: dict[str, Any] = {"min_hosts": 1, "max_hosts": 1, "health_interval_s": 0.5, "acquire_timeout_s": 120,
                             "health_timeout_s": 30, "health_failures": 3}
     base.update(kw)
     return PoolConfig.model_validate(base)

@@ -53,7 +53,7 @@ class ScriptedModel(Model):
 
 @pytest.fixture
 async def pool() -> AsyncIterator[SlotPool]:
-    p = SlotPool(make_backend("local", slots=2), PoolConfig(min_hosts=1, max_hosts=1, lease_timeout_s=120))
+    p = SlotPool(make_backend("local", slots=2), PoolConfig(min_hosts=1, max_hosts=1, acquire_timeout_s=120))
     await p.start()
     yield p
     await p.stop()

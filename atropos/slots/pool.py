@@ -153,7 +153,7 @@ class SlotPool(PoolTemplates):
         if not self._waiters and self.free_count() >= len(ids):
             leases = self._take_group(ids, network, colocate, prefer)
         else:
-            leases = await self._wait(ids, network, self.cfg.lease_timeout_s if timeout is None else timeout,
+            leases = await self._wait(ids, network, self.cfg.acquire_timeout_s if timeout is None else timeout,
                                       colocate, prefer)
         if template is not None:
             await self._prepare_or_release(leases, lambda lease: lease.reset(template, network=network or None))
