@@ -14,6 +14,7 @@ pytest.importorskip("atroposlib")
 
 from atropos.envs.agent_env import AgentEnvConfig
 from atropos.envs.examples.coding import TASKS, CodingEnv
+from atropos.envs.verifier_check import VerifierCheckResult
 from atropos.testing import server_configs
 from tests.scripted_env import CodingPolicy
 
@@ -104,13 +105,18 @@ async def test_dropping_equal_groups_when_asked_is_reported(tokenizer_dir: str, 
     assert "1 group(s) dropped" in capsys.readouterr().out
 
 
-async def test_the_verifier_check_shows_reference_1_and_stub_0(tokenizer_dir: str,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    env = _env(CodingEnv, tokenizer_dir, slots_per_host=12)
+async def _check_verifier(env_cls: type[CodingEnv], tokenizer_dir: str) -> list[VerifierCheckResult]:
+    """The env's verifier check, run on its own (a slot per reference and stub run)."""
+    env = _env(env_cls, tokenizer_dir, slots_per_host=12)
     try:
-        results = await env.check_verifier()
+        return await env.check_verifier()
     finally:
         await env.shutdown_sandbox()
+
+
+async def test_the_verifier_check_shows_reference_1_and_stub_0(tokenizer_dir: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    results = await _check_verifier(CodingEnv, tokenizer_dir)
     assert [r.family for r in results] == [t["name"] for t in TASKS]
     assert all(r.reference_score == 1.0 and r.stub_score == 0.0 for r in results), results
     assert all(r.reference_saw and r.stub_saw for r in results)  # what the verifier reported, per run
@@ -129,10 +135,6 @@ class YesManEnv(CodingEnv):
 
 async def test_a_verifier_that_cannot_say_no_is_flagged(tokenizer_dir: str,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    env = _env(YesManEnv, tokenizer_dir, slots_per_host=12)
-    try:
-        results = await env.check_verifier()
-    finally:
-        await env.shutdown_sandbox()
+    results = await _check_verifier(YesManEnv, tokenizer_dir)
     assert all(r.stub_score == 1.0 and not r.ok for r in results)
     assert "NOT AS EXPECTED for add" in capsys.readouterr().out

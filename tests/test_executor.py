@@ -8,24 +8,21 @@ from collections.abc import AsyncIterator
 import pytest
 
 from atropos.errors import HostUnavailable
-from atropos.slots.config import PoolConfig
 from atropos.slots.pool import SlotPool
 from atropos.tools.executor import AgentToolCall, ExecutorConfig, ToolExecutor
-from tests.pool_backends import kill_host, make_backend
+from tests.pool_backends import kill_host, local_pool
 
 
 async def _pool(hosts: int, slots: int) -> SlotPool:
-    pool = SlotPool(make_backend("local", slots=slots),
-                    PoolConfig(min_hosts=hosts, max_hosts=hosts, health_interval_s=0.5, acquire_timeout_s=300))
+    pool = local_pool(slots, min_hosts=hosts, max_hosts=hosts, acquire_timeout_s=300)
     await pool.start()
     return pool
 
 
 @pytest.fixture
 async def pool() -> AsyncIterator[SlotPool]:
-    p = await _pool(1, 8)
-    yield p
-    await p.stop()
+    async with local_pool(8, acquire_timeout_s=300) as p:
+        yield p
 
 
 def bash(cmd: str, call_id: str = "c1", **extra: object) -> AgentToolCall:

@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import HOST_WORKSPACE_BYTES, LeasedSlot, RunningHost, slot_path, start_host, stop_host
+from conftest import HOST_WORKSPACE_BYTES, LeasedSlot, RunningHost, slot_path, start_host, stop_host, wait_until
 
 from atropos.errors import LeaseError
 from atropos.sandbox.protocol import CallResult, ToolCall
@@ -116,16 +116,6 @@ def procs_of_uid(uid: int | None, pids: list[int] | None = None) -> list[dict[st
         except (KeyError, ValueError, IndexError):
             continue
     return found
-
-
-async def wait_until(pred: Any, timeout: float = 5.0, interval: float = 0.05) -> bool:
-    end = time.monotonic() + timeout
-    while True:
-        if pred():
-            return True
-        if time.monotonic() > end:
-            return False
-        await asyncio.sleep(interval)
 
 
 def text_of(r: CallResult) -> str:
@@ -1016,7 +1006,7 @@ async def test_r30_fork_bomb_bounded(slot: LeasedSlot, host: RunningHost) -> Non
     # + the slot's processes outside the bomb's namespace (bwrap, its init) and the scan's churn
     assert host_peak <= NPROC + 32, f"host saw {host_peak} processes of the slot uid"
     assert max(health_ms) < 5000, health_ms
-    assert await wait_until(lambda: len(slot_procs(host, slot)) <= baseline, 5), slot_procs(host, slot)
+    assert await wait_until(lambda: len(slot_procs(host, slot)) <= baseline), slot_procs(host, slot)
     assert (await slot.sh("echo after"))["stdout"] == "after\n"
 
 
@@ -1152,7 +1142,7 @@ async def test_r35_zombies_gone_after_call(slot: LeasedSlot, host: RunningHost) 
     def zombies() -> list[dict[str, Any]]:
         return [p for p in slot_procs(host, slot) if p["state"] == "Z"]
 
-    assert await wait_until(lambda: not zombies(), 3), zombies()
+    assert await wait_until(lambda: not zombies()), zombies()
 
     # what stands between calls: bwrap (2), the supervisor, and its warm bash and warm python. A
     # warm interpreter may be mid-replacement at the first look (the old one killed, the new one
@@ -1161,7 +1151,7 @@ async def test_r35_zombies_gone_after_call(slot: LeasedSlot, host: RunningHost) 
         left = slot_procs(host, slot)
         return not [p for p in left if not _standing(p["pid"])] and len(left) <= 5
 
-    assert await wait_until(settled, 10), slot_procs(host, slot)
+    assert await wait_until(settled), slot_procs(host, slot)
 
 
 def _standing(pid: int) -> bool:
@@ -1211,7 +1201,7 @@ async def test_r38_background_child_does_not_hold_call(slot: LeasedSlot, host: R
     assert time.monotonic() - t0 < 3, "the call waited for the background child"
     if IS_ROOT:
         uid = uid_of(host, slot)
-        assert await wait_until(lambda: not [p for p in procs_of_uid(uid) if p["name"] == "sleep"], 3)
+        assert await wait_until(lambda: not [p for p in procs_of_uid(uid) if p["name"] == "sleep"])
 
 
 @pytest.mark.slow
@@ -1230,7 +1220,7 @@ async def test_r39_r40_timeout_kills_everything(slot: LeasedSlot, host: RunningH
     if uid is not None:
         def sleepers() -> list[dict[str, Any]]:
             return [p for p in procs_of_uid(uid) if p["name"] == "sleep"]
-        assert await wait_until(lambda: not sleepers(), 3), f"survivors: {sleepers()}"
+        assert await wait_until(lambda: not sleepers()), f"survivors: {sleepers()}"
     out = await slot.sh("ps -e -o comm= | grep -c sleep || true")
     assert out["stdout"].strip() == "0"
 
@@ -1266,7 +1256,7 @@ async def test_r42_reset_after_symlinks_to_host(slot: LeasedSlot, host: RunningH
         assert listing["entries"] == [], listing
         assert os.listdir(ws_of(host, slot)) == []
         trash = host.data_dir / "trash"
-        assert await wait_until(lambda: not any(trash.iterdir()), 30), list(trash.iterdir())
+        assert await wait_until(lambda: not any(trash.iterdir())), list(trash.iterdir())
         assert (sentinel / "sub" / "keep.txt").read_text() == "keep", "reset deleted through a symlink"
         assert sha(sup) == sup_hash and Path("/etc/passwd").exists()
         assert sorted(os.listdir(host.data_dir / "lib")) == ["inslot.py", "session.py", "supervisor.py", "tmux.conf",
@@ -1284,7 +1274,7 @@ async def test_r44_terminal_background_process_killed_on_reset(slot: LeasedSlot,
     def sleepers() -> list[dict[str, Any]]:
         return [p for p in procs_of_uid(uid) if p["name"] == "sleep"]
 
-    assert await wait_until(lambda: len(sleepers()) >= 2, 5), "premise: terminal children run between calls"
+    assert await wait_until(lambda: len(sleepers()) >= 2), "premise: terminal children run between calls"
     res = await slot.client.reset(slot.lease.slot, slot.lease.lease)
     assert res.ok, res
     assert res.lease is not None
@@ -1379,10 +1369,10 @@ async def test_r46_container_host_killed_sandboxes_die() -> None:
         await s.ok("terminal", input="sleep 2222 &", wait_ms=500)
         task = asyncio.create_task(s.call("bash", command="setsid sleep 3333 & sleep 1111", timeout_s=60))
         sleeps = lambda: [p for p in slot_procs(running, s) if p["name"] == "sleep"]  # noqa: E731
-        assert await wait_until(lambda: len(sleeps()) >= 3, 10), slot_procs(running, s)
+        assert await wait_until(lambda: len(sleeps()) >= 3), slot_procs(running, s)
         pids = [p["pid"] for p in sleeps()]
         os.kill(running.proc.pid, 9)
-        assert await wait_until(lambda: not any(Path(f"/proc/{p}").exists() for p in pids), 15), pids
+        assert await wait_until(lambda: not any(Path(f"/proc/{p}").exists() for p in pids)), pids
         task.cancel()
         try:
             await task
@@ -1402,11 +1392,11 @@ async def test_r46_host_killed_sandboxes_die() -> None:
         uid = uid_of(running, s)
         await s.ok("terminal", input="sleep 2222 &", wait_ms=500)
         task = asyncio.create_task(s.call("bash", command="setsid sleep 3333 & sleep 1111", timeout_s=60))
-        assert await wait_until(lambda: sum(p["name"] == "sleep" for p in procs_of_uid(uid)) >= 3, 10), \
+        assert await wait_until(lambda: sum(p["name"] == "sleep" for p in procs_of_uid(uid)) >= 3), \
             procs_of_uid(uid)
         running.proc.kill()
         running.proc.wait(10)
-        assert await wait_until(lambda: not procs_of_uid(uid), 5), f"orphaned: {procs_of_uid(uid)}"
+        assert await wait_until(lambda: not procs_of_uid(uid)), f"orphaned: {procs_of_uid(uid)}"
         task.cancel()
         try:
             await task
