@@ -91,9 +91,7 @@ class SandboxEnv(AgentEnvBase):
         try:
             return await super().process_manager()
         finally:
-            status = self.pool.status() if self.pool is not None else None
-            await self.shutdown_sandbox()
-            self.print_summary(status)
+            await self._end_run()
             path = getattr(self.config, "data_path_to_save_groups", None)
             if path:
                 append_to_html(Path(str(path).rsplit(".", 1)[0] + ".html"), self.verifier_results)
@@ -103,9 +101,13 @@ class SandboxEnv(AgentEnvBase):
         try:
             return await super().env_manager()
         finally:
-            status = self.pool.status() if self.pool is not None else None
-            await self.shutdown_sandbox()
-            self.print_summary(status)
+            await self._end_run()
+
+    async def _end_run(self) -> None:
+        """The pool's last status, then the pool down, then the summary (with what the pool ran)."""
+        status = self.pool.status() if self.pool is not None else None
+        await self.shutdown_sandbox()
+        self.print_summary(status)
 
     async def _run_evaluate(self) -> None:
         # BaseEnv's `evaluate` command runs setup() + evaluate() and returns: nothing stops the pool.
