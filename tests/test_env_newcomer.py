@@ -15,19 +15,11 @@ pytest.importorskip("atroposlib")
 from atropos.envs.agent_env import AgentEnvConfig
 from atropos.envs.examples.coding import TASKS, CodingEnv
 from atropos.envs.verifier_check import VerifierCheckResult
-from atropos.testing import server_configs
-from tests.scripted_env import CodingPolicy
+from tests.scripted_env import CodingPolicy, make_coding_env
 
 
 def _env(env_cls: type[CodingEnv], tokenizer_dir: str, policy: type = CodingPolicy, **overrides: Any) -> CodingEnv:
-    fields: dict[str, Any] = dict(tokenizer_name=tokenizer_dir, group_size=2, use_wandb=False, wandb_name="t",
-                                  slots_per_host=4, max_hosts=1, agent_max_steps=4,
-                                  enabled_toolsets=["shell", "files"], tool_batch_window_ms=5)
-    fields.update(overrides)
-    cls = type("Env", (env_cls,), {"server_cls": policy})
-    env = cls(AgentEnvConfig(**fields), server_configs(), slurm=False, testing=False)
-    env.index = 0
-    return env
+    return make_coding_env(tokenizer_dir, policy, env_cls=env_cls, **overrides)
 
 
 class GroupSetupEnv(CodingEnv):
