@@ -8,7 +8,7 @@ import asyncio
 import json
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,35 +55,38 @@ def load_corpus(root: Path) -> list[Document]:
         raise ConfigError(f"web corpus directory {root} does not exist")
     documents: list[Document] = []
     seen: dict[str, str] = {}
-
-    def add(doc: Document, where: str) -> None:
-        if doc.url in seen:
-            raise ConfigError(f"web corpus: URL {doc.url!r} appears twice ({seen[doc.url]} and {where})")
-        seen[doc.url] = where
-        documents.append(doc)
-
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        rel = path.relative_to(root).as_posix()
-        suffix = path.suffix.lower()
-        if suffix == ".jsonl":
-            with path.open(encoding="utf-8") as fh:
-                for lineno, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    where = f"{rel}:{lineno}"
-                    try:
-                        row = json.loads(line)
-                        url, text = str(row["url"]), str(row["text"])
-                        title = str(row.get("title") or "") or _title_of(text, url)
-                    except (ValueError, KeyError, TypeError) as exc:
-                        raise ConfigError(f"web corpus {where}: expected a JSON object with url, title, text "
-                                          f"({type(exc).__name__}: {exc})") from None
-                    add(Document(url=url, title=title, text=text), where)
-        elif suffix in (".md", ".txt"):
-            text = path.read_text(encoding="utf-8")
-            url = f"corpus://{rel}"
-            add(Document(url=url, title=_title_of(text, rel), text=text), rel)
+        for doc, where in _documents_of(path, path.relative_to(root).as_posix()):
+            if doc.url in seen:
+                raise ConfigError(f"web corpus: URL {doc.url!r} appears twice ({seen[doc.url]} and {where})")
+            seen[doc.url] = where
+            documents.append(doc)
     return documents
+
+
+def _documents_of(path: Path, rel: str) -> Iterator[tuple[Document, str]]:
+    """The documents of one corpus file, each with where it stands (``rel`` or ``rel:line``)."""
+    suffix = path.suffix.lower()
+    if suffix in (".md", ".txt"):
+        text = path.read_text(encoding="utf-8")
+        yield Document(url=f"corpus://{rel}", title=_title_of(text, rel), text=text), rel
+    if suffix != ".jsonl":
+        return
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if line.strip():
+                yield _jsonl_document(line, f"{rel}:{lineno}"), f"{rel}:{lineno}"
+
+
+def _jsonl_document(line: str, where: str) -> Document:
+    try:
+        row = json.loads(line)
+        url, text = str(row["url"]), str(row["text"])
+        title = str(row.get("title") or "") or _title_of(text, url)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"web corpus {where}: expected a JSON object with url, title, text "
+                          f"({type(exc).__name__}: {exc})") from None
+    return Document(url=url, title=title, text=text)
 
 
 class OfflineCorpusProvider(SearchProvider):
