@@ -50,7 +50,7 @@ async def _one(hosts: int, seconds: float) -> dict[str, Any]:
         rss0 = _rss_bytes()
         pool = SlotPool(FakeFleetBackend(ports, token, SLOTS),
                         PoolConfig(pool_id=f"sim{hosts}", min_hosts=min(hosts, BATCH), max_hosts=hosts,
-                                   lease_timeout_s=120))
+                                   acquire_timeout_s=120))
         t0 = time.perf_counter()
         await pool.start()
         # The rest BATCH hosts at a time: a start leases every slot of every host at once, and

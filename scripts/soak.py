@@ -166,9 +166,9 @@ class Soak:
         self.backend = LocalBackend(LocalBackendConfig(
             slots_per_host=args.slots, pool_id=self.pool_id, data_root=DATA_ROOT, max_timeout_s=120))
         self.pool = SlotPool(self.backend, PoolConfig(
-            pool_id=self.pool_id, min_hosts=args.hosts, max_hosts=args.hosts, lease_timeout_s=3600,
+            pool_id=self.pool_id, min_hosts=args.hosts, max_hosts=args.hosts, acquire_timeout_s=3600,
             health_interval_s=2.0))
-        self.ex = ToolExecutor(self.pool, cfg=ExecutorConfig(lease_timeout_s=3600))
+        self.ex = ToolExecutor(self.pool, cfg=ExecutorConfig(acquire_timeout_s=3600))
         self.stats = Stats()
         self.tools = [t.strip() for t in args.tools.split(",")]
         self.started = 0.0

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,34 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+MODEL_SERVER = Path(__file__).resolve().parent.parent / "scripts" / "model_server.py"
+
+
+@pytest.fixture(scope="module")
+def model_url() -> Iterator[str]:
+    """The OpenAI-compatible URL of a real model server (scripts/model_server.py) on a free port,
+    started for the module and stopped after it."""
+    port = free_port()
+    started = subprocess.run([sys.executable, str(MODEL_SERVER), "start", "--port", str(port)], timeout=3600)
+    assert started.returncode == 0, "model server did not start (see scripts/model_server.py logs)"
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        subprocess.run([sys.executable, str(MODEL_SERVER), "stop", "--port", str(port)], timeout=60)
+
+
+async def wait_until(pred: Callable[[], Any], timeout: float = 60.0, interval: float = 0.05) -> bool:
+    """Poll ``pred`` until it is true (True) or ``timeout`` seconds pass (False). The limit is
+    generous on purpose: on a busy 2-core machine what takes 0.1 s alone can take many seconds,
+    and a condition that holds returns at once however large the limit."""
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            return False
+        await asyncio.sleep(interval)
+    return True
 
 
 # above RLIMIT_FSIZE (1 GiB), so the largest-file test meets that limit before the cap

@@ -26,6 +26,8 @@ import pytest
 from atropos.backends.base import Backend
 from atropos.backends.config import BackendSettings, build_backend
 from atropos.backends.local import LocalBackend
+from atropos.slots.config import PoolConfig
+from atropos.slots.pool import SlotPool
 
 DOCKER_IMAGE = os.environ.get("ATROPOS_SANDBOX_IMAGE", "atropos-sandbox:dev")
 DATA_ROOT = Path("/tmp/atropos-sandbox-tests")
@@ -71,6 +73,19 @@ def make_backend(kind: str, slots: int, pool_id: str | None = None) -> Backend:
     settings = BackendSettings(kind=kind, pool_id=pool_id, slots_per_host=slots, max_timeout_s=120,
                                image=DOCKER_IMAGE)
     return build_backend(settings, environ={}, **overrides)  # environ={}: no NOMAD_* of the machine
+
+
+def pool_cfg(**kw: Any) -> PoolConfig:
+    """The tests' pool settings: one host, frequent probes, a generous wait for a slot (``kw`` wins)."""
+    base: dict[str, Any] = {"min_hosts": 1, "max_hosts": 1, "health_interval_s": 0.5, "acquire_timeout_s": 120}
+    return PoolConfig.model_validate({**base, **kw})
+
+
+def local_pool(slots: int, pool_id: str | None = None, **kw: Any) -> SlotPool:
+    """A pool on the local backend, not started (``async with local_pool(2) as pool:``)."""
+    if pool_id is not None:
+        kw["pool_id"] = pool_id
+    return SlotPool(make_backend("local", slots=slots, pool_id=pool_id), pool_cfg(**kw))
 
 
 # -- Nomad ----------------------------------------------------------------------------------------

@@ -13,9 +13,10 @@ from typing import Any
 from openai.types.chat import ChatCompletion
 
 from atropos.agent.loop import assistant_turns
+from atropos.envs.config import AgentEnvConfig
 from atropos.envs.examples.coding import TASKS, CodingEnv
 from atropos.envs.examples.coding_reference import SOLUTIONS
-from atropos.testing import ScriptedServer, call, call_text, reply
+from atropos.testing import ScriptedServer, call, call_text, reply, server_configs
 from tests.scripted import RecordsPoolStatus
 
 
@@ -52,6 +53,20 @@ class CodingPolicy(ScriptedServer):
                 return call("write_file", path="test_visible.py", content="print('ok')\n")
             return reply("Done.")
         return reply(honest_turn(name, turns))
+
+
+def make_coding_env(tokenizer_dir: str, policy: type | None = CodingPolicy, *, env_cls: type[CodingEnv] = CodingEnv,
+                    servers: list[Any] | None = None, **overrides: Any) -> CodingEnv:
+    """A coding env (``env_cls``) in this process whose model is ``policy`` (a ScriptedServer class;
+    None: whatever ``servers`` point at), with the tests' small settings; ``overrides`` win."""
+    fields: dict[str, Any] = dict(tokenizer_name=tokenizer_dir, group_size=2, use_wandb=False, wandb_name="t",
+                                  slots_per_host=4, max_hosts=1, agent_max_steps=4,
+                                  enabled_toolsets=["shell", "files"], tool_batch_window_ms=5)
+    fields.update(overrides)
+    cls = env_cls if policy is None else type(f"Test{env_cls.__name__}", (env_cls,), {"server_cls": policy})
+    env = cls(AgentEnvConfig(**fields), servers or server_configs(), slurm=False, testing=False)
+    env.index = 0
+    return env
 
 
 class ScriptedCodingEnv(RecordsPoolStatus, CodingEnv):

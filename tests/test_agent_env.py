@@ -33,22 +33,14 @@ from atropos.envs.examples.coding import TASKS, CodingEnv
 from atropos.errors import InfrastructureError
 from atropos.slots.audit import double_leases
 from atropos.testing import ScriptedTokenServer, logprob_of, server_configs, token_server_configs
-from tests.scripted_env import CodingPolicy, honest_turn, task_name
+from tests.scripted_env import CodingPolicy, honest_turn, make_coding_env, task_name
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def make_env(tokenizer_dir: str, policy: type = CodingPolicy, servers: list[Any] | None = None,
              **overrides: Any) -> CodingEnv:
-    fields: dict[str, Any] = dict(
-        tokenizer_name=tokenizer_dir, group_size=2, use_wandb=False, wandb_name="t", slots_per_host=4, max_hosts=1,
-        agent_max_steps=5, enabled_toolsets=["shell", "files"], ensure_scores_are_not_same=False,
-        tool_batch_window_ms=5)
-    fields.update(overrides)
-    env_cls = type("TestCodingEnv", (CodingEnv,), {"server_cls": policy})
-    env = env_cls(AgentEnvConfig(**fields), servers or server_configs(), slurm=False, testing=False)
-    env.index = 0
-    return env
+    return make_coding_env(tokenizer_dir, policy, servers=servers, **{"agent_max_steps": 5, **overrides})
 
 
 def mode(name: str) -> type:

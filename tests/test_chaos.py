@@ -285,8 +285,8 @@ class HostChaos:
             self.backend = make_backend(kind, slots=slots, pool_id=self.pool_id)
         self.pool = SlotPool(self.backend, PoolConfig(
             pool_id=self.pool_id, min_hosts=hosts, max_hosts=hosts, health_interval_s=2.0, health_timeout_s=10.0,
-            lease_timeout_s=CALL_DEADLINE_S, start_retry_s=0.5, scale_down_idle_s=3600))
-        self.ex = ToolExecutor(self.pool, cfg=ExecutorConfig(tool_batch_window_ms=5, lease_timeout_s=CALL_DEADLINE_S))
+            acquire_timeout_s=CALL_DEADLINE_S, start_retry_s=0.5, scale_down_idle_s=3600))
+        self.ex = ToolExecutor(self.pool, cfg=ExecutorConfig(tool_batch_window_ms=5, acquire_timeout_s=CALL_DEADLINE_S))
         self.rng = random.Random(seed)
         self.churn = churn
         self.full_release_every = full_release_every
@@ -528,7 +528,7 @@ async def main():
                                                   max_timeout_s=120, prewarm=False))
     else:
         backend = make_backend(kind, slots=slots, pool_id=pool_id)
-    pool = SlotPool(backend, PoolConfig(pool_id=pool_id, min_hosts=hosts, max_hosts=hosts, lease_timeout_s=120,
+    pool = SlotPool(backend, PoolConfig(pool_id=pool_id, min_hosts=hosts, max_hosts=hosts, acquire_timeout_s=120,
                                         audit_path=audit))  # streamed: read back after the kill
     await pool.start()
     ex = ToolExecutor(pool, cfg=ExecutorConfig(tool_batch_window_ms=5))
@@ -792,10 +792,10 @@ async def test_chaos_100_iterations_lose_nothing_and_leak_nothing() -> None:
 
 async def test_executor_drops_the_queues_of_dead_hosts() -> None:
     backend = make_backend("local", slots=1)
-    pool = SlotPool(backend, PoolConfig(min_hosts=1, max_hosts=1, health_interval_s=0.3, lease_timeout_s=60,
+    pool = SlotPool(backend, PoolConfig(min_hosts=1, max_hosts=1, health_interval_s=0.3, acquire_timeout_s=60,
                                         start_retry_s=0.5))
     await pool.start()
-    ex = ToolExecutor(pool, cfg=ExecutorConfig(tool_batch_window_ms=1, lease_timeout_s=60))
+    ex = ToolExecutor(pool, cfg=ExecutorConfig(tool_batch_window_ms=1, acquire_timeout_s=60))
     try:
         for i in range(3):
             assert (await ex.execute(f"t{i}", bash("echo up"))).content == "up"
@@ -835,7 +835,7 @@ def _sandbox_supervisors(host_pid: int, workspace_marker: str) -> list[int]:
 async def test_a_frozen_sandbox_is_an_infrastructure_error_not_an_observation() -> None:
     backend = LocalBackend(LocalBackendConfig(slots_per_host=1, pool_id=f"frz{secrets.token_hex(3)}",
                                               data_root=DATA_ROOT, max_timeout_s=120))
-    pool = SlotPool(backend, PoolConfig(min_hosts=1, max_hosts=1, health_interval_s=0.5, lease_timeout_s=60))
+    pool = SlotPool(backend, PoolConfig(min_hosts=1, max_hosts=1, health_interval_s=0.5, acquire_timeout_s=60))
     await pool.start()
     ex = ToolExecutor(pool, cfg=ExecutorConfig(tool_batch_window_ms=1, default_timeout_s=1.0, min_timeout_s=1.0))
     stopped: list[int] = []

@@ -8,11 +8,10 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from atropos.backends.local import LocalBackend, LocalBackendConfig
 from atropos.envs.examples.coding import TASKS, visible_test
 from atropos.envs.examples.hidden_tests import verify
-from atropos.slots.config import PoolConfig
 from atropos.slots.pool import SlotPool
+from tests.pool_backends import local_pool
 
 ADD = TASKS[0]  # add(a, b), 4 hidden cases
 assert ADD["name"] == "add" and len(ADD["hidden"]) == 4
@@ -22,8 +21,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pool() -> AsyncIterator[SlotPool]:
-    async with SlotPool(LocalBackend(LocalBackendConfig(slots_per_host=2, pool_id="verifier")),
-                        PoolConfig(pool_id="verifier", max_hosts=1)) as p:
+    async with local_pool(2, "verifier") as p:
         yield p
 
 

@@ -15,7 +15,6 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -29,17 +28,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "model_server.py"
-
-
-@pytest.fixture(scope="module")
-def model_url() -> Iterator[str]:
-    port = free_port()
-    started = subprocess.run([sys.executable, str(SCRIPT), "start", "--port", str(port)], timeout=3600)
-    assert started.returncode == 0, "model server did not start (see scripts/model_server.py logs)"
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        subprocess.run([sys.executable, str(SCRIPT), "stop", "--port", str(port)], timeout=60)
 
 
 @pytest.fixture(scope="module")

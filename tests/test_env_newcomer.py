@@ -14,19 +14,12 @@ pytest.importorskip("atroposlib")
 
 from atropos.envs.agent_env import AgentEnvConfig
 from atropos.envs.examples.coding import TASKS, CodingEnv
-from atropos.testing import server_configs
-from tests.scripted_env import CodingPolicy
+from atropos.envs.verifier_check import VerifierCheckResult
+from tests.scripted_env import CodingPolicy, make_coding_env
 
 
 def _env(env_cls: type[CodingEnv], tokenizer_dir: str, policy: type = CodingPolicy, **overrides: Any) -> CodingEnv:
-    fields: dict[str, Any] = dict(tokenizer_name=tokenizer_dir, group_size=2, use_wandb=False, wandb_name="t",
-                                  slots_per_host=4, max_hosts=1, agent_max_steps=4,
-                                  enabled_toolsets=["shell", "files"], tool_batch_window_ms=5)
-    fields.update(overrides)
-    cls = type("Env", (env_cls,), {"server_cls": policy})
-    env = cls(AgentEnvConfig(**fields), server_configs(), slurm=False, testing=False)
-    env.index = 0
-    return env
+    return make_coding_env(tokenizer_dir, policy, env_cls=env_cls, **overrides)
 
 
 class GroupSetupEnv(CodingEnv):
@@ -104,13 +97,18 @@ async def test_dropping_equal_groups_when_asked_is_reported(tokenizer_dir: str, 
     assert "1 group(s) dropped" in capsys.readouterr().out
 
 
-async def test_the_verifier_check_shows_reference_1_and_stub_0(tokenizer_dir: str,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    env = _env(CodingEnv, tokenizer_dir, slots_per_host=12)
+async def _check_verifier(env_cls: type[CodingEnv], tokenizer_dir: str) -> list[VerifierCheckResult]:
+    """The env's verifier check, run on its own (a slot per reference and stub run)."""
+    env = _env(env_cls, tokenizer_dir, slots_per_host=12)
     try:
-        results = await env.check_verifier()
+        return await env.check_verifier()
     finally:
         await env.shutdown_sandbox()
+
+
+async def test_the_verifier_check_shows_reference_1_and_stub_0(tokenizer_dir: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    results = await _check_verifier(CodingEnv, tokenizer_dir)
     assert [r.family for r in results] == [t["name"] for t in TASKS]
     assert all(r.reference_score == 1.0 and r.stub_score == 0.0 for r in results), results
     assert all(r.reference_saw and r.stub_saw for r in results)  # what the verifier reported, per run
@@ -129,10 +127,6 @@ class YesManEnv(CodingEnv):
 
 async def test_a_verifier_that_cannot_say_no_is_flagged(tokenizer_dir: str,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    env = _env(YesManEnv, tokenizer_dir, slots_per_host=12)
-    try:
-        results = await env.check_verifier()
-    finally:
-        await env.shutdown_sandbox()
+    results = await _check_verifier(YesManEnv, tokenizer_dir)
     assert all(r.stub_score == 1.0 and not r.ok for r in results)
     assert "NOT AS EXPECTED for add" in capsys.readouterr().out

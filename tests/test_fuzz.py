@@ -660,7 +660,7 @@ class ToolServerRig:
 def tool_server() -> Iterator[ToolServerRig]:
     """A ToolServer over a real local pool, served by uvicorn in a thread with its own event loop."""
     token = secrets.token_urlsafe(16)
-    pool = SlotPool(make_backend("local", slots=4), PoolConfig(min_hosts=1, max_hosts=1, lease_timeout_s=5))
+    pool = SlotPool(make_backend("local", slots=4), PoolConfig(min_hosts=1, max_hosts=1, acquire_timeout_s=5))
     app = create_tool_server(pool, ToolServerSettings(token=token, max_body_bytes=1 << 20), manage_pool=True)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import free_port
 
 from atropos.agent.grammars import TOOL_CALL_GBNF, tool_call_grammar
 
@@ -59,12 +59,6 @@ def hermes_system_prompt(tools: list[dict[str, Any]]) -> str:
     )
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _script(*args: str, timeout: float, show: pytest.FixtureRequest | None = None) -> str:
     """Run scripts/model_server.py; with ``show``, its progress goes to the real terminal."""
     cmd = [sys.executable, str(SCRIPT), *args]
@@ -96,7 +90,7 @@ def gguf_path(request: pytest.FixtureRequest) -> Path:
 @pytest.fixture(scope="session")
 def model_server(request: pytest.FixtureRequest) -> Iterator[str]:
     """Base URL (``http://127.0.0.1:P/v1``) of a llama-cpp-python server on a free loopback port."""
-    port = _free_port()
+    port = free_port()
     # `start` runs ensure (a cold build shows its heartbeat on the terminal), then waits <= 180 s.
     url = _script("start", "--port", str(port), "--timeout", "180", timeout=COLD_BUILD_TIMEOUT, show=request)
     try:

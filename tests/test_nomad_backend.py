@@ -109,7 +109,7 @@ def bare() -> Iterator[FakeNomad]:
 
 
 def pool_cfg(**kw: Any) -> PoolConfig:
-    base: dict[str, Any] = {"min_hosts": 1, "max_hosts": 1, "health_interval_s": 0.3, "lease_timeout_s": 30,
+    base: dict[str, Any] = {"min_hosts": 1, "max_hosts": 1, "health_interval_s": 0.3, "acquire_timeout_s": 30,
                             "start_retry_s": 0.2, "pool_id": f"n{secrets.token_hex(3)}"}
     base.update(kw)
     return PoolConfig.model_validate(base)

@@ -8,22 +8,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from typing import Any
 
 import pytest
+from conftest import wait_until
 
 from atropos.errors import HostUnavailable, LeaseError, SlotUnavailable
 from atropos.slots.audit import double_leases
-from atropos.slots.config import PoolConfig
 from atropos.slots.pool import GroupTooLarge, SlotPool
-from tests.pool_backends import BACKENDS, DATA_ROOT, kill_host, make_backend
-
-
-def pool_cfg(**kw: object) -> PoolConfig:
-    base: dict[str, object] = {"min_hosts": 1, "max_hosts": 1, "health_interval_s": 0.5, "lease_timeout_s": 30}
-    base.update(kw)
-    return PoolConfig.model_validate(base)
+from tests.pool_backends import BACKENDS, DATA_ROOT, kill_host, make_backend, pool_cfg
 
 
 @pytest.mark.parametrize("kind", BACKENDS)
@@ -62,16 +55,15 @@ async def test_waiting_is_fifo_and_times_out_with_a_clear_error(kind: str) -> No
         order: list[str] = []
 
         async def wait_for(name: str) -> None:
-            lease = await pool.lease(name, timeout=20)
+            lease = await pool.lease(name, timeout=120)
             order.append(name)
             await asyncio.sleep(0.05)
             await lease.release()
 
         waiters = [asyncio.create_task(wait_for(f"w{i}")) for i in range(3)]
-        await asyncio.sleep(0.2)
+        assert await wait_until(lambda: pool.status().waiting == 3)
         # Waiting for a slot never blocks the holder's own tool calls.
         assert (await holder.bash("echo still-working"))["stdout"] == "still-working\n"
-        assert pool.status().waiting == 3
         await holder.release()
         await asyncio.gather(*waiters)
         assert order == ["w0", "w1", "w2"]
@@ -86,7 +78,7 @@ async def test_waiting_is_fifo_and_times_out_with_a_clear_error(kind: str) -> No
 
 @pytest.mark.parametrize("kind", BACKENDS)
 async def test_200_concurrent_trajectories_never_share_a_slot(kind: str) -> None:
-    cfg = pool_cfg(min_hosts=4, max_hosts=4, lease_timeout_s=120)
+    cfg = pool_cfg(min_hosts=4, max_hosts=4, acquire_timeout_s=120)
     async with SlotPool(make_backend(kind, slots=16), cfg) as pool:
         assert sum(h.info.slots for h in pool.hosts.values()) == 64
 
@@ -113,15 +105,14 @@ async def test_killed_host_fails_calls_fast_and_is_replaced(kind: str) -> None:
     async with SlotPool(backend, pool_cfg(health_interval_s=0.3)) as pool:
         lease = await pool.lease("victim")
         dead_host = lease.host.id
-        call = asyncio.create_task(lease.bash("sleep 60"))
+        call = asyncio.create_task(lease.bash("sleep 600"))
         await asyncio.sleep(0.5)
-        t0 = time.monotonic()
         kill_host(backend, dead_host)
+        # Fails as an infrastructure error soon after the kill (issue 3), not at the command's end
+        # (no timed assert: the wait's limit is far below the command's 600 s, far above a busy
+        # machine's delays).
         with pytest.raises(HostUnavailable):
-            await call
-        # Fails as an infrastructure error within 2 s of the kill (issue 3), not at the command's 60 s.
-        elapsed = time.monotonic() - t0
-        assert elapsed < 2.0, f"the caller heard of the dead host only after {elapsed:.2f} s"
+            await asyncio.wait_for(call, 120)
         # From that moment the host's other (free) slot is not handed out, even before the pool has
         # confirmed the death: a lease now must wait for the replacement.
         assert all(h.id != dead_host for h in pool.hosts.values() if h.leasable)
@@ -168,7 +159,7 @@ async def test_release_after_cancellation_via_the_batch_path_returns_a_clean_slo
     from atropos.tools.executor import AgentToolCall, ExecutorConfig, ToolExecutor
 
     async with SlotPool(make_backend(kind, slots=1), pool_cfg()) as pool:
-        ex = ToolExecutor(pool, cfg=ExecutorConfig(tool_batch_window_ms=5, lease_timeout_s=10))
+        ex = ToolExecutor(pool, cfg=ExecutorConfig(tool_batch_window_ms=5, acquire_timeout_s=10))
         try:
             async def trajectory() -> None:
                 try:  # the call goes out in a /v1/calls batch request
@@ -178,17 +169,16 @@ async def test_release_after_cancellation_via_the_batch_path_returns_a_clean_slo
                     await ex.release_trajectory("cancelled")
 
             task = asyncio.create_task(trajectory())
-            await asyncio.sleep(0.5)
-            assert ex.requests_sent == 1 and pool.status().leased == 1
+            assert await wait_until(lambda: ex.requests_sent == 1 and pool.status().leased == 1)
+            await asyncio.sleep(0.5)  # the command gets going (the slot then has something to undo)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            t0 = time.monotonic()
-            out = await ex.execute("next", AgentToolCall(id="c2", name="bash",
-                                                         arguments={"command": "ls -A; echo listed"}))
-            # the only slot came back reset (the 60 s command aborted, its file gone) within seconds
+            # the only slot came back reset (the 60 s command aborted, its file gone), well before
+            # that command's end
+            out = await asyncio.wait_for(ex.execute("next", AgentToolCall(
+                id="c2", name="bash", arguments={"command": "ls -A; echo listed"})), 45)
             assert out.ok and "listed" in out.content and "left-behind" not in out.content, out
-            assert time.monotonic() - t0 < 10
             await ex.release_trajectory("next")
             assert pool.status().leased == 0 and pool.status().free == 1
             assert double_leases(pool.audit.events) == []
@@ -212,14 +202,14 @@ async def test_release_after_cancellation_returns_a_clean_slot(kind: str) -> Non
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        lease = await pool.lease("next", timeout=10)
+        lease = await pool.lease("next", timeout=120)
         listing = await lease.ok("list_dir", {"path": "."})
         assert listing["entries"] == []
         await lease.release()
 
 
 async def test_scales_up_under_demand_and_down_when_idle() -> None:
-    cfg = pool_cfg(min_hosts=1, max_hosts=3, scale_down_idle_s=0.5, lease_timeout_s=60)
+    cfg = pool_cfg(min_hosts=1, max_hosts=3, scale_down_idle_s=0.5, acquire_timeout_s=60)
     async with SlotPool(make_backend("local", slots=2), cfg) as pool:
         assert len(pool.hosts) == 1
         # the min_hosts started by start() are not scaling events
@@ -230,10 +220,7 @@ async def test_scales_up_under_demand_and_down_when_idle() -> None:
         assert len({x.key for x in leases}) == 5
         for x in leases:
             await x.release()
-        deadline = time.monotonic() + 20
-        while len(pool.hosts) > 1 and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-        assert len(pool.hosts) == 1
+        assert await wait_until(lambda: len(pool.hosts) == 1, timeout=120, interval=0.2), len(pool.hosts)
         status = pool.status()
         assert (status.scale_ups, status.scale_downs, status.quarantines) == (2, 2, 0)
 
@@ -245,18 +232,17 @@ async def test_an_abandoned_waiter_at_the_head_hands_free_slots_to_those_behind_
     async with SlotPool(make_backend("local", slots=2), pool_cfg()) as pool:
         holder = await pool.lease("holder")
         for give_up in ("timeout", "cancel"):
-            group = asyncio.create_task(pool.lease_many(["g0", "g1"], timeout=0.5 if give_up == "timeout" else 60))
-            await asyncio.sleep(0.1)
-            single = asyncio.create_task(pool.lease("single", timeout=10))
-            await asyncio.sleep(0.1)
-            assert pool.status().waiting == 3 and not single.done()
+            group = asyncio.create_task(pool.lease_many(["g0", "g1"], timeout=5 if give_up == "timeout" else 600))
+            assert await wait_until(lambda: pool.status().waiting == 2)
+            single = asyncio.create_task(pool.lease("single", timeout=600))
+            assert await wait_until(lambda: pool.status().waiting == 3)
+            assert not single.done()
             if give_up == "cancel":
                 group.cancel()
-            t0 = time.monotonic()
             with pytest.raises(SlotUnavailable if give_up == "timeout" else asyncio.CancelledError):
                 await group
-            lease = await asyncio.wait_for(single, 2)  # without the fix: SlotUnavailable after 10 s
-            assert time.monotonic() - t0 < 1.0
+            # without the fix the single waits behind nobody until its own 600 s run out
+            lease = await asyncio.wait_for(single, 60)
             assert pool.status().waiting == 0
             await lease.release()
         await holder.release()
@@ -265,10 +251,8 @@ async def test_an_abandoned_waiter_at_the_head_hands_free_slots_to_those_behind_
 
 async def test_a_group_the_pool_can_never_hold_is_rejected_at_once() -> None:
     async with SlotPool(make_backend("local", slots=2), pool_cfg(max_hosts=2)) as pool:
-        t0 = time.monotonic()
-        with pytest.raises(GroupTooLarge) as err:
-            await pool.lease_many([f"g{i}" for i in range(5)], timeout=30)
-        assert time.monotonic() - t0 < 0.5
+        with pytest.raises(GroupTooLarge) as err:  # at once, not after the 600 s it would wait
+            await asyncio.wait_for(pool.lease_many([f"g{i}" for i in range(5)], timeout=600), 60)
         assert "group of 5" in str(err.value) and "at most 4 slots" in str(err.value)
         assert isinstance(err.value, SlotUnavailable)  # callers catching the general error still do
         # nothing was queued or started for it, and the pool still serves
@@ -304,12 +288,10 @@ async def test_network_leases_are_released_when_network_setup_fails_or_is_cancel
         with pytest.raises(HostUnavailable if mode == "fail" else asyncio.CancelledError):
             await task
         # Both slots come back (reset, offline) instead of staying leased to nobody.
-        deadline = time.monotonic() + 10
-        while pool.status().free < 2 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: pool.status().free == 2)
         status = pool.status()
         assert (status.free, status.leased) == (2, 0), status
-        leases = await pool.lease_many(["a", "b"], timeout=2)
+        leases = await pool.lease_many(["a", "b"], timeout=60)
         for x in leases:
             await x.release()
         assert double_leases(pool.audit.events) == []

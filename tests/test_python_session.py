@@ -18,11 +18,10 @@ from conftest import LeasedSlot, RunningHost
 
 from atropos.api.server import ToolServerSettings, create_tool_server
 from atropos.sandbox.config import HostConfig
-from atropos.slots.config import PoolConfig
 from atropos.slots.pool import SlotPool
 from atropos.tools.executor import AgentToolCall, ToolExecutor
 from atropos.tools.registry import ToolRegistry
-from tests.pool_backends import make_backend
+from tests.pool_backends import local_pool
 
 MAX_OUTPUT = 64 * 1024  # HostConfig.max_output_bytes default: kept per stream (head + tail)
 GRACE = HostConfig().session_grace_s
@@ -207,10 +206,8 @@ async def test_release_and_reset_wipe_the_session(host: RunningHost) -> None:
 
 @pytest.fixture
 async def pool() -> AsyncIterator[SlotPool]:
-    p = SlotPool(make_backend("local", slots=2), PoolConfig(min_hosts=1, max_hosts=1, lease_timeout_s=120))
-    await p.start()
-    yield p
-    await p.stop()
+    async with local_pool(2) as p:
+        yield p
 
 
 async def test_lease_python_session_and_release(pool: SlotPool) -> None:

@@ -29,6 +29,7 @@ from atropos.errors import HostUnavailable
 from atropos.slots.audit import double_leases
 from atropos.slots.config import PoolConfig
 from atropos.slots.pool import SlotPool
+from tests.pool_backends import pool_cfg as shared_pool_cfg
 
 REPO = Path(__file__).resolve().parent.parent
 RESOURCE = "atropos_sandbox"
@@ -88,10 +89,7 @@ def make_backend(cluster: RayCluster, slots: int, pool_id: str | None = None, **
 def pool_cfg(**kw: Any) -> PoolConfig:
     # Generous probes: on a busy 2-core machine running a Ray cluster, a loaded host may answer its
     # health probe late; a lost node is noticed through its actor, not through probes.
-    base: dict[str, Any] = {"min_hosts": 1, "max_hosts": 1, "health_interval_s": 0.5, "lease_timeout_s": 120,
-                            "health_timeout_s": 30, "health_failures": 3}
-    base.update(kw)
-    return PoolConfig.model_validate(base)
+    return shared_pool_cfg(**{"health_timeout_s": 30, "health_failures": 3, **kw})
 
 
 def processes_naming(needle: str) -> list[int]:

@@ -25,13 +25,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import pytest_asyncio
 
-from atropos.backends.local import LocalBackend, LocalBackendConfig
 from atropos.envs.examples.coding import TASKS
 from atropos.envs.examples.hidden_tests import verify as hidden_tests
 from atropos.errors import SlotSealed, ToolError
-from atropos.slots.config import PoolConfig
 from atropos.slots.lease import Lease
 from atropos.slots.pool import SlotPool
+from tests.pool_backends import local_pool
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -43,8 +42,7 @@ HONEST_ADD = "def add(a, b):\n    return a + b\n"
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pool() -> AsyncIterator[SlotPool]:
-    async with SlotPool(LocalBackend(LocalBackendConfig(slots_per_host=2, pool_id="forgery")),
-                        PoolConfig(pool_id="forgery", max_hosts=1)) as p:
+    async with local_pool(2, "forgery") as p:
         yield p
 
 
@@ -121,25 +119,19 @@ def forge_results():
                 json.dump({"body": body, "mac": mac, "score": 1.0}, fh)
         except OSError:
             pass
+def keep(path, data):
+    try:
+        with open(path, "wb") as fh:
+            fh.write(data)
+    except OSError:
+        pass
 def forge(found):
     for k in re.findall(rb'out\\?"\s*:\s*\\?"(\.verify-[0-9a-f]{32}\.json)', found):
-        try:
-            with open("/workspace/.stolen-out", "wb") as fh:
-                fh.write(k)
-        except OSError:
-            pass
+        keep("/workspace/.stolen-out", k)
     for k in re.findall(rb'key\\?"\s*:\s*\\?"([0-9a-f]{64})', found):
-        try:
-            with open("/workspace/.stolen-key", "wb") as fh:
-                fh.write(k)
-        except OSError:
-            pass
+        keep("/workspace/.stolen-key", k)
     for h in re.findall(rb"[0-9a-f]{64}", found):
-        try:
-            with open("/workspace/answer.txt", "wb") as fh:
-                fh.write(h)
-        except OSError:
-            pass
+        keep("/workspace/answer.txt", h)
     for m in re.finditer(rb'\[\[\[[^\]]*\], [^\]]*\](, \[\[[^\]]*\], [^\]]*\])*\]', found):
         try:
             cases = json.loads(m.group(0))

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import socket
-import subprocess
-import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -28,9 +25,8 @@ from smolagents.models import ChatMessage, MessageRole, Model
 
 from atropos.errors import ConfigError
 from atropos.integrations.smolagents import SlotPythonExecutor
-from atropos.slots.config import PoolConfig
 from atropos.slots.pool import SlotPool
-from tests.pool_backends import make_backend
+from tests.pool_backends import local_pool
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -53,10 +49,8 @@ class ScriptedModel(Model):
 
 @pytest.fixture
 async def pool() -> AsyncIterator[SlotPool]:
-    p = SlotPool(make_backend("local", slots=2), PoolConfig(min_hosts=1, max_hosts=1, lease_timeout_s=120))
-    await p.start()
-    yield p
-    await p.stop()
+    async with local_pool(2) as p:
+        yield p
 
 
 def observations(agent: CodeAgent) -> list[str]:
@@ -145,24 +139,6 @@ async def test_additional_imports_present_in_the_sandbox_need_no_network(pool: S
 
 
 # -- with the project's real model server --------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def model_url() -> Iterator[str]:
-    script = REPO / "scripts" / "model_server.py"
-    port = _free_port()
-    started = subprocess.run([sys.executable, str(script), "start", "--port", str(port)], timeout=3600)
-    assert started.returncode == 0, "model server did not start (see scripts/model_server.py logs)"
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        subprocess.run([sys.executable, str(script), "stop", "--port", str(port)], timeout=60)
 
 
 # The tiny model does not write working agent code on its own; a grammar (the server's GBNF

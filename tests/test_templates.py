@@ -537,7 +537,7 @@ async def test_group_of_8_forked_from_a_prepared_git_repo_across_two_hosts(tmp_p
     head = _git_repo(repo, commits=3)
     bundle = tmp_path / "repo.bundle"
     subprocess.run(["git", "-C", str(repo), "bundle", "create", "-q", str(bundle), "--all"], check=True)
-    cfg = PoolConfig(min_hosts=2, max_hosts=2, lease_timeout_s=60, health_interval_s=1)
+    cfg = PoolConfig(min_hosts=2, max_hosts=2, acquire_timeout_s=60, health_interval_s=1)
     async with SlotPool(make_backend("local", slots=4), cfg) as pool:
         leases = await pool.lease_many([f"g-{i}" for i in range(8)], colocate=True)
         assert len({lease.host.id for lease in leases}) == 2  # 8 rollouts, 4 slots per host

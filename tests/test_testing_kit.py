@@ -14,9 +14,9 @@ import pytest
 pytest.importorskip("atroposlib")
 
 from atropos.agent.loop import assistant_turns
-from atropos.envs.agent_env import AgentEnvConfig
 from atropos.envs.examples.coding import TASKS, CodingEnv
 from atropos.testing import FakeChatServer, by_turn, scripted_server, server_configs, tool_call
+from tests.scripted_env import make_coding_env
 
 ADD = "def add(a, b):\n    return a + b\n"
 HONEST = by_turn(tool_call("write_file", path="/workspace/solution.py", content=ADD),
@@ -64,13 +64,7 @@ async def test_fake_server_speaks_openai_over_http() -> None:
 
 
 def _env(tokenizer_dir: str, servers: list[Any], server_cls: type | None = None) -> CodingEnv:
-    cfg = AgentEnvConfig(tokenizer_name=tokenizer_dir, group_size=2, use_wandb=False, wandb_name="t",
-                         slots_per_host=2, max_hosts=1, agent_max_steps=4, enabled_toolsets=["shell", "files"],
-                         tool_batch_window_ms=5)
-    cls = CodingEnv if server_cls is None else type("E", (CodingEnv,), {"server_cls": server_cls})
-    env = cls(cfg, servers, slurm=False, testing=False)
-    env.index = 0
-    return env
+    return make_coding_env(tokenizer_dir, server_cls, servers=servers, slots_per_host=2)
 
 
 async def test_an_env_against_the_fake_server_over_http(tokenizer_dir: str) -> None:

@@ -10,13 +10,13 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 pytest.importorskip("atroposlib")
 
@@ -28,12 +28,6 @@ FENCE = re.compile(r"^```(\w+)([^\n]*)\n(.*?)^```\s*$", re.S | re.M)
 def blocks() -> list[tuple[str, str, str]]:
     """(language, info after the language, body) of every fenced block, in order."""
     return [(m.group(1), m.group(2).strip(), m.group(3)) for m in FENCE.finditer(DOC.read_text())]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_the_doc_has_the_blocks_a_newcomer_needs() -> None:

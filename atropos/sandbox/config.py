@@ -91,7 +91,6 @@ class HostConfig(BaseModel):
     )
     bwrap: str = "/usr/bin/bwrap"
     python: str = Field("/usr/bin/python3", description="interpreter inside the sandbox (from its /usr)")
-    pool_label: str = Field("", description="opaque label of the pool that owns this host (for status)")
     workspace_mode: Literal["auto", "overlay", "copy"] = Field(
         "auto", description="template forks: overlayfs copy-on-write (auto falls back to copies when overlays "
                             "cannot be mounted; overlay fails instead) or always full copies")

@@ -3,21 +3,33 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
+
+from atropos.renamed import accept_renamed
+
+# old name -> name (one setting had two names: the wait for a free slot)
+RENAMED = {"lease_timeout_s": "acquire_timeout_s"}
 
 
 class PoolConfig(BaseModel):
     pool_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="names this pool's hosts")
     min_hosts: int = Field(1, ge=0)
     max_hosts: int = Field(4, ge=1)
-    lease_timeout_s: float = Field(300.0, gt=0, description="default wait for a free slot")
+    acquire_timeout_s: float = Field(300.0, gt=0, description="default wait for a free slot (lease_timeout_s "
+                                                              "is its deprecated old name)")
     health_interval_s: float = Field(2.0, gt=0)
     health_timeout_s: float = Field(5.0, gt=0, description="a host slower than this fails the probe")
     health_failures: int = Field(2, ge=1, description="consecutive failed probes before a host is declared dead")
     scale_down_idle_s: float = Field(120.0, ge=0, description="an idle host above min_hosts is stopped after this")
     start_retry_s: float = Field(5.0, gt=0, description="pause before retrying a failed host start")
     audit_path: Path | None = Field(None, description="append one JSON line per lease and release here")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        return accept_renamed(data, RENAMED, "PoolConfig")
 
     @model_validator(mode="after")
     def _bounds(self) -> PoolConfig:

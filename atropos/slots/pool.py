@@ -13,92 +13,22 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
-from pydantic import BaseModel, Field
-
-from atropos.backends.base import Backend, HostInfo
-from atropos.errors import (
-    AtroposSandboxError,
-    HostUnavailable,
-    LeaseError,
-    SlotUnavailable,
-    TemplateInUse,
-    UnknownTemplate,
-    WorkspaceError,
-)
-from atropos.errors import GroupTooLarge as GroupTooLarge  # defined there since issue 18
-from atropos.sandbox.client import HostClient
-from atropos.slots.audit import LeaseAudit
-from atropos.slots.config import PoolConfig
+from atropos.errors import GroupTooLarge, HostUnavailable, LeaseError, SlotUnavailable
 from atropos.slots.lease import Lease, PoolHost, PoolTemplate
+from atropos.slots.pool_base import _Waiter
+from atropos.slots.pool_status import HostStatus, PoolStatus
+from atropos.slots.pool_templates import PoolTemplates
+
+__all__ = ["GroupTooLarge", "HostStatus", "PoolStatus", "SlotPool"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Waiter:
-    ids: list[str]
-    network: bool
-    future: asyncio.Future[list[Lease]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    colocate: bool = False
-    prefer: frozenset[str] = frozenset()
-
-
-class HostStatus(BaseModel):
-    id: str
-    address: str
-    slots: int
-    free: int
-    leased: int
-    quarantined: int
-    healthy: bool = Field(description="not declared dead or suspected, and its last health probe passed")
-    health_ms: float | None
-    oldest_lease_s: float | None
-    node: str | None = Field(None, description="the cluster node the host runs on, for backends that place "
-                                               "hosts on nodes (ray: the Ray node id)")
-
-
-class PoolStatus(BaseModel):
-    pool_id: str
-    backend: str
-    hosts: list[HostStatus]
-    starting_hosts: int
-    free: int
-    leased: int
-    quarantined: int
-    waiting: int
-    leases_total: int
-    calls_total: int
-    calls_per_s: float
-    lost_hosts: int
-    # Monotonic event counters for operators (atropos/metrics.py exports them as Prometheus counters).
-    scale_ups: int = Field(0, description="hosts started by scaling (demand, replacing a dead host, below min)")
-    scale_downs: int = Field(0, description="idle hosts stopped by scaling")
-    quarantines: int = Field(0, description="slots quarantined after a failed or refused reset")
-
-
-class SlotPool:
-    def __init__(self, backend: Backend, cfg: PoolConfig | None = None) -> None:
-        self.backend = backend
-        self.cfg = cfg or PoolConfig()
-        self.hosts: dict[str, PoolHost] = {}
-        self.audit = LeaseAudit(self.cfg.audit_path)
-        self._waiters: deque[_Waiter] = deque()
-        self._starting = 0
-        self._scale = asyncio.Event()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._running = False
-        self._leases_total = 0
-        self._calls_total = 0
-        self._call_times: deque[float] = deque(maxlen=10_000)
-        self._lost_hosts = 0
-        self._scale_ups = 0
-        self._scale_downs = 0
-        self._quarantines = 0
+class SlotPool(PoolTemplates):
+    """The pool. Its parts: state and queue (pool_base.py), hosts, health and scaling (pool_hosts.py),
+    templates (pool_templates.py), status models (pool_status.py); leasing and release are here."""
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -143,155 +73,11 @@ class SlotPool:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    # -- hosts -----------------------------------------------------------------------------
-    async def _add_host(self) -> PoolHost:
-        self._starting += 1
-        info: HostInfo | None = None
-        try:
-            t0 = time.perf_counter()
-            info = await self.backend.start_host()
-            client = HostClient(info.address, info.token)
-            host = PoolHost(info, client)
-            leases = await asyncio.gather(*(
-                client.lease(f"pool:{self.cfg.pool_id}", slot=i) for i in range(info.slots)))
-            host.free = [(li.slot, li.lease, li.generation) for li in leases]
-        except BaseException:
-            if info is not None:
-                await self.backend.stop_host(info.id)
-            raise
-        finally:
-            self._starting -= 1
-        self.hosts[host.id] = host
-        log.info("scale: host %s up with %d slots in %.0f ms (%d hosts)", host.id, info.slots,
-                 (time.perf_counter() - t0) * 1000, len(self.hosts))
-        self._grant_waiters()
-        return host
-
-    async def _remove_host(self, host: PoolHost, reason: str) -> None:
-        self.hosts.pop(host.id, None)
-        host.free.clear()
-        log.info("scale: host %s removed (%s); %d hosts left", host.id, reason, len(self.hosts))
-        await host.client.aclose()
-        await self.backend.stop_host(host.id)
-
-    def declare_dead(self, host: PoolHost, reason: str) -> None:
-        """Take ``host`` out of service: its leases are lost (their calls raise HostUnavailable)."""
-        if host.dead.is_set():
-            return
-        host.dead_reason = reason
-        host.dead.set()
-        self._lost_hosts += 1
-        log.error("host %s is dead (%s): failing %d lease(s)", host.id, reason, len(host.leases))
-        for lease in list(host.leases.values()):
-            lease.lost = reason
-            self.audit.record("lost", lease.trajectory_id, host.id, lease.slot, lease.generation)
-        host.leases.clear()
-        self._spawn(self._remove_host(host, f"dead: {reason}"))
-        self._scale.set()
-
-    def suspect(self, host: PoolHost) -> None:
-        """A call saw a transport error: check the host now instead of at the next health tick,
-        and lease nothing more from it until a probe passes (a killed host's other free slots
-        would otherwise be handed out in the moment before its death is confirmed)."""
-        # once stopped, nothing may start: a probe through a closed client would fail with an
-        # exception no one retrieves ("Task exception was never retrieved" at a normal end)
-        if not host.dead.is_set() and self._running:
-            host.suspected = True
-            self._spawn(self._check_host(host, urgent=True))
-
-    async def _check_host(self, host: PoolHost, urgent: bool = False) -> None:
-        if host.dead.is_set():
-            return
-        if not await self.backend.alive(host.id):
-            self.declare_dead(host, "the backend reports the host gone")
-            return
-        try:
-            t0 = time.perf_counter()
-            health = await host.client.health(timeout=self.cfg.health_timeout_s)
-            host.last_health_ms = (time.perf_counter() - t0) * 1000
-            healthy, why = health.ok, health.detail
-        except AtroposSandboxError as exc:
-            healthy, why = False, str(exc)
-        if healthy:
-            host.failures = 0
-            if host.suspected:
-                host.suspected = False
-                self._grant_waiters()
-            return
-        host.failures += 1
-        log.warning("host %s failed a health probe (%d/%d): %s", host.id, host.failures,
-                    self.cfg.health_failures, why)
-        if host.failures >= self.cfg.health_failures or (urgent and host.failures > 1):
-            self.declare_dead(host, f"health: {why}")
-
-    async def _health_loop(self) -> None:
-        while self._running:
-            await asyncio.sleep(self.cfg.health_interval_s)
-            await asyncio.gather(*(self._check_host(h) for h in list(self.hosts.values())),
-                                 return_exceptions=True)
-
-    async def _scale_loop(self) -> None:
-        while self._running:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._scale.wait(), timeout=1.0)
-            self._scale.clear()
-            try:
-                await self._scale_step()
-            except Exception:
-                log.exception("scale step failed")
-                await asyncio.sleep(self.cfg.start_retry_s)
-
-    async def _scale_step(self) -> None:
-        capacity = len(self.hosts) + self._starting
-        demand = sum(len(w.ids) for w in self._waiters if not w.future.done())
-        free = self.free_count()
-        if capacity < self.cfg.max_hosts and (capacity < self.cfg.min_hosts or demand > free + self._starting_slots()):
-            log.info("scale: starting a host (hosts %d, starting %d, waiting %d, free %d)",
-                     len(self.hosts), self._starting, demand, free)
-            self._spawn(self._add_host_logged())
-            return
-        now = time.monotonic()
-        for host_id in self.backend.removal_order(list(self.hosts)):
-            host = self.hosts.get(host_id)
-            if host is None:
-                continue
-            idle = not host.leases and len(host.free) == host.info.slots
-            if not idle:
-                host.idle_since = None
-                continue
-            host.idle_since = host.idle_since or now
-            if (len(self.hosts) > self.cfg.min_hosts and not demand
-                    and now - host.idle_since >= self.cfg.scale_down_idle_s):
-                self._scale_downs += 1
-                await self._remove_host(host, f"idle for {now - host.idle_since:.0f}s")
-
-    def _starting_slots(self) -> int:
-        return self._starting * max((h.info.slots for h in self.hosts.values()), default=1)
-
-    async def _add_host_logged(self) -> None:
-        try:
-            await self._add_host()
-            self._scale_ups += 1
-        except Exception as exc:
-            log.error("scale: host start failed: %s", exc)
-            await asyncio.sleep(self.cfg.start_retry_s)
-            self._scale.set()
-
     # -- leasing ---------------------------------------------------------------------------
     def max_slots(self) -> int | None:
         """The most slots this pool can ever hold (None while the host size is unknown)."""
         per_host = max((h.info.slots for h in self.hosts.values()), default=None) or self.backend.host_slots()
         return None if per_host is None else per_host * self.cfg.max_hosts
-
-    def free_count(self) -> int:
-        """Slots that could be leased right now, on hosts that take leases."""
-        return sum(len(h.free) for h in self.hosts.values() if h.leasable)
 
     def _take(self, trajectory_id: str, network: bool, host: PoolHost | None = None) -> Lease:
         # Spread over hosts (most free first): calls of different trajectories then rarely
@@ -360,7 +146,7 @@ class SlotPool:
         if not self._waiters and self.free_count() >= len(ids):
             leases = self._take_group(ids, network, colocate, prefer)
         else:
-            leases = await self._wait(ids, network, self.cfg.lease_timeout_s if timeout is None else timeout,
+            leases = await self._wait(ids, network, self.cfg.acquire_timeout_s if timeout is None else timeout,
                                       colocate, prefer)
         if template is not None:
             await self._prepare_or_release(leases, lambda lease: lease.reset(template, network=network or None))
@@ -483,95 +269,6 @@ class SlotPool:
             yield lease
         finally:
             await self.release(lease)
-
-    # -- templates -------------------------------------------------------------------------
-    async def template_from_lease(self, lease: Lease, name: str = "") -> PoolTemplate:
-        """Snapshot a leased slot's workspace (e.g. after a group's setup ran in it) as a
-        template. The lease stays valid; its workspace becomes a fresh fork of the template."""
-        lease.check()
-        try:
-            info = await lease.host.guard(lease.host.client.template_from_slot(lease.slot, lease.token, name=name))
-        except HostUnavailable:
-            self.suspect(lease.host)
-            raise
-        template = PoolTemplate(name=name, info=info, copies={lease.host.id: info.id})
-        lease.template = template
-        log.info("template %s (%s) made from %r: %d files, %.1f MB", info.id, name, lease, info.files,
-                 info.bytes / 1e6)
-        return template
-
-    async def create_template(self, source: str, *, name: str = "", **fields: Any) -> PoolTemplate:
-        """A template from a host-side source ("dir": path=, "git": url=, ref=, depth=) on one host."""
-        host = self._template_host()
-        info = await host.guard(host.client.create_template(source, name=name, **fields))
-        return PoolTemplate(name=name, info=info, copies={host.id: info.id})
-
-    async def upload_template(self, data: bytes | AsyncIterable[bytes], *, name: str = "",
-                              gzip: bool = False) -> PoolTemplate:
-        """A template from a tar archive, unpacked on one host (shipped to others on use)."""
-        host = self._template_host()
-        info = await host.guard(host.client.upload_template(data, name=name, gzip=gzip))
-        return PoolTemplate(name=name, info=info, copies={host.id: info.id})
-
-    def _template_host(self) -> PoolHost:
-        live = [h for h in self.hosts.values() if not h.dead.is_set()]
-        if not live:
-            raise HostUnavailable("the pool has no live host")
-        return max(live, key=lambda h: len(h.free))
-
-    async def template_on(self, template: PoolTemplate, host: PoolHost) -> str:
-        """The template's id on ``host``, shipping it there first (once) if needed."""
-        if template.deleted:
-            raise UnknownTemplate(f"template {template.id} was deleted")
-        if host.id in template.copies:
-            return template.copies[host.id]
-        pending = template.shipping.get(host.id)
-        if pending is None:
-            pending = asyncio.ensure_future(self._ship(template, host))
-            template.shipping[host.id] = pending
-            pending.add_done_callback(lambda _f: template.shipping.pop(host.id, None))
-        return await asyncio.shield(pending)
-
-    async def _ship(self, template: PoolTemplate, host: PoolHost) -> str:
-        sources = [self.hosts[h] for h in template.copies if h in self.hosts and not self.hosts[h].dead.is_set()]
-        if not sources:
-            raise WorkspaceError(f"template {template.id}: no live host holds it any more")
-        source = sources[0]
-        t0 = time.perf_counter()
-        async with contextlib.aclosing(source.client.template_archive(template.copies[source.id])) as stream:
-            info = await host.guard(host.client.upload_template(stream, name=template.name))
-        if info.tree_hash != template.tree_hash:
-            await host.client.delete_template(info.id)
-            raise WorkspaceError(f"template {template.id} shipped to {host.id} arrived different "
-                                 f"({info.tree_hash[:12]} != {template.tree_hash[:12]})")
-        template.copies[host.id] = info.id
-        log.info("template %s shipped %s -> %s (%.1f MB) in %.0f ms", template.id, source.id, host.id,
-                 info.bytes / 1e6, (time.perf_counter() - t0) * 1000)
-        return info.id
-
-    async def fork(self, lease: Lease, template: PoolTemplate) -> None:
-        """Reset a lease to a fresh copy-on-write fork of ``template`` (the lease is kept)."""
-        await lease.reset(template)
-
-    async def delete_template(self, template: PoolTemplate) -> None:
-        """Delete every host's copy. Copies still in use (a slot built on them) stay and are
-        logged; release or reset those slots first."""
-        template.deleted = True
-        for pending in list(template.shipping.values()):
-            with contextlib.suppress(BaseException):
-                await pending
-        for host_id, template_id in list(template.copies.items()):
-            host = self.hosts.get(host_id)
-            if host is None or host.dead.is_set():
-                template.copies.pop(host_id, None)
-                continue
-            try:
-                await host.guard(host.client.delete_template(template_id))
-                template.copies.pop(host_id, None)
-            except UnknownTemplate:
-                template.copies.pop(host_id, None)
-            except (TemplateInUse, HostUnavailable) as exc:
-                log.warning("template %s on %s not deleted: %s", template_id, host_id, exc)
 
     # -- status ----------------------------------------------------------------------------
     def count_call(self, n: int = 1) -> None:

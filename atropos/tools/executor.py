@@ -21,10 +21,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import httpx
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from atropos.errors import HostUnavailable, InfrastructureError
+from atropos.renamed import accept_renamed
 from atropos.sandbox.protocol import CallResult, ToolCall
+from atropos.slots.config import RENAMED
 from atropos.slots.lease import Lease, PoolHost
 from atropos.slots.pool import SlotPool
 from atropos.tools.formatting import format_result
@@ -40,10 +42,15 @@ class ExecutorConfig(BaseModel):
     default_timeout_s: float = Field(60.0, gt=0)
     min_timeout_s: float = Field(1.0, gt=0)
     max_timeout_s: float = Field(600.0, gt=0)
-    lease_timeout_s: float | None = Field(None, description="wait for a slot on first use (pool default)")
+    acquire_timeout_s: float | None = Field(None, description="wait for a slot on first use (pool default)")
     network: bool = Field(False, description="slots leased by the executor may reach the network")
     tool_server_url: str | None = Field(None, description="ToolServer for external tools")
     tool_server_token: str | None = Field(None, repr=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        return accept_renamed(data, RENAMED, "ExecutorConfig")
 
 
 class AgentToolCall(BaseModel):
@@ -283,7 +290,7 @@ class ToolExecutor:
         fut: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
         self._leasing[trajectory_id] = fut
         try:
-            lease = await self.pool.lease(trajectory_id, self.cfg.lease_timeout_s, network=self.cfg.network)
+            lease = await self.pool.lease(trajectory_id, self.cfg.acquire_timeout_s, network=self.cfg.network)
             self._leases[trajectory_id] = lease
             fut.set_result(lease)
             return lease

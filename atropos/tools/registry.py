@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from atropos.errors import ConfigError
 from atropos.sandbox import tools as sandbox_tools
@@ -94,8 +94,3 @@ class ToolRegistry:
     def schemas(self) -> list[dict[str, Any]]:
         return [self._tools[n].openai_schema() for n in self.names()]
 
-
-class ToolsetConfig(BaseModel):
-    enabled_toolsets: list[str] | None = Field(
-        default_factory=lambda: list(DEFAULT_TOOLSETS), description="toolsets the model may use (None: all)")
-    disabled_toolsets: list[str] = Field(default_factory=list)

@@ -1,0 +1,159 @@
+"""The SlotPool's hosts: starting and stopping them, health probes, declaring one dead, and scaling
+between ``min_hosts`` and ``max_hosts`` with demand."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from atropos.backends.base import HostInfo
+from atropos.errors import AtroposSandboxError
+from atropos.sandbox.client import HostClient
+from atropos.slots.lease import PoolHost
+from atropos.slots.pool_base import PoolBase
+
+log = logging.getLogger("atropos.slots.pool")
+
+
+class PoolHosts(PoolBase):
+    async def _add_host(self) -> PoolHost:
+        self._starting += 1
+        info: HostInfo | None = None
+        try:
+            t0 = time.perf_counter()
+            info = await self.backend.start_host()
+            client = HostClient(info.address, info.token)
+            host = PoolHost(info, client)
+            leases = await asyncio.gather(*(
+                client.lease(f"pool:{self.cfg.pool_id}", slot=i) for i in range(info.slots)))
+            host.free = [(li.slot, li.lease, li.generation) for li in leases]
+        except BaseException:
+            if info is not None:
+                await self.backend.stop_host(info.id)
+            raise
+        finally:
+            self._starting -= 1
+        self.hosts[host.id] = host
+        log.info("scale: host %s up with %d slots in %.0f ms (%d hosts)", host.id, info.slots,
+                 (time.perf_counter() - t0) * 1000, len(self.hosts))
+        self._grant_waiters()
+        return host
+
+    async def _remove_host(self, host: PoolHost, reason: str) -> None:
+        self.hosts.pop(host.id, None)
+        host.free.clear()
+        log.info("scale: host %s removed (%s); %d hosts left", host.id, reason, len(self.hosts))
+        await host.client.aclose()
+        await self.backend.stop_host(host.id)
+
+    def declare_dead(self, host: PoolHost, reason: str) -> None:
+        """Take ``host`` out of service: its leases are lost (their calls raise HostUnavailable)."""
+        if host.dead.is_set():
+            return
+        host.dead_reason = reason
+        host.dead.set()
+        self._lost_hosts += 1
+        log.error("host %s is dead (%s): failing %d lease(s)", host.id, reason, len(host.leases))
+        for lease in list(host.leases.values()):
+            lease.lost = reason
+            self.audit.record("lost", lease.trajectory_id, host.id, lease.slot, lease.generation)
+        host.leases.clear()
+        self._spawn(self._remove_host(host, f"dead: {reason}"))
+        self._scale.set()
+
+    def suspect(self, host: PoolHost) -> None:
+        """A call saw a transport error: check the host now instead of at the next health tick,
+        and lease nothing more from it until a probe passes (a killed host's other free slots
+        would otherwise be handed out in the moment before its death is confirmed)."""
+        # once stopped, nothing may start: a probe through a closed client would fail with an
+        # exception no one retrieves ("Task exception was never retrieved" at a normal end)
+        if not host.dead.is_set() and self._running:
+            host.suspected = True
+            self._spawn(self._check_host(host, urgent=True))
+
+    async def _check_host(self, host: PoolHost, urgent: bool = False) -> None:
+        if host.dead.is_set():
+            return
+        if not await self.backend.alive(host.id):
+            self.declare_dead(host, "the backend reports the host gone")
+            return
+        try:
+            t0 = time.perf_counter()
+            health = await host.client.health(timeout=self.cfg.health_timeout_s)
+            host.last_health_ms = (time.perf_counter() - t0) * 1000
+            healthy, why = health.ok, health.detail
+        except AtroposSandboxError as exc:
+            healthy, why = False, str(exc)
+        if healthy:
+            host.failures = 0
+            if host.suspected:
+                host.suspected = False
+                self._grant_waiters()
+            return
+        host.failures += 1
+        log.warning("host %s failed a health probe (%d/%d): %s", host.id, host.failures,
+                    self.cfg.health_failures, why)
+        if host.failures >= self.cfg.health_failures or (urgent and host.failures > 1):
+            self.declare_dead(host, f"health: {why}")
+
+    async def _health_loop(self) -> None:
+        while self._running:
+            await asyncio.sleep(self.cfg.health_interval_s)
+            await asyncio.gather(*(self._check_host(h) for h in list(self.hosts.values())),
+                                 return_exceptions=True)
+
+    async def _scale_loop(self) -> None:
+        while self._running:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._scale.wait(), timeout=1.0)
+            self._scale.clear()
+            try:
+                await self._scale_step()
+            except Exception:
+                log.exception("scale step failed")
+                await asyncio.sleep(self.cfg.start_retry_s)
+
+    async def _scale_step(self) -> None:
+        demand = sum(len(w.ids) for w in self._waiters if not w.future.done())
+        if self._should_start_host(demand):
+            log.info("scale: starting a host (hosts %d, starting %d, waiting %d, free %d)",
+                     len(self.hosts), self._starting, demand, self.free_count())
+            self._spawn(self._add_host_logged())
+            return
+        await self._stop_idle_hosts(demand)
+
+    def _should_start_host(self, demand: int) -> bool:
+        capacity = len(self.hosts) + self._starting
+        return capacity < self.cfg.max_hosts and (
+            capacity < self.cfg.min_hosts or demand > self.free_count() + self._starting_slots())
+
+    async def _stop_idle_hosts(self, demand: int) -> None:
+        """Stop hosts idle for ``scale_down_idle_s`` while above ``min_hosts`` and nobody waits."""
+        now = time.monotonic()
+        for host_id in self.backend.removal_order(list(self.hosts)):
+            host = self.hosts.get(host_id)
+            if host is None:
+                continue
+            idle = not host.leases and len(host.free) == host.info.slots
+            if not idle:
+                host.idle_since = None
+                continue
+            host.idle_since = host.idle_since or now
+            if (len(self.hosts) > self.cfg.min_hosts and not demand
+                    and now - host.idle_since >= self.cfg.scale_down_idle_s):
+                self._scale_downs += 1
+                await self._remove_host(host, f"idle for {now - host.idle_since:.0f}s")
+
+    def _starting_slots(self) -> int:
+        return self._starting * max((h.info.slots for h in self.hosts.values()), default=1)
+
+    async def _add_host_logged(self) -> None:
+        try:
+            await self._add_host()
+            self._scale_ups += 1
+        except Exception as exc:
+            log.error("scale: host start failed: %s", exc)
+            await asyncio.sleep(self.cfg.start_retry_s)
+            self._scale.set()
