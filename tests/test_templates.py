@@ -426,7 +426,8 @@ async def _settled(c: HostClient, data_dir: Path) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         infos = await c.slots()
-        trash = list((data_dir / "trash").iterdir())
+        # the mount trash: a reset's old mounts, unmounted in the background
+        trash = [*(data_dir / "trash").iterdir(), *(data_dir / "mtrash").iterdir()]
         if not trash and all(i.sandbox_running or i.state != "free" for i in infos):
             return
         await asyncio.sleep(0.1)

@@ -187,6 +187,9 @@ class SandboxHost:
 
     async def stop(self) -> None:
         self.stopping = True  # calls cut off from here on are the platform's doing, not the command's
+        for task in list(self._background):  # prewarms still starting: none may outlive the stop
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         await asyncio.gather(*(s.stop_sandboxes() for s in [*self.slots, *filter(None, [self.health_slot])]))
         if self.cgroups is not None:  # whatever escaped its process group (none should) dies here
             await asyncio.to_thread(self.cgroups.close)
@@ -418,6 +421,12 @@ class SandboxHost:
 
     async def prewarm_all(self) -> None:
         await asyncio.gather(*(self._prewarm(s) for s in self.slots))
+
+    def prewarm_in_background(self) -> None:
+        """Start every slot's sandbox without waiting for it: the host serves meanwhile. A call to a
+        slot whose prewarm holds its lock waits for that sandbox; one that comes first starts it."""
+        for slot in self.slots:
+            self._schedule_prewarm(slot)
 
     # -- calls -----------------------------------------------------------------------------
     async def run_calls(self, calls: Iterable[ToolCall]) -> AsyncIterator[CallResult]:

@@ -283,9 +283,14 @@ class Slot:
         self.state = "resetting"
         try:
             await self.stop_sandboxes()
-            await self._kill_all()
-            await self._drop_workspace()
-            await self._build_workspace(template)
+            await self._kill_cgroup()
+            # The uid sweep (a /proc scan) and the workspace's renewal run side by side: the slot is
+            # not leasable until both are done, and a survivor quarantines it all the same.
+            outcomes = await asyncio.gather(self._kill_uid(), self._renew_workspace(template),
+                                            return_exceptions=True)
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
             problem = self._verify()
             if problem:
                 raise RuntimeError(problem)
@@ -354,10 +359,20 @@ class Slot:
         return result
 
     async def _kill_all(self) -> None:
-        if self.cgroup is not None:
+        await self._kill_cgroup()
+        await self._kill_uid()
+
+    async def _kill_cgroup(self) -> None:
+        if self.cgroup is None:
+            return
+        # Killed sandboxes were reaped by stop_sandboxes: the cgroup is normally empty already,
+        # which one read of cgroup.procs tells (nothing can enter it but a fork from inside).
+        if self.cgroup.pids():
             left = await asyncio.to_thread(self.cgroup.kill)
             if left:
                 raise RuntimeError(f"processes survived in the slot's cgroup {self.cgroup.main}: {left}")
+
+    async def _kill_uid(self) -> None:
         if self.uid is not None:
             if self.killer is not None:
                 survivors = await self.killer.kill(self.uid)
@@ -371,6 +386,9 @@ class Slot:
         if ns is None or not ns.alive:
             raise WorkspaceError("the workspace mount helper is not running")
         return ns
+
+    def _mounts_prefix(self) -> str:
+        return os.path.realpath(self.dir) + "/"
 
     def _real(self, p: Path) -> str:
         return os.path.join(os.path.realpath(p.parent), p.name)
@@ -386,7 +404,12 @@ class Slot:
         if self.scratch:
             targets += [self.paths.run_dir, *self._scratch_dirs()]
         if targets:
-            await self._ns().call({"op": "umount", "targets": [self._real(t) for t in targets]})
+            real = [self._real(t) for t in targets]
+            if self.ws_kind == "overlay" and not self.capped:
+                # the fork's upper layer is on disk and goes to the trash below: unmounted first
+                await self._ns().call({"op": "umount", "targets": real})
+            else:  # tmpfs-backed: moved aside whole, unmounted in the background
+                await self._ns().call({"op": "renew", "detach": real, "trash": str(self._mount_trash())})
         if self.template is not None:
             self.template.users.discard(self.index)
             self.template = None
@@ -407,10 +430,39 @@ class Slot:
     async def _mount_scratch(self) -> None:
         """The run dir (the terminal's log), /tmp and /dev/shm: each its own tmpfs capped in size
         AND inodes (bubblewrap's --tmpfs can only cap the size; empty files cost kernel memory)."""
-        self.scratch = True  # before the awaits: a half-done mount is still unmounted by a drop
-        for target, quota in zip((self.paths.run_dir, *self._scratch_dirs()),
-                                 self.cfg.limits.scratch_quotas(self.uid), strict=True):
-            await self._ns().call({"op": "tmpfs", "target": self._real(target), "quota": quota})
+        self.scratch = True  # before the await: a half-done mount is still unmounted by a drop
+        await self._ns().call({"op": "tmpfs_many", "mounts": self._scratch_mounts()})
+
+    def _scratch_mounts(self) -> list[dict[str, Any]]:
+        return [{"target": self._real(target), "quota": quota} for target, quota in
+                zip((self.paths.run_dir, *self._scratch_dirs()), self.cfg.limits.scratch_quotas(self.uid), strict=True)]
+
+    def _mount_trash(self) -> Path:
+        assert self.workspaces is not None
+        return self.workspaces.mount_trash
+
+    async def _renew_workspace(self, template: Template | None) -> None:
+        """Back to a fresh workspace. The common case, an empty workspace after an empty one whose
+        dirs are all capped tmpfs mounts, is one round trip to the mount helper: the old mounts
+        move aside (their pages go with a background unmount) and fresh ones take their place on
+        the same (never slot-visible) mount points."""
+        mgr = self.workspaces
+        renewable = (template is None and self.ws_kind == "plain" and mgr is not None and mgr.ns is not None
+                     and self.scratch == mgr.scratch_capped and self.capped == mgr.capped
+                     and (self.scratch or self.capped))
+        if not renewable:
+            await self._drop_workspace()
+            await self._build_workspace(template)
+            return
+        mounts = self._scratch_mounts() if self.scratch else []
+        ws = self.paths.workspace
+        if self.capped:
+            mounts.append({"target": self._real(ws), "quota": self.cfg.limits.workspace_quota(self.uid)})
+        else:  # an uncapped workspace is a directory on disk: to the trash, a fresh one in its place
+            self._discard(ws)
+            self._fresh_dir(ws)
+        await self._ns().call({"op": "renew", "detach": [m["target"] for m in mounts], "tmpfs": mounts,
+                               "trash": str(self._mount_trash())})
 
     async def _build_workspace(self, template: Template | None) -> None:
         ws, mgr = self.paths.workspace, self.workspaces
@@ -438,7 +490,7 @@ class Slot:
                 self._fresh_dir(upper)
             self._fresh_dir(ws)
             targets = {self._real(ws), self._real(lower), self._real(ov)}
-            if any(m.mountpoint in targets for m in ns.mounts()):
+            if any(m.mountpoint in targets for m in ns.mounts(self._mounts_prefix())):
                 raise WorkspaceError("a mount is still in place before the fork; refusing to stack another")
             self.ws_kind = "overlay"
             self.capped = fork_quota is not None
@@ -506,7 +558,7 @@ class Slot:
         if self.capped:
             ws_or_layers = self.ov if self.ws_kind == "overlay" else self.paths.workspace
             capped[self._real(ws_or_layers)] = (lim.workspace_bytes, lim.workspace_inodes)
-        mounts = self._ns().mounts()
+        mounts = self._ns().mounts(self._mounts_prefix())
         for path, (size, inodes) in capped.items():
             at = [m for m in mounts if m.mountpoint == path]
             if len(at) != 1 or at[0].fstype != "tmpfs":
@@ -524,7 +576,7 @@ class Slot:
         ns = self._ns()
         ws, lower, upper, work = (self._real(p) for p in (self.paths.workspace, self.ov / "lower",
                                                             self.ov / "upper", self.ov / "work"))
-        mounts = ns.mounts()
+        mounts = ns.mounts(self._mounts_prefix())
         at_ws = [m for m in mounts if m.mountpoint == ws]
         at_lower = [m for m in mounts if m.mountpoint == lower]
         if len(at_ws) != 1 or at_ws[0].fstype != "overlay":
@@ -677,10 +729,6 @@ def _kill_uids(uids: set[int]) -> dict[int, list[int]]:
         survivors = found
     left = _pids_of_uids(uids)
     return {uid: [p for p in pids if p in survivors.get(uid, [])] for uid, pids in left.items()}
-
-
-def _pids_of_uid(uid: int) -> list[int]:
-    return _pids_of_uids({uid}).get(uid, [])
 
 
 def _pids_of_uids(uids: set[int]) -> dict[int, list[int]]:

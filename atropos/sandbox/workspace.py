@@ -451,14 +451,25 @@ def _unescape(s: str) -> str:
     return "".join(out)
 
 
-def read_mountinfo(pid: int | str = "self") -> list[MountEntry]:
+def _escape(path: str) -> str:
+    """A path as mountinfo spells it (space, tab, newline and backslash in octal)."""
+    return "".join(f"\\{ord(c):03o}" if c in " \t\n\\" else c for c in path)
+
+
+def read_mountinfo(pid: int | str = "self", under: str | None = None) -> list[MountEntry]:
+    """Parsed ``/proc/PID/mountinfo``; with ``under``, only mount points starting with that path
+    (lines are filtered before they are parsed: a reset reads this with every slot's mounts in it)."""
     entries = []
+    needle = None if under is None else f" {_escape(under)}"
     with open(f"/proc/{pid}/mountinfo") as fh:
         for line in fh:
+            if needle is not None and needle not in line:
+                continue
             left, _, right = line.partition(" - ")
             a, b = left.split(), right.split()
-            entries.append(MountEntry(int(a[0]), _unescape(a[3]), _unescape(a[4]), a[5], b[0],
-                                      b[2] if len(b) > 2 else ""))
+            entry = MountEntry(int(a[0]), _unescape(a[3]), _unescape(a[4]), a[5], b[0], b[2] if len(b) > 2 else "")
+            if under is None or entry.mountpoint.startswith(under):
+                entries.append(entry)
     return entries
 
 
@@ -551,8 +562,9 @@ class MountNamespace:
         result: dict[str, Any] = reply["result"]
         return result
 
-    def mounts(self) -> list[MountEntry]:
-        return read_mountinfo(self.pid)
+    def mounts(self, under: str | None = None) -> list[MountEntry]:
+        """The namespace's mounts (with ``under``: only those whose mount point starts with it)."""
+        return read_mountinfo(self.pid, under)
 
     def proc_path(self, path: Path) -> str:
         """The path as seen inside the namespace (for the host, which lives outside it)."""
@@ -669,6 +681,9 @@ class Workspaces:
         self.owner = owner  # uid owning template files on a root host (no slot runs as it)
         self.probe_uid = probe_uid
         self.store = TemplateStore(root, owner, trash)
+        self.trash = trash
+        # where the mount helper moves a reset slot's old mounts until its background unmount
+        self.mount_trash = root / "mtrash"
         self.mode: WorkspaceMode = "copy"
         self.detail = ""
         self.ns: MountNamespace | None = None
@@ -681,6 +696,7 @@ class Workspaces:
 
     async def start(self) -> None:
         await asyncio.to_thread(self.store.prepare)
+        await asyncio.to_thread(self._prepare_mount_trash)
         for leftover in self.root.glob("probe-*"):  # of a host that died while probing
             await asyncio.to_thread(remove_tree, leftover)
         wanted = self.cfg.workspace_mode
@@ -713,6 +729,13 @@ class Workspaces:
         if not self.capped and not self.scratch_capped and self.mode != "overlay":
             await ns.stop()  # nothing left for it to hold
             self.ns = None
+
+    def _prepare_mount_trash(self) -> None:
+        """Empty directories a dead host's helper left (their mounts died with its namespace)."""
+        if self.mount_trash.exists():
+            self.trash.mkdir(exist_ok=True)
+            os.rename(self.mount_trash, self.trash / f"mtrash-{secrets.token_hex(4)}")
+        self.mount_trash.mkdir(mode=0o700)
 
     async def _start_namespace(self) -> MountNamespace:
         nsenter = shutil.which("nsenter", path=TOOL_PATH)
@@ -817,8 +840,9 @@ class Workspaces:
         if self.ns is None or not self.ns.alive:
             return None
         prefix = os.path.realpath(self.root) + "/"
+        leaving = os.path.realpath(self.mount_trash) + "/"  # a reset's old mounts, being unmounted
         try:
-            return sum(1 for m in self.ns.mounts() if m.mountpoint.startswith(prefix))
+            return sum(1 for m in self.ns.mounts(prefix) if not m.mountpoint.startswith(leaving))
         except OSError:
             return None
 
