@@ -23,7 +23,7 @@ import pytest
 from conftest import LeasedSlot, RunningHost, start_host, stop_host
 
 from atropos.sandbox.config import RUN_DIR_INODES, Limits
-from atropos.sandbox.workspace import copy_tree, remove_tree, walk_tree
+from atropos.sandbox.trees import copy_tree, remove_tree, walk_tree
 from atropos.slots.config import PoolConfig
 from atropos.slots.pool import SlotPool
 from tests.pool_backends import make_backend

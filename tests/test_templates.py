@@ -26,14 +26,14 @@ import pytest
 from atropos.errors import LeaseError
 from atropos.sandbox.cgroups import V1_CONTROLLERS, _v1_dir, mountinfo, own_cgroups, rmdir_tree
 from atropos.sandbox.client import HostClient
+from atropos.sandbox.mountns import read_mountinfo
 from atropos.sandbox.protocol import HealthInfo, TemplateInfo
+from atropos.sandbox.trees import walk_tree
 from atropos.sandbox.workspace import (
     TemplateBuildFailed,
     TemplateInUse,
     TemplateSourceError,
     UnknownTemplate,
-    read_mountinfo,
-    walk_tree,
 )
 from tests.conftest import LeasedSlot, RunningHost, helper_pid, slot_path, start_host, stop_host
 
