@@ -4,9 +4,11 @@ Docker backend (image atropos-sandbox:dev, the backend's default container optio
 min_hosts = max_hosts = 8. Timed: ``await pool.start()`` until ``pool.free_count() == 128`` (the
 pool has taken a host lease token for every slot). Two start modes, alternated run by run:
 
-- ``prewarm`` (the default): each host starts its 16 slot sandboxes before it reports healthy;
-- ``lazy`` (``DockerBackendConfig(prewarm=False)``): a host reports healthy once it serves (after
-  its own sandbox self-test), each slot's sandbox starts with its first call.
+- ``prewarm`` (the default): a host reports healthy once it serves (after its own sandbox
+  self-test) and starts its 16 slot sandboxes in the background; a call to a slot whose sandbox is
+  still starting waits for it, one that comes first starts it;
+- ``lazy`` (``DockerBackendConfig(prewarm=False)``): no prewarm, each slot's sandbox starts with
+  its first call.
 
 Also recorded per mode: each host's ``backend.start_host()`` (docker run to healthy;
 benchmark-side wrapper), the time until one ``true`` has run on every one of the 128 slots right
@@ -134,7 +136,7 @@ async def run(quick: bool) -> ScenarioResult:
             ready,
             Row(f"  [{mode}] per host: docker run -> healthy", [ms for o in runs_of for ms in o["host_ms"]],
                 note=f"{HOSTS} started concurrently; " + (
-                    "each host prewarms its 16 sandboxes before it is healthy" if prewarm
+                    "healthy once serving, its 16 sandboxes prewarm in the background" if prewarm
                     else "healthy once serving (self-test passed)")),
             Row(f"  [{mode}] start -> one `true` done on all {HOSTS * SLOTS} slots",
                 [o["first_calls_ms"] for o in runs_of]),
