@@ -84,10 +84,13 @@ async def _one(pool_id: str, prewarm: bool) -> dict[str, Any]:
         out["hosts"] = len(pool.hosts)
         out["cpu_s"] = await asyncio.to_thread(_containers_cpu_s, f"{LABEL_POOL}={pool_id}")
         leases = await pool.lease_many([f"fleet-{i}" for i in range(out["free"])], timeout=30)
-        results = await asyncio.gather(*(lease.call("bash", {"command": "true"}) for lease in leases))
+        # a call the platform failed (a sandbox that did not start in time on a starved machine) is
+        # counted, not fatal: the start figures above stand
+        results = await asyncio.gather(*(lease.call("bash", {"command": "true"}) for lease in leases),
+                                       return_exceptions=True)
         out["first_calls_ms"] = (time.perf_counter() - t0) * 1e3
         out["cpu_calls_s"] = await asyncio.to_thread(_containers_cpu_s, f"{LABEL_POOL}={pool_id}")
-        out["first_call_failures"] = sum(not r.ok for r in results)
+        out["first_call_failures"] = sum(isinstance(r, BaseException) or not r.ok for r in results)
     finally:
         t1 = time.perf_counter()
         await pool.stop()
