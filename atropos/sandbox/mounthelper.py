@@ -44,6 +44,9 @@ MAX_DEFERRED = 256
 # A deferred unmount waits until no request came for this long (a burst of resets is over), or
 # until half of MAX_DEFERRED are waiting: it competes with the resets for the CPU.
 QUIET_S = 0.05
+# Old mounts holding more than this are unmounted in place: their pages are charged to the slot's
+# memory cgroup until they are freed, and the next lease must get its memory back at once.
+DEFER_MAX_BYTES = 16 << 20
 # new mount API (the same numbers on every architecture since 5.2)
 SYS_OPEN_TREE, SYS_MOVE_MOUNT, SYS_MOUNT_SETATTR = 428, 429, 442
 OPEN_TREE_CLONE, AT_FDCWD, AT_EMPTY_PATH, AT_RECURSIVE = 1, -100, 0x1000, 0x8000
@@ -195,14 +198,14 @@ class Helper:
     def renew(self, req: dict[str, Any]) -> dict[str, Any]:
         """A slot's reset in one round trip: every mount on the ``detach`` targets is moved under
         ``trash`` (unmounted there in the background), then a fresh capped tmpfs is mounted on each
-        ``tmpfs`` target. Past MAX_DEFERRED waiting unmounts the old mounts are unmounted here."""
+        ``tmpfs`` target. The old mounts are unmounted here instead when they hold more than
+        DEFER_MAX_BYTES, or MAX_DEFERRED unmounts are waiting already."""
         trash = str(req["trash"])
         results: dict[str, str] = {}
-        for target in req.get("detach", []):
-            if self.deferred.qsize() >= MAX_DEFERRED:
-                results[target] = self.umount(target)
-                continue
-            results[target] = self.move_aside(target, trash)
+        targets = list(req.get("detach", []))
+        in_place = self.deferred.qsize() >= MAX_DEFERRED or sum(map(_used_bytes, targets)) > DEFER_MAX_BYTES
+        for target in targets:
+            results[target] = self.umount(target) if in_place else self.move_aside(target, trash)
         for item in req.get("tmpfs", []):
             self.mount_tmpfs(item["target"], item["quota"])
         return {"results": results, "deferred": self.deferred.qsize()}
@@ -334,6 +337,15 @@ class Helper:
         finally:
             shutil.rmtree(base, ignore_errors=True)
         return {"fork_ms": round(ms, 3)}
+
+
+def _used_bytes(path: str) -> int:
+    """What the file system mounted at ``path`` holds (0 if it cannot be read)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
 def _write(path: str, text: str) -> None:
