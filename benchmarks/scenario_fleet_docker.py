@@ -4,9 +4,11 @@ Docker backend (image atropos-sandbox:dev, the backend's default container optio
 min_hosts = max_hosts = 8. Timed: ``await pool.start()`` until ``pool.free_count() == 128`` (the
 pool has taken a host lease token for every slot). Two start modes, alternated run by run:
 
-- ``prewarm`` (the default): each host starts its 16 slot sandboxes before it reports healthy;
-- ``lazy`` (``DockerBackendConfig(prewarm=False)``): a host reports healthy once it serves (after
-  its own sandbox self-test), each slot's sandbox starts with its first call.
+- ``prewarm`` (the default): a host reports healthy once it serves (after its own sandbox
+  self-test) and starts its 16 slot sandboxes in the background; a call to a slot whose sandbox is
+  still starting waits for it, one that comes first starts it;
+- ``lazy`` (``DockerBackendConfig(prewarm=False)``): no prewarm, each slot's sandbox starts with
+  its first call.
 
 Also recorded per mode: each host's ``backend.start_host()`` (docker run to healthy;
 benchmark-side wrapper), the time until one ``true`` has run on every one of the 128 slots right
@@ -82,10 +84,13 @@ async def _one(pool_id: str, prewarm: bool) -> dict[str, Any]:
         out["hosts"] = len(pool.hosts)
         out["cpu_s"] = await asyncio.to_thread(_containers_cpu_s, f"{LABEL_POOL}={pool_id}")
         leases = await pool.lease_many([f"fleet-{i}" for i in range(out["free"])], timeout=30)
-        results = await asyncio.gather(*(lease.call("bash", {"command": "true"}) for lease in leases))
+        # a call the platform failed (a sandbox that did not start in time on a starved machine) is
+        # counted, not fatal: the start figures above stand
+        results = await asyncio.gather(*(lease.call("bash", {"command": "true"}) for lease in leases),
+                                       return_exceptions=True)
         out["first_calls_ms"] = (time.perf_counter() - t0) * 1e3
         out["cpu_calls_s"] = await asyncio.to_thread(_containers_cpu_s, f"{LABEL_POOL}={pool_id}")
-        out["first_call_failures"] = sum(not r.ok for r in results)
+        out["first_call_failures"] = sum(isinstance(r, BaseException) or not r.ok for r in results)
     finally:
         t1 = time.perf_counter()
         await pool.stop()
@@ -134,7 +139,7 @@ async def run(quick: bool) -> ScenarioResult:
             ready,
             Row(f"  [{mode}] per host: docker run -> healthy", [ms for o in runs_of for ms in o["host_ms"]],
                 note=f"{HOSTS} started concurrently; " + (
-                    "each host prewarms its 16 sandboxes before it is healthy" if prewarm
+                    "healthy once serving, its 16 sandboxes prewarm in the background" if prewarm
                     else "healthy once serving (self-test passed)")),
             Row(f"  [{mode}] start -> one `true` done on all {HOSTS * SLOTS} slots",
                 [o["first_calls_ms"] for o in runs_of]),

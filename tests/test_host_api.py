@@ -603,7 +603,9 @@ async def test_raw_file_read_limits(raw: httpx.AsyncClient, leased: dict[str, An
 
 async def test_failed_reset_quarantines_the_slot_for_good(tmp_path: Path) -> None:
     data = _private_data_dir("quarantine")
-    running = start_host(data, slots=2)
+    # an uncapped workspace is a directory on disk, moved to the trash by a reset (a capped one is a
+    # mount in the helper's namespace, which a mount in the host's own cannot disturb)
+    running = start_host(data, slots=2, extra=["--workspace-bytes", "0"])
     blocker = tmp_path / "blocker"
     blocker.mkdir()
     mounted: Path | None = None

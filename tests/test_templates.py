@@ -23,18 +23,12 @@ from typing import Any
 
 import pytest
 
-from atropos.errors import LeaseError
+from atropos.errors import LeaseError, TemplateBuildFailed, TemplateInUse, TemplateSourceError, UnknownTemplate
 from atropos.sandbox.cgroups import V1_CONTROLLERS, _v1_dir, mountinfo, own_cgroups, rmdir_tree
 from atropos.sandbox.client import HostClient
+from atropos.sandbox.mountns import read_mountinfo
 from atropos.sandbox.protocol import HealthInfo, TemplateInfo
-from atropos.sandbox.workspace import (
-    TemplateBuildFailed,
-    TemplateInUse,
-    TemplateSourceError,
-    UnknownTemplate,
-    read_mountinfo,
-    walk_tree,
-)
+from atropos.sandbox.trees import walk_tree
 from tests.conftest import LeasedSlot, RunningHost, helper_pid, slot_path, start_host, stop_host
 
 DIGEST = ("find . -mindepth 1 -printf '%y %m %P -> %l\\n' | LC_ALL=C sort | sha256sum | cut -c1-16; "
@@ -426,7 +420,8 @@ async def _settled(c: HostClient, data_dir: Path) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         infos = await c.slots()
-        trash = list((data_dir / "trash").iterdir())
+        # the mount trash: a reset's old mounts, unmounted in the background
+        trash = [*(data_dir / "trash").iterdir(), *(data_dir / "mtrash").iterdir()]
         if not trash and all(i.sandbox_running or i.state != "free" for i in infos):
             return
         await asyncio.sleep(0.1)

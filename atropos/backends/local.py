@@ -20,7 +20,7 @@ from atropos.sandbox.config import default_data_dir
 from atropos.sandbox.host import ISOLATION_FAILED, owned_dir
 from atropos.sandbox.launch import HostLaunch, host_env
 from atropos.sandbox.sandbox_process import kill_processes_naming
-from atropos.sandbox.workspace import remove_tree
+from atropos.sandbox.trees import remove_tree
 
 log = logging.getLogger(__name__)
 KEPT_HOST_LOGS = 20  # logs of hosts of ended runs kept under the pool's data root (the newest)

@@ -134,8 +134,8 @@ async def serve(cfg: HostConfig, prewarm: bool = True) -> None:
     # a busy port raises OSError (EADDRINUSE): LocalBackend reads it in this host's stderr
     sock = listening_socket(family, (cfg.host, cfg.port), 1024)
     await host.start()
-    if prewarm:
-        await host.prewarm_all()
+    if prewarm:  # in the background: the host answers (and a pool counts it ready) while its slots warm up
+        host.prewarm_in_background()
     app = create_app(host, manage_lifecycle=False)
     server = uvicorn.Server(server_config(
         wrap(app, host), cfg.request_read_timeout_s, loop="asyncio", access_log=False, log_level="warning",

@@ -159,15 +159,21 @@ class SlotCgroup:
             return int(_read(self.dirs[""] / "memory.current"))
         return int(_read(self.dirs["memory"] / "memory.usage_in_bytes"))
 
-    def kill(self, rounds: int = 50) -> list[int]:
-        """SIGKILL every process in the cgroup until it is empty; survivors (none, normally)."""
+    def kill(self, deadline_s: float = 30.0) -> list[int]:
+        """SIGKILL every process in the cgroup until it is empty; survivors (none, normally).
+
+        The limit is time, not rounds, and generous: a killed process leaves the cgroup only once
+        it is reaped, which on a starved machine took over the 2.6 s a fixed number of rounds gave
+        it (a slot quarantined for processes that were already dying). A true survivor (one the
+        kernel cannot kill) still ends in quarantine, just later."""
         if self.version == 2 and (self.main / "cgroup.kill").exists():
             _write(self.main / "cgroup.kill", "1")
-        left: list[int] = []
-        for i in range(rounds):
+        deadline = time.monotonic() + deadline_s
+        i = 0
+        while True:
             left = self.pids()
-            if not left:
-                return []
+            if not left or time.monotonic() > deadline:
+                return left
             for pid in left:
                 with contextlib.suppress(OSError):
                     fd = os.pidfd_open(pid)
@@ -176,9 +182,10 @@ class SlotCgroup:
                     finally:
                         os.close(fd)
             # a killed process leaves cgroup.procs once it is reaped (its parent, often in the
-            # cgroup too, dies with it; init reaps the rest)
-            time.sleep(min(0.002 * (i + 1), 0.05))
-        return self.pids()
+            # cgroup too, dies with it; init reaps the rest); short first waits: a sandbox's
+            # processes are normally gone within a millisecond or two
+            i += 1
+            time.sleep(min(0.0005 * i, 0.02))
 
     def remove(self) -> None:
         """Kill what is left and remove the directories (children first)."""

@@ -25,17 +25,28 @@ import ctypes
 import errno
 import json
 import os
+import queue
 import shutil
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
-MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x4000, 0x40000
+MS_NOSUID, MS_NODEV, MS_MOVE, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x2000, 0x4000, 0x40000
 MNT_DETACH = 0x2
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
+# Unmounts waiting for the background thread before a renew unmounts in place (each one holds
+# the pages of a slot's old tmpfs until it is done).
+MAX_DEFERRED = 256
+# A deferred unmount waits until no request came for this long (a burst of resets is over), or
+# until half of MAX_DEFERRED are waiting: it competes with the resets for the CPU.
+QUIET_S = 0.05
+# Old mounts holding more than this are unmounted in place: their pages are charged to the slot's
+# memory cgroup until they are freed, and the next lease must get its memory back at once.
+DEFER_MAX_BYTES = 16 << 20
 # new mount API (the same numbers on every architecture since 5.2)
 SYS_OPEN_TREE, SYS_MOVE_MOUNT, SYS_MOUNT_SETATTR = 428, 429, 442
 OPEN_TREE_CLONE, AT_FDCWD, AT_EMPTY_PATH, AT_RECURSIVE = 1, -100, 0x1000, 0x8000
@@ -64,6 +75,12 @@ class Helper:
     def __init__(self, mode: str) -> None:
         self.mode = mode
         self.userns_fds: dict[tuple[int, int], int] = {}
+        # Unmounting waits for an RCU grace period (tens to hundreds of ms on a loaded machine),
+        # moving a mount does not: a renew moves the old mounts aside and this thread unmounts
+        # them (ctypes drops the GIL, so requests go on meanwhile).
+        self.deferred: queue.Queue[str] = queue.Queue()
+        self._spare = 0
+        self.last_request = 0.0
 
     # -- namespaces ------------------------------------------------------------------------
     def enter(self, host_pid: int) -> None:
@@ -84,6 +101,8 @@ class Helper:
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != host_pid:
             sys.exit(0)
+        # only now: unshare() refuses a process that has more than one thread
+        threading.Thread(target=self._unmount_deferred, daemon=True).start()
 
     def idmap_userns(self, owner: int, uid: int) -> int:
         """A user namespace mapping ``owner`` -> ``uid`` (uids and gids), for idmapped mounts."""
@@ -176,6 +195,59 @@ class Helper:
             raise OSError(err, f"umount {target}: {os.strerror(err)}")
         raise OSError(errno.EBUSY, f"{target}: more than 16 stacked mounts")
 
+    def renew(self, req: dict[str, Any]) -> dict[str, Any]:
+        """A slot's reset in one round trip: every mount on the ``detach`` targets is moved under
+        ``trash`` (unmounted there in the background), then a fresh capped tmpfs is mounted on each
+        ``tmpfs`` target. The old mounts are unmounted here instead when they hold more than
+        DEFER_MAX_BYTES, or MAX_DEFERRED unmounts are waiting already."""
+        trash = str(req["trash"])
+        results: dict[str, str] = {}
+        targets = list(req.get("detach", []))
+        in_place = self.deferred.qsize() >= MAX_DEFERRED or sum(map(_used_bytes, targets)) > DEFER_MAX_BYTES
+        for target in targets:
+            results[target] = self.umount(target) if in_place else self.move_aside(target, trash)
+        for item in req.get("tmpfs", []):
+            self.mount_tmpfs(item["target"], item["quota"])
+        return {"results": results, "deferred": self.deferred.qsize()}
+
+    def move_aside(self, target: str, trash: str) -> str:
+        """Move every mount stacked on ``target`` to its own new directory under ``trash``."""
+        how = "none"
+        # Every mount operation takes the kernel's one global namespace lock, contended by each
+        # sandbox starting or dying on the machine: ask the file system first (a mount point is on
+        # another device than its parent), never probe with a move that fails.
+        for _ in range(16):
+            if not os.path.ismount(target):
+                return how
+            self._spare += 1
+            spot = os.path.join(trash, f"{os.getpid()}-{self._spare}")
+            os.mkdir(spot, 0o700)
+            if _libc.mount(target.encode(), spot.encode(), None, MS_MOVE, None) != 0:
+                err = ctypes.get_errno()
+                os.rmdir(spot)
+                if err == errno.EINVAL:  # not a mount point after all (a bind of the same device)
+                    return how
+                raise OSError(err, f"move {target} aside: {os.strerror(err)}")
+            self.deferred.put(spot)
+            how = "moved"
+        raise OSError(errno.EBUSY, f"{target}: more than 16 stacked mounts")
+
+    def _unmount_deferred(self) -> None:
+        while True:
+            spot = self.deferred.get()
+            while self.deferred.qsize() < MAX_DEFERRED // 2:
+                idle = time.monotonic() - self.last_request
+                if idle >= QUIET_S:
+                    break
+                time.sleep(QUIET_S - idle)
+            try:
+                self.umount(spot)
+                os.rmdir(spot)
+            except OSError as exc:  # left for the namespace's end; never stops the next one
+                sys.stderr.write(f"mount helper: deferred unmount of {spot}: {exc}\n")
+            finally:
+                self.deferred.task_done()
+
     # -- requests --------------------------------------------------------------------------
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
         op = req.get("op")
@@ -188,6 +260,15 @@ class Helper:
             return {}
         if op == "umount":
             return {"results": {t: self.umount(t) for t in req["targets"]}}
+        if op == "renew":
+            return self.renew(req)
+        if op == "tmpfs_many":
+            for item in req["mounts"]:
+                self.mount_tmpfs(item["target"], item["quota"])
+            return {}
+        if op == "settle":  # every deferred unmount done (tests, and a host that stops)
+            self.deferred.join()
+            return {}
         if op == "probe":
             return self.probe(req["dir"], req.get("idmap"), req.get("quota"))
         raise ValueError(f"unknown op {op!r}")
@@ -258,6 +339,15 @@ class Helper:
         return {"fork_ms": round(ms, 3)}
 
 
+def _used_bytes(path: str) -> int:
+    """What the file system mounted at ``path`` holds (0 if it cannot be read)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
 def _write(path: str, text: str) -> None:
     with open(path, "w") as fh:
         fh.write(text)
@@ -279,6 +369,7 @@ def main() -> None:
         req: dict[str, Any] = {}
         try:
             req = json.loads(line)
+            helper.last_request = time.monotonic()
             t0 = time.perf_counter()
             result = helper.handle(req)
             result["ms"] = round((time.perf_counter() - t0) * 1000, 3)

@@ -14,7 +14,7 @@ API_VERSION = "v1"
 LEASE_HEADER = "X-Atropos-Lease"
 
 SlotState = Literal["free", "leased", "resetting", "quarantined"]
-WorkspaceKindName = Literal["plain", "overlay", "copy"]
+WorkspaceKind = Literal["plain", "overlay", "copy"]
 
 
 class ErrorInfo(BaseModel):
@@ -136,7 +136,7 @@ class SlotInfo(BaseModel):
     session_running: bool = Field(False, description="a python_session interpreter is alive in the slot")
     detail: str = ""
     template: str | None = Field(None, description="the template this workspace is a fork of")
-    workspace: WorkspaceKindName = Field("plain", description="plain dir | overlay fork | copy of a template")
+    workspace: WorkspaceKind = Field("plain", description="plain dir | overlay fork | copy of a template")
     sealed: bool = Field(False, description="in its verification phase: nothing runs in it until its reset")
 
 

@@ -1,0 +1,305 @@
+"""A slot's workspace and scratch mounts: built, dropped, renewed on reset, and verified fresh
+(see docs/templates.md, "What a reset verifies"). Mixed into ``Slot``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import stat
+from pathlib import Path
+from typing import Any
+
+from atropos.sandbox.bwrap import SandboxPaths
+from atropos.sandbox.cgroups import SlotCgroup
+from atropos.sandbox.config import HostConfig
+from atropos.sandbox.mountns import MountNamespace
+from atropos.sandbox.protocol import WorkspaceKind
+from atropos.sandbox.templates import Template
+from atropos.sandbox.trees import copy_tree, walk_tree
+from atropos.sandbox.workspace import WorkspaceError
+from atropos.sandbox.workspaces import Workspaces
+
+
+class SlotWorkspace:
+    """The workspace half of a slot; the attributes below are the slot's own (set by ``Slot``)."""
+
+    index: int
+    cfg: HostConfig
+    uid: int | None
+    dir: Path
+    paths: SandboxPaths
+    workspaces: Workspaces | None
+    template: Template | None
+    ws_kind: WorkspaceKind
+    capped: bool
+    scratch: bool
+    last_verified: str
+    cgroup: SlotCgroup | None
+    trash: Path
+    generation: int
+
+    @property
+    def ov(self) -> Path:
+        """Overlay layers of a forked workspace: upper (the slot's writes), work, lower (mount point)."""
+        return self.dir / "ov"
+
+    def _fresh_dir(self, d: Path) -> None:
+        d.mkdir(mode=0o700)
+        if self.uid is not None:
+            os.chown(d, self.uid, self.uid)
+        os.chmod(d, 0o700)
+
+    def _discard(self, d: Path) -> None:
+        """Move a dirty tree aside (never copy into or walk it here); deleted in the background."""
+        self.trash.mkdir(exist_ok=True)
+        os.rename(d, self.trash / f"{self.index}-{d.name}-{self.generation}-{secrets.token_hex(4)}")
+
+    def _view(self, p: Path) -> Path:
+        """Where the host reaches ``p`` as the slot sees it: through the mount namespace when
+        ``p`` (or what holds it) is mounted there, else the path itself."""
+        if not self.capped and not self.scratch and self.ws_kind != "overlay":
+            return p
+        return Path(self._ns().proc_path(Path(self._real(p))))
+
+    def _ns(self) -> MountNamespace:
+        ns = None if self.workspaces is None else self.workspaces.ns
+        if ns is None or not ns.alive:
+            raise WorkspaceError("the workspace mount helper is not running")
+        return ns
+
+    def _mounts_prefix(self) -> str:
+        return os.path.realpath(self.dir) + "/"
+
+    def _real(self, p: Path) -> str:
+        return os.path.join(os.path.realpath(p.parent), p.name)
+
+    async def _drop_workspace(self) -> None:
+        """Unmount a fork (its upper layer goes to the trash with the rest): never walk or copy
+        into the dirty tree."""
+        targets = []
+        if self.ws_kind == "overlay":
+            targets += [self.paths.workspace, self.ov / "lower"]
+        if self.capped:
+            targets.append(self.ov if self.ws_kind == "overlay" else self.paths.workspace)
+        if self.scratch:
+            targets += [self.paths.run_dir, *self._scratch_dirs()]
+        if targets:
+            real = [self._real(t) for t in targets]
+            if self.ws_kind == "overlay" and not self.capped:
+                # the fork's upper layer is on disk and goes to the trash below: unmounted first
+                await self._ns().call({"op": "umount", "targets": real})
+            else:  # tmpfs-backed: moved aside whole, unmounted in the background
+                await self._ns().call({"op": "renew", "detach": real, "trash": str(self._mount_trash())})
+        if self.template is not None:
+            self.template.users.discard(self.index)
+            self.template = None
+        self.ws_kind = "plain"
+        self.capped = self.scratch = False
+        for d in (self.paths.workspace, self.ov, self.paths.run_dir, *self._scratch_dirs()):
+            if d.exists() or d.is_symlink():
+                self._discard(d)
+
+    def _scratch_dirs(self) -> tuple[Path, Path]:
+        """Host-side mount points of the slot's /tmp and /dev/shm."""
+        return self.dir / "tmp", self.dir / "shm"
+
+    async def _mount_cap(self, target: Path, quota: dict[str, Any]) -> None:
+        self.capped = True  # before the await: a half-done mount is still unmounted by a drop
+        await self._ns().call({"op": "tmpfs", "target": self._real(target), "quota": quota})
+
+    async def _mount_scratch(self) -> None:
+        """The run dir (the terminal's log), /tmp and /dev/shm: each its own tmpfs capped in size
+        AND inodes (bubblewrap's --tmpfs can only cap the size; empty files cost kernel memory)."""
+        self.scratch = True  # before the await: a half-done mount is still unmounted by a drop
+        await self._ns().call({"op": "tmpfs_many", "mounts": self._scratch_mounts()})
+
+    def _scratch_mounts(self) -> list[dict[str, Any]]:
+        return [{"target": self._real(target), "quota": quota} for target, quota in
+                zip((self.paths.run_dir, *self._scratch_dirs()), self.cfg.limits.scratch_quotas(self.uid), strict=True)]
+
+    def _mount_trash(self) -> Path:
+        assert self.workspaces is not None
+        return self.workspaces.mount_trash
+
+    async def _renew_workspace(self, template: Template | None) -> None:
+        """Back to a fresh workspace. The common case, an empty workspace after an empty one whose
+        dirs are all capped tmpfs mounts, is one round trip to the mount helper: the old mounts
+        move aside (their pages go with a background unmount) and fresh ones take their place on
+        the same (never slot-visible) mount points."""
+        mgr = self.workspaces
+        renewable = (template is None and self.ws_kind == "plain" and mgr is not None and mgr.ns is not None
+                     and self.scratch == mgr.scratch_capped and self.capped == mgr.capped
+                     and (self.scratch or self.capped))
+        if not renewable:
+            await self._drop_workspace()
+            await self._build_workspace(template)
+            return
+        mounts = self._scratch_mounts() if self.scratch else []
+        ws = self.paths.workspace
+        if self.capped:
+            mounts.append({"target": self._real(ws), "quota": self.cfg.limits.workspace_quota(self.uid)})
+        else:  # an uncapped workspace is a directory on disk: to the trash, a fresh one in its place
+            self._discard(ws)
+            self._fresh_dir(ws)
+        await self._ns().call({"op": "renew", "detach": [m["target"] for m in mounts], "tmpfs": mounts,
+                               "trash": str(self._mount_trash())})
+
+    async def _build_workspace(self, template: Template | None) -> None:
+        ws, mgr = self.paths.workspace, self.workspaces
+        quota = self.cfg.limits.workspace_quota(self.uid) if mgr is not None and mgr.capped else None
+        self._fresh_dir(self.paths.run_dir)
+        if mgr is not None and mgr.scratch_capped:
+            for d in self._scratch_dirs():
+                self._fresh_dir(d)
+            await self._mount_scratch()
+        if template is None:
+            self._fresh_dir(ws)
+            if quota is not None:
+                await self._mount_cap(ws, quota)
+            return
+        template.users.add(self.index)  # before any await: a delete now sees it in use
+        self.template = template
+        if mgr is not None and mgr.mode == "overlay":
+            ns = self._ns()
+            ov, upper, work, lower = self.ov, self.ov / "upper", self.ov / "work", self.ov / "lower"
+            ov.mkdir(mode=0o700)
+            fork_quota = quota if mgr.fork_capped else None
+            if fork_quota is None:  # else the helper makes them in the capped tmpfs it mounts on ov
+                for d in (work, lower):
+                    d.mkdir(mode=0o700)
+                self._fresh_dir(upper)
+            self._fresh_dir(ws)
+            targets = {self._real(ws), self._real(lower), self._real(ov)}
+            if any(m.mountpoint in targets for m in ns.mounts(self._mounts_prefix())):
+                raise WorkspaceError("a mount is still in place before the fork; refusing to stack another")
+            self.ws_kind = "overlay"
+            self.capped = fork_quota is not None
+            idmap = None if ns.mode != "root" else [mgr.owner, self.uid]
+            await ns.call({"op": "fork", "tree": str(template.tree), "lower": self._real(lower),
+                           "upper": self._real(upper), "work": self._real(work), "target": self._real(ws),
+                           "idmap": idmap, "quota": fork_quota, "layers": self._real(ov)})
+            return
+        # Copy mode: a fresh directory (cp creates it; with a cap, the fresh tmpfs is the
+        # directory), then owner and manifest in one walk.
+        self.ws_kind = "copy"
+        if quota is not None:
+            self._fresh_dir(ws)
+            await self._mount_cap(ws, quota)
+        view = self._view(ws)
+        await copy_tree(template.tree, view, timeout=self.cfg.max_timeout_s * 6, into_empty=quota is not None)
+        summary = await asyncio.to_thread(walk_tree, view, chown_to=self.uid)
+        if self.uid is not None:
+            os.chown(view, self.uid, self.uid)
+        os.chmod(view, 0o700)
+        if summary.tree_hash != template.summary.tree_hash:
+            raise WorkspaceError(f"copy of template {template.id} differs from it "
+                                 f"({summary.tree_hash[:12]} != {template.summary.tree_hash[:12]})")
+
+    def _verify(self) -> str:
+        """What a finished reset must show (see docs/templates.md, "What a reset verifies")."""
+        dirs = [self.paths.run_dir] + ([self.paths.workspace] if self.ws_kind == "plain" else [])
+        if self.scratch:
+            dirs += self._scratch_dirs()
+        if self.capped or self.scratch:
+            problem = self._verify_caps()
+            if problem:
+                return problem
+        for d in map(self._view, dirs):
+            st = os.lstat(d)
+            if not stat.S_ISDIR(st.st_mode):
+                return f"{d} is not a directory after reset"
+            if self.uid is not None and st.st_uid != self.uid:
+                return f"{d} has owner {st.st_uid}, expected {self.uid}"
+            if os.listdir(d):
+                return f"{d} is not empty after reset"
+        if self.ws_kind == "plain":
+            owner = ", owned by the slot uid" if self.uid is not None else ""
+            self.last_verified = f"empty workspace and run dir{owner}; {self._processes_checked()}"
+        elif self.ws_kind == "copy":
+            assert self.template is not None
+            st = os.lstat(self._view(self.paths.workspace))
+            if not stat.S_ISDIR(st.st_mode) or (self.uid is not None and st.st_uid != self.uid):
+                return "the copied workspace is not a directory owned by the slot"
+            self.last_verified = (f"fresh copy of template {self.template.id}: manifest hash "
+                                  f"{self.template.summary.tree_hash[:12]} matches")
+        else:
+            problem = self._verify_overlay()
+            if problem:
+                return problem
+        return ""
+
+    def _verify_caps(self) -> str:
+        """Exactly one fresh capped tmpfs on each capped dir, of the configured size and inodes."""
+        lim = self.cfg.limits
+        capped: dict[str, tuple[int, int]] = {}
+        if self.scratch:
+            for d, quota in zip((self.paths.run_dir, *self._scratch_dirs()), lim.scratch_quotas(self.uid), strict=True):
+                capped[self._real(d)] = (int(quota["bytes"]), int(quota["inodes"]))
+        if self.capped:
+            ws_or_layers = self.ov if self.ws_kind == "overlay" else self.paths.workspace
+            capped[self._real(ws_or_layers)] = (lim.workspace_bytes, lim.workspace_inodes)
+        mounts = self._ns().mounts(self._mounts_prefix())
+        for path, (size, inodes) in capped.items():
+            at = [m for m in mounts if m.mountpoint == path]
+            if len(at) != 1 or at[0].fstype != "tmpfs":
+                return f"expected exactly one tmpfs on {path}, found {[(m.mount_id, m.fstype) for m in at]}"
+            got = at[0].super_option("size")
+            if got is None or _size_bytes(got) != _page_round(size):
+                return f"the tmpfs on {path} has size {got}, expected {size} bytes"
+            got = at[0].super_option("nr_inodes")
+            if got is None or _size_bytes(got) != inodes:
+                return f"the tmpfs on {path} has nr_inodes={got}, expected {inodes}"
+        return ""
+
+    def _verify_overlay(self) -> str:
+        assert self.template is not None
+        ns = self._ns()
+        ws, lower, upper, work = (self._real(p) for p in (self.paths.workspace, self.ov / "lower",
+                                                            self.ov / "upper", self.ov / "work"))
+        mounts = ns.mounts(self._mounts_prefix())
+        at_ws = [m for m in mounts if m.mountpoint == ws]
+        at_lower = [m for m in mounts if m.mountpoint == lower]
+        if len(at_ws) != 1 or at_ws[0].fstype != "overlay":
+            return f"expected exactly one overlay on {ws}, found {[(m.mount_id, m.fstype) for m in at_ws]}"
+        m = at_ws[0]
+        layers = (m.super_option("lowerdir"), m.super_option("upperdir"), m.super_option("workdir"))
+        if layers != (lower, upper, work):
+            return f"the overlay on {ws} has unexpected layers {layers}"
+        if len(at_lower) != 1 or "ro" not in at_lower[0].options.split(","):
+            return f"expected exactly one read-only template mount on {lower}"
+        if not at_lower[0].root.endswith(f"/templates/{self.template.id}/tree"):
+            return f"the lower layer is {at_lower[0].root}, not template {self.template.id}"
+        if ns.mode == "root" and "idmapped" not in at_lower[0].options.split(","):
+            return "the template layer is not idmapped"
+        upper_view = self._view(self.ov / "upper")
+        st = os.lstat(upper_view)
+        if not stat.S_ISDIR(st.st_mode) or (self.uid is not None and st.st_uid != self.uid):
+            return "the upper layer is not a directory owned by the slot"
+        if os.listdir(upper_view):
+            return "the upper layer is not empty after reset"
+        self.last_verified = (f"fresh overlay (mount {m.mount_id}, none before it) of template {self.template.id}: "
+                              f"empty upper layer, read-only template layer; {self._processes_checked()}")
+        return ""
+
+    def _processes_checked(self) -> str:
+        """What the reset established about the old lease's processes, and no more than that."""
+        if self.cgroup is not None:
+            by_uid = " and no process of the slot uid" if self.uid is not None else ""
+            return f"no process left in the slot's cgroup (killed, then checked empty){by_uid}"
+        if self.uid is not None:
+            return "no process of the slot uid (swept by uid)"
+        # Without a per-slot uid (a non-root host) there is nothing to sweep by: what holds is that
+        # the slot's sandboxes were killed, and with them their PID namespaces.
+        return "the slot's sandboxes killed (no per-slot uid on a non-root host, so no uid sweep)"
+
+
+def _page_round(n: int) -> int:
+    page = os.sysconf("SC_PAGE_SIZE")
+    return (n + page - 1) // page * page
+
+
+def _size_bytes(text: str) -> int:
+    """tmpfs reports ``size=`` in mountinfo as bytes with a k/m/g suffix."""
+    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(text[-1:].lower(), 1)
+    return int(text[:-1] if mult != 1 else text) * mult

@@ -1,0 +1,385 @@
+"""Trees of files as the host handles them: a manifest hash (``walk_tree``), deletion and copies
+that never follow a symlink and reach any depth (a slot's tree is hostile: see docs/templates.md),
+and the helper programs (cp, tar, git) run on them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import hashlib
+import logging
+import os
+import stat
+from collections.abc import AsyncIterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from atropos.errors import WorkspaceError
+from atropos.sandbox.workspace import TOOL_PATH
+
+log = logging.getLogger(__name__)
+
+
+# -- trees -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TreeSummary:
+    tree_hash: str
+    files: int
+    dirs: int
+    others: int
+    bytes: int
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def _up(fd: int, expected: tuple[int, int]) -> int:
+    """The parent of directory ``fd``, checked to be the directory we came from."""
+    parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
+    if _identity(parent) != expected:
+        os.close(parent)
+        raise OSError(errno.ESTALE, "a directory was moved during the walk")
+    return parent
+
+
+def walk_tree(root: Path, *, chown_to: int | None = None) -> TreeSummary:
+    """Hash a tree's manifest (and, with ``chown_to``, give every entry to that uid/gid).
+
+    The manifest is, per entry below ``root`` in sorted order: relative path, type, permission
+    bits, and for regular files size and mtime (whole seconds), for symlinks the target, for
+    devices the device number. Contents are not read: a copy made by ``cp -a`` or ``tar`` carries
+    size and mtime along, so a partial copy, a leftover file or a file modified afterwards
+    changes the hash, at the cost of one ``lstat`` per entry. Owners are not part of it (each
+    slot sees the tree as its own). Symlinks are never followed; ``lchown`` is used.
+
+    Iterative and relative to directory descriptors (one open at a time, ``..`` to come back):
+    a slot's tree may be any depth, far past PATH_MAX and the recursion limit.
+    """
+    h = hashlib.sha256()
+    files = dirs = others = size = 0
+
+    def visit(fd: int, rel_dir: bytes) -> list[bytes]:
+        """Hash the entries of one directory; its subdirectories, in order."""
+        nonlocal files, dirs, others, size
+        subdirs: list[bytes] = []
+        for name in sorted(os.fsencode(n) for n in os.listdir(fd)):
+            rel = rel_dir + b"/" + name if rel_dir else name
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if chown_to is not None and (st.st_uid != chown_to or st.st_gid != chown_to):
+                os.chown(name, chown_to, chown_to, dir_fd=fd, follow_symlinks=False)
+                if st.st_mode & (stat.S_ISUID | stat.S_ISGID) and not stat.S_ISLNK(st.st_mode):
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)  # chown clears set-id bits
+            mode = st.st_mode
+            perms = stat.S_IMODE(mode)
+            if stat.S_ISDIR(mode):
+                dirs += 1
+                line = b"d %o" % perms
+                subdirs.append(name)
+            elif stat.S_ISREG(mode):
+                files += 1
+                size += st.st_size
+                line = b"f %o %d %d" % (perms, st.st_size, int(st.st_mtime))
+            elif stat.S_ISLNK(mode):
+                others += 1
+                line = b"l " + os.readlink(name, dir_fd=fd)
+            else:
+                others += 1
+                line = b"o %o %o %d" % (stat.S_IFMT(mode), perms, st.st_rdev)
+            h.update(rel + b"\0" + line + b"\n")
+        return subdirs
+
+    fd = os.open(root, _DIR_FLAGS)
+    try:
+        levels: list[tuple[bytes, Iterator[bytes], tuple[int, int]]] = [(b"", iter(visit(fd, b"")), _identity(fd))]
+        while levels:
+            rel_dir, subdirs, _ = levels[-1]
+            name = next(subdirs, None)
+            if name is None:
+                levels.pop()
+                if levels:
+                    parent = _up(fd, levels[-1][2])
+                    os.close(fd)
+                    fd = parent
+                continue
+            child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = child
+            rel = rel_dir + b"/" + name if rel_dir else name
+            levels.append((rel, iter(visit(fd, rel)), _identity(fd)))
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    return TreeSummary(h.hexdigest(), files, dirs, others, size)
+
+
+def remove_tree(path: Path) -> None:
+    """Delete ``path`` and everything below it, never following a symlink. Iterative and relative
+    to directory descriptors (one open at a time): any depth, far past PATH_MAX and the recursion
+    limit. Gets through directories without write or search permission (a non-root host owns but
+    cannot enter overlay's 000 work dirs). Best effort: what cannot be removed is logged and left,
+    the rest goes."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    try:
+        if not stat.S_ISDIR(st.st_mode):
+            os.unlink(path)
+            return
+        parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            _empty_dir(parent, path.name)
+            os.rmdir(path.name, dir_fd=parent)
+        finally:
+            os.close(parent)
+    except OSError as exc:
+        log.warning("could not remove all of %s: %s", path, exc)
+
+
+def _open_dir_for_removal(parent: int, name: str) -> int:
+    """``name`` in ``parent`` opened as a directory we may empty (made 0700 if it was not)."""
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    except PermissionError:
+        # Made searchable through an O_PATH descriptor: the chmod reaches this very directory,
+        # never what a symlink swapped in meanwhile would point at.
+        pfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=parent)
+        try:
+            os.chmod(f"/proc/self/fd/{pfd}", 0o700)
+        finally:
+            os.close(pfd)
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    if stat.S_IMODE(os.fstat(fd).st_mode) & 0o700 != 0o700:
+        os.fchmod(fd, 0o700)
+    return fd
+
+
+def _empty_dir(parent: int, name: str) -> None:
+    fd = _open_dir_for_removal(parent, name)
+    # per level: names still to remove, identity, name in its parent, relists left
+    levels: list[tuple[Iterator[str], tuple[int, int], str, int]] = [(iter(os.listdir(fd)), _identity(fd), name, 3)]
+    try:
+        while levels:
+            names, ident, here, relists = levels[-1]
+            entry = next(names, None)
+            if entry is None:
+                left = os.listdir(fd)  # what appeared meanwhile (a writer still running)
+                if left and relists:
+                    levels[-1] = (iter(left), ident, here, relists - 1)
+                    continue
+                levels.pop()
+                if levels:
+                    parent = _up(fd, levels[-1][1])
+                    os.close(fd)
+                    fd = parent
+                    try:
+                        os.rmdir(here, dir_fd=fd)
+                    except OSError as exc:
+                        log.warning("could not remove directory %r: %s", here, exc)
+                continue
+            try:
+                st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISDIR(st.st_mode):
+                    os.unlink(entry, dir_fd=fd)
+                    continue
+                child = _open_dir_for_removal(fd, entry)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                log.warning("could not remove %r: %s", entry, exc)
+                continue
+            os.close(fd)
+            fd = child
+            levels.append((iter(os.listdir(fd)), _identity(fd), entry, 3))
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+async def run_tool(argv: list[str], *, timeout: float, user: int | None = None, cwd: Path | None = None,
+                   stdin: AsyncIterable[bytes] | None = None, env: dict[str, str] | None = None) -> str:
+    """Run a helper program (cp, tar, git); raise WorkspaceError with its stderr on failure."""
+    ids: dict[str, Any] = {"user": user, "group": user, "extra_groups": []} if user is not None else {}
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=cwd,
+        env=env if env is not None else {"PATH": TOOL_PATH, "LANG": "C.UTF-8"}, umask=0o022, **ids,
+    )
+
+    async def feed() -> None:
+        assert proc.stdin is not None and stdin is not None
+        try:
+            async for chunk in stdin:
+                proc.stdin.write(chunk)
+                await proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        finally:
+            proc.stdin.close()
+
+    try:
+        feeder = asyncio.ensure_future(feed()) if stdin is not None else None
+        out, err = await asyncio.wait_for(proc.communicate() if stdin is None else _wait_out(proc), timeout)
+        if feeder is not None:
+            await feeder
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise WorkspaceError(f"{argv[0]} took longer than {timeout:g}s") from None
+    except BaseException:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        raise
+    if proc.returncode != 0:
+        text = err.decode(errors="replace").strip()[-2000:]
+        raise WorkspaceError(f"{os.path.basename(argv[0])} failed (exit {proc.returncode}): {text}")
+    return out.decode(errors="replace")
+
+
+async def _wait_out(proc: asyncio.subprocess.Process) -> tuple[bytes, bytes]:
+    assert proc.stdout is not None and proc.stderr is not None
+    out, err = await asyncio.gather(proc.stdout.read(), proc.stderr.read())
+    await proc.wait()
+    return out, err
+
+
+async def copy_tree(src: str | Path, dst: Path, *, timeout: float = 3600, into_empty: bool = False) -> None:
+    """``cp -a --reflink=auto src dst`` into a path that must not exist yet (never into a tree),
+    or with ``into_empty`` into an empty directory (a freshly mounted tmpfs).
+
+    ``cp`` creates by full path: a tree deeper than PATH_MAX (a slot can build one) fails there with
+    ENAMETOOLONG, and is then copied again by ``copy_tree_fds`` (descriptor-relative, any depth)."""
+    if into_empty:
+        if os.listdir(dst):
+            raise WorkspaceError(f"refusing to copy into non-empty {dst}")
+    elif os.path.lexists(dst):  # noqa: ASYNC240 - one lstat
+        raise WorkspaceError(f"refusing to copy into existing {dst}")
+    try:
+        await run_tool(["cp", "-a", "--reflink=auto", "-T", "--", str(src), str(dst)], timeout=timeout)
+    except WorkspaceError as exc:
+        if os.strerror(errno.ENAMETOOLONG) not in str(exc):
+            raise
+        log.info("copy of %s: too deep for cp, copying by descriptors", src)
+        await asyncio.to_thread(_clear_copy, dst, into_empty)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(copy_tree_fds, Path(src), dst, into_empty=into_empty), timeout)
+        except (OSError, asyncio.TimeoutError) as again:
+            raise WorkspaceError(f"copy of {src} failed: {again!r}") from again
+
+
+def _clear_copy(dst: Path, into_empty: bool) -> None:
+    if not into_empty:
+        remove_tree(dst)
+        return
+    for entry in os.listdir(dst):
+        remove_tree(dst / entry)
+
+
+def copy_tree_fds(src: Path, dst: Path, *, into_empty: bool = False) -> None:
+    """What ``cp -a`` makes of ``src`` (types, modes, mtimes, link targets; owners when root), by
+    descriptors: iterative, one directory of each side open at a time, never following a link."""
+    s = os.open(src, _DIR_FLAGS)
+    d = -1
+    try:
+        if not into_empty:
+            os.mkdir(dst, 0o700)
+        d = os.open(dst, _DIR_FLAGS)
+        # per level: names to copy, both sides' identities, the source directory's stat
+        levels: list[tuple[Iterator[str], tuple[int, int], tuple[int, int], os.stat_result]] = [
+            (iter(sorted(os.listdir(s))), _identity(s), _identity(d), os.fstat(s))]
+        while levels:
+            names, _, _, st_dir = levels[-1]
+            name = next(names, None)
+            if name is None:
+                levels.pop()
+                _copy_attrs(d, st_dir)
+                if levels:
+                    sp = _up(s, levels[-1][1])
+                    os.close(s)
+                    s = sp
+                    dp = _up(d, levels[-1][2])
+                    os.close(d)
+                    d = dp
+                continue
+            st = os.stat(name, dir_fd=s, follow_symlinks=False)
+            mode = st.st_mode
+            if stat.S_ISDIR(mode):
+                os.mkdir(name, 0o700, dir_fd=d)
+                cs = os.open(name, _DIR_FLAGS, dir_fd=s)
+                try:
+                    cd = os.open(name, _DIR_FLAGS, dir_fd=d)
+                except OSError:
+                    os.close(cs)
+                    raise
+                os.close(s)
+                s = cs
+                os.close(d)
+                d = cd
+                levels.append((iter(sorted(os.listdir(s))), _identity(s), _identity(d), os.fstat(s)))
+            elif stat.S_ISREG(mode):
+                _copy_file(s, d, name)
+            elif stat.S_ISLNK(mode):
+                os.symlink(os.readlink(name, dir_fd=s), name, dir_fd=d)
+                if os.geteuid() == 0:
+                    os.chown(name, st.st_uid, st.st_gid, dir_fd=d, follow_symlinks=False)
+                os.utime(name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=d, follow_symlinks=False)
+            else:  # FIFOs, sockets, devices (as root): recreated, as cp -a does
+                os.mknod(name, mode, st.st_rdev, dir_fd=d)
+                if os.geteuid() == 0:
+                    os.chown(name, st.st_uid, st.st_gid, dir_fd=d, follow_symlinks=False)
+                os.chmod(name, stat.S_IMODE(mode), dir_fd=d)
+                os.utime(name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=d, follow_symlinks=False)
+    finally:
+        os.close(s)
+        if d >= 0:
+            os.close(d)
+
+
+def _copy_attrs(fd: int, st: os.stat_result) -> None:
+    if os.geteuid() == 0:
+        os.fchown(fd, st.st_uid, st.st_gid)
+    os.fchmod(fd, stat.S_IMODE(st.st_mode))
+    os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _copy_file(s: int, d: int, name: str) -> None:
+    sfd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=s)
+    try:
+        st = os.fstat(sfd)
+        dfd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=d)
+        try:
+            try:
+                while os.copy_file_range(sfd, dfd, 1 << 30):
+                    pass
+            except OSError as exc:
+                if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                    raise
+                while chunk := os.read(sfd, 1 << 20):  # the offsets both moved on together
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(dfd, view):]
+            _copy_attrs(dfd, st)
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(sfd)
+
+
+def delete_trash(trash: Path) -> None:
+    """Remove discarded trees (remove_tree never follows symlinks, so a planted link cannot redirect
+    it); one tree that resists never keeps the others, or the next pass, from being removed."""
+    if not trash.exists():
+        return
+    for entry in trash.iterdir():
+        try:
+            remove_tree(entry)
+        except Exception:  # a background sweep: log and go on with the next tree
+            log.exception("trash: could not remove %s", entry)
