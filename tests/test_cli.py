@@ -135,7 +135,7 @@ def test_usage_and_infrastructure_errors_have_distinct_exit_codes(cache: dict[st
     assert named.returncode == 3 and "no pool 'missing' is up" in named.stderr  # never silently ephemeral
     no_token = cli("serve", "--port", str(free_port()), env={**cache, "ATROPOS_TOOLSERVER_TOKEN": ""})
     assert no_token.returncode == 2 and "ATROPOS_TOOLSERVER_TOKEN" in no_token.stderr
-    public = cli("serve", "--allow-no-auth", "--host", "0.0.0.0", env=cache)
+    public = cli("serve", "--allow-no-auth", "--listen-host", "0.0.0.0", env=cache)
     assert public.returncode == 2 and "loopback" in public.stderr
     assert cli("pool", "down", "--pool-id", "missing", env=cache).returncode == 0
 

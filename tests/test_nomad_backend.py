@@ -1081,7 +1081,7 @@ def test_docker_compose_dev_stack() -> None:
     assert "nomad var put" in script and "nomad job run" in script and "/jobs/sandbox.hcl" in script
 
     ts = services["toolserver"]
-    assert ts["command"] == ["serve", "--host", "0.0.0.0", "--port", "8600"]
+    assert ts["command"] == ["serve", "--listen-host", "0.0.0.0", "--port", "8600"]
     assert ts["entrypoint"] == ["atropos-sandbox"] and "atropos-sandbox" in ts["image"]
     env = ts["environment"]
     assert env["ATROPOS_TOOLSERVER_TOKEN"].startswith("${ATROPOS_TOOLSERVER_TOKEN:?")

@@ -4,6 +4,7 @@ instead, and is refused beside the new one."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -36,3 +37,30 @@ async def test_a_pool_configured_with_the_old_name_waits_that_long_for_a_slot() 
     async with SlotPool(make_backend("local", slots=1), cfg) as pool, pool.leased("holder"):
         with pytest.raises(SlotUnavailable, match=r"no slot within 0\.5s"):  # the wait the old name set
             await pool.lease("waiter")
+
+
+def test_the_toolservers_listen_address_has_its_own_name_and_the_old_one_still_works(tmp_path: Path) -> None:
+    # "host" beside slots_per_host/min_hosts/max_hosts meant the ToolServer's address; it is listen_host
+    import json
+
+    from atropos.cli.parser import parser as build_parser
+    from atropos.cli.settings import load_settings
+
+    def settings(*argv: str, environ: dict[str, str] | None = None) -> str:
+        return load_settings(build_parser().parse_args(["serve", *argv]), environ or {}).listen_host
+
+    assert settings() == "127.0.0.1"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert settings("--listen-host", "0.0.0.0") == "0.0.0.0"
+    with pytest.warns(FutureWarning, match="host is deprecated, use listen_host"):
+        assert settings("--host", "0.0.0.0") == "0.0.0.0"
+    with pytest.warns(FutureWarning):
+        assert settings(environ={"ATROPOS_SANDBOX_HOST": "::1"}) == "::1"
+    config = tmp_path / "settings.json"
+    config.write_text(json.dumps({"host": "0.0.0.0"}))
+    with pytest.warns(FutureWarning, match="config file"):
+        assert settings("--config", str(config)) == "0.0.0.0"
+    # the sources keep their order across the rename: a new-name flag beats an old-name variable
+    with pytest.warns(FutureWarning):
+        assert settings("--listen-host", "127.0.0.2", environ={"ATROPOS_SANDBOX_HOST": "0.0.0.0"}) == "127.0.0.2"

@@ -54,8 +54,9 @@ class DockerBackendConfig(ContainerSlotCaps):
     workspace_bytes: int = Field(4 << 30, ge=64 << 20, description="size of the tmpfs holding all workspaces")
     max_timeout_s: float = 600.0
     start_timeout_s: float = 60.0
-    prewarm: bool = Field(True, description="start every slot's sandbox before the host reports ready; off: "
-                          "ready once serving (its self-test passed), each slot's sandbox starts on first use")
+    prewarm: bool = Field(True, description="start every slot's sandbox in the background once the host serves "
+                          "(a call to a slot still warming waits for it); off: each slot's sandbox starts on "
+                          "first use")
     slot_cgroups: bool = Field(True, description="give each container a delegated cgroup subtree for its slots' "
                                "caps; False = DEVELOPMENT ONLY, hosts run --unsafe-no-cgroups (no per-slot caps)")
     docker_url: str | None = Field(None, description="Docker Engine URL; default from the environment "

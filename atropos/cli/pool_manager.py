@@ -78,7 +78,7 @@ def _spawn(s: ServeSettings) -> subprocess.Popen[bytes]:
     with open(files["log"], "ab") as log_file:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
                                 env=child_env, start_new_session=True)
-    state = PoolState(pool_id=s.pool_id, pid=proc.pid, url=client_url(s.host, s.port), token_file=files["token"],
+    state = PoolState(pool_id=s.pool_id, pid=proc.pid, url=client_url(s.listen_host, s.port), token_file=files["token"],
                       settings_file=files["settings"], log=files["log"])
     write_private(files["state"], state.model_dump_json())
     return proc
@@ -89,7 +89,7 @@ def _wait_healthy(s: ServeSettings, proc: subprocess.Popen[bytes], timeout: floa
     import httpx
 
     files = pool_files(s.pool_id)
-    url = client_url(s.host, s.port)
+    url = client_url(s.listen_host, s.port)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         code = proc.poll()

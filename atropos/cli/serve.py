@@ -73,7 +73,7 @@ def build_app(s: ServeSettings, token: str | None) -> Any:
 def resolve_token(s: ServeSettings) -> str | None:
     token = os.environ.get(TOKEN_ENV)
     if s.allow_no_auth:
-        if s.host not in ("127.0.0.1", "::1", "localhost"):
+        if s.listen_host not in ("127.0.0.1", "::1", "localhost"):
             raise ConfigError("--allow-no-auth is only allowed on a loopback address")
         return token
     if not token:
@@ -122,10 +122,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     setup_logging(s)
     token = resolve_token(s)
     app = build_app(s, token)
-    sock = bind_socket(s.host, s.port)
+    sock = bind_socket(s.listen_host, s.port)
     port = sock.getsockname()[1]
-    log.info("ToolServer on %s (backend %s, pool %s)", client_url(s.host, port), s.backend, s.pool_id)
-    log.info("%s", where_to_look(client_url(s.host, port)))
+    log.info("ToolServer on %s (backend %s, pool %s)", client_url(s.listen_host, port), s.backend, s.pool_id)
+    log.info("%s", where_to_look(client_url(s.listen_host, port)))
     # log_config=None: uvicorn's records go through our (redacting, maybe JSON) root handler
     config = server_config(app, s.request_read_timeout_s, log_level="warning", log_config=None, lifespan="on",
                            timeout_keep_alive=120)

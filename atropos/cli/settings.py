@@ -12,16 +12,19 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from atropos.backends.base import BACKEND_KINDS, BackendKind
 from atropos.errors import ConfigError
+from atropos.renamed import accept_renamed
 
 # The bearer token of the ToolServer `serve` runs: not the sandbox hosts' token (HOST_TOKEN_ENV of
 # atropos/sandbox/launch.py), which the pool makes per host and no user ever handles.
 TOOLSERVER_TOKEN_ENV = TOKEN_ENV = "ATROPOS_TOOLSERVER_TOKEN"
 SETTINGS_ENV_PREFIX = "ATROPOS_SANDBOX_"
 CONFIG_ENV = "ATROPOS_SANDBOX_CONFIG"
+# old name -> new name: still accepted (flag, variable, config key) with a FutureWarning
+RENAMED_SETTINGS = {"host": "listen_host"}
 
 
 class ServeSettings(BaseModel):
@@ -32,7 +35,8 @@ class ServeSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     backend: BackendKind = "local"
-    host: str = "127.0.0.1"
+    # the ToolServer's own address; "host" elsewhere in these settings means a sandbox host
+    listen_host: str = "127.0.0.1"
     # not 8000: that is the default of atroposlib's run-api (and of an env's rollout_server_url)
     port: int = Field(8600, ge=0, le=65535)
     slots_per_host: int = Field(16, ge=1)
@@ -51,6 +55,11 @@ class ServeSettings(BaseModel):
     log_json: bool = False
     log_level: str = "INFO"
     request_read_timeout_s: float = Field(60.0, gt=0)  # a request's head and body must arrive within it
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        return accept_renamed(data, RENAMED_SETTINGS, "settings")
 
     @field_validator("log_level")
     @classmethod
@@ -106,15 +115,16 @@ def load_settings(args: argparse.Namespace, environ: dict[str, str] | None = Non
     data: dict[str, Any] = {}
     config = getattr(args, "config", None) or env.get(CONFIG_ENV)
     if config:
-        data.update(read_config_file(config))
-    for name in ServeSettings.model_fields:
+        data.update(accept_renamed(read_config_file(config), RENAMED_SETTINGS, f"config file {config}"))
+    # each source's old names become new ones before the sources meet, so precedence holds across them
+    for name in [*RENAMED_SETTINGS, *ServeSettings.model_fields]:
         value = env.get(f"{SETTINGS_ENV_PREFIX}{name.upper()}")
         if value is not None:
-            data[name] = value
-    for name in ServeSettings.model_fields:
+            data.update(accept_renamed({name: value}, RENAMED_SETTINGS, "environment: ATROPOS_SANDBOX_<NAME>"))
+    for name in [*RENAMED_SETTINGS, *ServeSettings.model_fields]:
         value = getattr(args, name, None)
         if value is not None:
-            data[name] = value
+            data.update(accept_renamed({name: value}, RENAMED_SETTINGS, "flag --<name>"))
     try:
         return ServeSettings.model_validate(data)
     except ValidationError as exc:
@@ -132,7 +142,8 @@ def setting_flag(p: argparse.ArgumentParser, name: str, help_text: str, **kw: An
 def add_settings_flags(p: argparse.ArgumentParser) -> None:
     setting_flag(p, "config", f"YAML or JSON file with settings (flags override it; default ${CONFIG_ENV})")
     setting_flag(p, "backend", "where sandbox hosts run (default local)", choices=list(BACKEND_KINDS))
-    setting_flag(p, "host", "address to listen on (default 127.0.0.1)")
+    setting_flag(p, "listen_host", "the ToolServer's address to listen on (default 127.0.0.1)")
+    setting_flag(p, "host", argparse.SUPPRESS)  # the old name of --listen-host, still accepted
     setting_flag(p, "port", "port (default 8600; pool up: 0 picks a free one)", type=int)
     setting_flag(p, "slots_per_host", "slots per host (default 16)", type=int)
     setting_flag(p, "min_hosts", "hosts kept running (default 1)", type=int)
