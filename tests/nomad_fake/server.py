@@ -70,6 +70,7 @@ class FakeNomad:
         host: str = "127.0.0.1",
         port: int = 0,
         tls: tuple[str, str] | None = None,
+        node_ip: str = "127.0.0.1",
     ) -> None:
         self.driver: TaskDriver = driver if driver is not None else NullDriver()
         self.cluster = Cluster(
@@ -79,6 +80,7 @@ class FakeNomad:
             time_scale=time_scale,
             start_delay=start_delay,
             max_allocs_per_node=max_allocs_per_node,
+            node_ip=node_ip,
         )
         self.faults = Faults()
         self.acl = Acl(self.cluster, acl_enabled)
