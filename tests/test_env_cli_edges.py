@@ -74,7 +74,10 @@ def _hosts_of(pid: int) -> list[int]:
     return found
 
 
-def test_sigterm_stops_a_run_cleanly(tokenizer_dir: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_sigterm_stops_a_run_cleanly(tokenizer_dir: str, tmp_path: Path, sigint: str) -> None:
+    # "ignored": as under `nohup python env.py process &` from a script, which starts the run with
+    # SIGINT ignored (before the fix the run hung on SIGTERM there)
     release = threading.Event()
 
     def stuck(messages: list[dict[str, Any]]) -> str:
@@ -87,7 +90,8 @@ def test_sigterm_stops_a_run_cleanly(tokenizer_dir: str, tmp_path: Path) -> None
              "--openai.model_name", "fake", "--env.total_steps", "1", "--env.group_size", "2",
              "--env.slots_per_host", "2", "--env.max_hosts", "1",
              "--env.data_path_to_save_groups", str(tmp_path / "g.jsonl")],
-            cwd=tmp_path, env=_env(tokenizer_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            cwd=tmp_path, env=_env(tokenizer_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint == "ignored" else None)
         try:
             deadline = time.monotonic() + 300
             while not server.requests:  # mid-rollout: slots leased, the model asked

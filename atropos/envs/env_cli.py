@@ -56,6 +56,10 @@ class AgentEnvCli(BaseEnv):
             signal.raise_signal(signal.SIGINT)
 
         signal.signal(signal.SIGTERM, on_sigterm)
+        # A process started in the background by a non-interactive shell (`nohup ... &`, many job
+        # runners) inherits SIGINT ignored; asyncio then installs no SIGINT handler and the SIGINT
+        # above would be lost: the run would never stop on SIGTERM. Ctrl-C semantics, always.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             super().cli()
         except AtroposSandboxError as exc:
