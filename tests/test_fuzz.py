@@ -7,7 +7,11 @@
   symlinks (to ``/``, ``..``, another slot, host paths), long components, NUL and unicode go through
   ``read_file``/``write_file``/``stat``/``list_dir`` and the raw file endpoint. Canary files planted
   outside the workspace on the host side are never returned or modified, nothing outside the
-  workspace changes, and every failure is a clean error code (never a 5xx).
+  workspace changes, and every failure is a clean error code (never a 5xx). Every tool's arguments
+  (junk types, odd files, huge numbers) give a tool error, never a 5xx or a dead sandbox. Both run
+  against a local host and a Docker container host (tests/fuzz_hosts.py: there the canaries sit on
+  the container's ``/slots`` beside its data dir), the container with fewer examples
+  (``ATROPOS_FUZZ_DOCKER_PATH_EXAMPLES``, ``ATROPOS_FUZZ_DOCKER_TOOL_EXAMPLES``).
 * The sandbox host's OpenAPI (fetched with the bearer token) and the ToolServer's, over a real local
   pool: no 5xx (``not_a_server_error``) and responses conform to the documented schema and content
   type. Examples per operation are bounded (``ATROPOS_FUZZ_EXAMPLES``) to keep the module ~2 minutes.
@@ -36,7 +40,7 @@ import pytest
 import requests
 import schemathesis
 import uvicorn
-from conftest import RunningHost, slot_path, start_host, stop_host
+from conftest import RunningHost, start_host, stop_host
 from hypothesis import HealthCheck, given, settings
 from hypothesis import errors as hypothesis_errors
 from hypothesis import strategies as st
@@ -50,10 +54,14 @@ from atropos.api.server import ToolServerSettings, create_tool_server
 from atropos.sandbox.tools import TOOLS
 from atropos.slots.config import PoolConfig
 from atropos.slots.pool import SlotPool
-from tests.pool_backends import make_backend
+from tests.fuzz_hosts import FuzzHost, started_fuzz_host
+from tests.pool_backends import BACKENDS, make_backend
 
 EXAMPLES = int(os.environ.get("ATROPOS_FUZZ_EXAMPLES", "25"))  # per API operation and generation mode
-PATH_EXAMPLES = int(os.environ.get("ATROPOS_FUZZ_PATH_EXAMPLES", "300"))
+# per kind of host: a Docker host runs fewer (the same in-slot code behind the container's mounts, and
+# the module stays a few minutes)
+PATH_EXAMPLES = {"local": int(os.environ.get("ATROPOS_FUZZ_PATH_EXAMPLES", "300")),
+                 "docker": int(os.environ.get("ATROPOS_FUZZ_DOCKER_PATH_EXAMPLES", "200"))}
 
 # =====================================================================================================
 # 1. The tool-call parser
@@ -201,7 +209,7 @@ SANDBOX_SECRETS = ("sandbox:x:1000:1000", "The per-slot supervisor", "--unshare-
 @dataclass
 class PathRig:
     root: Path  # private directory: the host's data dir lives in it (so its parent is watched too)
-    host: RunningHost
+    host: FuzzHost
     http: httpx.Client
     slot: int
     lease: str
@@ -209,6 +217,8 @@ class PathRig:
     canary_text: str
     canaries: list[Path]
     workspace: Path
+    examples: int  # hypothesis examples on this kind of host
+    runs: int = 0
     baseline: dict[str, str] = field(default_factory=dict)
     codes: collections.Counter[str] = field(default_factory=collections.Counter)
 
@@ -238,42 +248,46 @@ class PathRig:
         return snap
 
 
-@pytest.fixture(scope="module")
-def path_rig() -> Iterator[PathRig]:
-    token = secrets.token_hex(4)
-    root = Path(f"/tmp/atropos-fuzz-{os.getpid()}-{token}")
-    root.mkdir(mode=0o711)
-    data = root / "data"
-    host = start_host(data, slots=3, extra=["--log-level", "WARNING"])
-    http = httpx.Client(base_url=host.address, headers={"Authorization": f"Bearer {host.token}"}, timeout=60)
-    try:
+@pytest.fixture(scope="module", params=BACKENDS)
+def path_rig(request: pytest.FixtureRequest) -> Iterator[PathRig]:
+    """A host of its own, local or in a Docker container (tests/fuzz_hosts.py): slot 0 is fuzzed,
+    slot 1 is a neighbour with a canary in its workspace, slot 2 is the tool fuzz's (tool_rig)."""
+    with started_fuzz_host(request.param, slots=3) as fh, \
+            httpx.Client(base_url=fh.host.address, headers={"Authorization": f"Bearer {fh.host.token}"},
+                         timeout=60) as http:
         mine = http.post("/v1/leases", json={"trajectory_id": "fuzz-paths", "slot": 0}).json()
         other = http.post("/v1/leases", json={"trajectory_id": "fuzz-neighbour", "slot": 1}).json()
+        token = secrets.token_hex(4)
         name, text = f"CANARY-{token}", f"canary-secret-{token}"
-        other_ws = data / "slots" / str(other["slot"]) / "ws"
-        # the neighbour's canary goes where it sees its workspace (its capped tmpfs); symlinks below
-        # name the path an attacker would guess, the slot's directory on the host
-        canaries = [root / name, data / name, data / "slots" / "0" / name, data / "slots" / name,
-                    slot_path(data, other["slot"]) / name]
+        root, data = fh.root, fh.data
+        other_ws = fh.inside(data / "slots" / str(other["slot"]) / "ws")
+        # the neighbour writes its canary itself, where it sees its workspace (its capped tmpfs, which
+        # a container's mount helper owns through a user namespace); symlinks below name the path an
+        # attacker would guess, the slot's directory on the host
+        canaries = [root / name, data / name, data / "slots" / "0" / name, data / "slots" / name]
         for c in canaries:
-            c.write_text(text)
-        rig = PathRig(root=root, host=host, http=http, slot=mine["slot"], lease=mine["lease"], canary_name=name,
-                      canary_text=text, canaries=canaries, workspace=slot_path(data, 0))
+            fh.plant(c, text)
+        assert fh.host_reads(root / name) == text, "premise: the host process sees the canary"
+        body = {"id": "n", "slot": other["slot"], "lease": other["lease"], "tool": "write_file",
+                "args": {"path": name, "content": text}}
+        assert http.post("/v1/call", json=body).json()["ok"]
+        canaries.append(fh.workspace(other["slot"]) / name)
+        rig = PathRig(root=root, host=fh, http=http, slot=mine["slot"], lease=mine["lease"], canary_name=name,
+                      canary_text=text, canaries=canaries, workspace=fh.workspace(0),
+                      examples=PATH_EXAMPLES[fh.kind])
         setup = rig.call("bash", command=" && ".join([
             "mkdir -p d/e", "echo inside > f.txt", "echo deep > d/e/g.txt", "ln -s .. up", "ln -s / root",
-            f"ln -s {root / name} abs_canary", f"ln -s ../{name} rel_canary", f"ln -s ../../{name} up2_canary",
-            f"ln -s {other_ws} other_ws", f"ln -s {other_ws / name} other_canary", "ln -s loop loop",
-            "ln -s nowhere dangling", "ln -s /etc etc", "ln -s /proc/self proc_self", "ln -s /run/atropos lib",
-            "ln -s ../../../../../../../.. deep_up", "ln -s d/e de", "ln -s /dev/zero zero", "mkfifo fifo",
+            f"ln -s {fh.inside(root / name)} abs_canary", f"ln -s ../{name} rel_canary",
+            f"ln -s ../../{name} up2_canary", f"ln -s {other_ws} other_ws", f"ln -s {other_ws / name} other_canary",
+            "ln -s loop loop", "ln -s nowhere dangling", "ln -s /etc etc", "ln -s /proc/self proc_self",
+            "ln -s /run/atropos lib", "ln -s ../../../../../../../.. deep_up", "ln -s d/e de", "ln -s /dev/zero zero",
+            "mkfifo fifo",
         ]))
         assert setup["ok"] and setup["result"]["exit_code"] == 0, setup
         rig.baseline = rig.outside_snapshot()
+        assert {str(c) for c in canaries[:4]} <= set(rig.baseline), "premise: the watch sees the planted canaries"
         yield rig
-        print(f"\npath fuzz outcomes: {dict(rig.codes.most_common())}")
-    finally:
-        http.close()
-        stop_host(host)
-        shutil.rmtree(root, ignore_errors=True)
+        print(f"\npath fuzz on {fh.describe()}: {rig.runs} examples, outcomes {dict(rig.codes.most_common())}")
 
 
 # Names that exist in the fuzzed workspace (planted above) or outside it, and hostile spellings.
@@ -318,11 +332,15 @@ def _no_secret(rig: PathRig, what: str, text: str) -> None:
         assert secret not in text, f"{what} returned text from outside the workspace ({secret!r})"
 
 
-@settings(max_examples=PATH_EXAMPLES, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(data=st.data())
-def test_file_tools_never_reach_outside_the_workspace(path_rig: PathRig, data: st.DataObject) -> None:
-    check_path(path_rig, data.draw(paths(path_rig.canary_name), label="path"))
+def test_file_tools_never_reach_outside_the_workspace(path_rig: PathRig) -> None:
+    @settings(max_examples=path_rig.examples, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(data=st.data())
+    def run(data: st.DataObject) -> None:
+        path_rig.runs += 1
+        check_path(path_rig, data.draw(paths(path_rig.canary_name), label="path"))
+
+    run()
 
 
 @pytest.mark.parametrize("path", NASTY_PATHS)
@@ -399,7 +417,8 @@ def _workspace_holds(workspace: Path, marker: str) -> bool:
 # =====================================================================================================
 # 2b. Every tool's arguments: tool errors, never a dead sandbox, a 5xx or a hang
 # =====================================================================================================
-TOOL_EXAMPLES = int(os.environ.get("ATROPOS_FUZZ_TOOL_EXAMPLES", "200"))
+TOOL_EXAMPLES = {"local": int(os.environ.get("ATROPOS_FUZZ_TOOL_EXAMPLES", "200")),
+                 "docker": int(os.environ.get("ATROPOS_FUZZ_DOCKER_TOOL_EXAMPLES", "80"))}
 # Codes of a clean refusal; `sandbox_failed` (the supervisor died) and `tool_error` (an exception the
 # supervisor did not expect) are failures.
 TOOL_CODES = CLEAN_CODES | {"lease_invalid", "no_match", "ambiguous_match", "not_text", "terminal_unavailable",
@@ -467,6 +486,7 @@ class ToolRig:
     http: httpx.Client
     slot: int
     lease: str
+    examples: int  # hypothesis examples on this kind of host
     codes: collections.Counter[str] = field(default_factory=collections.Counter)
     start_id: str = ""
 
@@ -486,14 +506,14 @@ class ToolRig:
 
 @pytest.fixture(scope="module")
 def tool_rig(path_rig: PathRig) -> Iterator[ToolRig]:
-    """A slot of its own on the path-fuzz host, its workspace full of odd file types."""
+    """A slot of its own on the path-fuzz host (local or Docker), its workspace full of odd file types."""
     lease = path_rig.http.post("/v1/leases", json={"trajectory_id": "fuzz-tools", "slot": 2}).json()
-    rig = ToolRig(path_rig.http, lease["slot"], lease["lease"])
+    rig = ToolRig(path_rig.http, lease["slot"], lease["lease"], TOOL_EXAMPLES[path_rig.host.kind])
     setup = rig.post("python", {"code": ODD_SETUP})
     assert setup["ok"] and setup["result"]["stdout"] == "ready\n", setup
     rig.start_id = rig.sandbox_id()
     yield rig
-    print(f"\ntool fuzz outcomes: {dict(rig.codes.most_common())}")
+    print(f"\ntool fuzz on {path_rig.host.describe()}: outcomes {dict(rig.codes.most_common())}")
 
 
 @st.composite
@@ -510,19 +530,21 @@ def tool_calls(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
     return tool, args
 
 
-@settings(max_examples=TOOL_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
-@given(call=tool_calls())
-def test_every_tool_argument_is_a_tool_error_never_a_dead_sandbox(tool_rig: ToolRig,
-                                                                    call: tuple[str, dict[str, Any]]) -> None:
-    tool, args = call
-    out = tool_rig.post(tool, args)
-    if out["ok"]:
-        tool_rig.codes[f"ok {tool}"] += 1
-        return
-    err = out["error"]
-    tool_rig.codes[err["code"]] += 1
-    assert err["status"] < 500, f"{tool} {args!r}: server-side error {err}"
-    assert err["code"] in TOOL_CODES, f"{tool} {args!r}: unexpected error {err}"
+def test_every_tool_argument_is_a_tool_error_never_a_dead_sandbox(tool_rig: ToolRig) -> None:
+    @settings(max_examples=tool_rig.examples, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(call=tool_calls())
+    def run(call: tuple[str, dict[str, Any]]) -> None:
+        tool, args = call
+        out = tool_rig.post(tool, args)
+        if out["ok"]:
+            tool_rig.codes[f"ok {tool}"] += 1
+            return
+        err = out["error"]
+        tool_rig.codes[err["code"]] += 1
+        assert err["status"] < 500, f"{tool} {args!r}: server-side error {err}"
+        assert err["code"] in TOOL_CODES, f"{tool} {args!r}: unexpected error {err}"
+
+    run()
 
 
 def test_tool_fuzz_never_restarted_the_sandbox(tool_rig: ToolRig) -> None:
