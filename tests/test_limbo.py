@@ -185,3 +185,34 @@ def test_lease_audit_stays_bounded_and_still_sees_every_double_lease(tmp_path: P
     assert audit.double_leased == 1 and "held by a" in audit.problems[0]
     trail = load(tmp_path / "audit.jsonl")
     assert len(trail) == 10_002 and len(double_leases(trail)) == 1
+
+
+def test_parsing_wire_messages_keeps_nothing_per_call() -> None:
+    """Every call's result, every reset and every lease is parsed from JSON whose strings (ids,
+    tokens, output) are new each time: parsing must not keep them. pydantic-core's default string
+    cache did (one process-wide table), ~1 MB per process over the first few thousand trajectories
+    of a soak. Checked by reference count, which holds whatever the table held before."""
+    import gc
+    import sys
+
+    from atropos.api.server import SlotCallRequest
+    from atropos.sandbox.protocol import CallBatch, CallResult, LeaseInfo, ResetResult
+
+    cases: list[tuple[Any, dict[str, Any], Any]] = [
+        (CallResult, {"id": "@", "slot": 1, "ok": True, "result": {"stdout": "out"}}, lambda m: m.id),
+        (ResetResult, {"slot": 2, "ok": True, "quarantined": False, "duration_ms": 9.5, "detail": "@"},
+         lambda m: m.detail),
+        (LeaseInfo, {"slot": 3, "lease": "@", "generation": 7, "trajectory_id": "t", "network": False},
+         lambda m: m.lease),
+        (CallBatch, {"calls": [{"id": "c", "slot": 0, "lease": "@", "tool": "bash"}]}, lambda m: m.calls[0].lease),
+        (SlotCallRequest, {"tool": "bash", "args": {"command": "@"}}, lambda m: m.args["command"]),
+    ]
+    for model, message, pick in cases:
+        value = secrets.token_hex(8)
+        parsed = model.model_validate_json(json.dumps(message).replace('"@"', f'"{value}"'))
+        kept = pick(parsed)
+        assert kept == value
+        del parsed
+        gc.collect()
+        # the only references left: ``kept`` and getrefcount's argument
+        assert sys.getrefcount(kept) == 2, f"{model.__name__}: parsing kept a reference to a value"

@@ -33,7 +33,7 @@ from atropos.asgi import Answer, ASGIApp, ErrorMap, Receive, RequestGuard, Send,
 from atropos.errors import AtroposSandboxError, ClientGone, InfrastructureError, LeaseError, SlotUnavailable, ToolError
 from atropos.fastroute import body_route, send_error, send_json
 from atropos.logs import call_fields
-from atropos.sandbox.protocol import MAX_VERIFY_PROGRAM, SealResult, VerifyResult
+from atropos.sandbox.protocol import MAX_VERIFY_PROGRAM, SealResult, VerifyResult, Wire
 from atropos.slots.lease import Lease
 from atropos.slots.pool import PoolStatus, SlotPool
 from atropos.slots.results import WriteResult
@@ -83,7 +83,7 @@ class SlotLeaseResponse(BaseModel):
     network: bool
 
 
-class SlotCallRequest(BaseModel):
+class SlotCallRequest(Wire):
     tool: str = Field(min_length=1, max_length=128)
     args: dict[str, Any] = Field(default_factory=dict)
     timeout_s: float | None = Field(None, gt=0, le=3600)
