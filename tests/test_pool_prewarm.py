@@ -19,7 +19,7 @@ from conftest import RunningHost, start_host, stop_host, wait_until
 
 from atropos.backends.base import Backend, HostInfo
 from atropos.sandbox.client import HostClient
-from atropos.sandbox.protocol import PrewarmResult
+from atropos.sandbox.protocol import PrewarmResult, SlotInfo
 from atropos.slots.pool import SlotPool
 from tests.pool_backends import BACKENDS, host_pid, make_backend, pool_cfg
 
@@ -37,6 +37,7 @@ class Recorded(Backend):
         self.name = inner.name
         self.pool: SlotPool | None = None
         self._started = 0
+        self.early: list[SlotInfo] = []  # the other hosts' slots once the held host is up
 
     async def start_host(self) -> HostInfo:
         self._started += 1
@@ -46,6 +47,10 @@ class Recorded(Backend):
             assert await wait_until(lambda: len(pool.hosts) == self.hold_last - 1, timeout=240)
         info = await self.inner.start_host()
         self.events.append(("ready", info.address))
+        if self.hold_last and self._started == self.hold_last:
+            # the others have been up for the whole start of this one: none may have a sandbox yet
+            assert self.pool is not None
+            self.early = [i for h in list(self.pool.hosts.values()) for i in await h.client.slots()]
         return info
 
     async def stop_host(self, host_id: str) -> None:
@@ -105,6 +110,8 @@ async def test_the_fleet_is_asked_to_prewarm_once_all_of_it_is_up_and_every_slot
     async with pool:
         addresses = {h.info.address for h in pool.hosts.values()}
         assert len(addresses) == hosts
+        assert len(backend.early) == (hosts - 1) * 2
+        assert not any(i.sandbox_running for i in backend.early), backend.early
         # every slot's sandbox comes up with no call made (the free slots are the pool's leases)
         assert await _poll(lambda: _all_running(pool)), [i for h in pool.hosts.values() for i in await h.client.slots()]
         kinds = [k for k, _ in prewarm_requests]
