@@ -5,8 +5,9 @@ min_hosts = max_hosts = 8. Timed: ``await pool.start()`` until ``pool.free_count
 pool has taken a host lease token for every slot). Two start modes, alternated run by run:
 
 - ``prewarm`` (the default): a host reports healthy once it serves (after its own sandbox
-  self-test) and starts its 16 slot sandboxes in the background; a call to a slot whose sandbox is
-  still starting waits for it, one that comes first starts it;
+  self-test); once all 8 are up, the pool asks each to start its 16 slot sandboxes in the background
+  (``POST /v1/prewarm``), so no host's prewarm takes CPU from a host still starting; a call to a
+  slot whose sandbox is still starting waits for it, one that comes first starts it;
 - ``lazy`` (``DockerBackendConfig(prewarm=False)``): no prewarm, each slot's sandbox starts with
   its first call.
 
@@ -139,7 +140,7 @@ async def run(quick: bool) -> ScenarioResult:
             ready,
             Row(f"  [{mode}] per host: docker run -> healthy", [ms for o in runs_of for ms in o["host_ms"]],
                 note=f"{HOSTS} started concurrently; " + (
-                    "healthy once serving, its 16 sandboxes prewarm in the background" if prewarm
+                    "healthy once serving; its 16 sandboxes prewarm in the background once all hosts are up" if prewarm
                     else "healthy once serving (self-test passed)")),
             Row(f"  [{mode}] start -> one `true` done on all {HOSTS * SLOTS} slots",
                 [o["first_calls_ms"] for o in runs_of]),

@@ -26,6 +26,15 @@ class HostInfo(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict)
 
 
+# The one meaning of every backend config's ``prewarm`` (local, docker, ray): the backend starts its
+# hosts with ``--no-prewarm`` and the pool picks the moment (atropos/slots/pool_hosts.py).
+PREWARM_DESCRIPTION = (
+    "start every slot's sandbox ahead of its first call: the pool asks each host (POST /v1/prewarm) "
+    "once its whole initial fleet is up, so prewarming never competes with the hosts still starting, "
+    "and a later host (scale-up, replacement) as soon as it is ready; the sandboxes then start in the "
+    "background (a call to a slot still warming waits for it). Off: each slot's sandbox starts on first use")
+
+
 def new_token() -> str:
     return secrets.token_urlsafe(32)
 
@@ -65,6 +74,14 @@ class Backend(abc.ABC):
         config names it ``slots_per_host``; a backend without one returns None (unknown)."""
         value = getattr(getattr(self, "cfg", None), "slots_per_host", None)
         return value if isinstance(value, int) and value > 0 else None
+
+    def prewarm(self) -> bool:
+        """Whether the pool asks each host to prewarm its slots' sandboxes (``POST /v1/prewarm``)
+        once it may (``PREWARM_DESCRIPTION``). A built-in backend's config names the switch
+        ``prewarm`` and its hosts start with ``--no-prewarm``; a backend without one gets the
+        request too, which a host that prewarmed on its own answers with nothing to do."""
+        value = getattr(getattr(self, "cfg", None), "prewarm", True)
+        return value if isinstance(value, bool) else True
 
     def removal_order(self, host_ids: list[str]) -> list[str]:
         """Which idle hosts to give back first (Nomad must shrink from the highest index)."""

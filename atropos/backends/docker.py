@@ -23,7 +23,7 @@ import httpx
 from pydantic import Field, model_validator
 
 from atropos.backends import docker_cgroups
-from atropos.backends.base import Backend, HostInfo, new_token, pid_alive
+from atropos.backends.base import PREWARM_DESCRIPTION, Backend, HostInfo, new_token, pid_alive
 from atropos.backends.docker_cgroups import HostCgroup
 from atropos.backends.slot_caps import ContainerSlotCaps
 from atropos.errors import ConfigError, HostUnavailable, IsolationUnavailable
@@ -54,9 +54,7 @@ class DockerBackendConfig(ContainerSlotCaps):
     workspace_bytes: int = Field(4 << 30, ge=64 << 20, description="size of the tmpfs holding all workspaces")
     max_timeout_s: float = 600.0
     start_timeout_s: float = 60.0
-    prewarm: bool = Field(True, description="start every slot's sandbox in the background once the host serves "
-                          "(a call to a slot still warming waits for it); off: each slot's sandbox starts on "
-                          "first use")
+    prewarm: bool = Field(True, description=PREWARM_DESCRIPTION)
     slot_cgroups: bool = Field(True, description="give each container a delegated cgroup subtree for its slots' "
                                "caps; False = DEVELOPMENT ONLY, hosts run --unsafe-no-cgroups (no per-slot caps)")
     docker_url: str | None = Field(None, description="Docker Engine URL; default from the environment "
@@ -201,7 +199,7 @@ class DockerBackend(Backend):
             # the image's entrypoint is `python3 -m atropos.sandbox`
             command=HostLaunch(host="0.0.0.0", port=CONTAINER_PORT, slots=c.slots_per_host, data_dir="/slots/data",
                                max_timeout_s=c.max_timeout_s, workspace_bytes=c.slot_workspace_bytes,
-                               prewarm=c.prewarm, egress=self.egress_settings(), **cgroup_args).args(),
+                               prewarm=False, egress=self.egress_settings(), **cgroup_args).args(),
             name=host_id,
             user=f"{SLOT_UID}:{SLOT_UID}",
             environment={HOST_TOKEN_ENV: token},

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from atropos.backends.base import Backend, HostInfo, new_token, pid_alive
+from atropos.backends.base import PREWARM_DESCRIPTION, Backend, HostInfo, new_token, pid_alive
 from atropos.backends.slot_caps import SlotCaps
 from atropos.errors import HostUnavailable, IsolationUnavailable
 from atropos.sandbox.config import default_data_dir
@@ -35,7 +35,7 @@ class LocalBackendConfig(SlotCaps):
     max_timeout_s: float = 600.0
     port: int = Field(0, ge=0, le=65535, description="port each host listens on (127.0.0.1); 0 = any free port. "
                                                      "A fixed port allows one host at a time")
-    prewarm: bool = True
+    prewarm: bool = Field(True, description=PREWARM_DESCRIPTION)
     start_timeout_s: float = 60.0
     unsafe_no_isolation: bool = Field(False, description="DEVELOPMENT ONLY: no bubblewrap")
     unsafe_no_cgroups: bool = Field(False, description="DEVELOPMENT ONLY: no per-slot cgroup (no slot-wide caps)")
@@ -68,7 +68,7 @@ class LocalBackend(Backend):
         token = new_token()
         argv = HostLaunch(port=self.cfg.port, slots=self.cfg.slots_per_host, data_dir=str(data_dir),
                           max_timeout_s=self.cfg.max_timeout_s, workspace_bytes=self.cfg.slot_workspace_bytes,
-                          prewarm=self.cfg.prewarm, parent_pid=os.getpid(),
+                          prewarm=False, parent_pid=os.getpid(),  # the pool asks (Backend.prewarm)
                           unsafe_no_isolation=self.cfg.unsafe_no_isolation,
                           slot_memory_bytes=self.cfg.slot_memory_bytes, slot_pids=self.cfg.slot_pids,
                           slot_cpus=self.cfg.slot_cpus, unsafe_no_cgroups=self.cfg.unsafe_no_cgroups,

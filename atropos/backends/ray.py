@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from atropos.backends.base import Backend, HostInfo, new_token, pid_alive
+from atropos.backends.base import PREWARM_DESCRIPTION, Backend, HostInfo, new_token, pid_alive
 from atropos.backends.slot_caps import SlotCaps
 from atropos.errors import ConfigError, HostUnavailable, IsolationUnavailable
 
@@ -58,7 +58,7 @@ class RayBackendConfig(SlotCaps):
     namespace: str = Field("atropos-sandbox", min_length=1, description="Ray namespace of the host actors")
     pool_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     max_timeout_s: float = Field(600.0, gt=0)
-    prewarm: bool = True
+    prewarm: bool = Field(True, description=PREWARM_DESCRIPTION)
     start_timeout_s: float = Field(120.0, gt=0, description="placement + host start, per host")
     resource: str = Field("atropos_sandbox", min_length=1,
                           description="custom resource a node must offer to run hosts (ray start --resources)")
@@ -235,7 +235,7 @@ class RayBackend(Backend):
         host_dir = name.replace(NAME_SEP, "-")
         launch = {"slots": c.slots_per_host, "data_dir": str(c.data_root / c.pool_id / host_dir),
                   "max_timeout_s": c.max_timeout_s, "workspace_bytes": c.slot_workspace_bytes,
-                  "prewarm": c.prewarm, "unsafe_no_isolation": c.unsafe_no_isolation,
+                  "prewarm": False, "unsafe_no_isolation": c.unsafe_no_isolation,  # the pool asks
                   "slot_memory_bytes": c.slot_memory_bytes, "slot_pids": c.slot_pids, "slot_cpus": c.slot_cpus,
                   "unsafe_no_cgroups": c.unsafe_no_cgroups, "log_level": c.host_log_level, "python": c.python}
         actor = self._actor_cls.options(

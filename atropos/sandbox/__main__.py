@@ -69,7 +69,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
                    help="DEVELOPMENT ONLY: no per-slot memory, process or CPU caps")
     p.add_argument("--unsafe-no-isolation", action="store_true",
                    help="DEVELOPMENT ONLY: run slots without bubblewrap")
-    p.add_argument("--no-prewarm", action="store_true", help="start slot sandboxes on first use only")
+    p.add_argument("--no-prewarm", action="store_true",
+                   help="start slot sandboxes on first use, or when asked (POST /v1/prewarm): a pool starts its "
+                        "hosts so and asks once its fleet is up")
     p.add_argument("--parent-pid", type=int, help="exit when this process (the pool) dies")
     p.add_argument("--network-isolation", choices=("auto", "private", "shared"), default="auto",
                    help="network slots: private namespace behind slirp4netns, or the host's (see HostConfig)")
@@ -134,7 +136,9 @@ async def serve(cfg: HostConfig, prewarm: bool = True) -> None:
     # a busy port raises OSError (EADDRINUSE): LocalBackend reads it in this host's stderr
     sock = listening_socket(family, (cfg.host, cfg.port), 1024)
     await host.start()
-    if prewarm:  # in the background: the host answers (and a pool counts it ready) while its slots warm up
+    # in the background: the host answers while its slots warm up. A pool starts its hosts with
+    # --no-prewarm and asks for it (POST /v1/prewarm) once its whole fleet is up.
+    if prewarm:
         host.prewarm_in_background()
     app = create_app(host, manage_lifecycle=False)
     server = uvicorn.Server(server_config(

@@ -32,6 +32,7 @@ from atropos.sandbox.protocol import (
     CallResult,
     HealthInfo,
     LeaseInfo,
+    PrewarmResult,
     ResetResult,
     SealResult,
     SlotInfo,
@@ -108,6 +109,12 @@ class HostClient:
     async def slots(self) -> list[SlotInfo]:
         resp = await self._send("GET", "/v1/slots")
         return [SlotInfo.model_validate(s) for s in resp.json()]
+
+    async def prewarm(self, timeout: float = 10.0) -> PrewarmResult:
+        """Ask the host to start its slots' sandboxes in the background (``POST /v1/prewarm``);
+        returns at once with how many it starts. Idempotent."""
+        resp = await self._send("POST", "/v1/prewarm", timeout=timeout)
+        return PrewarmResult.model_validate_json(resp.content)
 
     async def lease(self, trajectory_id: str, *, network: bool = False, slot: int | None = None,
                     template: str | None = None) -> LeaseInfo:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import os
@@ -37,6 +38,7 @@ from atropos.sandbox.protocol import (
     HealthInfo,
     LeaseInfo,
     LeaseRequest,
+    PrewarmResult,
     ResetRequest,
     ResetResult,
     SealResult,
@@ -93,6 +95,7 @@ class SandboxHost:
         self._trash_task: asyncio.Task[None] | None = None
         self._trash_pending = False
         self._background: set[asyncio.Task[None]] = set()
+        self._warming: set[int] = set()  # slots prewarm_in_background is starting a sandbox of
         self.started_at = time.time()
         self.total_calls = 0
         self.stopping = False
@@ -357,10 +360,11 @@ class SandboxHost:
             slot.quarantine(f"verification phase: {exc}")
             raise SandboxDied(f"slot {slot.index}: {exc}") from exc
 
-    def _schedule_prewarm(self, slot: Slot) -> None:
+    def _schedule_prewarm(self, slot: Slot) -> asyncio.Task[None]:
         task = asyncio.create_task(self._prewarm(slot))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     # -- templates -------------------------------------------------------------------------
     async def create_template(self, req: TemplateRequest) -> TemplateInfo:
@@ -430,11 +434,31 @@ class SandboxHost:
     async def prewarm_all(self) -> None:
         await asyncio.gather(*(self._prewarm(s) for s in self.slots))
 
-    def prewarm_in_background(self) -> None:
-        """Start every slot's sandbox without waiting for it: the host serves meanwhile. A call to a
-        slot whose prewarm holds its lock waits for that sandbox; one that comes first starts it."""
+    def prewarm_in_background(self) -> PrewarmResult:
+        """Start the sandbox of every slot that has none without waiting for it: the host serves
+        meanwhile (``serve()`` at start unless ``--no-prewarm``; ``POST /v1/prewarm``, which a pool
+        sends once its fleet is up). A call to a slot whose prewarm holds its lock waits for that
+        sandbox; one that comes first starts it. Idempotent: a slot whose sandbox runs or is being
+        prewarmed is left as it is, and so is one that must not be prewarmed: leased with network
+        (its first call starts a sandbox with network), busy (a call, reset or seal holds its lock;
+        a reset prewarms on its own), resetting, quarantined or sealed."""
+        out = PrewarmResult(warming=0)
         for slot in self.slots:
-            self._schedule_prewarm(slot)
+            if slot.index in self._warming or (slot.sandbox is not None and slot.sandbox.alive):
+                out.running += 1
+            elif slot.network or slot.sealed or slot.state not in ("free", "leased") or slot.lock.locked():
+                out.skipped += 1
+            else:
+                self._warming.add(slot.index)
+                self._schedule_prewarm(slot).add_done_callback(functools.partial(self._warmed, slot.index))
+                out.slots.append(slot.index)
+        out.warming = len(out.slots)
+        if out.slots:
+            log.info("prewarm: starting %d slot sandbox(es) in the background", out.warming)
+        return out
+
+    def _warmed(self, index: int, _task: asyncio.Task[None]) -> None:
+        self._warming.discard(index)
 
     # -- calls -----------------------------------------------------------------------------
     async def run_calls(self, calls: Iterable[ToolCall]) -> AsyncIterator[CallResult]:

@@ -150,6 +150,16 @@ class SlotInfo(Wire):
     sealed: bool = Field(False, description="in its verification phase: nothing runs in it until its reset")
 
 
+class PrewarmResult(Wire):
+    """What ``POST /v1/prewarm`` set going (202: the sandboxes start in the background)."""
+
+    warming: int = Field(description="slots whose sandbox this request starts now, in the background")
+    slots: list[int] = Field(default_factory=list, description="their indices")
+    running: int = Field(0, description="slots whose sandbox already runs or is already being started")
+    skipped: int = Field(0, description="slots left alone: leased with network, busy (a call, reset or seal "
+                                        "holds them), resetting, quarantined or sealed")
+
+
 class HealthInfo(Wire):
     ok: bool
     version: str

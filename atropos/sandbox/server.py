@@ -27,6 +27,7 @@ from atropos.sandbox.protocol import (
     LeaseInfo,
     LeaseRef,
     LeaseRequest,
+    PrewarmResult,
     ResetRequest,
     ResetResult,
     SealResult,
@@ -103,6 +104,13 @@ def _slot_routes(app: FastAPI, host: SandboxHost, deps: list[Any]) -> None:
     @app.get("/v1/slots", response_model=list[SlotInfo], dependencies=deps)
     async def slots() -> list[SlotInfo]:
         return host.slot_infos()
+
+    @app.post("/v1/prewarm", response_model=PrewarmResult, status_code=202, dependencies=deps)
+    async def prewarm() -> PrewarmResult:
+        """Start, in the background, the sandbox of every slot that may have one and has none yet
+        (idempotent; leased-with-network, busy, quarantined and sealed slots are left alone). A pool
+        sends it once its fleet is up, so prewarming never competes with its hosts' start-up."""
+        return host.prewarm_in_background()
 
     @app.post("/v1/leases", response_model=LeaseInfo, dependencies=deps)
     async def lease(req: LeaseRequest) -> LeaseInfo:

@@ -38,12 +38,15 @@ class SlotPool(PoolTemplates):
         if reaped:
             log.info("reaped %d orphaned host(s) of earlier pools", reaped)
         self._running = True
-        results = await asyncio.gather(*(self._add_host() for _ in range(self.cfg.min_hosts)),
-                                        return_exceptions=True)
+        # No host prewarms while others still start (on a shared machine the first hosts' sandboxes
+        # would take the CPU the last ones need to come up): the fleet is asked once all of it is up.
+        results = await asyncio.gather(*(self._add_host(prewarm=False) for _ in range(self.cfg.min_hosts)),
+                                       return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors and len(errors) == len(results):
             await self.stop()
             raise errors[0]
+        self._request_prewarm([r for r in results if not isinstance(r, BaseException)])
         self._spawn(self._health_loop())
         self._spawn(self._scale_loop())
 

@@ -18,7 +18,9 @@ log = logging.getLogger("atropos.slots.pool")
 
 
 class PoolHosts(PoolBase):
-    async def _add_host(self) -> PoolHost:
+    async def _add_host(self, prewarm: bool = True) -> PoolHost:
+        """Start a host and take its slots; ``prewarm``: then ask it to prewarm them (if the backend
+        says so). ``start()`` passes False and asks the whole initial fleet once all of it is up."""
         self._starting += 1
         info: HostInfo | None = None
         try:
@@ -39,7 +41,27 @@ class PoolHosts(PoolBase):
         log.info("scale: host %s up with %d slots in %.0f ms (%d hosts)", host.id, info.slots,
                  (time.perf_counter() - t0) * 1000, len(self.hosts))
         self._grant_waiters()
+        if prewarm:
+            self._request_prewarm([host])
         return host
+
+    def _request_prewarm(self, hosts: list[PoolHost]) -> None:
+        """Ask ``hosts`` to start their slots' sandboxes in the background (when the backend's
+        ``prewarm`` says so). Never awaited by a start: a failure is only logged, and a slot whose
+        sandbox did not start starts it with its first call."""
+        if self.backend.prewarm() and self._running:
+            for host in hosts:
+                self._spawn(self._prewarm_host(host))
+
+    async def _prewarm_host(self, host: PoolHost) -> None:
+        try:
+            out = await host.client.prewarm()
+        except (AtroposSandboxError, ValueError) as exc:  # ValueError: an answer that is not a PrewarmResult
+            log.warning("host %s: prewarm request failed, its slots start their sandboxes on first use: %s",
+                        host.id, exc)
+            return
+        log.info("host %s: prewarming %d slot(s) (%d running, %d left alone)", host.id, out.warming, out.running,
+                 out.skipped)
 
     async def _remove_host(self, host: PoolHost, reason: str) -> None:
         self.hosts.pop(host.id, None)

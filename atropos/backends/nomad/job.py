@@ -107,7 +107,10 @@ def _docker_config(c: NomadBackendConfig) -> dict[str, Any]:
         "image": c.image,
         "ports": [PORT_LABEL],
         # the image's entrypoint is `python3 -m atropos.sandbox`; per-slot cgroups in the subtree the
-        # atropos-runc runtime delegates (nomad/README.md)
+        # atropos-runc runtime delegates (nomad/README.md). No --no-prewarm: the same job runs by hand
+        # (nomad/sandbox.hcl), so its hosts prewarm on their own at start, each within its own hard CPU
+        # reservation (cpu_hard_limit), not taking a starting neighbour's; the pool's prewarm request
+        # (Backend.prewarm) then finds nothing left to start.
         "args": [*HostLaunch(host="0.0.0.0", port=CONTAINER_PORT, slots=c.slots_per_host, data_dir="/slots/data",
                              max_timeout_s=c.max_timeout_s, workspace_bytes=c.slot_workspace_bytes,
                              cgroup_dir=SLOT_CGROUP_DIR, slot_memory_bytes=c.slot_memory_bytes,
