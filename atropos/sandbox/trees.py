@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from atropos.errors import WorkspaceError
+from atropos.sandbox.child_process import killed_if_left
 from atropos.sandbox.inslot_fs import DIR_FLAGS, DirWalk, identity, up
 from atropos.sandbox.workspace import TOOL_PATH
 
@@ -195,20 +196,14 @@ async def run_tool(argv: list[str], *, timeout: float, user: int | None = None, 
         finally:
             proc.stdin.close()
 
-    try:
-        feeder = asyncio.ensure_future(feed()) if stdin is not None else None
-        out, err = await asyncio.wait_for(proc.communicate() if stdin is None else _wait_out(proc), timeout)
-        if feeder is not None:
-            await feeder
-    except asyncio.TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise WorkspaceError(f"{argv[0]} took longer than {timeout:g}s") from None
-    except BaseException:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-        raise
+    async with killed_if_left(proc):
+        try:
+            feeder = asyncio.ensure_future(feed()) if stdin is not None else None
+            out, err = await asyncio.wait_for(proc.communicate() if stdin is None else _wait_out(proc), timeout)
+            if feeder is not None:
+                await feeder
+        except asyncio.TimeoutError:
+            raise WorkspaceError(f"{argv[0]} took longer than {timeout:g}s") from None
     if proc.returncode != 0:
         text = err.decode(errors="replace").strip()[-2000:]
         raise WorkspaceError(f"{os.path.basename(argv[0])} failed (exit {proc.returncode}): {text}")
