@@ -9,6 +9,7 @@ tool call below goes through an address the pool found through the Nomad API.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
@@ -60,26 +61,28 @@ def _no_nomad_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(var, raising=False)
 
 
-@pytest.fixture
-def fake() -> Iterator[FakeNomad]:
-    f = start_nomad_fake(nodes=1)
+@contextlib.contextmanager
+def running_fake(nodes: int) -> Iterator[FakeNomad]:
+    """A fake cluster of ``nodes`` nodes for one test, which fails if the fake's monitor saw an error."""
+    f = start_nomad_fake(nodes=nodes)
     try:
         yield f
         assert f.monitor_errors == []
     finally:
         f.stop()
         shutil.rmtree(Path(f.driver.log_dir), ignore_errors=True)
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeNomad]:
+    with running_fake(nodes=1) as f:
+        yield f
 
 
 @pytest.fixture
 def fake2() -> Iterator[FakeNomad]:
-    f = start_nomad_fake(nodes=2)
-    try:
+    with running_fake(nodes=2) as f:
         yield f
-        assert f.monitor_errors == []
-    finally:
-        f.stop()
-        shutil.rmtree(Path(f.driver.log_dir), ignore_errors=True)
 
 
 HEALTH_STUB = (
