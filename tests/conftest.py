@@ -56,16 +56,24 @@ def model_url() -> Iterator[str]:
         subprocess.run([sys.executable, str(MODEL_SERVER), "stop", "--port", str(port)], timeout=60)
 
 
-async def wait_until(pred: Callable[[], Any], timeout: float = 60.0, interval: float = 0.05) -> bool:
-    """Poll ``pred`` until it is true (True) or ``timeout`` seconds pass (False). The limit is
+async def wait_until(pred: Callable[[], Any], timeout: float = 60.0, interval: float = 0.05, *,
+                     what: str | None = None, in_thread: bool = False) -> Any:
+    """Poll ``pred`` until it returns a true value, and return that value. After ``timeout`` seconds:
+    its last (false) value, so ``assert await wait_until(...)`` fails; with ``what``, an
+    AssertionError "timed out waiting for <what>". ``in_thread`` calls ``pred`` in a worker thread
+    (a /proc scan, a blocking client: the event loop keeps serving meanwhile). The limit is
     generous on purpose: on a busy 2-core machine what takes 0.1 s alone can take many seconds,
     and a condition that holds returns at once however large the limit."""
     end = time.monotonic() + timeout
-    while not pred():
+    while True:
+        value = await asyncio.to_thread(pred) if in_thread else pred()
+        if value:
+            return value
         if time.monotonic() > end:
-            return False
+            if what is not None:
+                raise AssertionError(f"timed out waiting for {what}")
+            return value
         await asyncio.sleep(interval)
-    return True
 
 
 # above RLIMIT_FSIZE (1 GiB), so the largest-file test meets that limit before the cap

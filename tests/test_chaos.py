@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import wait_until
 
 from atropos.backends.base import Backend
 from atropos.backends.local import LocalBackend, LocalBackendConfig
@@ -240,13 +241,17 @@ def running_host_ids(snap: Snapshot, kind: str, pool_id: str) -> set[str]:
 
 
 async def eventually(probe: Callable[[], list[str]], deadline_s: float = CLEANUP_DEADLINE_S) -> list[str]:
-    """Poll ``probe`` (run in a thread: it scans /proc) until it finds nothing or the deadline passes."""
-    end = time.monotonic() + deadline_s
-    while True:
-        left = await asyncio.to_thread(probe)
-        if not left or time.monotonic() > end:
-            return left
-        await asyncio.sleep(0.1)
+    """What ``probe`` (run in a thread: it scans /proc) still finds once it finds nothing or the
+    deadline passes."""
+    left: list[str] = []
+
+    def clean() -> bool:
+        nonlocal left
+        left = probe()
+        return not left
+
+    await wait_until(clean, deadline_s, 0.1, in_thread=True)
+    return left
 
 
 def bash(command: str) -> AgentToolCall:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import HOST_WORKSPACE_BYTES, LeasedSlot, RunningHost, start_host, stop_host
+from conftest import HOST_WORKSPACE_BYTES, LeasedSlot, RunningHost, start_host, stop_host, wait_until
 
 from atropos.backends import docker_cgroups
 from atropos.sandbox.config import RUN_DIR_INODES, Limits
@@ -40,16 +40,6 @@ def host(request: pytest.FixtureRequest, host: RunningHost) -> Iterator[RunningH
     """Every slot row runs against the session's local host and a Docker container host (the same
     slot count and workspace cap, per-slot cgroups delegated by the Docker backend)."""
     yield from host_of_kind(request.param, host, slot_workspace_bytes=HOST_WORKSPACE_BYTES)
-
-
-async def wait_until(pred: Any, timeout: float = 60.0, interval: float = 0.1) -> bool:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not await asyncio.to_thread(pred):
-        if loop.time() > end:
-            return False
-        await asyncio.sleep(interval)
-    return True
 
 
 async def alive_and_same_sandbox(slot: LeasedSlot, before: str) -> None:
@@ -178,7 +168,8 @@ async def test_c03_deep_tree_archive_and_snapshot(slot: LeasedSlot, host: Runnin
     await slot.client.delete_template(info.id)
     trash = host.data_dir / "trash"  # a container's, through /proc/<pid>/root
     assert trash.is_dir(), f"premise: the host's trash is visible from here ({trash})"
-    assert await wait_until(lambda: not any(trash.iterdir()), 300), f"trash not emptied: {list(trash.iterdir())}"
+    assert await wait_until(lambda: not any(trash.iterdir()), 300, 0.1, in_thread=True), \
+        f"trash not emptied: {list(trash.iterdir())}"
 
 
 @pytest.mark.parametrize("into_empty", [False, True])
@@ -236,7 +227,8 @@ async def test_c03_uncapped_host_empties_its_trash_of_a_deep_tree(uncapped_host:
         assert (ws / "deep" / "d").is_dir(), "premise: an uncapped workspace lives on the data dir's disk"
         await client.release(lease.slot, lease.lease)
     trash = uncapped_host.data_dir / "trash"
-    assert await wait_until(lambda: not any(trash.iterdir()), 300), f"trash not emptied: {list(trash.iterdir())}"
+    assert await wait_until(lambda: not any(trash.iterdir()), 300, 0.1, in_thread=True), \
+        f"trash not emptied: {list(trash.iterdir())}"
 
 
 @pytest.mark.timeout(900)  # 10,000 directories made, copied and removed on a shared, loaded disk

@@ -9,6 +9,7 @@ tool call below goes through an address the pool found through the Nomad API.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
@@ -26,6 +27,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from conftest import wait_until
 from nomad_fake import FakeNomad, NullDriver, ProcessDriver
 
 from atropos.backends.nomad import (
@@ -59,26 +61,28 @@ def _no_nomad_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(var, raising=False)
 
 
-@pytest.fixture
-def fake() -> Iterator[FakeNomad]:
-    f = start_nomad_fake(nodes=1)
+@contextlib.contextmanager
+def running_fake(nodes: int) -> Iterator[FakeNomad]:
+    """A fake cluster of ``nodes`` nodes for one test, which fails if the fake's monitor saw an error."""
+    f = start_nomad_fake(nodes=nodes)
     try:
         yield f
         assert f.monitor_errors == []
     finally:
         f.stop()
         shutil.rmtree(Path(f.driver.log_dir), ignore_errors=True)
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeNomad]:
+    with running_fake(nodes=1) as f:
+        yield f
 
 
 @pytest.fixture
 def fake2() -> Iterator[FakeNomad]:
-    f = start_nomad_fake(nodes=2)
-    try:
+    with running_fake(nodes=2) as f:
         yield f
-        assert f.monitor_errors == []
-    finally:
-        f.stop()
-        shutil.rmtree(Path(f.driver.log_dir), ignore_errors=True)
 
 
 HEALTH_STUB = (
@@ -138,17 +142,6 @@ def job_count(fake: FakeNomad, job_id: str) -> int:
     return int(next(g["Count"] for g in r.json()["TaskGroups"] if g["Name"] == GROUP))
 
 
-async def until(predicate: Any, timeout: float = 15.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 # ---------------------------------------------------------------------------------------------
 # The pool on Nomad: start, lease, run tool calls
 # ---------------------------------------------------------------------------------------------
@@ -183,7 +176,7 @@ async def test_pool_on_nomad_runs_tool_calls_on_discovered_hosts(fake: FakeNomad
         assert double_leases(pool.audit.events) == []
     # close() purged the job and Nomad stopped every host process.
     assert httpx.get(f"{fake.address}/v1/job/{job_id}").status_code == 404
-    await until(lambda: fake.driver.running_pids() == [], what="host processes to stop")  # type: ignore[attr-defined]
+    await wait_until(lambda: fake.driver.running_pids() == [], what="host processes to stop")  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,14 +198,14 @@ async def test_stop_host_removes_exactly_that_allocation(stubbed: FakeNomad, clo
     # The highest index: lowering the count stops exactly it, nothing is replaced.
     await backend.stop_host(by_index[2])
     assert job_count(fake, job_id) == 2
-    await until(lambda: by_index[2] not in {a["ID"] for a in live(fake, job_id)}, what="[2] stopped")
+    await wait_until(lambda: by_index[2] not in {a["ID"] for a in live(fake, job_id)}, what="[2] stopped")
     assert {a["ID"] for a in live(fake, job_id)} == {by_index[0], by_index[1]}
 
     # A lower index: Nomad cannot lower the count on it; the allocation is stopped, the pool's
     # other host is untouched, and Nomad's replacement (same name) is a spare.
     await backend.stop_host(by_index[0])
     assert job_count(fake, job_id) == 2 and backend.stats["alloc_stop"] == 1
-    spare = await until(lambda: backend.spare_ids(), what="a spare")
+    spare = await wait_until(lambda: backend.spare_ids(), what="a spare")
     info = fake.allocation(spare[0])
     assert info.get("PreviousAllocation") == by_index[0], (
         f"spare {spare[0]} is not by_index[0]'s replacement: {info.get('Name')} {info.get('ClientStatus')} "
@@ -232,16 +225,16 @@ async def test_stop_host_removes_exactly_that_allocation(stubbed: FakeNomad, clo
     for host_id in backend.removal_order([again.id, by_index[1]]):
         await backend.stop_host(host_id)
     assert job_count(fake, job_id) == 0
-    await until(lambda: not live(fake, job_id), what="no live allocations")
+    await wait_until(lambda: not live(fake, job_id), what="no live allocations")
     assert backend.stats["alloc_stop"] == 1
 
     # A spare left below a host in use is trimmed once it is on top and its grace ran out.
     a, b = await asyncio.gather(backend.start_host(), backend.start_host())
     low, high = sorted((a, b), key=lambda h: name_index(h.labels["alloc_name"]))
     await backend.stop_host(low.id)  # -> spare on [0] below [1]
-    await until(lambda: backend.spare_ids(), what="a spare")
+    await wait_until(lambda: backend.spare_ids(), what="a spare")
     await backend.stop_host(high.id)  # [1] goes at once, the spare once its grace is over
-    await until(lambda: job_count(fake, job_id) == 0 and not live(fake, job_id), what="spare trimmed")
+    await wait_until(lambda: job_count(fake, job_id) == 0 and not live(fake, job_id), what="spare trimmed")
 
 
 async def test_pool_scales_up_and_down(fake: FakeNomad) -> None:
@@ -258,7 +251,7 @@ async def test_pool_scales_up_and_down(fake: FakeNomad) -> None:
         first_hosts = set(pool.hosts)
         for x in leases:
             await x.release()
-        await until(lambda: len(pool.hosts) == 1, timeout=20, what="scale down to 1 host")
+        await wait_until(lambda: len(pool.hosts) == 1, timeout=20, what="scale down to 1 host")
         dropped = first_hosts - set(pool.hosts)
 
         def settled() -> bool:
@@ -268,10 +261,10 @@ async def test_pool_scales_up_and_down(fake: FakeNomad) -> None:
             return (not dropped & set(allocs) and len(allocs) == job_count(fake, job_id)
                     and set(allocs) == set(pool.hosts) | set(backend.spare_ids()))
 
-        await until(settled, what="dropped hosts stopped")
+        await wait_until(settled, what="dropped hosts stopped")
         # a stopped allocation's process takes a moment to exit (SIGTERM, then the kill timeout)
-        await until(lambda: len(fake.driver.running_pids()) == job_count(fake, job_id),  # type: ignore[attr-defined]
-                    timeout=20, what="stopped hosts' processes to exit")
+        await wait_until(lambda: len(fake.driver.running_pids()) == job_count(fake, job_id),  # type: ignore[attr-defined]
+                         timeout=20, what="stopped hosts' processes to exit")
         spares = len(backend.spare_ids())
 
         # Demand again: spares are adopted first (warm, no scale call), then the group scales.
@@ -325,7 +318,7 @@ async def test_allocation_crash_mid_call_is_an_infrastructure_error_and_replaced
         events = [e.event for e in pool.audit.events if e.host == old]
         assert events[0] == "lease" and events[-1] == "release" and set(events) <= {"lease", "lost", "release"}
         assert double_leases(pool.audit.events) == []
-        await until(lambda: [a["ID"] for a in live(fake, job_id)] == [after.host.id], what="one live allocation")
+        await wait_until(lambda: [a["ID"] for a in live(fake, job_id)] == [after.host.id], what="one live allocation")
 
 
 async def test_crashed_allocation_is_rescheduled_and_adopted(stubbed: FakeNomad,
@@ -363,11 +356,11 @@ async def test_lost_node_host_is_replaced_on_another_node(fake2: FakeNomad) -> N
         fake2.node_down(lost_node)
         assert fake2.allocation(lost_host)["ClientStatus"] == "lost"
         # Nomad says "lost" (the process may even run on behind a partition): the pool drops it.
-        await until(lambda: lease.lost is not None, what="the lease on the lost node to be failed")
+        await wait_until(lambda: lease.lost is not None, what="the lease on the lost node to be failed")
         with pytest.raises(HostUnavailable):
             await lease.bash("true")
         await lease.release()
-        await until(lambda: len(pool.hosts) == 2 and lost_host not in pool.hosts, what="replacement host")
+        await wait_until(lambda: len(pool.hosts) == 2 and lost_host not in pool.hosts, what="replacement host")
         new = next(h for h in pool.hosts if h != survivor)
         alloc = fake2.allocation(new)
         assert alloc["PreviousAllocation"] == lost_host and alloc["NodeID"] != lost_node
@@ -384,7 +377,7 @@ async def test_scale_refused_during_deployment_is_retried(fake: FakeNomad) -> No
         held = await pool.lease("first")
         fake.start_deployment_blocking(backend.cfg.job_id)
         second = asyncio.create_task(pool.lease("second", timeout=30))
-        await until(lambda: backend.stats["scale_blocked"] >= 2, what="refused scale attempts")
+        await wait_until(lambda: backend.stats["scale_blocked"] >= 2, what="refused scale attempts")
         assert not second.done() and len(pool.hosts) == 1
         fake.finish_deployment(backend.cfg.job_id)
         lease = await second
@@ -659,7 +652,7 @@ async def test_no_room_on_any_node_says_nomad_could_not_place_it() -> None:
             assert time.monotonic() - t0 < 6
             assert "Nomad could not place it" in str(err.value) and "NodesExhausted=1" in str(err.value)
             # The placement nobody waits for any more is cancelled: the count is back to the one host.
-            await until(lambda: job_count(fake, backend.cfg.job_id) == 1, what="the count to come back down")
+            await wait_until(lambda: job_count(fake, backend.cfg.job_id) == 1, what="the count to come back down")
             assert await backend.alive(first.id)
         finally:
             await backend.close()
@@ -682,8 +675,8 @@ async def test_a_500_on_the_watch_is_retried(stubbed: FakeNomad, closing: list[N
 
     # All three 500s are hit (each one resets the watch to a plain read, then it blocks again), and
     # the cache still ends up with the crash and Nomad's replacement.
-    await until(lambda: rule.remaining == 0 and replaced(), timeout=15,
-                what="the watch to get past the 500s and see the crash and the replacement")
+    await wait_until(lambda: rule.remaining == 0 and replaced(), timeout=15,
+                     what="the watch to get past the 500s and see the crash and the replacement")
     assert not await backend.alive(host.id)
     await asyncio.sleep(1.0)  # the plain read after the last 500's backoff
     t0 = time.monotonic()

@@ -65,6 +65,17 @@ def start(ledger: AllocationLedger, a: dict[str, Any]) -> None:
     ledger.hand_out(a, info(a["ID"]))
 
 
+def two_hosts_first_given_back(ledger: AllocationLedger) -> tuple[Listing, dict[str, Any], dict[str, Any]]:
+    """Hosts ``a0`` (hosts[0]) and ``a1`` (hosts[1]) handed out, then ``a0`` given back by the pool."""
+    listing = Listing(ledger)
+    a0, a1 = alloc("a0", 0), alloc("a1", 1)
+    listing(a0, a1)
+    start(ledger, a0)
+    start(ledger, a1)
+    ledger.release("a0")
+    return listing, a0, a1
+
+
 def test_a_host_goes_from_spare_to_claimed_to_retired_to_removing(ledger: AllocationLedger) -> None:
     listing = Listing(ledger)
     a0 = alloc("a0", 0)
@@ -89,12 +100,7 @@ def test_a_host_goes_from_spare_to_claimed_to_retired_to_removing(ledger: Alloca
 
 
 def test_a_retired_host_below_one_in_use_is_stopped_not_scaled_away(ledger: AllocationLedger) -> None:
-    listing = Listing(ledger)
-    a0, a1 = alloc("a0", 0), alloc("a1", 1)
-    listing(a0, a1)
-    start(ledger, a0)
-    start(ledger, a1)
-    ledger.release("a0")
+    listing, a0, a1 = two_hosts_first_given_back(ledger)
     ledger.retire("a0")
     allocs = listing(a0, a1)
     view = ledger.name_roles(allocs)
@@ -205,12 +211,7 @@ def test_a_spare_is_trimmed_after_its_grace_and_never_while_a_start_waits(ledger
 
 def test_a_suspect_gets_a_grace_for_nomad_to_notice_then_is_retired(ledger: AllocationLedger,
                                                                    clock: Clock) -> None:
-    listing = Listing(ledger)
-    a0, a1 = alloc("a0", 0), alloc("a1", 1)
-    listing(a0, a1)
-    start(ledger, a0)
-    start(ledger, a1)
-    ledger.release("a0")
+    listing, a0, a1 = two_hosts_first_given_back(ledger)
     ledger.suspect("a0")
     assert ledger.next_suspect_in() == float("inf")  # being probed: no deadline yet
     ledger.suspect_for("a0", 5.0)

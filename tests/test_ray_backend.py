@@ -18,12 +18,12 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import wait_until
 
 from atropos.errors import HostUnavailable
 from atropos.slots.audit import double_leases
@@ -105,11 +105,9 @@ def processes_naming(needle: str) -> list[int]:
     return found
 
 
-async def poll(check: Any, what: str, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.2)
+async def poll(check: Any, what: str) -> None:
+    """Ray's state API answers slowly under load: a long limit, a slower poll."""
+    await wait_until(check, 90, 0.2, what=what)
 
 
 # -- placement, token, isolation ------------------------------------------------------------------

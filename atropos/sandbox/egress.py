@@ -38,6 +38,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from atropos.sandbox.child_process import killed_if_left
+
 DEFAULT_DENY: tuple[str, ...] = (
     "0.0.0.0/8",  # "this network"
     "10.0.0.0/8",  # private (RFC 1918); slirp's own 10.0.2.0/24 stays reachable (a more specific route)
@@ -174,13 +176,8 @@ async def install_routes(policy: EgressPolicy, userns: int, netns: int, uid: int
         )
     except OSError as exc:
         return f"cannot start {python}: {exc}"
-    try:
+    async with killed_if_left(proc):
         _, err = await asyncio.wait_for(proc.communicate(), timeout)
-    except BaseException:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-        raise
     if proc.returncode != 0:
         return err.decode("utf-8", "replace").strip()[-400:] or f"exit status {proc.returncode}"
     return None

@@ -25,7 +25,7 @@ MAX_FRAME = 64 << 20
 # What the host copies into its lib dir (mounted read-only at /run/atropos in every sandbox): the
 # programs that run inside a slot and the modules they import from beside them.
 LIB_FILES = ("supervisor.py", "inslot_warm.py", "inslot_files.py", "inslot_archive.py", "inslot_terminal.py",
-             "session.py", "verifier.py", "inslot.py")
+             "inslot_fs.py", "session.py", "verifier.py", "inslot.py")
 
 
 class Capture:

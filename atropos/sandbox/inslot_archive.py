@@ -12,12 +12,15 @@ import io
 import os
 import stat
 import tarfile
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from atropos.sandbox.inslot_files import SlotFiles, ToolFailure
+    from atropos.sandbox.inslot_fs import DIR_FLAGS, DirWalk, TreeMoved, identity, read_at_most
 else:  # run from the host's lib dir beside inslot_files.py (see supervisor.py)
     from inslot_files import SlotFiles, ToolFailure
+    from inslot_fs import DIR_FLAGS, DirWalk, TreeMoved, identity, read_at_most
 
 
 def archive(files: SlotFiles, req: dict[str, Any]) -> dict[str, Any]:
@@ -30,7 +33,7 @@ def archive(files: SlotFiles, req: dict[str, Any]) -> dict[str, Any]:
                           errors="surrogateescape") as tar:
             walk = _TarWalk(tar, fd)
             fd = -1  # the walk owns it now
-            walk.run()
+            walk.add_tree()
     except _ArchiveTooLarge:
         raise ToolFailure("too_large", f"{path}: archive exceeds the limit of {max_bytes} bytes") from None
     finally:
@@ -57,22 +60,19 @@ class _BoundedBuffer(io.BytesIO):
         return super().write(data)
 
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 _SKIPPED_SHOWN = 100
+# a directory's member-name prefix and its names to visit, listed before entering it (None: list on visit)
+_Level = tuple[str, list[str] | None]
 
 
-def _identity(st: os.stat_result) -> tuple[int, int]:
-    return st.st_dev, st.st_ino
-
-
-class _TarWalk:
+class _TarWalk(DirWalk[_Level]):
     """Adds a directory's tree to a tar, safe against the slot that owns the tree (see docs/containment.md).
 
-    Iterative (any depth), one directory descriptor open at a time: every entry is opened relative to
-    its directory's descriptor with O_NOFOLLOW, so a symlink is stored as a link and never followed,
-    whatever is swapped in meanwhile. Going back up reopens ``..`` and checks it is the directory that
-    was left; otherwise the tree moved under the walk and the call fails (no archive of a mixture).
+    The walk is a ``DirWalk`` (see there): iterative, one directory descriptor open at a time, every
+    entry opened relative to its directory's descriptor with O_NOFOLLOW, so a symlink is stored as a
+    link and never followed, whatever is swapped in meanwhile; a tree moved under the walk fails the
+    call (no archive of a mixture).
     Member names are the walked names joined by ``/``: relative, never ``.``/``..``/absolute. Each
     regular file is read through the one descriptor its member describes, exactly ``st_size`` bytes;
     one that shrinks meanwhile fails the call. Sockets, FIFOs and devices are skipped and reported,
@@ -80,38 +80,25 @@ class _TarWalk:
     """
 
     def __init__(self, tar: tarfile.TarFile, root_fd: int) -> None:
+        super().__init__(root_fd)
         self.tar = tar
-        self.fd = root_fd
         self.skipped: list[dict[str, str]] = []
         self.members = 0
         self.links: dict[tuple[int, int], str] = {}  # hard links: (dev, ino) -> first member name
 
-    def run(self) -> None:
+    def add_tree(self) -> None:
         try:
-            st = os.fstat(self.fd)
-            # per open level: member-name prefix, names still to visit, identity of the directory
-            stack: list[tuple[str, Any, tuple[int, int]]] = [("", iter(sorted(os.listdir(self.fd))), _identity(st))]
-            while stack:
-                prefix, names, _ = stack[-1]
-                name = next(names, None)
-                if name is None:
-                    stack.pop()
-                    if stack:
-                        self._up(stack[-1][2])
-                    continue
-                child = self._entry(prefix + name, name)
-                if child is not None:
-                    stack.append(child)
-        finally:
-            os.close(self.fd)
-
-    def _up(self, expected: tuple[int, int]) -> None:
-        parent = os.open("..", _DIR_FLAGS, dir_fd=self.fd)
-        os.close(self.fd)
-        self.fd = parent
-        if _identity(os.fstat(parent)) != expected:
+            self.run(self._visit, ("", None))
+        except TreeMoved:
             raise ToolFailure("changed_during_archive", "a directory was moved while it was being archived; "
-                                                        "archive again once the tree is still")
+                                                        "archive again once the tree is still") from None
+
+    def _visit(self, level: _Level) -> Iterator[tuple[int, _Level]]:
+        prefix, names = level
+        for name in sorted(os.listdir(self.fd)) if names is None else names:
+            child = self._entry(prefix + name, name)
+            if child is not None:
+                yield child
 
     def _skip(self, rel: str, why: str) -> None:
         self.skipped.append({"path": rel, "reason": why})
@@ -128,8 +115,8 @@ class _TarWalk:
         self.tar.addfile(info, data)
         self.members += 1
 
-    def _entry(self, rel: str, name: str) -> tuple[str, Any, tuple[int, int]] | None:
-        """Add one entry; for a directory, enter it and return its stack level."""
+    def _entry(self, rel: str, name: str) -> tuple[int, _Level] | None:
+        """Add one entry; for a directory, its descriptor and level for the walk to enter."""
         try:
             st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
         except FileNotFoundError:
@@ -169,14 +156,14 @@ class _TarWalk:
                        else f"unreadable: {exc.strerror}")
             return None
         now = os.fstat(fd)
-        if _identity(now) != _identity(st) or stat.S_IFMT(now.st_mode) != stat.S_IFMT(st.st_mode):
+        if identity(now) != identity(st) or stat.S_IFMT(now.st_mode) != stat.S_IFMT(st.st_mode):
             os.close(fd)
             self._skip(rel, "changed while archived")
             return None
         return fd, now
 
-    def _enter(self, rel: str, name: str, st: os.stat_result) -> tuple[str, Any, tuple[int, int]] | None:
-        opened = self._open_at(rel, name, _DIR_FLAGS, st)
+    def _enter(self, rel: str, name: str, st: os.stat_result) -> tuple[int, _Level] | None:
+        opened = self._open_at(rel, name, DIR_FLAGS, st)
         if opened is None:
             return None
         fd, st = opened
@@ -194,9 +181,7 @@ class _TarWalk:
         except BaseException:
             os.close(fd)
             raise
-        os.close(self.fd)
-        self.fd = fd
-        return rel + "/", iter(names), _identity(st)
+        return fd, (rel + "/", names)
 
     def _file(self, rel: str, name: str, st: os.stat_result) -> None:
         opened = self._open_at(rel, name, _FILE_FLAGS, st)
@@ -205,13 +190,13 @@ class _TarWalk:
         fd, st = opened
         try:
             if st.st_nlink > 1:
-                first = self.links.get(_identity(st))
+                first = self.links.get(identity(st))
                 if first is not None:
                     info = self._info(rel, st, tarfile.LNKTYPE)
                     info.linkname = first
                     self._add(info)
                     return
-                self.links[_identity(st)] = rel
+                self.links[identity(st)] = rel
             info = self._info(rel, st, tarfile.REGTYPE)
             info.size = st.st_size
             self._add(info, _ExactReader(fd, st.st_size, rel))
@@ -227,15 +212,10 @@ class _ExactReader:
 
     def read(self, n: int = -1) -> bytes:
         n = self.left if n < 0 else min(n, self.left)
-        parts: list[bytes] = []
-        got = 0
-        while got < n:
-            chunk = os.read(self.fd, min(n - got, 1 << 20))
-            if not chunk:
-                raise ToolFailure("changed_during_archive", f"{self.rel}: shrank while it was being archived; "
-                                                            "archive again once it is still")
-            parts.append(chunk)
-            got += len(chunk)
-        self.left -= got
-        return b"".join(parts)
+        data = read_at_most(self.fd, n)
+        if len(data) < n:
+            raise ToolFailure("changed_during_archive", f"{self.rel}: shrank while it was being archived; "
+                                                        "archive again once it is still")
+        self.left -= n
+        return data
 

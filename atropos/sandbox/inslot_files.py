@@ -14,7 +14,12 @@ import os
 import re
 import stat
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from atropos.sandbox.inslot_fs import read_at_most
+else:  # run from the host's lib dir beside inslot_fs.py (see supervisor.py)
+    from inslot_fs import read_at_most
 
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_BENEATH = 0x08
@@ -179,15 +184,7 @@ class SlotFiles:
                     "pass offset/limit to read part of it",
                 )
             os.lseek(fd, offset, os.SEEK_SET)
-            chunks: list[bytes] = []
-            got = 0
-            while got < want:
-                chunk = os.read(fd, min(1 << 20, want - got))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                got += len(chunk)
-            return b"".join(chunks), st.st_size
+            return read_at_most(fd, want), st.st_size
         finally:
             os.close(fd)
 

@@ -18,8 +18,9 @@ phase, see docs/verification.md) starts no interpreter and runs no command at al
 
 Its parts, one module each (all copied beside it into the host's lib dir, see ``inslot.LIB_FILES``):
 ``inslot_warm`` (waiting interpreters), ``inslot_files`` (file tools beneath the workspace),
-``inslot_archive`` (the archive tool), ``inslot_terminal`` (the tmux terminal), ``inslot`` (the
-wire and what the session driver shares). This module runs commands and keeps the slot's process
+``inslot_archive`` (the archive tool), ``inslot_terminal`` (the tmux terminal), ``inslot_fs`` (the
+descriptor-relative walk and read, shared with the host's ``trees.py``), ``inslot`` (the wire and
+what the session driver shares). This module runs commands and keeps the slot's process
 table clean.
 """
 

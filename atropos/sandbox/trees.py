@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from atropos.errors import WorkspaceError
+from atropos.sandbox.child_process import killed_if_left
+from atropos.sandbox.inslot_fs import DIR_FLAGS, DirWalk, identity, up
 from atropos.sandbox.workspace import TOOL_PATH
 
 log = logging.getLogger(__name__)
@@ -32,21 +34,8 @@ class TreeSummary:
     bytes: int
 
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
 def _identity(fd: int) -> tuple[int, int]:
-    st = os.fstat(fd)
-    return st.st_dev, st.st_ino
-
-
-def _up(fd: int, expected: tuple[int, int]) -> int:
-    """The parent of directory ``fd``, checked to be the directory we came from."""
-    parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
-    if _identity(parent) != expected:
-        os.close(parent)
-        raise OSError(errno.ESTALE, "a directory was moved during the walk")
-    return parent
+    return identity(os.fstat(fd))
 
 
 def walk_tree(root: Path, *, chown_to: int | None = None) -> TreeSummary:
@@ -64,11 +53,13 @@ def walk_tree(root: Path, *, chown_to: int | None = None) -> TreeSummary:
     """
     h = hashlib.sha256()
     files = dirs = others = size = 0
+    walk: DirWalk[bytes] = DirWalk(os.open(root, DIR_FLAGS))
 
-    def visit(fd: int, rel_dir: bytes) -> list[bytes]:
-        """Hash the entries of one directory; its subdirectories, in order."""
+    def visit(rel_dir: bytes) -> Iterator[tuple[int, bytes]]:
+        """Hash the entries of one directory, then enter its subdirectories, in order."""
         nonlocal files, dirs, others, size
-        subdirs: list[bytes] = []
+        fd = walk.fd
+        subdirs: list[tuple[bytes, bytes]] = []
         for name in sorted(os.fsencode(n) for n in os.listdir(fd)):
             rel = rel_dir + b"/" + name if rel_dir else name
             st = os.stat(name, dir_fd=fd, follow_symlinks=False)
@@ -81,7 +72,7 @@ def walk_tree(root: Path, *, chown_to: int | None = None) -> TreeSummary:
             if stat.S_ISDIR(mode):
                 dirs += 1
                 line = b"d %o" % perms
-                subdirs.append(name)
+                subdirs.append((name, rel))
             elif stat.S_ISREG(mode):
                 files += 1
                 size += st.st_size
@@ -93,29 +84,10 @@ def walk_tree(root: Path, *, chown_to: int | None = None) -> TreeSummary:
                 others += 1
                 line = b"o %o %o %d" % (stat.S_IFMT(mode), perms, st.st_rdev)
             h.update(rel + b"\0" + line + b"\n")
-        return subdirs
+        for name, rel in subdirs:  # walk.fd: this directory again (reopened through .. after each)
+            yield os.open(name, DIR_FLAGS, dir_fd=walk.fd), rel
 
-    fd = os.open(root, _DIR_FLAGS)
-    try:
-        levels: list[tuple[bytes, Iterator[bytes], tuple[int, int]]] = [(b"", iter(visit(fd, b"")), _identity(fd))]
-        while levels:
-            rel_dir, subdirs, _ = levels[-1]
-            name = next(subdirs, None)
-            if name is None:
-                levels.pop()
-                if levels:
-                    parent = _up(fd, levels[-1][2])
-                    os.close(fd)
-                    fd = parent
-                continue
-            child = os.open(name, _DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = child
-            rel = rel_dir + b"/" + name if rel_dir else name
-            levels.append((rel, iter(visit(fd, rel)), _identity(fd)))
-    finally:
-        with contextlib.suppress(OSError):
-            os.close(fd)
+    walk.run(visit, b"")
     return TreeSummary(h.hexdigest(), files, dirs, others, size)
 
 
@@ -146,7 +118,7 @@ def remove_tree(path: Path) -> None:
 def _open_dir_for_removal(parent: int, name: str) -> int:
     """``name`` in ``parent`` opened as a directory we may empty (made 0700 if it was not)."""
     try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+        fd = os.open(name, DIR_FLAGS, dir_fd=parent)
     except PermissionError:
         # Made searchable through an O_PATH descriptor: the chmod reaches this very directory,
         # never what a symlink swapped in meanwhile would point at.
@@ -155,7 +127,7 @@ def _open_dir_for_removal(parent: int, name: str) -> int:
             os.chmod(f"/proc/self/fd/{pfd}", 0o700)
         finally:
             os.close(pfd)
-        fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+        fd = os.open(name, DIR_FLAGS, dir_fd=parent)
     if stat.S_IMODE(os.fstat(fd).st_mode) & 0o700 != 0o700:
         os.fchmod(fd, 0o700)
     return fd
@@ -176,7 +148,7 @@ def _empty_dir(parent: int, name: str) -> None:
                     continue
                 levels.pop()
                 if levels:
-                    parent = _up(fd, levels[-1][1])
+                    parent = up(fd, levels[-1][1])
                     os.close(fd)
                     fd = parent
                     try:
@@ -224,20 +196,14 @@ async def run_tool(argv: list[str], *, timeout: float, user: int | None = None, 
         finally:
             proc.stdin.close()
 
-    try:
-        feeder = asyncio.ensure_future(feed()) if stdin is not None else None
-        out, err = await asyncio.wait_for(proc.communicate() if stdin is None else _wait_out(proc), timeout)
-        if feeder is not None:
-            await feeder
-    except asyncio.TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise WorkspaceError(f"{argv[0]} took longer than {timeout:g}s") from None
-    except BaseException:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-        raise
+    async with killed_if_left(proc):
+        try:
+            feeder = asyncio.ensure_future(feed()) if stdin is not None else None
+            out, err = await asyncio.wait_for(proc.communicate() if stdin is None else _wait_out(proc), timeout)
+            if feeder is not None:
+                await feeder
+        except asyncio.TimeoutError:
+            raise WorkspaceError(f"{argv[0]} took longer than {timeout:g}s") from None
     if proc.returncode != 0:
         text = err.decode(errors="replace").strip()[-2000:]
         raise WorkspaceError(f"{os.path.basename(argv[0])} failed (exit {proc.returncode}): {text}")
@@ -286,12 +252,12 @@ def _clear_copy(dst: Path, into_empty: bool) -> None:
 def copy_tree_fds(src: Path, dst: Path, *, into_empty: bool = False) -> None:
     """What ``cp -a`` makes of ``src`` (types, modes, mtimes, link targets; owners when root), by
     descriptors: iterative, one directory of each side open at a time, never following a link."""
-    s = os.open(src, _DIR_FLAGS)
+    s = os.open(src, DIR_FLAGS)
     d = -1
     try:
         if not into_empty:
             os.mkdir(dst, 0o700)
-        d = os.open(dst, _DIR_FLAGS)
+        d = os.open(dst, DIR_FLAGS)
         # per level: names to copy, both sides' identities, the source directory's stat
         levels: list[tuple[Iterator[str], tuple[int, int], tuple[int, int], os.stat_result]] = [
             (iter(sorted(os.listdir(s))), _identity(s), _identity(d), os.fstat(s))]
@@ -302,10 +268,10 @@ def copy_tree_fds(src: Path, dst: Path, *, into_empty: bool = False) -> None:
                 levels.pop()
                 _copy_attrs(d, st_dir)
                 if levels:
-                    sp = _up(s, levels[-1][1])
+                    sp = up(s, levels[-1][1])
                     os.close(s)
                     s = sp
-                    dp = _up(d, levels[-1][2])
+                    dp = up(d, levels[-1][2])
                     os.close(d)
                     d = dp
                 continue
@@ -313,9 +279,9 @@ def copy_tree_fds(src: Path, dst: Path, *, into_empty: bool = False) -> None:
             mode = st.st_mode
             if stat.S_ISDIR(mode):
                 os.mkdir(name, 0o700, dir_fd=d)
-                cs = os.open(name, _DIR_FLAGS, dir_fd=s)
+                cs = os.open(name, DIR_FLAGS, dir_fd=s)
                 try:
-                    cd = os.open(name, _DIR_FLAGS, dir_fd=d)
+                    cd = os.open(name, DIR_FLAGS, dir_fd=d)
                 except OSError:
                     os.close(cs)
                     raise

@@ -33,9 +33,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from atropos.sandbox.inslot import Capture, apply_limits, make_undumpable, protocol_fds, serve
+    from atropos.sandbox.inslot_fs import read_at_most
 else:  # run from the host's lib dir, beside inslot.py (isolated mode: the dir is not on sys.path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from inslot import Capture, apply_limits, make_undumpable, protocol_fds, serve
+    from inslot_fs import read_at_most
     del sys.path[0]
 
 LOG_CAP = 16384
@@ -77,14 +79,7 @@ def read_workspace(workspace: str, path: str, limit: int = 64 << 20) -> bytes:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", path)
-        chunks, size = [], 0
-        while size < limit:
-            chunk = os.read(fd, min(1 << 20, limit - size))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        return b"".join(chunks)
+        return read_at_most(fd, limit)
     finally:
         os.close(fd)
 

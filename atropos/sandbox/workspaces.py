@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from atropos.errors import TemplateBuildFailed, TemplateSourceError, WorkspaceError
+from atropos.sandbox.child_process import killed_if_left
 from atropos.sandbox.mountns import HELPER, MountNamespace
 from atropos.sandbox.templates import Template, TemplateStore, source_dir_allowed
 from atropos.sandbox.trees import TreeSummary, copy_tree, remove_tree, run_tool, walk_tree
@@ -306,15 +307,11 @@ class Workspaces:
                 env={"PATH": TOOL_PATH, "LANG": "C.UTF-8"},
             )
             assert proc.stdout is not None and proc.stderr is not None
-            try:
+            async with killed_if_left(proc):
                 while chunk := await proc.stdout.read(1 << 20):
                     yield chunk
                 err = await proc.stderr.read()
                 if await proc.wait() != 0:
                     raise WorkspaceError(f"tar of template {template.id} failed: {err.decode(errors='replace')}")
-            finally:
-                if proc.returncode is None:
-                    proc.kill()
-                    await proc.wait()
         finally:
             template.readers -= 1

@@ -52,31 +52,18 @@ to the pool, and every move between those states), ``owner.py`` (registering the
 pool's), ``start.py`` (one ``start_host()``), ``backend.py`` (``NomadBackend``).
 """
 
+from atropos.backends.nomad import job
 from atropos.backends.nomad.allocs import alloc_address, describe_alloc, name_index
 from atropos.backends.nomad.backend import SUSPECT_GRACE_S, NomadBackend
 from atropos.backends.nomad.config import NomadBackendConfig
-from atropos.backends.nomad.job import (
-    GROUP,
-    META_BOOT,
-    META_INSTANCE,
-    META_MANAGED,
-    META_OWNER_HOST,
-    META_OWNER_PID,
-    META_OWNER_START,
-    META_VERSION,
-    TASK,
-    TOKEN_ENV,
-    render_job,
-    token_template,
-)
+from atropos.backends.nomad.job import *  # noqa: F403 - the job's public names, listed once in job.__all__
 from atropos.backends.nomad.ledger import AllocationLedger
 from atropos.backends.nomad.owner import process_start
 from atropos.backends.nomad.start import REPLACEMENT_WAIT_S
 from atropos.errors import NomadAPIError, NomadUnreachable
 
 __all__ = [
-    "GROUP", "META_BOOT", "META_INSTANCE", "META_MANAGED", "META_OWNER_HOST", "META_OWNER_PID", "META_OWNER_START",
-    "META_VERSION", "REPLACEMENT_WAIT_S", "SUSPECT_GRACE_S", "TASK", "TOKEN_ENV", "AllocationLedger",
-    "NomadAPIError", "NomadBackend", "NomadBackendConfig", "NomadUnreachable", "alloc_address", "describe_alloc",
-    "name_index", "process_start", "render_job", "token_template",
+    "REPLACEMENT_WAIT_S", "SUSPECT_GRACE_S", "AllocationLedger", "NomadAPIError", "NomadBackend", "NomadBackendConfig",
+    "NomadUnreachable", "alloc_address", "describe_alloc", "name_index", "process_start",
 ]
+__all__ += job.__all__

@@ -11,6 +11,10 @@ from typing import Any
 from atropos.backends.nomad.config import NomadBackendConfig
 from atropos.sandbox.launch import HOST_TOKEN_ENV, HostLaunch
 
+# What the package re-exports (atropos/backends/nomad/__init__.py takes this list as it is).
+__all__ = ["GROUP", "META_BOOT", "META_INSTANCE", "META_MANAGED", "META_OWNER_HOST", "META_OWNER_PID",
+           "META_OWNER_START", "META_VERSION", "TASK", "TOKEN_ENV", "render_job", "token_template"]
+
 NS = 1_000_000_000  # Nomad durations are int64 nanoseconds
 GROUP = "hosts"
 TASK = "host"
