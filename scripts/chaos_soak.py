@@ -26,6 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(1, str(REPO / "tests"))  # test modules import their conftest by name, as under pytest
 
 from tests.pool_backends import docker_problem  # noqa: E402
 from tests.test_chaos import Figures, run_chaos  # noqa: E402

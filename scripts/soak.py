@@ -39,6 +39,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(1, str(REPO / "tests"))  # test modules import their conftest by name, as under pytest
 
 from atropos.backends.local import LocalBackend, LocalBackendConfig  # noqa: E402
 from atropos.errors import InfrastructureError  # noqa: E402
@@ -411,6 +412,8 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=0.2,
                    help="fraction of the run left out of the memory slopes (default %(default)s)")
     args = p.parse_args()
+    if not 0 <= args.warmup < 1:  # a count of seconds here would leave no sample to take a slope from
+        p.error(f"--warmup is a fraction of the run in [0, 1), got {args.warmup:g}")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.exit(asyncio.run(Soak(args).run()))
 

@@ -390,3 +390,17 @@ def test_default_ports_leave_run_api_its_port() -> None:
     assert ServeSettings().port not in (run_api_port, 0)
     model_port = urlparse(default_server_configs()[0].base_url).port
     assert model_port not in (run_api_port, ServeSettings().port)
+
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in SCRIPTS.glob("*.py")))
+def test_every_script_starts_outside_pytest(script: str, tmp_path: Path) -> None:
+    """The operator scripts (soak, chaos soak, model server, ...) import test helpers; run as
+    ``python scripts/x.py`` they have none of pytest's path set-up, and must still start."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, str(SCRIPTS / script), "--help"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage" in proc.stdout.lower()
