@@ -28,6 +28,8 @@ PRIVATE = {
     "SessionLost": "slot: the host answers it with a 'restarted' result",
     "JobGone": "backends/nomad: the backend answers it by registering the job again",
     "AllocDied": "backends/nomad: a start answers it with HostUnavailable (or retries elsewhere)",
+    "TreeMoved": "inslot_fs (also inside the sandbox, without atropos): an OSError(ESTALE) its walkers' "
+                 "callers already handle as OSError",
 }
 
 

@@ -105,9 +105,9 @@ def processes_naming(needle: str) -> list[int]:
     return found
 
 
-async def poll(check: Any, what: str) -> None:
+async def poll(check: Any, what: str, timeout: float = 90) -> None:
     """Ray's state API answers slowly under load: a long limit, a slower poll."""
-    await wait_until(check, 90, 0.2, what=what)
+    await wait_until(check, timeout, 0.2, what=what)
 
 
 # -- placement, token, isolation ------------------------------------------------------------------
