@@ -29,7 +29,8 @@ from fastapi.routing import APIRoute
 from atropos.backends.local import LocalBackend, LocalBackendConfig
 from atropos.errors import HostUnavailable, IsolationUnavailable, LeaseError, SlotUnavailable
 from atropos.sandbox.config import HostConfig
-from atropos.sandbox.host import ISOLATION_FAILED, SandboxHost, check_isolation
+from atropos.sandbox.contract.hostdirs import ISOLATION_FAILED
+from atropos.sandbox.host import SandboxHost, check_isolation
 from atropos.sandbox.protocol import LEASE_HEADER, ToolCall
 from atropos.sandbox.server import create_app
 from atropos.sandbox.slot import Slot

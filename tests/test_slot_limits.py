@@ -18,7 +18,7 @@ import pytest
 
 from atropos.backends.base import Backend
 from atropos.errors import HostUnavailable
-from atropos.sandbox.cgroups import own_cgroups
+from atropos.sandbox.contract.cgroupfs import own_cgroups
 from atropos.slots.config import PoolConfig
 from atropos.slots.lease import Lease
 from atropos.slots.pool import SlotPool
@@ -372,7 +372,8 @@ def test_hosts_sweeping_the_same_stale_cgroups_at_once_never_fail_their_start() 
     import subprocess
     import threading
 
-    from atropos.sandbox.cgroups import _remove_stale, _v1_dir, mountinfo
+    from atropos.sandbox.cgroups import _remove_stale, _v1_dir
+    from atropos.sandbox.contract.cgroupfs import mountinfo
 
     base = _v1_dir(mountinfo(), own_cgroups(), "pids")
     assert base is not None

@@ -24,8 +24,9 @@ from typing import Any
 import pytest
 
 from atropos.errors import LeaseError, TemplateBuildFailed, TemplateInUse, TemplateSourceError, UnknownTemplate
-from atropos.sandbox.cgroups import V1_CONTROLLERS, _v1_dir, mountinfo, own_cgroups, rmdir_tree
+from atropos.sandbox.cgroups import _v1_dir
 from atropos.sandbox.client import HostClient
+from atropos.sandbox.contract.cgroupfs import V1_CONTROLLERS, mountinfo, own_cgroups, rmdir_tree
 from atropos.sandbox.mountns import read_mountinfo
 from atropos.sandbox.protocol import HealthInfo, TemplateInfo
 from atropos.sandbox.trees import walk_tree

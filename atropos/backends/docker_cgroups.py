@@ -24,7 +24,13 @@ from pathlib import Path
 
 from atropos.errors import DockerCgroupUnavailable as DockerCgroupUnavailable  # defined there since issue 18
 from atropos.errors import IsolationUnavailable
-from atropos.sandbox.cgroups import CFS_PERIOD_US, V1_CONTROLLERS, V2_CONTROLLERS, mountinfo, rmdir_tree
+from atropos.sandbox.contract.cgroupfs import (
+    CFS_PERIOD_US,
+    V1_CONTROLLERS,
+    V2_CONTROLLERS,
+    mountinfo,
+    rmdir_tree,
+)
 
 CONTAINER_CGROUP_DIR = "/run/atropos/cgroup"
 TOP = "atropos"

@@ -16,11 +16,14 @@ from pydantic import Field
 from atropos.backends.base import PREWARM_DESCRIPTION, Backend, HostInfo, new_token, pid_alive
 from atropos.backends.slot_caps import SlotCaps
 from atropos.errors import HostUnavailable, IsolationUnavailable
-from atropos.sandbox.config import default_data_dir
-from atropos.sandbox.host import ISOLATION_FAILED, owned_dir
+from atropos.sandbox.contract.hostdirs import (
+    ISOLATION_FAILED,
+    default_data_dir,
+    kill_processes_naming,
+    owned_dir,
+    remove_tree,
+)
 from atropos.sandbox.launch import HostLaunch, host_env
-from atropos.sandbox.sandbox_process import kill_processes_naming
-from atropos.sandbox.trees import remove_tree
 
 log = logging.getLogger(__name__)
 KEPT_HOST_LOGS = 20  # logs of hosts of ended runs kept under the pool's data root (the newest)

@@ -91,7 +91,7 @@ class HostActor:
     async def start(self, token: str, timeout_s: float) -> dict[str, Any]:
         import ray
 
-        from atropos.sandbox.host import owned_dir
+        from atropos.sandbox.contract.hostdirs import owned_dir
         from atropos.sandbox.launch import HostLaunch, host_env
 
         ip = ray.util.get_node_ip_address()
@@ -125,7 +125,7 @@ class HostActor:
         return await self.proc.wait()
 
     async def stop(self) -> None:
-        from atropos.sandbox.sandbox_process import kill_processes_naming
+        from atropos.sandbox.contract.hostdirs import kill_processes_naming
 
         proc = self.proc
         if proc is not None and proc.returncode is None:
@@ -339,7 +339,7 @@ def _as_future(ref: Any) -> asyncio.Future[Any]:
 
 
 def _start_error(tail: str) -> IsolationUnavailable | HostUnavailable:
-    from atropos.sandbox.host import ISOLATION_FAILED
+    from atropos.sandbox.contract.hostdirs import ISOLATION_FAILED
 
     lines = tail.splitlines()
     marker = f"error: {ISOLATION_FAILED}"

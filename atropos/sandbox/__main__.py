@@ -28,9 +28,10 @@ from atropos.logs import configure
 from atropos.request_deadline import server_config
 from atropos.sandbox import egress
 from atropos.sandbox.config import HostConfig, Limits
+from atropos.sandbox.contract.hostdirs import kill_processes_naming
 from atropos.sandbox.host import SandboxHost
 from atropos.sandbox.launch import HOST_TOKEN_ENV as TOKEN_ENV
-from atropos.sandbox.sandbox_process import SandboxProcess, kill_processes_naming
+from atropos.sandbox.sandbox_process import SandboxProcess
 from atropos.sandbox.server import create_app, wrap
 
 SHUTDOWN_GRACE_S = 5.0  # after SIGTERM: then whatever still runs of this host is killed

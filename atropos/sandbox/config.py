@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from atropos.sandbox.cgroups import SlotCaps
+from atropos.sandbox.contract.hostdirs import default_data_dir
 from atropos.sandbox.egress import EgressPolicy
 
 RUN_DIR_INODES = 1024  # the run dir holds the terminal's socket and log, nothing else
@@ -50,15 +49,6 @@ class Limits(BaseModel):
     def rlimits(self) -> dict[str, int]:
         return {"nproc": self.nproc, "as": self.address_space_bytes, "fsize": self.file_size_bytes,
                 "nofile": self.open_files, "core": 0}
-
-
-def default_data_dir() -> Path:
-    # Not under $HOME: slot uids must traverse to their workspace, and /root is 0700. Root uses a
-    # directory no other user can pre-create; others use their own name in the temp dir (the host
-    # refuses a data dir it does not own).
-    if os.geteuid() == 0:
-        return Path("/var/lib/atropos-sandbox")
-    return Path(tempfile.gettempdir()) / f"atropos-sandbox-{os.getuid()}"
 
 
 class HostConfig(BaseModel):

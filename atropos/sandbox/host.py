@@ -21,11 +21,11 @@ from atropos.errors import IsolationUnavailable, LeaseError, SlotSealed, SlotUna
 from atropos.sandbox import seccomp
 from atropos.sandbox.cgroups import SlotCgroups
 from atropos.sandbox.config import HostConfig
+from atropos.sandbox.contract.hostdirs import ISOLATION_FAILED, owned_dir
 from atropos.sandbox.host_setup import (
     _write,
     check_isolation,
     claim_uid_block,
-    owned_dir,
     resolve_network_isolation,
     setup_cgroups,
 )
@@ -69,10 +69,6 @@ set -g exit-empty off
 set -g default-terminal screen
 """
 
-# Every IsolationUnavailable leaving SandboxHost.start() begins with this, so a parent reading the
-# host's stderr (`error: <message>`, printed by __main__) can tell "cannot confine here" from any
-# other start failure (a port in use, a bad flag) without guessing from words in a traceback.
-ISOLATION_FAILED = "isolation unavailable: "
 
 # What a sealed slot (its verification phase) refuses: everything that runs or writes in it.
 SEALED_REFUSED = frozenset({"bash", "python", "python_session", "terminal", "write_file", "edit_file"})

@@ -48,28 +48,6 @@ def claim_uid_block(needed: int, wanted_base: int | None) -> tuple[int, int]:
                                else "no free uid block for slot users")
 
 
-def owned_dir(path: Path, mode: int) -> None:
-    """Create or accept ``path`` only if it is a real directory we own that no one else can write.
-
-    A data dir that another user owns or planted as a symlink would let them redirect what a
-    root host writes, chmods and deletes.
-    """
-    import stat as stat_mod
-
-    try:
-        path.mkdir(mode=0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    if not stat_mod.S_ISDIR(st.st_mode):
-        raise IsolationUnavailable(f"data dir {path} is not a directory (a symlink?); refusing to use it")
-    if st.st_uid != os.geteuid():
-        raise IsolationUnavailable(f"data dir {path} is owned by uid {st.st_uid}, not by this host; refusing")
-    if st.st_mode & 0o022 and not (st.st_mode & stat_mod.S_ISVTX):
-        raise IsolationUnavailable(f"data dir {path} is writable by others; refusing")
-    os.chmod(path, mode)
-
-
 def _write(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)

@@ -10,7 +10,6 @@ import os
 import signal
 import struct
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from atropos.errors import SandboxDied as SandboxDied  # defined there since issue 18
@@ -249,24 +248,3 @@ class SandboxProcess:
         self._stderr_task.cancel()
 
 
-def kill_processes_naming(data_dir: Path) -> int:
-    """SIGKILL every process whose argv names ``data_dir``: what a SIGKILLed host may leave.
-
-    A bwrap killed (with its host) between clone() and releasing its child leaves that child blocked
-    for good, reparented to init, before --die-with-parent applies to it; its argv is bwrap's."""
-    needle = str(data_dir).encode() + b"/"
-    killed = 0
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as fh:
-                if needle not in fh.read():
-                    continue
-            os.kill(int(name), signal.SIGKILL)
-            killed += 1
-        except (OSError, ValueError):
-            continue
-    if killed:
-        log.warning("killed %d leftover process(es) of %s", killed, data_dir)
-    return killed

@@ -16,6 +16,7 @@ from typing import Any
 from atropos.sandbox.bwrap import LIB_DIR, RUN_DIR, SANDBOX_ENV, WORKSPACE, SandboxPaths, bwrap_argv
 from atropos.sandbox.cgroups import SlotCgroup
 from atropos.sandbox.config import HostConfig
+from atropos.sandbox.contract.hostdirs import remove_tree
 from atropos.sandbox.network import SlirpHandshake
 from atropos.sandbox.protocol import (
     ErrorInfo,
@@ -29,7 +30,7 @@ from atropos.sandbox.protocol import (
 from atropos.sandbox.sandbox_process import SandboxDied, SandboxProcess
 from atropos.sandbox.slot_workspace import SlotWorkspace
 from atropos.sandbox.templates import Template
-from atropos.sandbox.trees import copy_tree, remove_tree
+from atropos.sandbox.trees import copy_tree
 from atropos.sandbox.uidkill import UidKiller, _kill_uid
 from atropos.sandbox.verification import VERIFIER_ENV, verifier_bwrap
 from atropos.sandbox.workspace import WorkspaceError

@@ -5,7 +5,6 @@ and the helper programs (cp, tar, git) run on them."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import hashlib
 import logging
@@ -18,6 +17,7 @@ from typing import Any
 
 from atropos.errors import WorkspaceError
 from atropos.sandbox.child_process import killed_if_left
+from atropos.sandbox.contract.hostdirs import remove_tree
 from atropos.sandbox.inslot_fs import DIR_FLAGS, DirWalk, identity, up
 from atropos.sandbox.workspace import TOOL_PATH
 
@@ -89,90 +89,6 @@ def walk_tree(root: Path, *, chown_to: int | None = None) -> TreeSummary:
 
     walk.run(visit, b"")
     return TreeSummary(h.hexdigest(), files, dirs, others, size)
-
-
-def remove_tree(path: Path) -> None:
-    """Delete ``path`` and everything below it, never following a symlink. Iterative and relative
-    to directory descriptors (one open at a time): any depth, far past PATH_MAX and the recursion
-    limit. Gets through directories without write or search permission (a non-root host owns but
-    cannot enter overlay's 000 work dirs). Best effort: what cannot be removed is logged and left,
-    the rest goes."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    try:
-        if not stat.S_ISDIR(st.st_mode):
-            os.unlink(path)
-            return
-        parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            _empty_dir(parent, path.name)
-            os.rmdir(path.name, dir_fd=parent)
-        finally:
-            os.close(parent)
-    except OSError as exc:
-        log.warning("could not remove all of %s: %s", path, exc)
-
-
-def _open_dir_for_removal(parent: int, name: str) -> int:
-    """``name`` in ``parent`` opened as a directory we may empty (made 0700 if it was not)."""
-    try:
-        fd = os.open(name, DIR_FLAGS, dir_fd=parent)
-    except PermissionError:
-        # Made searchable through an O_PATH descriptor: the chmod reaches this very directory,
-        # never what a symlink swapped in meanwhile would point at.
-        pfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=parent)
-        try:
-            os.chmod(f"/proc/self/fd/{pfd}", 0o700)
-        finally:
-            os.close(pfd)
-        fd = os.open(name, DIR_FLAGS, dir_fd=parent)
-    if stat.S_IMODE(os.fstat(fd).st_mode) & 0o700 != 0o700:
-        os.fchmod(fd, 0o700)
-    return fd
-
-
-def _empty_dir(parent: int, name: str) -> None:
-    fd = _open_dir_for_removal(parent, name)
-    # per level: names still to remove, identity, name in its parent, relists left
-    levels: list[tuple[Iterator[str], tuple[int, int], str, int]] = [(iter(os.listdir(fd)), _identity(fd), name, 3)]
-    try:
-        while levels:
-            names, ident, here, relists = levels[-1]
-            entry = next(names, None)
-            if entry is None:
-                left = os.listdir(fd)  # what appeared meanwhile (a writer still running)
-                if left and relists:
-                    levels[-1] = (iter(left), ident, here, relists - 1)
-                    continue
-                levels.pop()
-                if levels:
-                    parent = up(fd, levels[-1][1])
-                    os.close(fd)
-                    fd = parent
-                    try:
-                        os.rmdir(here, dir_fd=fd)
-                    except OSError as exc:
-                        log.warning("could not remove directory %r: %s", here, exc)
-                continue
-            try:
-                st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
-                if not stat.S_ISDIR(st.st_mode):
-                    os.unlink(entry, dir_fd=fd)
-                    continue
-                child = _open_dir_for_removal(fd, entry)
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                log.warning("could not remove %r: %s", entry, exc)
-                continue
-            os.close(fd)
-            fd = child
-            levels.append((iter(os.listdir(fd)), _identity(fd), entry, 3))
-    finally:
-        with contextlib.suppress(OSError):
-            os.close(fd)
 
 
 async def run_tool(argv: list[str], *, timeout: float, user: int | None = None, cwd: Path | None = None,

@@ -16,9 +16,10 @@ from typing import Any, Literal
 
 from atropos.errors import TemplateBuildFailed, TemplateSourceError, WorkspaceError
 from atropos.sandbox.child_process import killed_if_left
+from atropos.sandbox.contract.hostdirs import remove_tree
 from atropos.sandbox.mountns import HELPER, MountNamespace
 from atropos.sandbox.templates import Template, TemplateStore, source_dir_allowed
-from atropos.sandbox.trees import TreeSummary, copy_tree, remove_tree, run_tool, walk_tree
+from atropos.sandbox.trees import TreeSummary, copy_tree, run_tool, walk_tree
 from atropos.sandbox.workspace import TOOL_PATH
 
 log = logging.getLogger(__name__)
