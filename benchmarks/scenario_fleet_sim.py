@@ -54,7 +54,7 @@ async def _one(hosts: int, seconds: float) -> dict[str, Any]:
         t0 = time.perf_counter()
         await pool.start()
         # The rest BATCH hosts at a time: a start leases every slot of every host at once, and
-        # 100 x 64 connections opened together time out (see the README's fleet limit).
+        # 100 x 64 connections opened together time out (see benchmarks/README.md, "The limit").
         while len(pool.hosts) < hosts:
             await asyncio.gather(*(pool._add_host() for _ in range(min(BATCH, hosts - len(pool.hosts)))))
         pool.cfg.min_hosts = hosts
