@@ -34,6 +34,7 @@ from atropos.errors import AtroposSandboxError, ClientGone, InfrastructureError,
 from atropos.fastroute import body_route, send_error, send_json
 from atropos.logs import call_fields
 from atropos.sandbox.protocol import MAX_VERIFY_PROGRAM, SealResult, VerifyResult, Wire
+from atropos.sandbox.tools import PROGRAM_ONLY
 from atropos.slots.lease import Lease
 from atropos.slots.pool import PoolStatus, SlotPool
 from atropos.slots.results import WriteResult
@@ -233,7 +234,7 @@ class _ToolServer:
         label, counted = req.tool, None  # what SLOT_CALLS counts; an unexpected exception counts nothing
         try:
             tool = self.registry.get(req.tool)
-            if (tool is None or tool.kind != "sandbox") and req.tool != "archive":
+            if (tool is None or tool.kind != "sandbox") and req.tool not in PROGRAM_ONLY:
                 label, counted = metrics.UNKNOWN_TOOL, "unknown_tool"
                 raise _error(404, "unknown_tool", f"no sandbox tool named {req.tool!r}")
             ids = call_fields(trajectory_id=lease.trajectory_id, lease=entry.fingerprint, tool=req.tool,

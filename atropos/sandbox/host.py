@@ -52,7 +52,7 @@ from atropos.sandbox.protocol import (
 from atropos.sandbox.sandbox_process import SandboxDied
 from atropos.sandbox.slot import SessionLost, Slot
 from atropos.sandbox.templates import Template
-from atropos.sandbox.tools import clamp_timeout, supervisor_request, validate_args
+from atropos.sandbox.tools import SEALED_REFUSED, clamp_timeout, supervisor_request, validate_args
 from atropos.sandbox.trees import delete_trash
 from atropos.sandbox.uidkill import UidKiller
 from atropos.sandbox.workspace import TemplateSourceError, WorkspaceError
@@ -69,9 +69,6 @@ set -g exit-empty off
 set -g default-terminal screen
 """
 
-
-# What a sealed slot (its verification phase) refuses: everything that runs or writes in it.
-SEALED_REFUSED = frozenset({"bash", "python", "python_session", "terminal", "write_file", "edit_file"})
 
 # Status codes of supervisor error codes; everything else is a 400-class tool error.
 _STATUS = {"not_found": 404, "too_large": 413, "path_escape": 403, "permission_denied": 403}

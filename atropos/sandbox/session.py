@@ -36,6 +36,7 @@ import threading
 import time
 import traceback
 import types
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -291,11 +292,18 @@ def main() -> None:
     serve(rfd, wfd, functools.partial(_handle, session))
 
 
+# The ops the session driver answers (the python_session tool's definition in atropos/sandbox/tools.py
+# names "session").
+OPS: dict[str, Callable[[Session, dict[str, Any]], Any]] = {
+    "ping": lambda _session, _req: {"pong": True},
+    "session": Session.run,
+}
+
+
 def _handle(session: Session, req: dict[str, Any]) -> dict[str, Any]:
-    if req.get("op") == "ping":
-        return {"ok": True, "result": {"pong": True}}
-    if req.get("op") == "session":
-        return {"ok": True, "result": session.run(req)}
+    handler = OPS.get(str(req.get("op")))
+    if handler is not None:
+        return {"ok": True, "result": handler(session, req)}
     return {"ok": False, "error": {"code": "unknown_op", "message": f"unknown op {req.get('op')!r}"}}
 
 

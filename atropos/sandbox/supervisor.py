@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -301,13 +302,17 @@ class Supervisor:
                 self.mark = ns_last_pid()
 
     # -- protocol --------------------------------------------------------------------------
-    def handle(self, req: dict[str, Any]) -> dict[str, Any]:
-        op = req.get("op")
-        handler = {
+    def ops(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
+        """The ops this supervisor answers (the tools' definitions in atropos/sandbox/tools.py name them)."""
+        return {
             "exec": self.run, "read_file": self.files.read_file, "write_file": self.files.write_file,
             "edit_file": self.files.edit_file, "list_dir": self.files.list_dir, "stat": self.files.stat,
             "archive": self.archive, "terminal": self.terminal, "ping": lambda _r: {"pong": True},
-        }.get(str(op))
+        }
+
+    def handle(self, req: dict[str, Any]) -> dict[str, Any]:
+        op = req.get("op")
+        handler = self.ops().get(str(op))
         if handler is None:
             return {"ok": False, "error": {"code": "unknown_op", "message": f"unknown op {op!r}"}}
         if self.sealed and op in SEALED_REFUSED:
@@ -350,6 +355,8 @@ class _PopenChild:
                 pipe.close()
 
 
+# The ops a sealed supervisor refuses (the host refuses their tools first; this holds if it did not).
+# Stdlib-only, so not derived from the definitions: tests/test_tool_definitions.py checks it against them.
 SEALED_REFUSED = frozenset({"exec", "terminal", "write_file", "edit_file"})
 
 

@@ -12,12 +12,8 @@ from atropos.sandbox import tools as sandbox_tools
 
 Kind = Literal["sandbox", "external"]
 
-# Which toolset each sandbox tool belongs to; `archive` is for programs (REST), not the model.
-SANDBOX_TOOLSETS: dict[str, str] = {
-    "bash": "shell", "python": "python", "python_session": "python", "terminal": "terminal",
-    "read_file": "files", "write_file": "files", "edit_file": "files", "list_dir": "files", "stat": "files",
-}
-DEFAULT_TOOLSETS = ("shell", "python", "files", "terminal")
+# Every sandbox toolset is on by default (in the order the definitions name them); "web" only with a ToolServer.
+DEFAULT_TOOLSETS = tuple(dict.fromkeys(spec.toolset for spec in sandbox_tools.TOOLS.values() if spec.toolset))
 
 
 class Tool(BaseModel):
@@ -50,17 +46,16 @@ class ToolRegistry:
     @classmethod
     def default(cls, *, with_web: bool = False) -> ToolRegistry:
         reg = cls()
-        for name, toolset in SANDBOX_TOOLSETS.items():
-            spec = sandbox_tools.TOOLS[name]
-            reg.register(Tool(name=name, description=spec.description, parameters=_schema(spec.args),
-                              kind="sandbox", toolset=toolset))
+        for spec in sandbox_tools.TOOLS.values():  # derived from the definitions: none can be missed
+            if spec.toolset is not None:
+                reg.register(Tool(name=spec.name, description=spec.description, parameters=_schema(spec.args),
+                                  kind="sandbox", toolset=spec.toolset))
         if with_web:
             from atropos.tools import web
 
-            reg.register(Tool(name="web_search", description=(web.WebSearchArgs.__doc__ or "").strip(),
-                              parameters=_schema(web.WebSearchArgs), kind="external", toolset="web"))
-            reg.register(Tool(name="web_extract", description=(web.WebExtractArgs.__doc__ or "").strip(),
-                              parameters=_schema(web.WebExtractArgs), kind="external", toolset="web"))
+            for name, args in web.WEB_TOOLS.items():
+                reg.register(Tool(name=name, description=(args.__doc__ or "").strip(), parameters=_schema(args),
+                                  kind="external", toolset="web"))
         return reg
 
     def register(self, tool: Tool) -> None:
@@ -76,6 +71,9 @@ class ToolRegistry:
 
     def names(self) -> list[str]:
         return sorted(self._tools)
+
+    def tools(self) -> list[Tool]:
+        return [self._tools[n] for n in self.names()]
 
     @property
     def toolsets(self) -> set[str]:
