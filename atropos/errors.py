@@ -125,6 +125,11 @@ class TemplateBuildFailed(TemplateError):
     """The source could not be turned into a tree (git clone failed, corrupt archive, ...)."""
 
 
+class ImageRejected(AtroposSandboxError):
+    """An image or one of its layers is refused: malformed, or hostile (a path that climbs out, a
+    write through a symlink, a hard link out of its layer, a content digest that does not match)."""
+
+
 class SeccompUnavailable(IsolationUnavailable):
     """libseccomp is missing or refused to build our filter; we do not start sandboxes without it."""
 
@@ -202,6 +207,7 @@ ERRORS: dict[type[AtroposSandboxError], tuple[int, str]] = {
     TemplateBuildFailed: (400, "template_failed"),
     UnknownTemplate: (404, "unknown_template"),
     TemplateInUse: (409, "template_in_use"),
+    ImageRejected: (400, "image_rejected"),
     LeaseError: (409, "lease_invalid"),
     SlotSealed: (409, "verification_phase"),
     GroupTooLarge: (400, "group_too_large"),
