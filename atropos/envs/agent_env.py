@@ -133,9 +133,22 @@ class AgentEnv(RolloutEnv):
         group["overrides"] = [{INFO_KEY: rollout_info(r.finish, r.info)} for r in rollouts]
         if rollouts and all(r.logprobs is not None for r in rollouts):
             group["inference_logprobs"] = [r.logprobs for r in rollouts]
+        self._hint_no_tool_calls(rollouts)
         self.progress.group_done(rollouts=int(self.stats["rollouts"]), tool_calls=int(self.stats["tool_calls"]),
                                  total_groups=getattr(self, "n_groups_to_process", None))
         return group
+
+    def _hint_no_tool_calls(self, rollouts: list[Rollout]) -> None:
+        """Once per run: a group where no rollout called a tool, without the tool-call grammar, is
+        what a small model does (it answers at once); say which flags make it call tools."""
+        if (not rollouts or any(r.tool_calls for r in rollouts) or self.config.tool_call_grammar
+                or self.managed_tokens or getattr(self, "_hinted_no_tools", False)):
+            return
+        self._hinted_no_tools = True
+        log.warning("no rollout of this group called a tool. A small model (e.g. the project's SmolLM2-135M on "
+                    "llama.cpp) answers at once unless constrained: --env.tool_call_grammar true "
+                    "--env.grammar_forced_tool_turns 2 make its first turns well-formed tool calls "
+                    "(llama.cpp servers; docs/write-an-environment.md)")
 
     @staticmethod
     def _split_results(results: Sequence[Rollout | BaseException],
