@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pwd
 import re
 import signal
 import socket
@@ -60,9 +61,21 @@ def pool_up(cache: dict[str, str], tmp_path: Path) -> Iterator[dict[str, str]]:
     up = cli("pool", "up", "--config", str(config), "--port", str(free_port()), env=env)
     assert up.returncode == 0, up.stderr
     yield env
+    pid = json.loads((run_dir(env) / f"pool-{POOL}.json").read_text())["pid"]
+    host_logs = list(host_log_dir(POOL).glob(f"{POOL}-{pid}-*.log"))
+    assert host_logs and (run_dir(env) / f"pool-{POOL}.log").exists()  # what `pool down` must remove
     down = cli("pool", "down", env=env)
     assert down.returncode == 0, down.stderr
     assert not list(run_dir(env).glob(f"pool-{POOL}.*json")) and not (run_dir(env) / f"pool-{POOL}.token").exists()
+    # its help says it removes the pool's state: the pool's log and its hosts' logs too
+    assert not (run_dir(env) / f"pool-{POOL}.log").exists()
+    assert not any(log.exists() for log in host_logs), host_logs
+
+
+def host_log_dir(pool_id: str) -> Path:
+    from atropos.backends.local import LocalBackendConfig
+
+    return LocalBackendConfig().data_root / pool_id
 
 
 def test_pool_up_status_exec_down(pool_up: dict[str, str]) -> None:
@@ -311,7 +324,8 @@ def test_settings_precedence_flags_over_env_over_config_file(tmp_path: Path) -> 
     assert (s.port, s.max_hosts, s.min_hosts, s.image, s.log_json) == (7003, 6, 2, "from-file", True)
     # the config file may come from the environment too; a flag still names another one
     s = load_settings(parser().parse_args(["pool", "status"]), {"ATROPOS_SANDBOX_CONFIG": str(config)})
-    assert s.port == 7001 and s.pool_id == "cli" and "pool_id" not in s.model_fields_set
+    assert s.port == 7001 and s.pool_id == f"cli-{pwd.getpwuid(os.getuid()).pw_name}"
+    assert "pool_id" not in s.model_fields_set
     other = tmp_path / "other.json"
     other.write_text('{"pool_id": "from-json"}')
     s = load_settings(parser().parse_args(["pool", "status", "--config", str(other)]),
@@ -354,6 +368,33 @@ def test_bench_forwards_its_arguments(argv: list[str], forwarded: list[str], cap
     code, _out, err = run_main(argv, capsys)
     assert code == 0, err
     assert seen == [[sys.executable, "-m", "benchmarks.run", *forwarded]]
+
+
+def test_bench_runs_in_the_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Its results/ (and any relative path given) land where the user is, not in the checkout."""
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd, **kw: calls.append(kw) or 0)
+    monkeypatch.chdir(tmp_path)
+    code, _out, err = run_main(["bench", "--quick"], capsys)
+    assert code == 0, err
+    assert Path(calls[0]["cwd"]) == tmp_path
+    # and benchmarks.run is found from there (the checkout is on its PYTHONPATH)
+    real = subprocess.run([sys.executable, "-m", "benchmarks.run", "--help"], cwd=tmp_path, env=calls[0]["env"],
+                          capture_output=True, text=True, timeout=120)
+    assert real.returncode == 0 and "results/bench.json" in real.stdout, real.stderr
+
+
+def test_the_default_pool_id_is_per_user(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two users of one machine get two pools (state, hosts, containers, logs) unless they ask for one."""
+    mine = load_settings(parser().parse_args(["pool", "status"]), {}).pool_id
+    assert mine == f"cli-{pwd.getpwuid(os.getuid()).pw_name}"
+    # another uid (the interpreter here is not readable by another user: its uid is swapped in)
+    nobody = pwd.getpwnam("nobody")
+    monkeypatch.setattr(os, "getuid", lambda: nobody.pw_uid)
+    monkeypatch.setenv("USER", pwd.getpwuid(0).pw_name)  # the name comes from the uid, not from $USER
+    other = load_settings(parser().parse_args(["pool", "status"]), {}).pool_id
+    assert other == "cli-nobody" != mine
 
 
 def test_render_status_shows_lease_ages_and_scaling_events() -> None:

@@ -38,7 +38,9 @@ def test_process_prints_the_wandb_setting_it_really_uses(tokenizer_dir: str, tmp
          str(tmp_path / "g.jsonl")], cwd=tmp_path, env=_env(tokenizer_dir), capture_output=True, text=True,
         timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "use_wandb=False" in proc.stdout and "use_wandb=True" not in proc.stdout
+    assert "use_wandb=True" not in proc.stdout
+    # quiet by default (issue 28): no config dump, no atroposlib warning about the local server URL
+    assert "AgentEnvConfig(" not in proc.stdout + proc.stderr and "local Base URL" not in proc.stderr
     assert "mean score: 1.000" in proc.stdout
     assert "Traceback" not in proc.stderr and not (tmp_path / "wandb").exists()
     # the verifier check ran before the groups and is in the summary and the HTML report
@@ -46,6 +48,18 @@ def test_process_prints_the_wandb_setting_it_really_uses(tokenizer_dir: str, tmp
                              "-> must score 0): all as expected") == 2
     report = (tmp_path / "g.html").read_text()
     assert "id='verifier-check'" in report and "is_palindrome" in report
+
+
+def test_show_config_prints_the_config_a_run_really_uses(tokenizer_dir: str, tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.scripted_env", "process", "--show-config", "--env.total_steps", "1",
+         "--env.group_size", "2", "--env.slots_per_host", "2", "--env.max_hosts", "1", "--env.verifier_check",
+         "false", "--env.data_path_to_save_groups", str(tmp_path / "g.jsonl")], cwd=tmp_path,
+        env=_env(tokenizer_dir), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "AgentEnvConfig(" in proc.stdout and "APIServerConfig(" in proc.stdout
+    assert "use_wandb=False" in proc.stdout and "use_wandb=True" not in proc.stdout  # what the run really uses
+    assert "mean score: 1.000" in proc.stdout
 
 
 def test_a_bad_setting_ends_the_run_in_one_clear_line(tokenizer_dir: str, tmp_path: Path) -> None:

@@ -130,3 +130,39 @@ async def test_a_verifier_that_cannot_say_no_is_flagged(tokenizer_dir: str,
     results = await _check_verifier(YesManEnv, tokenizer_dir)
     assert all(r.stub_score == 1.0 and not r.ok for r in results)
     assert "NOT AS EXPECTED for add" in capsys.readouterr().out
+
+
+def _no_tool_hints(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "no rollout of this group called a tool" in r.getMessage()]
+
+
+def test_a_run_whose_model_calls_no_tool_says_which_flags_help(tokenizer_dir: str,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 28 item 3: a small model answers at once; the run says once which flags make it call tools."""
+    from atropos.testing import by_turn, run_group
+
+    small = dict(tokenizer_name=tokenizer_dir, group_size=2, slots_per_host=2, max_hosts=1)
+    caplog.set_level("WARNING", logger="atropos.envs.agent_env")
+    group = run_group(CodingEnv, by_turn("The answer is 42."), TASKS[0], tool_call_grammar=False, **small)
+    assert group["scores"] == [0.0, 0.0]
+    hints = _no_tool_hints(caplog)
+    assert len(hints) == 1 and "--env.tool_call_grammar true --env.grammar_forced_tool_turns" in hints[0]
+    caplog.clear()
+    run_group(CodingEnv, by_turn("The answer is 42."), TASKS[0], tool_call_grammar=True, **small)
+    assert _no_tool_hints(caplog) == []  # the grammar is on: nothing to suggest
+
+
+def test_the_hidden_test_files_example_scores_through_run_group(tokenizer_dir: str) -> None:
+    """Issue 28 item 4: the example env scored by hidden test files; the honest solution passes all."""
+    from atropos.envs.examples.coding_pytest import CodingPytestEnv
+    from atropos.testing import run_group
+    from tests.scripted_env import honest_turn
+
+    def honest(messages: list[dict[str, Any]]) -> str:
+        return honest_turn("add", sum(m["role"] == "assistant" for m in messages))
+
+    group = run_group(CodingPytestEnv, honest, TASKS[0], tokenizer_name=tokenizer_dir, group_size=2,
+                      slots_per_host=2, max_hosts=1)
+    assert group["scores"] == [1.0, 1.0]
+    verifier = group["overrides"][0]["score_info"]["verifier"]
+    assert verifier == {"tests_passed": 4, "tests_total": 4, "failed": []}

@@ -611,3 +611,92 @@ async def test_agent_env_seals_every_rollout_before_its_verification() -> None:
     assert len(seen) == 2
     for first, second, refused in seen:
         assert first > 0 and first == second and refused == "verification_phase", seen
+
+
+# -- hidden test files (atropos.envs.hidden_test_files): the env's tests, not the workspace's ----------
+# Its own table (the rows above also run against it below), so the catalogue's counts stay those of
+# the README's two envs.
+async def pytest_env_score(lease: Lease) -> float:
+    from atropos.envs.examples.coding_pytest import hidden_test_file
+    from atropos.envs.hidden_test_files import run_hidden_tests
+
+    score, _ = await run_hidden_tests(lease, hidden_test_file(ADD), timeout_s=3.0)
+    return score
+
+
+PYTEST_ENV = (_setup_coding, pytest_env_score, f"cat > solution.py <<'EOF'\n{HONEST_ADD}EOF\n")
+
+
+async def test_config_and_plugins(lease: Lease) -> None:
+    """Everything pytest would read or run before a test: conftest.py that passes every test,
+    pytest.ini/pyproject/setup.cfg adding it as a plugin, sitecustomize.py and a .pth that report
+    success, the hidden test's own file name rewritten to pass, and stdlib names shadowed."""
+    passing = ("import pytest\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+               "    out = yield\n    out.get_result().outcome = 'passed'\n")
+    forge = "import os, sys\nos.write(1, b'{\"outcome\": \"passed\"}\\n')\nos._exit(0)\n"
+    for path in ("conftest.py", "tests/conftest.py", "plugin_pass.py"):
+        await lease.write_file(path, passing)
+    await lease.write_file("pytest.ini", "[pytest]\naddopts = -p plugin_pass\n")
+    await lease.write_file("pyproject.toml", "[tool.pytest.ini_options]\naddopts = '-p plugin_pass'\n")
+    await lease.write_file("setup.cfg", "[tool:pytest]\naddopts = -p plugin_pass\n")
+    await lease.write_file("sitecustomize.py", forge)
+    await lease.write_file("usercustomize.py", forge)
+    await lease.write_file("zz_forge.pth", "import sitecustomize\n")
+    for test in ("test_add.py", "tests/test_add.py"):
+        await lease.write_file(test, "def test_case_0():\n    assert True\n")
+    for shadow in ("unittest.py", "json.py", "importlib.py"):
+        await lease.write_file(shadow, forge)
+
+
+async def lying_solution(lease: Lease) -> None:
+    """A solution that, imported by a test, exits 0 having printed success (on every descriptor),
+    raises SystemExit(0), or returns an object equal to everything."""
+    await lease.write_file("solution.py", '''
+import os
+for fd in range(1, 64):
+    try:
+        os.write(fd, b'{"outcome": "passed"}\\n')
+    except OSError:
+        pass
+print("4 passed")
+
+
+class Yes(int):
+    def __eq__(self, other):
+        return True
+
+
+def add(a, b):
+    if (a, b) == (2, 3):
+        os._exit(0)
+    if (a, b) == (-1, 1):
+        raise SystemExit(0)
+    return Yes(7)
+''')
+
+
+PYTEST_ROWS: dict[str, Callable[[Lease], Awaitable[None]]] = {
+    "test_config_and_plugins": test_config_and_plugins, "lying_solution": lying_solution, **ROWS}
+test_config_and_plugins.__test__ = False  # type: ignore[attr-defined]  # an attack, not a test of ours
+
+
+async def pytest_rollout(pool: SlotPool, agent: Callable[[Lease], Awaitable[None]]) -> float:
+    setup, score, _ = PYTEST_ENV
+    async with pool.leased(f"forgery-pytest-{secrets.token_hex(3)}") as lease:
+        await setup(lease)
+        await agent(lease)
+        await lease.seal()
+        return await score(lease)
+
+
+async def test_hidden_test_files_score_the_honest_solution_one(pool: SlotPool) -> None:
+    async def honest(lease: Lease) -> None:
+        await lease.bash(PYTEST_ENV[2])
+        await test_config_and_plugins(lease)  # the planted configuration changes nothing either way
+
+    assert await pytest_rollout(pool, honest) == 1.0
+
+
+@pytest.mark.parametrize("row", sorted(PYTEST_ROWS))
+async def test_hidden_test_files_score_a_forgery_zero(pool: SlotPool, row: str) -> None:
+    assert await pytest_rollout(pool, PYTEST_ROWS[row]) == 0.0

@@ -92,7 +92,7 @@ async def test_an_env_with_an_in_process_scripted_server(tokenizer_dir: str) -> 
 def test_fake_server_cli_serves_a_policy_until_sigterm(tmp_path: Any) -> None:
     (tmp_path / "pol.py").write_text("def policy(messages):\n    return 'scripted ' + messages[-1]['content']\n")
     proc = subprocess.Popen([sys.executable, "-m", "atropos.testing.fake_server", "--policy", "pol:policy"],
-                            cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
@@ -104,3 +104,5 @@ def test_fake_server_cli_serves_a_policy_until_sigterm(tmp_path: Any) -> None:
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0
+    # quiet (issue 28): importing atropos.testing used to import this module before runpy ran it
+    assert proc.stderr is not None and "RuntimeWarning" not in proc.stderr.read()

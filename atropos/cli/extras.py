@@ -45,7 +45,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not (REPO / "benchmarks" / "run.py").exists():
         print("error: bench needs a source checkout (benchmarks/)", file=sys.stderr)
         return EXIT_USAGE
-    return subprocess.call([sys.executable, "-m", "benchmarks.run", *args.rest], cwd=REPO)
+    # run where the user is (results/ and any relative path they pass land there, not in the
+    # checkout); the checkout goes on PYTHONPATH so `-m benchmarks.run` is found from anywhere
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return subprocess.call([sys.executable, "-m", "benchmarks.run", *args.rest], cwd=os.getcwd(),
+                           env={**os.environ, "PYTHONPATH": path})
 
 
 def bench_args(extra: list[str], rest: list[str]) -> list[str]:

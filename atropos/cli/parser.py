@@ -168,7 +168,7 @@ def _add_nomad(sub: Any, settings_epilog: str) -> None:
     setting_flag(render, "config", f"YAML or JSON settings file (default ${CONFIG_ENV})")
     setting_flag(render, "image", "sandbox image (default atropos-sandbox:dev)")
     setting_flag(render, "slots_per_host", "slots per host (default 16)", type=int)
-    setting_flag(render, "pool_id", "the pool; the job id is atropos-<pool_id> (default cli)")
+    setting_flag(render, "pool_id", "the pool; the job id is atropos-<pool_id> (default cli-<user>)")
     render.set_defaults(func=cmd_nomad_render)
 
 

@@ -27,6 +27,7 @@ from atropos.cli.pool_state import (
     pool_files,
     read_state,
     remove_files,
+    remove_host_logs,
     stop_process_group,
     tail,
     write_private,
@@ -170,9 +171,11 @@ def cmd_pool_down(args: argparse.Namespace) -> int:
         remove_files(pool_id)
     if state is None:
         print(f"no pool {pool_id!r} is up", file=sys.stderr)
-        return EXIT_OK
-    if is_pool_process(state.pid):
+    elif is_pool_process(state.pid):
         stop_process_group(state.pid, lambda: is_pool_process(state.pid), 60)
-    remove_files(pool_id)
-    print(f"pool {pool_id} is down")
+    # all the pool's state, its log and its hosts' logs too (`pool up` after it starts clean)
+    remove_files(pool_id, keep_log=False)
+    remove_host_logs(pool_id)
+    if state is not None:
+        print(f"pool {pool_id} is down")
     return EXIT_OK

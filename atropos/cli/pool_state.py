@@ -58,6 +58,30 @@ def remove_files(pool_id: str, keep_log: bool = True) -> None:
             path.unlink(missing_ok=True)
 
 
+def remove_host_logs(pool_id: str) -> int:
+    """Remove the logs the local backend's hosts of this pool left (``<pool_id>-<pid>-<n>.log`` under
+    its data root; the hosts of a running process keep theirs); how many went."""
+    from atropos.backends.local import LocalBackendConfig
+    root = LocalBackendConfig(pool_id=pool_id).data_root / pool_id
+    removed = 0
+    for log in root.glob(f"{pool_id}-*-*.log"):
+        pid = log.name.removesuffix(".log").rsplit("-", 2)[-2]
+        if pid.isdigit() and not _running(int(pid)):
+            log.unlink(missing_ok=True)
+            removed += 1
+    with contextlib.suppress(OSError):
+        root.rmdir()  # only when empty: a host of another run of this pool id may still be there
+    return removed
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a pool just stopped is one until init reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def is_pool_process(pid: int) -> bool:
     """Alive and still our ``serve`` (a pid can be reused after the pool died)."""
     try:

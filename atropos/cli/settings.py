@@ -46,7 +46,9 @@ class ServeSettings(BaseModel):
     nomad_address: str | None = None  # default: $NOMAD_ADDR, else http://127.0.0.1:4646
     ray_address: str | None = None  # default: $RAY_ADDRESS, else a Ray started by serve on 127.0.0.1
     # names files in the state dir and Nomad job ids: no path separators
-    pool_id: str = Field("cli", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    # per user by default (cli-<user>): two users of one machine must not share a pool's state,
+    # hosts, containers or logs unless they ask for it with the same --pool-id
+    pool_id: str = Field(default_factory=lambda: default_pool_id(), pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     allow_no_auth: bool = False
     metrics_need_token: bool = False
     web_provider: Literal["offline", "http", "none"] = "offline"
@@ -67,6 +69,18 @@ class ServeSettings(BaseModel):
         if value.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ValueError("one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
         return value.upper()
+
+
+def default_pool_id() -> str:
+    """``cli-<user>``: the login name of this process's uid (not $USER, which anyone can set), its
+    characters outside ``[A-Za-z0-9_.-]`` replaced; ``cli-<uid>`` for a uid without a name."""
+    import pwd
+
+    try:
+        name = pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        name = str(os.getuid())
+    return ("cli-" + "".join(c if c.isalnum() or c in "_.-" else "-" for c in name))[:64]
 
 
 def state_dir() -> Path:
@@ -151,7 +165,7 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
     setting_flag(p, "image", "docker/nomad: sandbox image (default atropos-sandbox:dev)")
     setting_flag(p, "nomad_address", "nomad: agent address (default $NOMAD_ADDR)")
     setting_flag(p, "ray_address", "ray: cluster address (default $RAY_ADDRESS, else a Ray started here)")
-    setting_flag(p, "pool_id", "names this pool's hosts and state (default cli)")
+    setting_flag(p, "pool_id", "names this pool's hosts and state (default cli-<user>)")
     setting_flag(p, "web_provider", "web_search/web_extract provider (default offline corpus)",
                  choices=["offline", "http", "none"])
     setting_flag(p, "corpus_dir", "offline search corpus (default: built-in)", type=Path)
@@ -169,7 +183,8 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
 
 def add_pool_flags(p: argparse.ArgumentParser) -> None:
     """The flags commands talking to a background pool need: which pool (same resolution as serve)."""
-    setting_flag(p, "pool_id", "which pool (default: $ATROPOS_SANDBOX_POOL_ID, the config file's pool_id, else cli)")
+    setting_flag(p, "pool_id", "which pool (default: $ATROPOS_SANDBOX_POOL_ID, the config file's pool_id, "
+                 "else cli-<user>)")
     setting_flag(p, "config", f"YAML or JSON settings file to take pool_id from (default ${CONFIG_ENV})")
 
 

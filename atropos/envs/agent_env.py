@@ -39,6 +39,7 @@ from atropos.agent.errors import is_infrastructure
 from atropos.envs.config import AgentEnvConfig
 from atropos.envs.env_base import ExecTool, Rollout
 from atropos.envs.env_rollout import RolloutEnv
+from atropos.envs.score_info import ERROR_KEY, INFO_KEY, error_shares, rollout_info
 from atropos.errors import InfrastructureError
 from atropos.slots.lease import Lease, PoolTemplate
 
@@ -127,11 +128,27 @@ class AgentEnv(RolloutEnv):
             group["masks"].append(rollout.masks)
             group["scores"].append(rollout.score)
             group["messages"].append(rollout.messages)
+        # why each rollout scored so: per-rollout overrides are the field atroposlib keeps in the
+        # jsonl and passes through to the trainer's batch untouched
+        group["overrides"] = [{INFO_KEY: rollout_info(r.finish, r.info)} for r in rollouts]
         if rollouts and all(r.logprobs is not None for r in rollouts):
             group["inference_logprobs"] = [r.logprobs for r in rollouts]
+        self._hint_no_tool_calls(rollouts)
         self.progress.group_done(rollouts=int(self.stats["rollouts"]), tool_calls=int(self.stats["tool_calls"]),
                                  total_groups=getattr(self, "n_groups_to_process", None))
         return group
+
+    def _hint_no_tool_calls(self, rollouts: list[Rollout]) -> None:
+        """Once per run: a group where no rollout called a tool, without the tool-call grammar, is
+        what a small model does (it answers at once); say which flags make it call tools."""
+        if (not rollouts or any(r.tool_calls for r in rollouts) or self.config.tool_call_grammar
+                or self.managed_tokens or getattr(self, "_hinted_no_tools", False)):
+            return
+        self._hinted_no_tools = True
+        log.warning("no rollout of this group called a tool. A small model (e.g. the project's SmolLM2-135M on "
+                    "llama.cpp) answers at once unless constrained: --env.tool_call_grammar true "
+                    "--env.grammar_forced_tool_turns 2 make its first turns well-formed tool calls "
+                    "(llama.cpp servers; docs/write-an-environment.md)")
 
     @staticmethod
     def _split_results(results: Sequence[Rollout | BaseException],
@@ -160,6 +177,9 @@ class AgentEnv(RolloutEnv):
         stats["score_sum"] += rollout.score
         stats["context_budget_stops"] += rollout.finish == "context_budget"
         stats["token_tracking_fallbacks"] += rollout.tracking_fallback
+        if (error := rollout.info.get(ERROR_KEY)) is not None:  # the run's share per verifier error
+            key = f"verifier_error/{error}"
+            stats[key] = stats.get(key, 0) + 1
 
     async def evaluate(self, *args: Any, **kwargs: Any) -> None:
         """One rollout per eval item, each in its own slot; logs the mean score. A rollout lost to
@@ -180,11 +200,13 @@ class AgentEnv(RolloutEnv):
         metrics: dict[str, float] = {"eval/n": len(done), "eval/infra_failures": len(lost)}
         if done:
             metrics["eval/mean_score"] = sum(r.score for r in done) / len(done)
+        metrics.update(error_shares((rollout_info(r.finish, r.info) for r in done), "eval/"))
         # evaluate_log writes files only with data_dir_to_save_evals: the result is always printed
         print("[atropos-sandbox] eval: " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                                                      for k, v in metrics.items()), flush=True)
         await self.evaluate_log(metrics=metrics, start_time=start, end_time=time.time(),
-                                samples=[{"messages": r.messages, "score": r.score} for r in done])
+                                samples=[{"messages": r.messages, "score": r.score,
+                                                   INFO_KEY: rollout_info(r.finish, r.info)} for r in done])
 
     async def _eval_rollout(self, i: int, item: Any) -> Rollout:
         """One eval rollout in its own slot, started as a training rollout is: the group step too

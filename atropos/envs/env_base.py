@@ -52,6 +52,8 @@ class Rollout(BaseModel):
     tool_calls: int = 0
     sandbox_seconds: float = 0.0
     tracking_fallback: bool = False
+    # what verify_and_score_trajectory returned beside the score (JSON values): why it scored so
+    info: dict[str, Any] = {}
 
 
 def _new_stats() -> dict[str, float]:

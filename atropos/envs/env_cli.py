@@ -48,6 +48,8 @@ class AgentEnvCli(BaseEnv):
                 sys.argv += ["--env.use_wandb", "false"]
         if "-h" in sys.argv[1:] or "--help" in sys.argv[1:]:
             cls.print_defaults()
+        quiet_atroposlib(show_config="--show-config" in sys.argv[1:])
+        sys.argv = [a for a in sys.argv if a != "--show-config"]  # ours: BaseEnv's parser would refuse it
         stopped: list[int] = []
 
         def on_sigterm(signum: int, _frame: Any) -> None:
@@ -91,4 +93,24 @@ class AgentEnvCli(BaseEnv):
         if isinstance(servers, list) and servers:
             lines += [f"  --openai.{k} {getattr(servers[0], k)}" for k in ("base_url", "model_name", "server_type")]
         print(f"[atropos-sandbox] {cls.__name__} sets (the defaults shown by --help below are atroposlib's):\n"
-              + "\n".join(lines) + "\n", flush=True)
+              + "\n".join(lines) + "\n  --show-config  print the whole config (env and servers) and atroposlib's "
+              "warnings at the start of a run (quiet by default)\n", flush=True)
+
+
+# atroposlib's warnings that every run with a local model server gets (they repeat what the run's
+# own lines say, or nothing the user can act on); shown again with --show-config
+NOISY_WARNINGS = ("You are using a local Base URL",)
+
+
+def quiet_atroposlib(show_config: bool) -> None:
+    """BaseEnv's CLI prints its whole config (~90 lines) on every run and warns about a local
+    server URL: without ``--show-config`` both are left out, so the ``[atropos-sandbox]`` lines show."""
+    if show_config:
+        return
+    import warnings
+
+    import atroposlib.envs.base as base
+
+    base.rprint = lambda *_args, **_kwargs: None  # used by BaseEnv's cli for the config dump only
+    for text in NOISY_WARNINGS:
+        warnings.filterwarnings("ignore", message=text)

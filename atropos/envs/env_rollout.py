@@ -23,6 +23,7 @@ from atropos.agent.managed import ManagedSession, TrackedSequence
 from atropos.agent.tokens import IGNORE, count_prompt_tokens, tokenize_conversation
 from atropos.envs.env_base import Rollout
 from atropos.envs.env_sandbox import SandboxEnv
+from atropos.envs.score_info import json_safe
 from atropos.slots.lease import Lease, PoolTemplate
 from atropos.tools.executor import AgentToolCall, ToolOutcome
 
@@ -151,14 +152,14 @@ class RolloutEnv(SandboxEnv):
             # slot again (reading it and lease.verify remain), so no leftover of the rollout can
             # watch, race or rewrite what the verification reads.
             await lease.seal()
-            score, _meta = await self.verify_and_score_trajectory(
+            score, meta = await self.verify_and_score_trajectory(
                 item, result.final_response, trajectory_id=tid, exec_tool=exec_tool, lease=lease, agent_result=result)
         finally:
             executor.unbind(tid)
         tokens, masks, logprobs = self._training_tokens(tid, result, tracked)
         return Rollout(tokens=tokens, masks=masks, score=float(score), messages=result.messages, logprobs=logprobs,
                        finish=result.finish, tool_calls=result.tool_calls, sandbox_seconds=result.sandbox_seconds,
-                       tracking_fallback=fallback)
+                       tracking_fallback=fallback, info=json_safe(meta))
 
     def _training_tokens(self, tid: str, result: AgentResult, tracked: TrackedSequence | None,
                          ) -> tuple[list[int], list[int], list[float] | None]:

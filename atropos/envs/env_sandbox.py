@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from atropos.envs import score_info
 from atropos.envs.env_base import AgentEnvBase
 from atropos.envs.verifier_check import (
     VerifierCheckResult,
@@ -94,7 +95,9 @@ class SandboxEnv(AgentEnvBase):
             await self._end_run()
             path = getattr(self.config, "data_path_to_save_groups", None)
             if path:
-                append_to_html(Path(str(path).rsplit(".", 1)[0] + ".html"), self.verifier_results)
+                report = Path(str(path).rsplit(".", 1)[0] + ".html")
+                append_to_html(report, self.verifier_results)
+                score_info.append_to_html(report, Path(path))
 
     async def env_manager(self) -> Any:
         """``serve`` mode: BaseEnv's loop, then the pool is stopped and the summary printed."""
@@ -132,6 +135,10 @@ class SandboxEnv(AgentEnvBase):
               f"mean score: {mean:.3f}  sandbox time per call: {per_call:.1f} ms  "
               f"infra retries: {int(s['infra_retries'])}  tokens: "
               f"{'ManagedServer' if self.managed_tokens else 'chat template'}", flush=True)
+        errors = {k.split("/", 1)[1]: int(v) for k, v in s.items() if k.startswith("verifier_error/")}
+        if errors:
+            print("[atropos-sandbox] verifier errors (rollouts): " + "  ".join(
+                f"{code} {n}/{rollouts}" for code, n in sorted(errors.items())), flush=True)
         for line in summary_lines(self.verifier_results):
             print(f"[atropos-sandbox] {line}", flush=True)
         if s["groups_dropped_same_scores"]:
@@ -139,6 +146,20 @@ class SandboxEnv(AgentEnvBase):
                   "all scores equal and ensure_scores_are_not_same=True", flush=True)
         if path:
             print(f"[atropos-sandbox] data: {path}  html: {str(path).rsplit('.', 1)[0]}.html", flush=True)
+
+    async def wandb_log(self, wandb_metrics: dict[str, Any] | None = None) -> None:
+        """BaseEnv's, plus ``score_metrics()``."""
+        await super().wandb_log({**(wandb_metrics or {}), **self.score_metrics()})
+
+    def score_metrics(self) -> dict[str, float]:
+        """``train/verifier_error/<code>``: the share of the rollouts since the last call whose
+        verifier returned that ``verifier_error`` (0.0 for a code seen earlier in the run only)."""
+        s, last = self.stats, getattr(self, "_stats_logged", {})
+        self._stats_logged = dict(s)
+        n = s["rollouts"] - last.get("rollouts", 0)
+        if not n:
+            return {}
+        return {f"train/{k}": (v - last.get(k, 0)) / n for k, v in sorted(s.items()) if k.startswith("verifier_error/")}
 
     async def handle_send_to_api(self, scored_data: Any, item: Any = None, do_send_to_api: bool = True,
                                  abort_on_any_max_length_exceeded: bool = True) -> None:

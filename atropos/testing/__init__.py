@@ -10,8 +10,9 @@
 See docs/write-an-environment.md.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from atropos.testing.envs import make_env, run_group
-from atropos.testing.fake_server import ChatPolicy, FakeChatServer
 from atropos.testing.scripted import (
     Policy,
     ScriptedServer,
@@ -27,6 +28,19 @@ from atropos.testing.scripted import (
     token_server_configs,
     tool_call,
 )
+
+if TYPE_CHECKING:
+    from atropos.testing.fake_server import ChatPolicy, FakeChatServer
+
+
+def __getattr__(name: str) -> Any:
+    # imported on first use: importing it here made `python -m atropos.testing.fake_server` warn
+    # (a RuntimeWarning: the module was in sys.modules before runpy executed it)
+    if name in ("ChatPolicy", "FakeChatServer"):
+        from atropos.testing import fake_server
+
+        return getattr(fake_server, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["ChatPolicy", "FakeChatServer", "Policy", "ScriptedServer", "ScriptedTokenServer", "answer", "by_turn",
            "call", "call_text", "logprob_of", "make_env", "reply", "run_group", "scripted_server", "server_configs",

@@ -107,9 +107,12 @@ async def verify(lease: Lease, item: dict[str, Any], *, case_timeout_s: float = 
                                 timeout_s=15 + total * (case_timeout_s + 1))
     if not result.ok or result.verdict is None:
         why = result.error.code if result.error is not None else "no verdict"
-        return 0.0, {"hidden_passed": 0, "hidden_total": total, "error": why}
+        return 0.0, {"hidden_passed": 0, "hidden_total": total, "verifier_error": why}
     passed = result.verdict.get("passed")
     if not isinstance(passed, list) or len(passed) != total:
-        return 0.0, {"hidden_passed": 0, "hidden_total": total, "error": "verifier result has the wrong shape"}
+        return 0.0, {"hidden_passed": 0, "hidden_total": total, "verifier_error": "wrong_shape"}
     n = sum(1 for p in passed if p is True)
-    return (n / total if total else 0.0), {"hidden_passed": n, "hidden_total": total}
+    meta: dict[str, Any] = {"hidden_passed": n, "hidden_total": total}
+    if result.verdict.get("error") == "no solution.py":  # PROGRAM's own word (the solution cannot reach it)
+        meta["verifier_error"] = "no_solution"
+    return (n / total if total else 0.0), meta
