@@ -189,3 +189,87 @@ def test_not_a_tar_is_refused_cleanly(store: LayerStore) -> None:
     with pytest.raises(ImageRejected, match="not a valid layer tar"):
         store.add(io.BytesIO(b"\x00garbage" * 100))
     assert left_in_store(store) == []
+
+
+# -- images from the local Docker engine, compared with `docker run` of the same image -------------
+BASE_IMAGE = "atropos-sandbox-base:bookworm"  # built by scripts/build_image.sh (no registry needed)
+TASK_DOCKERFILE = f"""FROM {BASE_IMAGE}
+RUN mkdir -p /testbed/pkg && echo 'def f(): return 1' > /testbed/pkg/mod.py && echo old > /etc/motd-task \\
+    && mkdir -p /opt/envs/py/bin && printf 'shared\\n' > /opt/envs/py/bin/tool && chmod 4755 /opt/envs/py/bin/tool
+RUN rm /etc/motd-task && rm -rf /usr/share/doc && mkdir -p /usr/share/doc && echo new > /usr/share/doc/only \\
+    && ln /testbed/pkg/mod.py /testbed/pkg/hard.py && ln -s ../pkg/mod.py /testbed/link.py
+ENV TASK_ID=7 PATH=/opt/envs/py/bin:/usr/local/bin:/usr/bin:/bin
+WORKDIR /testbed
+USER 0:0
+"""
+PROBE = ("find /testbed /opt/envs /usr/share/doc /etc/motd-task -xdev -printf '%p %y %m %u %g %s %l\\n' "
+         "2>&1 | LC_ALL=C sort")
+
+
+def docker_or_skip() -> None:
+    from tests.pool_backends import require_docker
+
+    require_docker()
+    if subprocess.run(["docker", "image", "inspect", BASE_IMAGE], capture_output=True).returncode != 0:
+        pytest.fail(f"{BASE_IMAGE} is missing: scripts/build_image.sh builds it")
+
+
+def build_image(tag: str, dockerfile: str, tmp_path: Path) -> None:
+    ctx = tmp_path / f"ctx-{tag.replace(':', '-').replace('/', '-')}"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text(dockerfile)
+    subprocess.run(["docker", "build", "-q", "-t", tag, str(ctx)], check=True, capture_output=True)
+
+
+def merged(layers: list[str], tmp_path: Path) -> Path:
+    """The image's root as a slot sees it: the layers as overlayfs lowers (top first)."""
+    up, work, root = tmp_path / "upper", tmp_path / "work", tmp_path / "root"
+    for d in (up, work, root):
+        d.mkdir()
+    lower = ":".join(reversed(layers))
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o", f"lowerdir={lower},upperdir={up},workdir={work}",
+                    str(root)], check=True)
+    return root
+
+
+@pytest.mark.docker
+def test_an_image_from_the_engine_is_the_root_docker_run_shows(tmp_path: Path) -> None:
+    from atropos.sandbox.host.images.sources import import_from_docker
+
+    docker_or_skip()
+    tag = f"atropos-test-task:{os.getpid()}"
+    build_image(tag, TASK_DOCKERFILE, tmp_path)
+    root = None
+    try:
+        store = LayerStore(tmp_path / "store")
+        image = import_from_docker(store, tag)
+        assert image.unpacked == len(image.config.diff_ids) == 3
+        assert image.config.working_dir == "/testbed" and image.config.user == "0:0"
+        assert "TASK_ID=7" in image.config.env
+        root = merged(image.layers, tmp_path)
+        ours = subprocess.run(["chroot", str(root), "sh", "-c", PROBE], capture_output=True, text=True).stdout
+        theirs = subprocess.run(["docker", "run", "--rm", "--network", "none", "--entrypoint", "sh", tag, "-c", PROBE],
+                                capture_output=True, text=True, check=True).stdout
+        assert ours == theirs
+        assert "/usr/share/doc/only" in ours and "/etc/motd-task" in ours and "No such file" in ours
+        # a second image on the same base: the base is stored once, only the new layer is unpacked
+        other = f"atropos-test-task2:{os.getpid()}"
+        build_image(other, f"FROM {BASE_IMAGE}\nRUN echo two > /task2\n", tmp_path)
+        try:
+            second = import_from_docker(store, other)
+        finally:
+            subprocess.run(["docker", "rmi", "-f", other], capture_output=True)
+        assert second.unpacked == 1 and second.layers[0] == image.layers[0]
+        assert len(store.layers()) == 4
+    finally:
+        if root is not None:
+            subprocess.run(["umount", str(root)], check=False)
+        subprocess.run(["docker", "rmi", "-f", tag], capture_output=True)
+
+
+def test_an_image_the_engine_does_not_have_is_a_clear_error(tmp_path: Path) -> None:
+    from atropos.sandbox.host.images.sources import import_from_docker
+
+    docker_or_skip()
+    with pytest.raises(ImageRejected, match="has no image"):
+        import_from_docker(LayerStore(tmp_path / "store"), "atropos-no-such-image:never")
