@@ -114,8 +114,6 @@ def client_url(host: str, port: int) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from atropos.request_deadline import server_config
 
     s = load_settings(args)
@@ -124,12 +122,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = build_app(s, token)
     sock = bind_socket(s.listen_host, s.port)
     port = sock.getsockname()[1]
-    log.info("ToolServer on %s (backend %s, pool %s)", client_url(s.listen_host, port), s.backend, s.pool_id)
-    log.info("%s", where_to_look(client_url(s.listen_host, port)))
     # log_config=None: uvicorn's records go through our (redacting, maybe JSON) root handler
     config = server_config(app, s.request_read_timeout_s, log_level="warning", log_config=None, lifespan="on",
                            timeout_keep_alive=120)
-    server = uvicorn.Server(config)
+    url = client_url(s.listen_host, port)
+    server = announcing_server(config, f"ToolServer on {url} (backend {s.backend}, pool {s.pool_id})",
+                                where_to_look(url))
     # uvicorn shuts down gracefully on SIGTERM (the pool stops its hosts), then re-raises the signal
     # with the handler it found: make that a clean exit 0, not death by signal (-15) for scripts.
     signal.signal(signal.SIGTERM, _exit_cleanly)
@@ -141,6 +139,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("error: the ToolServer did not start (the pool failed to start; see the log above)", file=sys.stderr)
         return EXIT_INFRA
     return EXIT_OK
+
+
+def announcing_server(config: Any, *lines: str) -> Any:
+    """A uvicorn server that logs ``lines`` (its address) only once it serves: after the lifespan
+    startup (the pool's start), so a pool that cannot start is never preceded by an address that
+    nothing answers."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and not self.should_exit:
+                for line in lines:
+                    log.info("%s", line)
+
+    return Server(config)
 
 
 def _exit_cleanly(signum: int, _frame: object) -> None:
