@@ -244,6 +244,8 @@ async def test_killed_pool_process_leaves_no_actors_and_a_restart_reaps(cluster:
     line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 180)
     first = json.loads(line)
     assert len(first["hosts"]) == 2
+    slot_cgroups = [d for p in first["pids"] for d in host_slot_cgroups(int(p))]
+    assert slot_cgroups, "premise: the hosts' slot cgroups exist"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     left = [DATA_ROOT / pool_id / h.replace("/", "-") for h in first["hosts"]]
@@ -259,6 +261,24 @@ async def test_killed_pool_process_leaves_no_actors_and_a_restart_reaps(cluster:
         await poll(lambda: not any(d.exists() or d.with_suffix(".log").exists() for d in left),
                    "the dead pool's host data dirs and logs to be removed")
         assert all((DATA_ROOT / pool_id / h.replace("/", "-")).with_suffix(".log").exists() for h in pool.hosts)
+        await poll(lambda: not any(d.exists() for d in slot_cgroups), "the dead hosts' slot cgroups to be removed")
+
+
+def host_slot_cgroups(pid: int) -> list[Path]:
+    """Where a host nests its slots' cgroups (``atropos/sandbox/cgroups.py``): ``atropos-<pid>`` in
+    its own cgroup of each v1 controller or of v2 (a v2 host sits in the leaf ``atropos-<pid>-host``)."""
+    from atropos.sandbox.cgroups import mountinfo, own_cgroups
+
+    found = []
+    for controller, path in own_cgroups(str(pid)).items():
+        for m in mountinfo():
+            if (m.fstype == "cgroup2" and controller == "") or (m.fstype == "cgroup" and controller in m.super_options):
+                base = Path(m.mountpoint) / path.lstrip("/")
+                if base.name == f"atropos-{pid}-host":
+                    base = base.parent
+                if (base / f"atropos-{pid}").is_dir():
+                    found.append(base / f"atropos-{pid}")
+    return found
 
 
 async def test_a_resource_no_node_offers_is_said_at_once(cluster: RayCluster) -> None:
@@ -288,7 +308,9 @@ def test_serve_with_an_unreachable_ray_address_fails_at_once_and_announces_nothi
                           f"127.0.0.1:{dead}", "--port", "0"], capture_output=True, text=True, timeout=120,
                          env=env, cwd=REPO)
     assert out.returncode == 3, (out.returncode, out.stderr[-3000:])
-    assert f"cannot reach the Ray cluster at 127.0.0.1:{dead}" in out.stderr, out.stderr[-3000:]
+    assert f"error: the pool did not start: cannot reach the Ray cluster at 127.0.0.1:{dead}" in out.stderr, \
+        out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, "one error, not a stack"
     assert "ToolServer on" not in out.stderr + out.stdout
 
 

@@ -12,7 +12,8 @@ Why it is built this way:
   ``/proc/<pid>/environ`` of all of them. The actor's worker and the host are non-dumpable.
 - Each host's log is ``flock``-ed by its actor and inherited by the host, so the lock lasts as
   long as the host: an actor starting a host removes the data dirs and logs of its pool's hosts
-  whose lock is free (hosts of a killed pool, whose actors died without ``stop``).
+  whose lock is free (hosts of a killed pool, whose actors died without ``stop``), and the slot
+  cgroups of dead hosts on its node, then does so again every ``SWEEP_INTERVAL_S``.
 - Before placing anything, the cluster must have a live node offering the resource and CPUs one
   host asks for: if none does, that is said at once with what the nodes offer, not after the
   start timeout. An address where nothing listens is an error within seconds (Ray itself retries
@@ -34,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -138,9 +140,14 @@ class HostActor:
                 "node_id": ray.get_runtime_context().get_node_id()}
 
     async def _sweep(self, root: Path) -> None:
+        from atropos.sandbox.cgroups import remove_stale_slot_cgroups
+
         while True:
-            with contextlib.suppress(OSError):
-                await asyncio.to_thread(remove_dead_hosts, root, self.data_dir)
+            for sweep in (functools.partial(remove_dead_hosts, root, self.data_dir), remove_stale_slot_cgroups):
+                try:
+                    await asyncio.to_thread(sweep)
+                except Exception as exc:  # best effort: the next sweep, or the next host's start, retries
+                    log.warning("sweep of dead hosts' leftovers failed: %s", exc)
             await asyncio.sleep(SWEEP_INTERVAL_S)
 
     async def wait(self) -> int | None:
