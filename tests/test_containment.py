@@ -259,6 +259,27 @@ async def test_c03_pool_shutdown_removes_a_data_dir_holding_a_deep_tree(kind: st
         assert docker_cgroups.existing(host_id) is None, f"pool shutdown left the cgroups of {host_id}"
 
 
+async def test_a_process_beside_a_local_pool_cannot_find_the_host_token() -> None:
+    """A process of the pool's user (not its child) scans every /proc/*/environ, /proc/*/cmdline and
+    the pool's files for the host token and calls the host API with what it found: refused."""
+    import json
+    import subprocess
+    import sys
+
+    backend = make_backend("local", slots=1)
+    async with SlotPool(backend, PoolConfig(min_hosts=1, max_hosts=1)) as pool:
+        host = next(iter(pool.hosts.values()))
+        root = backend.root  # type: ignore[attr-defined]
+        thief = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "tests.token_theft", host.info.address, str(root)],
+            capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent, env={})
+        report = json.loads(thief.stdout)
+        assert report["read"]["environ"] > 0 and report["read"]["files"] > 0, report["read"]
+        assert report["accepted"] == [] and host.info.token not in report["candidates"], report["accepted"]
+        async with pool.leased("still-serves") as lease:
+            assert (await lease.bash("echo ok"))["stdout"] == "ok\n"
+
+
 # =====================================================================================================
 # Row 4: symlinks swapped and files shrinking during archive
 # =====================================================================================================

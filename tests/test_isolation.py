@@ -737,8 +737,12 @@ async def test_r17_r18_container_env_token_not_inside(host: RunningHost) -> None
 
 
 async def _no_secret_inside(running: RunningHost, canary: str) -> None:
-    host_env = Path(f"/proc/{running.proc.pid}/environ").read_bytes()
-    assert canary.encode() in host_env, "premise: the canary is in the host process's environment"
+    try:
+        host_env = Path(f"/proc/{running.proc.pid}/environ").read_bytes()
+    except PermissionError:  # the host is non-dumpable: only root reads its environ
+        host_env = None
+    if host_env is not None:
+        assert canary.encode() in host_env, "premise: the canary is in the host process's environment"
     client = running.client()
     try:
         s = LeasedSlot(client, await client.lease("canary"))

@@ -25,10 +25,11 @@ from typing import Any
 import pytest
 from conftest import wait_until
 
-from atropos.errors import HostUnavailable
+from atropos.errors import ConfigError, HostUnavailable
 from atropos.slots.audit import double_leases
 from atropos.slots.config import PoolConfig
 from atropos.slots.pool import SlotPool
+from tests import token_theft
 from tests.pool_backends import pool_cfg as shared_pool_cfg
 
 REPO = Path(__file__).resolve().parent.parent
@@ -83,7 +84,7 @@ def make_backend(cluster: RayCluster, slots: int, pool_id: str | None = None, **
 
     settings = BackendSettings(kind="ray", pool_id=pool_id or f"r{secrets.token_hex(4)}", slots_per_host=slots,
                                max_timeout_s=120, ray_address=cluster.address)
-    return build_backend(settings, environ={}, num_cpus=0.5, data_root=DATA_ROOT, **kw)
+    return build_backend(settings, environ={}, data_root=DATA_ROOT, **{"num_cpus": 0.5, **kw})
 
 
 def pool_cfg(**kw: Any) -> PoolConfig:
@@ -130,6 +131,27 @@ async def test_hosts_spread_over_nodes_and_the_token_stays_private(cluster: RayC
             env = (await lease.bash("env; cat /proc/1/environ 2>/dev/null | tr '\\0' '\\n'"))["stdout"]
             assert all(h.info.token not in env for h in hosts) and "ATROPOS_SANDBOX_TOKEN" not in env
     await poll(lambda: not backend.actor_names(), "the pool's actors to be gone after stop")
+
+
+async def test_a_task_on_the_hosts_node_cannot_find_the_host_token(cluster: RayCluster) -> None:
+    """An unrelated Ray task pinned to a host's node (Ray runs it as the host's user) scans every
+    /proc/*/environ, /proc/*/cmdline and the pool's files for the token and calls the host API
+    with whatever it found: nothing it found is accepted."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    backend = make_backend(cluster, slots=1, prewarm=False)
+    async with SlotPool(backend, pool_cfg(min_hosts=1, max_hosts=1)) as pool:
+        host = next(iter(pool.hosts.values()))
+        pid = int(host.info.labels["pid"])
+        assert host.info.token.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ray.cloudpickle.register_pickle_by_value(token_theft)  # the node's workers do not import tests/
+        attack = ray.remote(num_cpus=0)(token_theft.steal_host_token).options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(host.info.labels["node"], soft=False))
+        report = await asyncio.wrap_future(attack.remote([str(DATA_ROOT)], host.info.address).future())
+        assert report["read"]["environ"] > 5 and report["read"]["cmdline"] > 5 and report["read"]["files"] > 0, report
+        assert report["accepted"] == [] and host.info.token not in report["candidates"], report["accepted"]
+        async with pool.leased("probe") as lease:  # the host still serves with its token
+            assert (await lease.bash("echo ok"))["stdout"] == "ok\n"
 
 
 async def test_isolation_smoke_rows_on_a_ray_placed_host(cluster: RayCluster) -> None:
@@ -222,14 +244,74 @@ async def test_killed_pool_process_leaves_no_actors_and_a_restart_reaps(cluster:
     line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 180)
     first = json.loads(line)
     assert len(first["hosts"]) == 2
+    slot_cgroups = [d for p in first["pids"] for d in host_slot_cgroups(int(p))]
+    assert slot_cgroups, "premise: the hosts' slot cgroups exist"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    left = [DATA_ROOT / pool_id / h.replace("/", "-") for h in first["hosts"]]
+    assert all(d.with_suffix(".log").exists() for d in left), "premise: the killed pool's hosts had logs"
     backend = make_backend(cluster, slots=1, pool_id=pool_id, prewarm=False)
     async with SlotPool(backend, pool_cfg(pool_id=pool_id)) as pool:
         # the dead pool's actors are gone (Ray's owner fate-sharing, else reap_orphans at start)
         await poll(lambda: set(backend.actor_names()) == set(pool.hosts), "only the new pool's actors to remain")
         assert set(first["hosts"]).isdisjoint(backend.actor_names())
         await poll(lambda: not any(_alive(int(p)) for p in first["pids"]), "the dead pool's host processes to exit")
+        # ... and what its hosts left on the node (no stop ran for them) is removed by the new
+        # pool's actors there, while the new hosts' own data stays
+        await poll(lambda: not any(d.exists() or d.with_suffix(".log").exists() for d in left),
+                   "the dead pool's host data dirs and logs to be removed")
+        assert all((DATA_ROOT / pool_id / h.replace("/", "-")).with_suffix(".log").exists() for h in pool.hosts)
+        await poll(lambda: not any(d.exists() for d in slot_cgroups), "the dead hosts' slot cgroups to be removed")
+
+
+def host_slot_cgroups(pid: int) -> list[Path]:
+    """Where a host nests its slots' cgroups (``atropos/sandbox/cgroups.py``): ``atropos-<pid>`` in
+    its own cgroup of each v1 controller or of v2 (a v2 host sits in the leaf ``atropos-<pid>-host``)."""
+    from atropos.sandbox.cgroups import mountinfo, own_cgroups
+
+    found = []
+    for controller, path in own_cgroups(str(pid)).items():
+        for m in mountinfo():
+            if (m.fstype == "cgroup2" and controller == "") or (m.fstype == "cgroup" and controller in m.super_options):
+                base = Path(m.mountpoint) / path.lstrip("/")
+                if base.name == f"atropos-{pid}-host":
+                    base = base.parent
+                if (base / f"atropos-{pid}").is_dir():
+                    found.append(base / f"atropos-{pid}")
+    return found
+
+
+async def test_a_resource_no_node_offers_is_said_at_once(cluster: RayCluster) -> None:
+    """Neither a resource no node has nor more of it than any node has waits for the start
+    timeout: the pool's start fails with what the cluster's nodes do offer."""
+    for kw in ({"resource": "atropos_gpu_sandbox"}, {"resource_per_host": 64.0}):
+        backend = make_backend(cluster, slots=1, prewarm=False, **kw)
+        with pytest.raises(ConfigError) as err:
+            async with SlotPool(backend, pool_cfg(min_hosts=1, max_hosts=1)):
+                pass
+        msg = str(err.value)
+        assert "no live node of the Ray cluster can run a sandbox host" in msg, msg
+        assert f"{RESOURCE}=8" in msg and "CPU=4" in msg, msg  # what the worker nodes offer
+        assert not backend.actor_names()
+
+
+def test_serve_with_an_unreachable_ray_address_fails_at_once_and_announces_nothing(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port on loopback where nothing listens
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ATROPOS_", "RAY_ADDRESS"))}
+    env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), PYTHONPATH=str(REPO), ATROPOS_TOOLSERVER_TOKEN="t" * 32)
+    # the timeout only guards against the hang this test is about (Ray retries for ten minutes)
+    out = subprocess.run([sys.executable, "-m", "atropos.cli", "serve", "--backend", "ray", "--ray-address",
+                          f"127.0.0.1:{dead}", "--port", "0"], capture_output=True, text=True, timeout=120,
+                         env=env, cwd=REPO)
+    assert out.returncode == 3, (out.returncode, out.stderr[-3000:])
+    assert f"error: the pool did not start: cannot reach the Ray cluster at 127.0.0.1:{dead}" in out.stderr, \
+        out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, "one error, not a stack"
+    assert "ToolServer on" not in out.stderr + out.stdout
 
 
 def _alive(pid: int) -> bool:
@@ -292,6 +374,40 @@ async def test_worker_node_removed_with_64_calls_in_flight(cluster: RayCluster) 
                        f"no process of {host_id} left")
         assert double_leases(pool.audit.events) == []
     cluster.workers.append(cluster.add_worker())  # later tests get two workers again
+
+
+# -- beside a trainer ------------------------------------------------------------------------------
+async def test_a_zero_cpu_sandbox_node_gets_hosts_but_no_trainer_tasks(cluster: RayCluster) -> None:
+    """docs/ray.md's setting: a sandbox node started with ``--num-cpus=0`` and the pool with
+    ``num_cpus=0``. Hosts are placed there; a trainer's tasks and actors (Ray's default: one CPU
+    each) never are, while they do land on sandbox nodes that offer CPUs."""
+    node = cluster.cluster.add_node(num_cpus=0, resources={"atropos_sandbox_only": 2}, node_ip_address="127.0.0.1")
+    try:
+        cluster.cluster.wait_for_nodes()
+        backend = make_backend(cluster, slots=1, prewarm=False, resource="atropos_sandbox_only", num_cpus=0.0)
+        async with SlotPool(backend, pool_cfg(min_hosts=2, max_hosts=2)) as pool:
+            assert {h.info.labels["node"] for h in pool.hosts.values()} == {node.node_id}
+            async with pool.leased("on-zero-cpu") as lease:
+                assert (await lease.bash("echo ok"))["stdout"] == "ok\n"
+
+            @ray.remote
+            def where() -> str:
+                return str(ray.get_runtime_context().get_node_id())
+
+            @ray.remote
+            class Worker:
+                def where(self) -> str:
+                    return str(ray.get_runtime_context().get_node_id())
+
+            tasks = ray.get([where.options(scheduling_strategy="SPREAD").remote() for _ in range(24)])
+            actors = [Worker.options(scheduling_strategy="SPREAD").remote() for _ in range(4)]  # type: ignore[attr-defined]
+            placed = set(tasks) | set(ray.get([a.where.remote() for a in actors]))
+            for a in actors:
+                ray.kill(a)
+            assert node.node_id not in placed
+            assert placed & cluster.worker_ids(), "premise: the sandbox nodes with CPUs do get trainer tasks"
+    finally:
+        cluster.cluster.remove_node(node)
 
 
 # -- the CLI -------------------------------------------------------------------------------------

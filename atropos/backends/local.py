@@ -23,7 +23,7 @@ from atropos.sandbox.contract.hostdirs import (
     owned_dir,
     remove_tree,
 )
-from atropos.sandbox.launch import HostLaunch, host_env
+from atropos.sandbox.launch import HostLaunch, start_host_process
 
 log = logging.getLogger(__name__)
 KEPT_HOST_LOGS = 20  # logs of hosts of ended runs kept under the pool's data root (the newest)
@@ -69,20 +69,15 @@ class LocalBackend(Backend):
         for d in (self.cfg.data_root, self.root):
             owned_dir(d, 0o711)
         token = new_token()
-        argv = HostLaunch(port=self.cfg.port, slots=self.cfg.slots_per_host, data_dir=str(data_dir),
-                          max_timeout_s=self.cfg.max_timeout_s, workspace_bytes=self.cfg.slot_workspace_bytes,
-                          prewarm=False, parent_pid=os.getpid(),  # the pool asks (Backend.prewarm)
-                          unsafe_no_isolation=self.cfg.unsafe_no_isolation,
-                          slot_memory_bytes=self.cfg.slot_memory_bytes, slot_pids=self.cfg.slot_pids,
-                          slot_cpus=self.cfg.slot_cpus, unsafe_no_cgroups=self.cfg.unsafe_no_cgroups,
-                          ).argv(self.cfg.python)
-        env = host_env(token)
+        launch = HostLaunch(port=self.cfg.port, slots=self.cfg.slots_per_host, data_dir=str(data_dir),
+                            max_timeout_s=self.cfg.max_timeout_s, workspace_bytes=self.cfg.slot_workspace_bytes,
+                            prewarm=False, parent_pid=os.getpid(),  # the pool asks (Backend.prewarm)
+                            unsafe_no_isolation=self.cfg.unsafe_no_isolation,
+                            slot_memory_bytes=self.cfg.slot_memory_bytes, slot_pids=self.cfg.slot_pids,
+                            slot_cpus=self.cfg.slot_cpus, unsafe_no_cgroups=self.cfg.unsafe_no_cgroups)
         log_path = self.root / f"{host_id}.log"
         with open(log_path, "ab") as log_file:  # noqa: ASYNC230 - a local file, opened once per host
-            proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=log_file,
-                env=env, start_new_session=True,
-            )
+            proc = await start_host_process(launch, token, log_file, self.cfg.python)
         self._procs[host_id] = proc
         self._dirs[host_id] = data_dir
         assert proc.stdout is not None

@@ -7,7 +7,17 @@ Why it is built this way:
 - The host token reaches the actor in a method call after the actor exists, never in its
   constructor arguments, options or runtime_env: those are stored in Ray's actor table and shown
   by its state API and dashboard; a method call's arguments are sent to the actor only. The
-  actor puts it in the host's environment (``HOST_TOKEN_ENV``), which the host pops at start.
+  actor writes it on the host's stdin (``atropos/sandbox/launch.py: start_host_process``), never
+  in an environment block: Ray runs every task of a node as one user, which can read the
+  ``/proc/<pid>/environ`` of all of them. The actor's worker and the host are non-dumpable.
+- Each host's log is ``flock``-ed by its actor and inherited by the host, so the lock lasts as
+  long as the host: an actor starting a host removes the data dirs and logs of its pool's hosts
+  whose lock is free (hosts of a killed pool, whose actors died without ``stop``), and the slot
+  cgroups of dead hosts on its node, then does so again every ``SWEEP_INTERVAL_S``.
+- Before placing anything, the cluster must have a live node offering the resource and CPUs one
+  host asks for: if none does, that is said at once with what the nodes offer, not after the
+  start timeout. An address where nothing listens is an error within seconds (Ray itself retries
+  for minutes).
 - The host is started with ``--parent-pid`` = the actor's worker: when Ray kills the actor (its
   node removed, ``ray.kill``, the pool's driver gone) the host gets SIGTERM and stops its slots.
 - Actors are owned by the pool's driver (not detached): when the pool process dies, Ray kills
@@ -24,6 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import functools
 import json
 import logging
 import os
@@ -32,13 +44,16 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 from pydantic import Field
 
 from atropos.backends.base import PREWARM_DESCRIPTION, Backend, HostInfo, new_token, pid_alive
 from atropos.backends.slot_caps import SlotCaps
 from atropos.errors import ConfigError, HostUnavailable, IsolationUnavailable
+
+SWEEP_INTERVAL_S = 15.0  # how often a host's actor removes what dead hosts of its pool left on its node
+ADDRESS_PROBE_S = 5.0  # a Ray address must accept a TCP connection this fast (ray.init retries for minutes)
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +98,13 @@ class HostActor:
     and stops it. Made a Ray actor by ``RayBackend`` (``ray.remote(HostActor)``)."""
 
     def __init__(self, launch: dict[str, Any]) -> None:
+        from atropos.sandbox.inslot import make_undumpable
+
+        # before the token arrives (start): the node's other tasks run as our user
+        make_undumpable()
         self.launch = launch
         self.proc: asyncio.subprocess.Process | None = None
+        self._sweeper: asyncio.Future[None] | None = None
         self.data_dir = Path(launch["data_dir"])
         self.log_path = self.data_dir.with_suffix(".log")
 
@@ -92,7 +112,7 @@ class HostActor:
         import ray
 
         from atropos.sandbox.contract.hostdirs import owned_dir
-        from atropos.sandbox.launch import HostLaunch, host_env
+        from atropos.sandbox.launch import HostLaunch, start_host_process
 
         ip = ray.util.get_node_ip_address()
         spec = dict(self.launch)
@@ -102,10 +122,11 @@ class HostActor:
         root.parent.mkdir(parents=True, exist_ok=True)
         for d in (root.parent, root):
             owned_dir(d, 0o711)
-        with open(self.log_path, "ab") as log_file:  # noqa: ASYNC230 - a local file, opened once per host
-            self.proc = await asyncio.create_subprocess_exec(
-                *launch.argv(python or sys.executable), stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=log_file, env=host_env(token), start_new_session=True)
+        with await asyncio.to_thread(_locked_log, self.log_path) as log_file:
+            self.proc = await start_host_process(launch, token, log_file, python or sys.executable)
+        # now and then while this host lives: a killed pool's hosts release their locks only once
+        # they have stopped, seconds after their actors died
+        self._sweeper = asyncio.ensure_future(self._sweep(root))
         assert self.proc.stdout is not None
         try:
             line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
@@ -118,6 +139,17 @@ class HostActor:
         return {"address": f"http://{_url_host(ip)}:{ready['port']}", "pid": self.proc.pid, "node_ip": ip,
                 "node_id": ray.get_runtime_context().get_node_id()}
 
+    async def _sweep(self, root: Path) -> None:
+        from atropos.sandbox.cgroups import remove_stale_slot_cgroups
+
+        while True:
+            for sweep in (functools.partial(remove_dead_hosts, root, self.data_dir), remove_stale_slot_cgroups):
+                try:
+                    await asyncio.to_thread(sweep)
+                except Exception as exc:  # best effort: the next sweep, or the next host's start, retries
+                    log.warning("sweep of dead hosts' leftovers failed: %s", exc)
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+
     async def wait(self) -> int | None:
         """Returns when the host process exits (fails at once if this actor dies)."""
         if self.proc is None:
@@ -127,6 +159,8 @@ class HostActor:
     async def stop(self) -> None:
         from atropos.sandbox.contract.hostdirs import kill_processes_naming
 
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         proc = self.proc
         if proc is not None and proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
@@ -146,6 +180,61 @@ class HostActor:
             return self.log_path.read_text(errors="replace")[-n:].strip()
         except OSError:
             return "(no log)"
+
+
+def _probe_address(address: str) -> None:
+    """Fail within seconds when nothing listens at a ``host:port`` or ``ray://host:port`` address
+    (``auto`` and addresses without a port are left to Ray)."""
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), ADDRESS_PROBE_S).close()
+    except OSError as exc:
+        raise HostUnavailable(f"cannot reach the Ray cluster at {address}: {exc.strerror or exc} (is `ray start "
+                              "--head` running there, and is this the GCS port, 6379 by default?)") from None
+
+
+def _locked_log(path: Path) -> IO[bytes]:
+    """The host's log, opened and ``flock``-ed: the host inherits it as its stderr, so the lock
+    is held while the host (or this actor) lives, and freed by the kernel when both are gone."""
+    while True:
+        f = open(path, "ab")  # returned: the caller's with closes it
+        fcntl.flock(f, fcntl.LOCK_EX)  # waits only for a remove_dead_hosts holding it to unlink it
+        if os.fstat(f.fileno()).st_nlink:
+            return f
+        f.close()  # removed as a dead host's just before we locked it: a new file
+
+
+def remove_dead_hosts(root: Path, keep: Path) -> list[str]:
+    """Remove the data dirs and logs under ``root`` (one pool's, on this node) of hosts no longer
+    alive: their log's lock is free. Returns the names removed."""
+    from atropos.sandbox.sandbox_process import kill_processes_naming
+
+    removed = []
+    for log_path in sorted(root.glob("*.log")):
+        data_dir = log_path.with_suffix("")
+        if data_dir == keep:
+            continue
+        try:
+            fd = os.open(log_path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its host runs
+            kill_processes_naming(data_dir)  # a sandbox that outlived its host
+            shutil.rmtree(data_dir, ignore_errors=True)
+            log_path.unlink(missing_ok=True)
+            removed.append(data_dir.name)
+        finally:
+            os.close(fd)
+    if removed:
+        log.warning("removed the data of %d dead host(s) under %s: %s", len(removed), root, removed)
+    return removed
 
 
 def _url_host(ip: str) -> str:
@@ -201,6 +290,8 @@ class RayBackend(Backend):
                               "ignore_reinit_error": True}
         if self._loopback:
             kw["_node_ip_address"] = "127.0.0.1"
+        if self._address is not None:
+            _probe_address(self._address)
         try:
             if self._address is None:
                 # no cluster named: a single-node Ray in this process (the node offers the resource)
@@ -227,8 +318,29 @@ class RayBackend(Backend):
         return out
 
     # -- Backend --------------------------------------------------------------------------------
+    def offers(self) -> list[dict[str, float]]:
+        """What each live node of the cluster offers (its resource totals)."""
+        self._connect()
+        return [dict(node.get("Resources", {})) for node in self._ray.nodes() if node.get("Alive")]
+
+    def check_feasible(self) -> None:
+        """Raise at once (``ConfigError``) when no live node could ever run a host: none offers
+        ``resource_per_host`` of the resource and ``num_cpus`` CPUs. Ray would wait for such a node
+        (an autoscaler may add one) and the start would fail only at its timeout."""
+        c = self.cfg
+        offers = self.offers()
+        if any(o.get(c.resource, 0) >= c.resource_per_host and o.get("CPU", 0) >= c.num_cpus for o in offers):
+            return
+        shown = "; ".join(", ".join(f"{k}={v:g}" for k, v in sorted(o.items()) if not k.startswith("node:"))
+                          for o in offers) or "none"
+        raise ConfigError(f"no live node of the Ray cluster can run a sandbox host: one asks for {c.resource}="
+                          f"{c.resource_per_host:g} and CPU={c.num_cpus:g}; the {len(offers)} live node(s) offer: "
+                          f"{shown}. Give sandbox nodes the resource (ray start --resources='{{\"{c.resource}\": N}}')"
+                          " or change RayBackendConfig.resource / resource_per_host / num_cpus")
+
     async def start_host(self) -> HostInfo:
         self._connect()
+        await asyncio.to_thread(self.check_feasible)
         self._counter += 1
         name = self._name(self._counter)
         c = self.cfg
@@ -268,10 +380,13 @@ class RayBackend(Backend):
 
     def _placement_hint(self) -> str:
         try:
-            nodes = self.nodes()
+            total = self._ray.cluster_resources()
+            free = self._ray.available_resources()
         except Exception as exc:  # the hint is best effort; the timeout is the error
-            return f"(cannot list nodes: {exc})"
-        return f"{len(nodes)} live node(s) offer it" if nodes else "no live node offers it"
+            return f"(cannot read the cluster's resources: {exc})"
+        r = self.cfg.resource
+        return (f"the cluster has {r}={total.get(r, 0):g} (free {free.get(r, 0):g}) and CPU={total.get('CPU', 0):g} "
+                f"(free {free.get('CPU', 0):g}): the others' hosts or tasks hold the rest")
 
     async def stop_host(self, host_id: str) -> None:
         actor = self._actors.get(host_id)

@@ -50,7 +50,9 @@ def build_pool(s: ServeSettings) -> Any:
                     PoolConfig(pool_id=s.pool_id, min_hosts=s.min_hosts, max_hosts=s.max_hosts))
 
 
-def build_app(s: ServeSettings, token: str | None) -> Any:
+def build_app(s: ServeSettings, token: str | None, pool: Any = None) -> Any:
+    """The ToolServer app; it starts and stops its pool in its lifespan unless ``pool`` is given
+    (then the caller does: ``cmd_serve``, before it serves)."""
     from atropos.api.externals import web_externals
     from atropos.api.server import ToolServerSettings, create_tool_server
     from atropos.tools.registry import ToolRegistry
@@ -64,9 +66,9 @@ def build_app(s: ServeSettings, token: str | None) -> Any:
                                                 base_url=s.web_base_url))
         externals = web_externals(provider)
     return create_tool_server(
-        build_pool(s), ToolServerSettings(token=token, allow_no_auth=s.allow_no_auth,
-                                          public_metrics=not s.metrics_need_token),
-        registry=ToolRegistry.default(with_web=with_web), externals=externals, manage_pool=True,
+        pool or build_pool(s), ToolServerSettings(token=token, allow_no_auth=s.allow_no_auth,
+                                                  public_metrics=not s.metrics_need_token),
+        registry=ToolRegistry.default(with_web=with_web), externals=externals, manage_pool=pool is None,
     )
 
 
@@ -114,22 +116,21 @@ def client_url(host: str, port: int) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from atropos.request_deadline import server_config
 
     s = load_settings(args)
     setup_logging(s)
     token = resolve_token(s)
-    app = build_app(s, token)
+    pool = build_pool(s)
+    app = build_app(s, token, pool)
     sock = bind_socket(s.listen_host, s.port)
     port = sock.getsockname()[1]
-    log.info("ToolServer on %s (backend %s, pool %s)", client_url(s.listen_host, port), s.backend, s.pool_id)
-    log.info("%s", where_to_look(client_url(s.listen_host, port)))
     # log_config=None: uvicorn's records go through our (redacting, maybe JSON) root handler
     config = server_config(app, s.request_read_timeout_s, log_level="warning", log_config=None, lifespan="on",
                            timeout_keep_alive=120)
-    server = uvicorn.Server(config)
+    url = client_url(s.listen_host, port)
+    server = pool_first_server(config, pool, f"ToolServer on {url} (backend {s.backend}, pool {s.pool_id})",
+                               where_to_look(url))
     # uvicorn shuts down gracefully on SIGTERM (the pool stops its hosts), then re-raises the signal
     # with the handler it found: make that a clean exit 0, not death by signal (-15) for scripts.
     signal.signal(signal.SIGTERM, _exit_cleanly)
@@ -137,10 +138,48 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.run(sockets=[sock])
     finally:
         sock.close()
+    if server.pool_error is not None:
+        print(f"error: the pool did not start: {server.pool_error}", file=sys.stderr)
+        return EXIT_INFRA
     if not server.started:
-        print("error: the ToolServer did not start (the pool failed to start; see the log above)", file=sys.stderr)
+        print("error: the ToolServer did not start (see the log above)", file=sys.stderr)
         return EXIT_INFRA
     return EXIT_OK
+
+
+def pool_first_server(config: Any, pool: Any, *lines: str) -> Any:
+    """A uvicorn server that starts ``pool`` before it serves and stops it after, and logs
+    ``lines`` (its address) only once it serves: a pool that cannot start (an unreachable cluster,
+    a resource no node offers) ends it with that one error (``pool_error``), never preceded by an
+    address that nothing answers."""
+    import uvicorn
+
+    from atropos.errors import AtroposSandboxError
+
+    class Server(uvicorn.Server):
+        pool_error: AtroposSandboxError | None = None
+
+        async def startup(self, sockets: Any = None) -> None:
+            try:
+                await pool.start()
+            except AtroposSandboxError as exc:
+                self.pool_error = exc
+                self.should_exit = True
+                return
+            await super().startup(sockets=sockets)
+            if not self.started or self.should_exit:  # uvicorn skips shutdown() then
+                await pool.stop()
+                return
+            for line in lines:
+                log.info("%s", line)
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            try:
+                await super().shutdown(sockets=sockets)
+            finally:
+                await pool.stop()
+
+    return Server(config)
 
 
 def _exit_cleanly(signum: int, _frame: object) -> None:

@@ -1,7 +1,10 @@
 """``python -m atropos.sandbox``: run one sandbox host.
 
-The token comes from ``ATROPOS_SANDBOX_TOKEN`` or ``--token-file`` (never a flag: argv is visible
-to every process on the machine). Once started, the host prints one JSON line on stdout:
+The token comes from one line on stdin (``--token-stdin``: how the local and Ray backends pass it,
+``atropos/sandbox/launch.py``), ``ATROPOS_SANDBOX_TOKEN`` (a container's orchestrator) or
+``--token-file`` (never a flag: argv is visible to every process on the machine). The host makes
+itself non-dumpable first thing: no process of its user can read its environ or memory.
+Once started, the host prints one JSON line on stdout:
 ``{"event": "ready", "port": N, ...}`` so a parent can find a port picked with ``--port 0``.
 """
 
@@ -30,6 +33,7 @@ from atropos.sandbox import egress
 from atropos.sandbox.config import HostConfig, Limits
 from atropos.sandbox.contract.hostdirs import kill_processes_naming
 from atropos.sandbox.host import SandboxHost
+from atropos.sandbox.inslot import make_undumpable
 from atropos.sandbox.launch import HOST_TOKEN_ENV as TOKEN_ENV
 from atropos.sandbox.sandbox_process import SandboxProcess
 from atropos.sandbox.server import create_app, wrap
@@ -46,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
     p.add_argument("--slots", type=int, default=defaults.slots, help="number of slots (default %(default)s)")
     p.add_argument("--data-dir", type=Path, default=defaults.data_dir, help="where workspaces live")
     p.add_argument("--token-file", type=Path, help=f"file holding the bearer token (else ${TOKEN_ENV})")
+    p.add_argument("--token-stdin", action="store_true",
+                   help="read the bearer token as the first line of stdin (then stdin is /dev/null)")
     p.add_argument("--uid-base", type=int, help="first per-slot uid when running as root")
     p.add_argument("--max-timeout", type=float, default=defaults.max_timeout_s, help="largest per-call timeout (s)")
     p.add_argument("--nproc", type=int, default=Limits().nproc, help="processes per slot")
@@ -97,10 +103,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
     p.add_argument("--log-json", action="store_true", help="one JSON object per log line (stderr)")
     args = p.parse_args(argv)
     token = os.environ.pop(TOKEN_ENV, "")  # scrub: nothing we start should inherit it
-    if args.token_file:
+    if args.token_stdin:
+        token = _read_token_from_stdin()
+    elif args.token_file:
         token = args.token_file.read_text().strip()
     if not token:
-        p.error(f"a token is required: set ${TOKEN_ENV} or pass --token-file")
+        p.error(f"a token is required: --token-stdin, ${TOKEN_ENV} or --token-file")
     try:
         policy = egress.EgressSettings(
             deny=tuple(egress.parse_networks(args.egress_deny)), allow=tuple(egress.parse_networks(args.egress_allow)),
@@ -122,6 +130,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
         cgroup_dir=args.cgroup_dir, unsafe_no_cgroups=args.unsafe_no_cgroups,
     )
     return cfg, args
+
+
+def _read_token_from_stdin() -> str:
+    """The first line of stdin; then stdin becomes /dev/null, so nothing started later reads the
+    pipe (its writer closed it: nothing more would come anyway)."""
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = os.read(0, 4096)
+        if not chunk:
+            break
+        line += chunk
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    return line.decode(errors="replace").strip()
 
 
 def _die_with_parent(parent: int) -> None:
@@ -160,6 +183,9 @@ async def serve(cfg: HostConfig, prewarm: bool = True) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # before the token arrives: no process of our user (every task Ray runs on this node, the
+    # slots' users in a container) may read our memory, fds or environ (root still can)
+    make_undumpable()
     cfg, args = parse_args(argv)
     # the same redacting handler as the pool side: a host's stderr lands in the pool's logs
     configure(level=args.log_level, json_lines=args.log_json)

@@ -285,6 +285,17 @@ class SlotCgroups:
                 rmdir_tree(p)
 
 
+def remove_stale_slot_cgroups() -> None:
+    """Remove the slot cgroups of dead hosts that were started from this process's own cgroup (a
+    host nests its slots' cgroups there, ``_nested``): what a Ray actor runs now and then on its
+    node, so a killed pool's or a lost node's leftovers do not wait for the next host's start."""
+    mounts = mountinfo()
+    own = own_cgroups()
+    bases = [_v1_dir(mounts, own, c) for c in V1_CONTROLLERS] + [_v2_dir(mounts, own)]
+    for base in {b for b in bases if b is not None}:
+        _remove_stale(base)
+
+
 def _remove_stale(base: Path) -> None:
     """Slot cgroups of hosts that died without cleaning up (SIGKILL): ``atropos-<pid>`` of a dead pid."""
     for d in base.glob("atropos-*"):

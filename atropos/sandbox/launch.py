@@ -2,9 +2,15 @@
 
 A host is always ``python -m atropos.sandbox`` (a child process, a container whose entrypoint is
 that module, a Nomad task, a process a Ray actor starts); backends differ only in *where* it runs.
-The token never goes on the command line (argv is readable by every process on the machine): it
-travels in ``HOST_TOKEN_ENV``, which the host pops from its environment at start
-(``atropos/sandbox/__main__.py``), so nothing it starts inherits it.
+The token never goes on the command line nor in the environment block of a process this module
+starts: argv is readable by every process on the machine, and ``/proc/<pid>/environ`` by every
+process of the same user (on a Ray node: every task Ray runs there), even after the host pops the
+variable (the kernel shows the block the process was started with). A host this module starts
+(``start_host_process``) reads it as one line on a pipe that is its stdin (``--token-stdin``),
+then swaps stdin for /dev/null and marks itself non-dumpable, so no process of its user can read
+its memory or environ. Only a container (Docker, Nomad) still gets ``HOST_TOKEN_ENV`` from its
+orchestrator: there the host is non-dumpable too and its slots run under other uids in their own
+pid namespaces (``tests/test_isolation.py``, rows 17-18).
 
 Valued flags whose value is a number are written ``--flag=value``: ``nomad/sandbox.hcl`` spells
 them that way (an HCL string that is only ``${var.x}`` would keep the number type) and the test
@@ -13,9 +19,12 @@ comparing it with the job the backend registers reads these very args.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import sys
 from collections.abc import Mapping
+from typing import IO
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -48,6 +57,7 @@ class HostLaunch(BaseModel):
     unsafe_no_cgroups: bool = False
     egress: EgressSettings = Field(default_factory=EgressSettings, description="network slots' egress policy")
     log_level: str | None = None
+    token_stdin: bool = Field(False, description="the token arrives on stdin (start_host_process), not in the env")
 
     def args(self) -> list[str]:
         """The flags after ``python -m atropos.sandbox`` (a container's command)."""
@@ -72,6 +82,8 @@ class HostLaunch(BaseModel):
             args.append("--unsafe-no-isolation")
         if self.log_level:
             args += ["--log-level", self.log_level]
+        if self.token_stdin:
+            args.append("--token-stdin")
         return args
 
     def argv(self, python: str | None = None) -> list[str]:
@@ -79,9 +91,25 @@ class HostLaunch(BaseModel):
         return [python or sys.executable, "-m", HOST_MODULE, *self.args()]
 
 
-def host_env(token: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
+def host_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a host process: ``base`` (default ours) without the CLI's settings
-    variables, plus the token."""
-    env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith(SETTINGS_ENV_PREFIX)}
-    env[HOST_TOKEN_ENV] = token
-    return env
+    variables (nor a host token: it never travels in an environment this module builds)."""
+    return {k: v for k, v in (os.environ if base is None else base).items()
+            if not k.startswith(SETTINGS_ENV_PREFIX) and k != HOST_TOKEN_ENV}
+
+
+async def start_host_process(launch: HostLaunch, token: str, stderr: IO[bytes],
+                             python: str | None = None) -> asyncio.subprocess.Process:
+    """Start ``python -m atropos.sandbox`` for ``launch`` in a session of its own, its token
+    written on its stdin (a pipe closed at once); its stdout is a pipe for the ready line."""
+    proc = await asyncio.create_subprocess_exec(
+        *launch.model_copy(update={"token_stdin": True}).argv(python), stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=stderr, env=host_env(), start_new_session=True)
+    assert proc.stdin is not None
+    # far below a pipe's buffer: the write never waits for the host. A host that died at once
+    # (a bad interpreter) is reported by the caller from its log, not as a broken pipe here.
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        proc.stdin.write(token.encode() + b"\n")
+        await proc.stdin.drain()
+    proc.stdin.close()
+    return proc
