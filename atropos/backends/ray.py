@@ -210,7 +210,7 @@ def _locked_log(path: Path) -> IO[bytes]:
 def remove_dead_hosts(root: Path, keep: Path) -> list[str]:
     """Remove the data dirs and logs under ``root`` (one pool's, on this node) of hosts no longer
     alive: their log's lock is free. Returns the names removed."""
-    from atropos.sandbox.sandbox_process import kill_processes_naming
+    from atropos.sandbox.contract.hostdirs import kill_processes_naming
 
     removed = []
     for log_path in sorted(root.glob("*.log")):
