@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from atropos.errors import CgroupUnavailable as CgroupUnavailable  # defined there since issue 18
+from atropos.sandbox.launch import SlotLimits
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +46,6 @@ SH = "/bin/sh"
 _PLACE = ('for f do [ "$f" = -- ] && break; echo $$ >"$f" || exit 125; shift; done; shift; '
           'unset PWD OLDPWD; exec "$@"')
 PLACEMENT_FAILED = 125
-
-
-@dataclass(frozen=True)
-class SlotCaps:
-    """What one slot may use as a whole (0 = that cap is not set)."""
-
-    memory_bytes: int
-    pids: int
-    cpus: float = 0.0  # a hard quota in CPUs; 0 = none (slots still share CPU equally by weight)
 
 
 @dataclass(frozen=True)
@@ -122,7 +114,7 @@ class SlotCgroup:
         except FileNotFoundError:
             return []
 
-    def apply(self, caps: SlotCaps) -> None:
+    def apply(self, caps: SlotLimits) -> None:
         if self.version == 2:
             d = self.dirs[""]
             if caps.memory_bytes:
@@ -305,7 +297,7 @@ class SlotCgroups:
         _enable_v2(parent)
         return cls(2, {"": parent}, owned=True)
 
-    def slot(self, name: str, caps: SlotCaps) -> SlotCgroup:
+    def slot(self, name: str, caps: SlotLimits) -> SlotCgroup:
         """The slot's cgroup, created (or emptied, if a previous host left it) with ``caps``."""
         dirs = {c: p / name for c, p in self.parents.items()}
         for d in dirs.values():
