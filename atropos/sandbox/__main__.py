@@ -27,7 +27,7 @@ from atropos.errors import AtroposSandboxError
 from atropos.logs import configure
 from atropos.request_deadline import server_config
 from atropos.sandbox import egress
-from atropos.sandbox.config import HostConfig, Limits
+from atropos.sandbox.config import HostConfig, Limits, host_settings
 from atropos.sandbox.host import SandboxHost
 from atropos.sandbox.launch import HOST_TOKEN_ENV as TOKEN_ENV
 from atropos.sandbox.launch import SlotLimits
@@ -107,7 +107,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
         p.error(str(exc))
     cfg = HostConfig(
         slots=args.slots, data_dir=args.data_dir, host=args.host, port=args.port, token=token,
-        uid_base=args.uid_base, unsafe_no_isolation=args.unsafe_no_isolation, **HostConfig.settings_of(slot),
+        uid_base=args.uid_base, unsafe_no_isolation=args.unsafe_no_isolation, **host_settings(slot),
         limits=Limits(nproc=args.nproc, address_space_bytes=args.memory, workspace_bytes=slot.workspace_bytes,
                       workspace_inodes=args.workspace_inodes, tmp_inodes=args.tmp_inodes,
                       shm_inodes=args.shm_inodes),

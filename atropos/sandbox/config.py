@@ -126,13 +126,6 @@ class HostConfig(BaseModel):
         return SlotLimits(max_timeout_s=self.max_timeout_s, workspace_bytes=self.limits.workspace_bytes,
                           memory_bytes=self.slot_memory_bytes, pids=self.slot_pids, cpus=self.slot_cpus)
 
-    @staticmethod
-    def settings_of(slot: SlotLimits) -> dict[str, Any]:
-        """The fields of a HostConfig that ``slot`` sets, but ``limits.workspace_bytes``, the
-        inverse of ``slot_limits`` (the host's flags: atropos/sandbox/__main__.py)."""
-        return {"max_timeout_s": slot.max_timeout_s, "slot_memory_bytes": slot.memory_bytes,
-                "slot_pids": slot.pids, "slot_cpus": slot.cpus}
-
     @model_validator(mode="after")
     def _default_within_max(self) -> HostConfig:
         # `--max-timeout 5` alone must mean what it says: a call without a timeout gets 5 s, not
@@ -147,3 +140,10 @@ class HostConfig(BaseModel):
         if any(c.isspace() for c in v):
             raise ValueError("token must not contain whitespace")
         return v
+
+
+def host_settings(slot: SlotLimits) -> dict[str, Any]:
+    """The fields of a HostConfig that ``slot`` sets, but ``limits.workspace_bytes``: the inverse of
+    ``HostConfig.slot_limits`` (the host's flags, atropos/sandbox/__main__.py)."""
+    return {"max_timeout_s": slot.max_timeout_s, "slot_memory_bytes": slot.memory_bytes,
+            "slot_pids": slot.pids, "slot_cpus": slot.cpus}
