@@ -163,12 +163,14 @@ job "atropos-sandbox" {
         # "--slots=${...}": a string that is only "${var.x}" would keep the number type in HCL2.
         args = [
           "--host", "0.0.0.0", "--port", "8080", "--slots=${var.slots_per_host}",
-          "--data-dir", "/slots/data", "--max-timeout=${var.max_timeout_s}",
-          "--workspace-bytes=${var.slot_workspace_bytes}",
+          "--data-dir", "/slots/data",
+          # the slot limits, in the order atropos/sandbox/launch.py (SlotLimits) declares them
+          "--max-timeout=${var.max_timeout_s}", "--workspace-bytes=${var.slot_workspace_bytes}",
+          "--slot-memory-bytes=${var.slot_memory_bytes}", "--slot-pids=${var.slot_pids}",
+          "--slot-cpus=${var.slot_cpus}",
           # per-slot cgroups: the runtime (atropos-runc) sees this flag and delegates a cgroup subtree,
           # nested in the container's own limits, mounted here (nomad/README.md)
-          "--cgroup-dir=/run/atropos/cgroup", "--slot-memory-bytes=${var.slot_memory_bytes}",
-          "--slot-pids=${var.slot_pids}", "--slot-cpus=${var.slot_cpus}",
+          "--cgroup-dir=/run/atropos/cgroup",
           # the host sees only the container's addresses: network slots must not reach the node's
           # either (egress policy, docs/containment.md); Nomad fills in the node's address
           "--egress-machine-address=${attr.unique.network.ip-address}",

@@ -25,7 +25,7 @@ from atropos.cli import ServeSettings, backend_settings, nomad_config
 from atropos.envs.config import AgentEnvConfig
 from atropos.envs.config import backend_settings as env_backend_settings
 from atropos.errors import ConfigError, HostUnavailable
-from atropos.sandbox.launch import HOST_TOKEN_ENV, HostLaunch
+from atropos.sandbox.launch import HOST_TOKEN_ENV, HostLaunch, SlotLimits
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -110,13 +110,13 @@ def test_every_backend_launches_the_same_host_command_line() -> None:
 
     nomad = backend_config(BackendSettings(kind="nomad", pool_id="p", slots_per_host=7, max_timeout_s=9), environ={})
     args = render_job(nomad)["TaskGroups"][0]["Tasks"][0]["Config"]["args"]
-    launch = HostLaunch(host="0.0.0.0", port=8080, slots=7, data_dir="/slots/data", max_timeout_s=9,
-                        workspace_bytes=nomad.slot_workspace_bytes, cgroup_dir="/run/atropos/cgroup",
-                        slot_memory_bytes=nomad.slot_memory_bytes, slot_pids=nomad.slot_pids,
-                        slot_cpus=nomad.slot_cpus)
+    limits = SlotLimits(max_timeout_s=9, workspace_bytes=nomad.slot_workspace_bytes,
+                        memory_bytes=nomad.slot_memory_bytes, pids=nomad.slot_pids, cpus=nomad.slot_cpus)
+    launch = HostLaunch(host="0.0.0.0", port=8080, slots=7, data_dir="/slots/data", limits=limits,
+                        cgroup_dir="/run/atropos/cgroup")
     assert args == [*launch.args(), NODE_ADDRESS_ARG]  # the node's address: Nomad fills it in
     assert "--slots=7" in args and "--max-timeout=9" in args
-    assert HostLaunch(slots=1, data_dir="/d", max_timeout_s=1, workspace_bytes=0).argv()[:3] == [
+    assert HostLaunch(slots=1, data_dir="/d").argv()[:3] == [
         sys.executable, "-m", "atropos.sandbox"]
     assert HOST_TOKEN_ENV == "ATROPOS_SANDBOX_TOKEN"  # what sandbox_image and nomad/sandbox.hcl deliver
 

@@ -26,6 +26,7 @@ from conftest import HOST_WORKSPACE_BYTES, LeasedSlot, RunningHost, start_host, 
 from atropos.backends import docker_cgroups
 from atropos.sandbox.config import RUN_DIR_INODES, Limits
 from atropos.sandbox.contract.hostdirs import remove_tree
+from atropos.sandbox.protocol import VerifyRequest
 from atropos.sandbox.trees import copy_tree, walk_tree
 from atropos.slots.config import PoolConfig
 from atropos.slots.pool import SlotPool
@@ -118,6 +119,36 @@ async def test_c01_empty_files_meet_an_inode_cap(slot: LeasedSlot, where: str, c
     assert cap - 8 <= int(created) <= cap, f"{where}: {created} files for a cap of {cap}"
     # the cap is per filesystem and gone with the files: the slot writes again
     assert (await slot.sh(f"touch {where}/again && echo ok"))["stdout"] == "ok\n"
+
+
+VERIFY_FILL = r"""
+import errno, os
+
+def fill(d):
+    n, err = 0, None
+    try:
+        while n < 2_000_000:
+            os.close(os.open(f'{d}/f{n}', os.O_WRONLY | os.O_CREAT, 0o600))
+            n += 1
+    except OSError as exc:
+        err = errno.errorcode.get(exc.errno, exc.errno)
+    return [n, err]
+
+def verify(ws, secrets, args):
+    return {"score": 0, "filled": {d: fill(d) for d in args}}
+"""
+
+
+async def test_c01_the_verifiers_scratch_mounts_meet_the_same_inode_caps(slot: LeasedSlot) -> None:
+    """Code a checker runs (the verification sandbox) fills /tmp and /dev/shm with empty files: the
+    slot's inode caps hold there as in its working sandboxes (each inode is kernel memory)."""
+    req = VerifyRequest(lease=slot.lease.lease, program=VERIFY_FILL, args=["/tmp", "/dev/shm"], timeout_s=300)
+    out = await slot.client.verify(slot.lease.slot, req)
+    assert out.ok and out.verdict is not None, out
+    for where, cap in (("/tmp", LIMITS.tmp_inodes), ("/dev/shm", LIMITS.shm_inodes)):
+        created, err = out.verdict["filled"][where]
+        assert err == "ENOSPC", f"verifier {where}: {created} files created without meeting a cap"
+        assert cap - 8 <= created <= cap, f"verifier {where}: {created} files for a cap of {cap}"
 
 
 # =====================================================================================================

@@ -109,7 +109,7 @@ def test_docker_hosts_deny_the_engine_machines_addresses() -> None:
         pytest.skip("DOCKER_HOST names an engine on another machine")
     settings = backend.egress_settings()
     assert set(settings.machine_addresses) == set(mine) and settings.deny == (IPv4Network("203.0.113.0/24"),)
-    args = HostLaunch(slots=1, data_dir="/d", max_timeout_s=1, workspace_bytes=0, egress=settings).args()
+    args = HostLaunch(slots=1, data_dir="/d", egress=settings).args()
     assert {f"--egress-machine-address={a}" for a in mine} <= set(args) and "--egress-deny=203.0.113.0/24" in args
     # told that slots may reach the host's addresses, it names none
     opened = DockerBackend(DockerBackendConfig(egress=EgressSettings(deny_host_addresses=False))).egress_settings()

@@ -24,6 +24,7 @@ from atropos.backends.local import LocalBackendConfig
 from atropos.backends.nomad import NomadBackendConfig
 from atropos.backends.ray import RayBackendConfig
 from atropos.errors import ConfigError
+from atropos.sandbox.protocol import MaxTimeoutS
 
 BackendConfig = Annotated[
     LocalBackendConfig | DockerBackendConfig | NomadBackendConfig | RayBackendConfig,
@@ -46,7 +47,7 @@ class BackendSettings(BaseModel):
     kind: BackendKind = "local"
     pool_id: str = Field(pattern=POOL_ID_PATTERN)
     slots_per_host: int = Field(16, ge=1)
-    max_timeout_s: float | None = Field(None, gt=0, description="largest per-call timeout; default: the backend's")
+    max_timeout_s: MaxTimeoutS | None = None  # None: the backend config's default
     image: str | None = Field(None, description="docker/nomad: sandbox image; default: the backend's")
     nomad_address: str | None = Field(None, description="default: $NOMAD_ADDR, else http://127.0.0.1:4646")
     nomad_job_id: str | None = Field(None, description="default: atropos-<pool_id>")

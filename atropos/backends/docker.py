@@ -52,7 +52,6 @@ class DockerBackendConfig(ContainerSlotCaps):
     memory_bytes: int = Field(4 << 30, ge=256 << 20)
     pids_limit: int = Field(4096, ge=64)
     workspace_bytes: int = Field(4 << 30, ge=64 << 20, description="size of the tmpfs holding all workspaces")
-    max_timeout_s: float = 600.0
     start_timeout_s: float = 60.0
     prewarm: bool = Field(True, description=PREWARM_DESCRIPTION)
     slot_cgroups: bool = Field(True, description="give each container a delegated cgroup subtree for its slots' "
@@ -187,8 +186,7 @@ class DockerBackend(Backend):
             return None, {"unsafe_no_cgroups": True}
         cgroup = docker_cgroups.prepare(host_id, memory_bytes=c.memory_bytes, pids=c.pids_limit, cpus=c.cpus,
                                         uid=SLOT_UID)
-        return cgroup, {"cgroup_dir": docker_cgroups.CONTAINER_CGROUP_DIR, "slot_memory_bytes": c.slot_memory_bytes,
-                        "slot_pids": c.slot_pids, "slot_cpus": c.slot_cpus}
+        return cgroup, {"cgroup_dir": docker_cgroups.CONTAINER_CGROUP_DIR}
 
     def _create(self, host_id: str, token: str) -> Any:
         c = self.cfg
@@ -198,8 +196,8 @@ class DockerBackend(Backend):
             c.image,
             # the image's entrypoint is `python3 -m atropos.sandbox`
             command=HostLaunch(host="0.0.0.0", port=CONTAINER_PORT, slots=c.slots_per_host, data_dir="/slots/data",
-                               max_timeout_s=c.max_timeout_s, workspace_bytes=c.slot_workspace_bytes,
-                               prewarm=False, egress=self.egress_settings(), **cgroup_args).args(),
+                               limits=c.slot_limits(), prewarm=False, egress=self.egress_settings(),
+                               **cgroup_args).args(),
             name=host_id,
             user=f"{SLOT_UID}:{SLOT_UID}",
             environment={HOST_TOKEN_ENV: token},

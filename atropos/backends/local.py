@@ -35,7 +35,6 @@ class LocalBackendConfig(SlotCaps):
     kind: Literal["local"] = "local"
     data_root: Path = Field(default_factory=lambda: default_data_dir() / "local")
     pool_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    max_timeout_s: float = 600.0
     port: int = Field(0, ge=0, le=65535, description="port each host listens on (127.0.0.1); 0 = any free port. "
                                                      "A fixed port allows one host at a time")
     prewarm: bool = Field(True, description=PREWARM_DESCRIPTION)
@@ -70,11 +69,9 @@ class LocalBackend(Backend):
             owned_dir(d, 0o711)
         token = new_token()
         launch = HostLaunch(port=self.cfg.port, slots=self.cfg.slots_per_host, data_dir=str(data_dir),
-                            max_timeout_s=self.cfg.max_timeout_s, workspace_bytes=self.cfg.slot_workspace_bytes,
-                            prewarm=False, parent_pid=os.getpid(),  # the pool asks (Backend.prewarm)
-                            unsafe_no_isolation=self.cfg.unsafe_no_isolation,
-                            slot_memory_bytes=self.cfg.slot_memory_bytes, slot_pids=self.cfg.slot_pids,
-                            slot_cpus=self.cfg.slot_cpus, unsafe_no_cgroups=self.cfg.unsafe_no_cgroups)
+                            limits=self.cfg.slot_limits(), prewarm=False,  # the pool asks (Backend.prewarm)
+                            parent_pid=os.getpid(), unsafe_no_isolation=self.cfg.unsafe_no_isolation,
+                            unsafe_no_cgroups=self.cfg.unsafe_no_cgroups)
         log_path = self.root / f"{host_id}.log"
         with open(log_path, "ab") as log_file:  # noqa: ASYNC230 - a local file, opened once per host
             proc = await start_host_process(launch, token, log_file, self.cfg.python)

@@ -72,7 +72,6 @@ class RayBackendConfig(SlotCaps):
                                                   "else a Ray started in this process on 127.0.0.1")
     namespace: str = Field("atropos-sandbox", min_length=1, description="Ray namespace of the host actors")
     pool_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    max_timeout_s: float = Field(600.0, gt=0)
     prewarm: bool = Field(True, description=PREWARM_DESCRIPTION)
     start_timeout_s: float = Field(120.0, gt=0, description="placement + host start, per host")
     resource: str = Field("atropos_sandbox", min_length=1,
@@ -346,9 +345,8 @@ class RayBackend(Backend):
         c = self.cfg
         host_dir = name.replace(NAME_SEP, "-")
         launch = {"slots": c.slots_per_host, "data_dir": str(c.data_root / c.pool_id / host_dir),
-                  "max_timeout_s": c.max_timeout_s, "workspace_bytes": c.slot_workspace_bytes,
+                  "limits": c.slot_limits().model_dump(),  # plain data: the actor validates it again
                   "prewarm": False, "unsafe_no_isolation": c.unsafe_no_isolation,  # the pool asks
-                  "slot_memory_bytes": c.slot_memory_bytes, "slot_pids": c.slot_pids, "slot_cpus": c.slot_cpus,
                   "unsafe_no_cgroups": c.unsafe_no_cgroups, "log_level": c.host_log_level, "python": c.python}
         actor = self._actor_cls.options(
             name=name, namespace=c.namespace, num_cpus=c.num_cpus, resources={c.resource: c.resource_per_host},

@@ -1,7 +1,7 @@
 """What one slot of a host may use, as the fields every backend's config shares.
 
 Each field is a flag of the host (``HostLaunch``: ``--slot-memory-bytes`` ...), enforced by the slot's
-own cgroup and tmpfs. The constraints live here once; the defaults differ with where a host runs:
+own cgroup and tmpfs. The defaults differ with where a host runs:
 
 * ``SlotCaps`` itself (local, ray): the host is a process beside others on the machine, so a slot may
   hold a large share of it (4 GiB, 1024 pids, no CPU quota: equal shares) and its workspace may be
@@ -9,6 +9,10 @@ own cgroup and tmpfs. The constraints live here once; the defaults differ with w
 * ``ContainerSlotCaps``, the same fields with other defaults (docker, nomad): the host is a container
   with its own budget, which its slots split (1 GiB, 512 pids, 1 CPU each); the workspace is always
   a tmpfs inside the container's.
+
+Each field is a field of ``SlotLimits`` (atropos/sandbox/launch.py), which declares its type,
+bounds, unit and process default once; ``slot_limits()`` is what a host is launched with. The
+largest per-call timeout is one of them: the host enforces it and declares it to the pool itself.
 
 Every backend's config inherits one of them (so each is a ``SlotCaps``) and may change a default by
 redeclaring the field with its type alias (as Nomad does for the workspace). Unknown fields are
@@ -21,14 +25,12 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from atropos.sandbox.launch import SlotCpus, SlotLimits, SlotMemoryBytes, SlotPids, SlotWorkspaceBytes
+from atropos.sandbox.protocol import MaxTimeoutS
+
 SlotsPerHost = Annotated[int, Field(ge=1, le=1023)]
-SlotMemoryBytes = Annotated[int, Field(ge=64 << 20, description="memory one slot may hold as a whole (processes, "
-                                       "tmpfs and memfd pages): its own cgroup")]
-SlotPids = Annotated[int, Field(ge=16, description="processes and threads per slot")]
-SlotCpus = Annotated[float, Field(ge=0, description="hard CPU quota per slot (CPUs); 0 = equal shares only")]
-ProcessWorkspaceBytes = Annotated[int, Field(ge=0, description="what one slot can write to its workspace: its own "
-                                             "tmpfs (RAM); 0 = uncapped (the data disk)")]
 ContainerWorkspaceBytes = Annotated[int, Field(ge=1 << 20, description="what one slot can write (its own tmpfs)")]
+_HOST = SlotLimits()  # a host's own defaults: the process backends' (local, ray)
 
 
 class SlotCaps(BaseModel):
@@ -38,10 +40,21 @@ class SlotCaps(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     slots_per_host: SlotsPerHost = 16
-    slot_workspace_bytes: ProcessWorkspaceBytes = 1 << 30
-    slot_memory_bytes: SlotMemoryBytes = 4 << 30
-    slot_pids: SlotPids = 1024
-    slot_cpus: SlotCpus = 0.0
+    slot_workspace_bytes: SlotWorkspaceBytes = _HOST.workspace_bytes
+    slot_memory_bytes: SlotMemoryBytes = _HOST.memory_bytes
+    slot_pids: SlotPids = _HOST.pids
+    slot_cpus: SlotCpus = _HOST.cpus
+    max_timeout_s: MaxTimeoutS = _HOST.max_timeout_s
+
+    def slot_limits(self) -> SlotLimits:
+        """What each of this backend's hosts is launched with (``HostLaunch.limits``)."""
+        return SlotLimits(**{name: getattr(self, setting_name(name)) for name in SlotLimits.model_fields})
+
+
+def setting_name(limit: str) -> str:
+    """A backend config's name of a ``SlotLimits`` field (what a config file, ``ATROPOS_NOMAD_<NAME>``
+    and ``nomad/sandbox.hcl`` say): ``slot_<field>``, the call timeout as is."""
+    return limit if limit == "max_timeout_s" else f"slot_{limit}"
 
 
 class ContainerSlotCaps(SlotCaps):

@@ -30,11 +30,12 @@ from atropos.errors import AtroposSandboxError
 from atropos.logs import configure
 from atropos.request_deadline import server_config
 from atropos.sandbox import egress
-from atropos.sandbox.config import HostConfig, Limits
+from atropos.sandbox.config import HostConfig, Limits, host_settings
 from atropos.sandbox.contract.hostdirs import kill_processes_naming
 from atropos.sandbox.host import SandboxHost
 from atropos.sandbox.inslot import make_undumpable
 from atropos.sandbox.launch import HOST_TOKEN_ENV as TOKEN_ENV
+from atropos.sandbox.launch import SlotLimits
 from atropos.sandbox.sandbox_process import SandboxProcess
 from atropos.sandbox.server import create_app, wrap
 
@@ -53,23 +54,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
     p.add_argument("--token-stdin", action="store_true",
                    help="read the bearer token as the first line of stdin (then stdin is /dev/null)")
     p.add_argument("--uid-base", type=int, help="first per-slot uid when running as root")
-    p.add_argument("--max-timeout", type=float, default=defaults.max_timeout_s, help="largest per-call timeout (s)")
+    for name, field in SlotLimits.model_fields.items():  # one flag per slot limit, as declared there
+        number = int if field.annotation is int else float
+        p.add_argument(SlotLimits.flag(name), dest=f"limit_{name}", type=number, default=field.default,
+                       help=f"{field.description} (default %(default)s)")
     p.add_argument("--nproc", type=int, default=Limits().nproc, help="processes per slot")
     p.add_argument("--memory", type=int, default=Limits().address_space_bytes, help="address space per process (bytes)")
-    p.add_argument("--workspace-bytes", type=int, default=Limits().workspace_bytes,
-                   help="cap on each slot's workspace, a tmpfs per slot (RAM); 0 = uncapped (default %(default)s)")
     p.add_argument("--workspace-inodes", type=int, default=Limits().workspace_inodes,
                    help="files a slot can create (default %(default)s)")
     p.add_argument("--tmp-inodes", type=int, default=Limits().tmp_inodes,
                    help="files a slot can create in /tmp (default %(default)s)")
     p.add_argument("--shm-inodes", type=int, default=Limits().shm_inodes,
                    help="files a slot can create in /dev/shm (default %(default)s)")
-    p.add_argument("--slot-memory-bytes", type=int, default=defaults.slot_memory_bytes,
-                   help="memory one slot may hold as a whole, tmpfs and memfd pages included (default %(default)s)")
-    p.add_argument("--slot-pids", type=int, default=defaults.slot_pids,
-                   help="processes and threads per slot (default %(default)s)")
-    p.add_argument("--slot-cpus", type=float, default=defaults.slot_cpus,
-                   help="hard CPU quota per slot in CPUs; 0 = equal shares only (default %(default)s)")
     p.add_argument("--cgroup-dir", type=Path, help="writable cgroup directory for the slot cgroups "
                    "(default: a subtree of the host's own cgroup)")
     p.add_argument("--unsafe-no-cgroups", action="store_true",
@@ -115,18 +111,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
             machine_addresses=tuple(egress.parse_addresses(args.egress_machine_address)),
             default_deny=not args.egress_no_default_deny, deny_host_addresses=not args.egress_allow_host_addresses,
         ).policy()
-    except ValueError as exc:
+        slot = SlotLimits(**{name: getattr(args, f"limit_{name}") for name in SlotLimits.model_fields})
+    except ValueError as exc:  # pydantic's ValidationError is one: the flag's bound, said as usage
         p.error(str(exc))
     cfg = HostConfig(
         slots=args.slots, data_dir=args.data_dir, host=args.host, port=args.port, token=token,
-        uid_base=args.uid_base, max_timeout_s=args.max_timeout, unsafe_no_isolation=args.unsafe_no_isolation,
-        limits=Limits(nproc=args.nproc, address_space_bytes=args.memory, workspace_bytes=args.workspace_bytes,
+        uid_base=args.uid_base, unsafe_no_isolation=args.unsafe_no_isolation, **host_settings(slot),
+        limits=Limits(nproc=args.nproc, address_space_bytes=args.memory, workspace_bytes=slot.workspace_bytes,
                       workspace_inodes=args.workspace_inodes, tmp_inodes=args.tmp_inodes,
                       shm_inodes=args.shm_inodes),
         workspace_mode=args.workspace_mode, network_isolation=args.network_isolation,
         template_source_dirs=args.template_source_dir, egress=policy,
         request_read_timeout_s=args.request_read_timeout,
-        slot_memory_bytes=args.slot_memory_bytes, slot_pids=args.slot_pids, slot_cpus=args.slot_cpus,
         cgroup_dir=args.cgroup_dir, unsafe_no_cgroups=args.unsafe_no_cgroups,
     )
     return cfg, args

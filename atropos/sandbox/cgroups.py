@@ -40,6 +40,7 @@ from atropos.sandbox.contract.cgroupfs import (
     own_cgroups,
     rmdir_tree,
 )
+from atropos.sandbox.launch import SlotLimits
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +52,6 @@ SH = "/bin/sh"
 _PLACE = ('for f do [ "$f" = -- ] && break; echo $$ >"$f" || exit 125; shift; done; shift; '
           'unset PWD OLDPWD; exec "$@"')
 PLACEMENT_FAILED = 125
-
-
-@dataclass(frozen=True)
-class SlotCaps:
-    """What one slot may use as a whole (0 = that cap is not set)."""
-
-    memory_bytes: int
-    pids: int
-    cpus: float = 0.0  # a hard quota in CPUs; 0 = none (slots still share CPU equally by weight)
 
 
 def _write(path: Path, value: str) -> None:
@@ -98,7 +90,7 @@ class SlotCgroup:
         except FileNotFoundError:
             return []
 
-    def apply(self, caps: SlotCaps) -> None:
+    def apply(self, caps: SlotLimits) -> None:
         if self.version == 2:
             d = self.dirs[""]
             if caps.memory_bytes:
@@ -263,7 +255,7 @@ class SlotCgroups:
         _enable_v2(parent)
         return cls(2, {"": parent}, owned=True)
 
-    def slot(self, name: str, caps: SlotCaps) -> SlotCgroup:
+    def slot(self, name: str, caps: SlotLimits) -> SlotCgroup:
         """The slot's cgroup, created (or emptied, if a previous host left it) with ``caps``."""
         dirs = {c: p / name for c, p in self.parents.items()}
         for d in dirs.values():

@@ -28,10 +28,13 @@ from atropos.errors import (
 )
 from atropos.sandbox.http1 import ConnectionPool
 from atropos.sandbox.protocol import (
+    DEFAULT_MAX_TIMEOUT_S,
     LEASE_HEADER,
     CallResult,
+    CallTimeouts,
     HealthInfo,
     LeaseInfo,
+    MaxTimeoutS,
     PrewarmResult,
     ResetResult,
     SealResult,
@@ -41,6 +44,9 @@ from atropos.sandbox.protocol import (
     VerifyRequest,
     VerifyResult,
 )
+
+# Past a call's own timeout: the host kills it, collects its output and answers within this.
+CALL_ANSWER_GRACE_S = 30.0
 
 # The host's error codes this side raises as the class the host raised (atropos.errors.ERRORS).
 _BY_CODE: dict[str, type[AtroposSandboxError]] = {cls.code: cls for cls in (
@@ -54,12 +60,13 @@ class HostClient:
         base_url: str,
         token: str,
         *,
-        max_timeout_s: float = 600.0,
+        max_timeout_s: MaxTimeoutS = DEFAULT_MAX_TIMEOUT_S,
         connect_timeout_s: float = 5.0,
         max_connections: int = 256,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        self.max_timeout_s = max_timeout_s
+        # What the host may take per call, until it says (every health reply carries its limits).
+        self.timeouts = CallTimeouts(max_timeout_s=max_timeout_s)
         self._connect_timeout = connect_timeout_s
         auth = {"Authorization": f"Bearer {token}"}
         self._http = httpx.AsyncClient(
@@ -80,6 +87,16 @@ class HostClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+    @property
+    def max_timeout_s(self) -> float:
+        return self.timeouts.max_timeout_s
+
+    def read_deadline(self, timeout_s: float | None) -> float:
+        """How long to wait for the answer to a call with this timeout: as long as the host may run
+        it (its own clamp, from the limits it declared) plus the time to kill it and answer."""
+        t = self.timeouts
+        return min(timeout_s or t.default_timeout_s, t.max_timeout_s) + CALL_ANSWER_GRACE_S
 
     # -- plumbing --------------------------------------------------------------------------
     def _timeout(self, seconds: float) -> httpx.Timeout:
@@ -104,7 +121,10 @@ class HostClient:
             _raise_for(resp.status_code, resp.content, self.base_url)
         if resp.status_code not in (200, 503):
             raise HostUnavailable(f"{self.base_url}: health answered {resp.status_code}")
-        return HealthInfo.model_validate_json(resp.content)
+        info = HealthInfo.model_validate_json(resp.content)
+        if info.timeouts is not None:  # the host's own limits, not this client's assumption
+            self.timeouts = info.timeouts
+        return info
 
     async def slots(self) -> list[SlotInfo]:
         resp = await self._send("GET", "/v1/slots")
@@ -193,7 +213,7 @@ class HostClient:
         return ResetResult.model_validate_json(resp.content)
 
     async def call(self, call: ToolCall) -> CallResult:
-        timeout = min(call.timeout_s or self.max_timeout_s, self.max_timeout_s) + 30
+        timeout = self.read_deadline(call.timeout_s)
         try:
             resp = await self._calls.request("POST", "/v1/call", call.model_dump_json().encode(), timeout=timeout)
         except TransportError as exc:
@@ -204,8 +224,7 @@ class HostClient:
 
     async def call_batch(self, calls: Sequence[ToolCall]) -> AsyncIterator[CallResult]:
         """Send calls in one request; yield each result as the host finishes it."""
-        longest = max((c.timeout_s or self.max_timeout_s) for c in calls)
-        timeout = min(longest, self.max_timeout_s) + 30
+        timeout = max(self.read_deadline(c.timeout_s) for c in calls)
         body = json.dumps({"calls": [c.model_dump(mode="json") for c in calls]}, separators=(",", ":"))
         try:
             async with self._calls.stream("POST", "/v1/calls", body.encode(), timeout=timeout) as resp:

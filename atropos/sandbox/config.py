@@ -7,11 +7,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from atropos.sandbox.cgroups import SlotCaps
 from atropos.sandbox.contract.hostdirs import default_data_dir
 from atropos.sandbox.egress import EgressPolicy
+from atropos.sandbox.launch import SlotCpus, SlotLimits, SlotMemoryBytes, SlotPids, SlotWorkspaceBytes
+from atropos.sandbox.protocol import CallTimeouts, DefaultTimeoutS, MaxTimeoutS
 
 RUN_DIR_INODES = 1024  # the run dir holds the terminal's socket and log, nothing else
+
+
+_SLOT = SlotLimits()  # the defaults of the limits a host is launched with (declared there)
 
 
 class Limits(BaseModel):
@@ -28,10 +32,7 @@ class Limits(BaseModel):
     # an uncapped tmpfs lets one call pin gigabytes with empty files.
     tmp_inodes: int = Field(1 << 16, ge=64, description="files and directories a slot can create in /tmp")
     shm_inodes: int = Field(1 << 12, ge=64, description="files and directories a slot can create in /dev/shm")
-    workspace_bytes: int = Field(
-        1 << 30, ge=0, description="cap on what a slot can write to its workspace: each slot's workspace (a "
-                                   "fork's upper layer) is its own tmpfs of this size, so the pages count against "
-                                   "RAM (and a container's memory limit); 0 = no cap (the data dir's disk)")
+    workspace_bytes: SlotWorkspaceBytes = _SLOT.workspace_bytes  # each slot's workspace (a fork's upper layer)
     workspace_inodes: int = Field(1 << 18, ge=1024, description="files and directories a slot can create")
 
     def workspace_quota(self, uid: int | None) -> dict[str, int | None] | None:
@@ -62,9 +63,8 @@ class HostConfig(BaseModel):
     uid_base: int | None = Field(
         None, description="first per-slot uid when the host runs as root (slot i runs as uid_base+i)"
     )
-    default_timeout_s: float = Field(60.0, gt=0, description="timeout of a call that names none "
-                                                            "(lowered to max_timeout_s when above it)")
-    max_timeout_s: float = Field(600.0, gt=0)
+    default_timeout_s: DefaultTimeoutS = CallTimeouts.model_fields["default_timeout_s"].default
+    max_timeout_s: MaxTimeoutS = _SLOT.max_timeout_s
     max_output_bytes: int = Field(64 << 10, ge=1024, description="kept per stream (head+tail) per call")
     hard_output_bytes: int = Field(256 << 20, ge=1 << 20, description="a call printing more is killed")
     session_grace_s: float = Field(
@@ -97,21 +97,24 @@ class HostConfig(BaseModel):
         default_factory=EgressPolicy, description="where network slots may connect (private network only: "
                                                   "shared slots have the host's own routes)")
 
-    slot_memory_bytes: int = Field(
-        4 << 30, ge=64 << 20, description="memory one slot may hold as a whole: every process, and the pages of its "
-                                          "tmpfs mounts (workspace, /tmp, /dev/shm) and memfds (its cgroup's limit; "
-                                          "past it the kernel OOM-kills inside that slot only)")
-    slot_pids: int = Field(1024, ge=16, description="processes and threads one slot may have at once (pids.max)")
-    slot_cpus: float = Field(0.0, ge=0, description="hard CPU quota of one slot, in CPUs; 0 = none (slots still "
-                                                    "share CPU equally: one cgroup each, equal weights)")
+    # past the memory cap the kernel OOM-kills inside that slot only
+    slot_memory_bytes: SlotMemoryBytes = _SLOT.memory_bytes
+    slot_pids: SlotPids = _SLOT.pids
+    slot_cpus: SlotCpus = _SLOT.cpus
     cgroup_dir: Path | None = Field(
         None, description="a writable (delegated) cgroup directory for the slot cgroups; default: a subtree of "
                           "the host's own cgroup")
     unsafe_no_cgroups: bool = Field(
         False, description="DEVELOPMENT ONLY: run without per-slot cgroups (no memory, process or CPU cap per slot)")
 
-    def slot_caps(self) -> SlotCaps:
-        return SlotCaps(memory_bytes=self.slot_memory_bytes, pids=self.slot_pids, cpus=self.slot_cpus)
+    def timeouts(self) -> CallTimeouts:
+        """The per-call time limits this host declares to its clients (in every health reply)."""
+        return CallTimeouts(max_timeout_s=self.max_timeout_s, default_timeout_s=self.default_timeout_s)
+
+    def slot_limits(self) -> SlotLimits:
+        """The limits this host was launched with (its cgroups apply them)."""
+        return SlotLimits(max_timeout_s=self.max_timeout_s, workspace_bytes=self.limits.workspace_bytes,
+                          memory_bytes=self.slot_memory_bytes, pids=self.slot_pids, cpus=self.slot_cpus)
 
     @model_validator(mode="after")
     def _default_within_max(self) -> HostConfig:
@@ -127,3 +130,10 @@ class HostConfig(BaseModel):
         if any(c.isspace() for c in v):
             raise ValueError("token must not contain whitespace")
         return v
+
+
+def host_settings(slot: SlotLimits) -> dict[str, Any]:
+    """The fields of a HostConfig that ``slot`` sets, but ``limits.workspace_bytes``: the inverse of
+    ``HostConfig.slot_limits`` (the host's flags, atropos/sandbox/__main__.py)."""
+    return {"max_timeout_s": slot.max_timeout_s, "slot_memory_bytes": slot.memory_bytes,
+            "slot_pids": slot.pids, "slot_cpus": slot.cpus}

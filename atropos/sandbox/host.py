@@ -147,7 +147,7 @@ class SandboxHost:
         slot.killer = self.killer
         slot.private_net = self.private_net
         if self.cgroups is not None:
-            slot.cgroup = self.cgroups.slot(name or f"slot-{index}", self.cfg.slot_caps())
+            slot.cgroup = self.cgroups.slot(name or f"slot-{index}", self.cfg.slot_limits())
         if name:
             slot.dir = self.root / name
             slot.paths = type(slot.paths)(workspace=slot.dir / "ws", run_dir=slot.dir / "run",
@@ -235,7 +235,7 @@ class SandboxHost:
             templates=0 if ws is None else len(ws.store.templates),
             mounts=None if ws is None else ws.mount_count(),
             workspace_cap_bytes=self.cfg.limits.workspace_bytes if ws is not None and ws.capped else None,
-            workspace_cap_detail="" if ws is None else ws.cap_detail,
+            workspace_cap_detail="" if ws is None else ws.cap_detail, timeouts=self.cfg.timeouts(),
         )
 
     # -- leases ----------------------------------------------------------------------------

@@ -24,16 +24,70 @@ import contextlib
 import os
 import sys
 from collections.abc import Mapping
-from typing import IO
+from typing import IO, Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from atropos.sandbox.egress import EgressSettings
+from atropos.sandbox.protocol import DEFAULT_MAX_TIMEOUT_S, MaxTimeoutS
 
 HOST_TOKEN_ENV = "ATROPOS_SANDBOX_TOKEN"
 HOST_MODULE = "atropos.sandbox"
 # Settings variables of the CLI (ATROPOS_SANDBOX_<FIELD>) mean nothing to a host; not passed on.
 SETTINGS_ENV_PREFIX = "ATROPOS_SANDBOX_"
+
+
+# A limit's type and bounds (its default is SlotLimits'): the backend configs' ``slot_*`` fields
+# (atropos/backends/slot_caps.py) and the host's config (atropos/sandbox/config.py) use these.
+SlotWorkspaceBytes = Annotated[int, Field(ge=0, description="what one slot can write to its workspace (bytes): its "
+                                          "own tmpfs, so the pages count against RAM; 0 = uncapped (the data disk)")]
+SlotMemoryBytes = Annotated[int, Field(ge=64 << 20, description="memory one slot may hold as a whole (bytes): every "
+                                       "process, and the pages of its tmpfs mounts and memfds (its cgroup's limit)")]
+SlotPids = Annotated[int, Field(ge=16, description="processes and threads one slot may have at once (pids.max)")]
+SlotCpus = Annotated[float, Field(ge=0, description="hard CPU quota of one slot, in CPUs; 0 = none (slots still "
+                                                    "share CPU equally: one cgroup each, equal weights)")]
+
+
+def _flag(name: str) -> dict[str, Any]:
+    return {"flag": name}
+
+
+class SlotLimits(BaseModel):
+    """What one slot of a host may use, one field per limit: its default (a host that runs as a
+    process beside others on a machine), unit, bounds, description and the host flag it travels as.
+
+    Declared once, here: the host's flags and what they set (``atropos/sandbox/__main__.py``,
+    ``HostConfig.slot_limits``), the launch command line (``args``), the slot cgroups
+    (``atropos/sandbox/cgroups.py``) and every backend config (``SlotCaps.slot_limits`` in
+    atropos/backends/slot_caps.py, whose fields are named ``slot_<field>``, the timeout as is) read
+    these fields. Adding a limit: a field here, its setting in slot_caps.py and config.py, where it
+    is enforced, and ``nomad/sandbox.hcl`` (tests/test_slot_limits_model.py checks all of them)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_timeout_s: MaxTimeoutS = Field(DEFAULT_MAX_TIMEOUT_S, json_schema_extra=_flag("max-timeout"))
+    workspace_bytes: SlotWorkspaceBytes = Field(1 << 30, json_schema_extra=_flag("workspace-bytes"))
+    memory_bytes: SlotMemoryBytes = Field(4 << 30, json_schema_extra=_flag("slot-memory-bytes"))
+    pids: SlotPids = Field(1024, json_schema_extra=_flag("slot-pids"))
+    cpus: SlotCpus = Field(0.0, json_schema_extra=_flag("slot-cpus"))
+
+    @staticmethod
+    def flag(field: str) -> str:
+        extra = SlotLimits.model_fields[field].json_schema_extra
+        assert isinstance(extra, dict)
+        return f"--{extra['flag']}"
+
+    def args(self) -> list[str]:
+        """``--flag=value`` for every limit (numbers: see the module docstring), in field order."""
+        return [f"{self.flag(name)}={_number(getattr(self, name))}" for name in SlotLimits.model_fields]
+
+
+def _number(v: float) -> str:
+    """A flag's value as HCL renders the same number (600, not 600.0; 0.5), exact whatever its size."""
+    if isinstance(v, int):
+        return str(v)
+    short = f"{v:g}"
+    return short if float(short) == v else repr(v)
 
 
 class HostLaunch(BaseModel):
@@ -45,15 +99,11 @@ class HostLaunch(BaseModel):
     port: int = Field(0, ge=0, le=65535)
     slots: int = Field(ge=1)
     data_dir: str
-    max_timeout_s: float = Field(gt=0)
-    workspace_bytes: int = Field(ge=0)
+    limits: SlotLimits = Field(default_factory=SlotLimits)
     prewarm: bool = True
     parent_pid: int | None = Field(None, description="the host exits when this process dies")
     unsafe_no_isolation: bool = False
     cgroup_dir: str | None = Field(None, description="a delegated cgroup directory for the slot cgroups")
-    slot_memory_bytes: int | None = Field(None, description="per-slot caps; None: the host's defaults")
-    slot_pids: int | None = None
-    slot_cpus: float | None = None
     unsafe_no_cgroups: bool = False
     egress: EgressSettings = Field(default_factory=EgressSettings, description="network slots' egress policy")
     log_level: str | None = None
@@ -62,15 +112,9 @@ class HostLaunch(BaseModel):
     def args(self) -> list[str]:
         """The flags after ``python -m atropos.sandbox`` (a container's command)."""
         args = ["--host", self.host, "--port", str(self.port), f"--slots={self.slots}", "--data-dir", self.data_dir,
-                f"--max-timeout={self.max_timeout_s:g}", f"--workspace-bytes={self.workspace_bytes}"]
+                *self.limits.args()]
         if self.cgroup_dir is not None:
             args.append(f"--cgroup-dir={self.cgroup_dir}")
-        if self.slot_memory_bytes is not None:
-            args.append(f"--slot-memory-bytes={self.slot_memory_bytes}")
-        if self.slot_pids is not None:
-            args.append(f"--slot-pids={self.slot_pids}")
-        if self.slot_cpus is not None:
-            args.append(f"--slot-cpus={self.slot_cpus:g}")
         if self.unsafe_no_cgroups:
             args.append("--unsafe-no-cgroups")
         args += self.egress.host_args()

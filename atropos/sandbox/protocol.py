@@ -6,7 +6,7 @@ slot's lease token, which the host issued and rotates on every reset.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,6 +25,23 @@ class Wire(BaseModel):
     tracemalloc diff of a soak). Field names, the few strings worth caching, stay cached."""
 
     model_config = ConfigDict(cache_strings="keys")
+
+
+# The per-call time limits of a host, declared once: the host's config and flags, the launch
+# command line, every backend config and the client take their type, bounds and default from here.
+DEFAULT_MAX_TIMEOUT_S = 600.0
+MaxTimeoutS = Annotated[float, Field(gt=0, description="largest per-call timeout (s); a longer one is clamped")]
+DefaultTimeoutS = Annotated[float, Field(gt=0, description="timeout (s) of a call that names none (lowered to "
+                                                           "max_timeout_s when above it)")]
+
+
+class CallTimeouts(Wire):
+    """A host's per-call time limits, as the host declares them in every health reply: the pool's
+    client waits as long as the host may run a call (a client that assumed its own default cut
+    every longer call and reported a healthy host unavailable)."""
+
+    max_timeout_s: MaxTimeoutS = DEFAULT_MAX_TIMEOUT_S
+    default_timeout_s: DefaultTimeoutS = 60.0
 
 
 class ErrorInfo(Wire):
@@ -179,6 +196,8 @@ class HealthInfo(Wire):
     workspace_cap_bytes: int | None = Field(None, description="what each slot can write to its workspace "
                                                               "(None: uncapped, the data dir's disk)")
     workspace_cap_detail: str = ""
+    timeouts: CallTimeouts | None = Field(None, description="this host's per-call time limits (None: an older "
+                                                            "host, whose limits the client cannot know)")
 
 
 class TemplateRequest(Wire):

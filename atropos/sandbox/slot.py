@@ -142,8 +142,10 @@ class Slot(SlotWorkspace):
                            isolated=False, env={**SANDBOX_ENV, "HOME": str(self.paths.workspace)})
             return [self.cfg.python, "-I", "-S", str(self.paths.lib_dir / script), json.dumps(sup_cfg)]
         paths = self.paths
-        if self.scratch and not verifier:
-            # the verifier gets fresh /tmp and /dev/shm: nothing the agent left in the slot's own
+        if self.scratch:
+            # every sandbox of the slot, the verifier's included, binds the slot's capped /tmp and
+            # /dev/shm (bubblewrap's own tmpfs caps the size only: empty files are uncounted kernel
+            # memory); verify() renews them first, so nothing the agent left there reaches it
             tmp, shm = self._scratch_dirs()
             paths = dataclasses.replace(paths, tmp=tmp, shm=shm)
         argv = bwrap_argv(self.cfg.bwrap, paths, self.cfg.limits, network=self.network and not verifier,
@@ -312,6 +314,8 @@ class Slot(SlotWorkspace):
         workspace = str(self.paths.workspace) if self.cfg.unsafe_no_isolation else WORKSPACE
         proc: SandboxProcess | None = None
         try:
+            if self.scratch:
+                await self._renew_scratch()
             proc = await self._start({}, f"slot {self.index} verifier", script="verifier.py", verifier=True)
             frame = await proc.request({"op": "verify", "program": req.program, "secrets": req.secrets,
                                         "args": req.args, "timeout": req.timeout_s, "workspace": workspace},

@@ -114,6 +114,13 @@ class SlotWorkspace:
         self.scratch = True  # before the await: a half-done mount is still unmounted by a drop
         await self._ns().call({"op": "tmpfs_many", "mounts": self._scratch_mounts()})
 
+    async def _renew_scratch(self) -> None:
+        """Fresh capped /tmp and /dev/shm (the old ones go to the trash): the verifier's, empty of
+        whatever the agent left, capped as the agent's were."""
+        mounts = self._scratch_mounts()[1:]  # not the run dir: the verifier has none
+        await self._ns().call({"op": "renew", "detach": [m["target"] for m in mounts], "tmpfs": mounts,
+                               "trash": str(self._mount_trash())})
+
     def _scratch_mounts(self) -> list[dict[str, Any]]:
         return [{"target": self._real(target), "quota": quota} for target, quota in
                 zip((self.paths.run_dir, *self._scratch_dirs()), self.cfg.limits.scratch_quotas(self.uid), strict=True)]

@@ -28,6 +28,9 @@ class PoolHosts(PoolBase):
             info = await self.backend.start_host()
             client = HostClient(info.address, info.token)
             host = PoolHost(info, client)
+            # the host's own limits (its health reply), before any call: the client's read deadline
+            # follows what this host may take per call, whatever its backend configured
+            await client.health(timeout=self.cfg.health_timeout_s)
             leases = await asyncio.gather(*(
                 client.lease(f"pool:{self.cfg.pool_id}", slot=i) for i in range(info.slots)))
             host.free = [(li.slot, li.lease, li.generation) for li in leases]

@@ -25,7 +25,14 @@ from pydantic import BaseModel, Field, model_validator
 
 from atropos.errors import HostUnavailable, InfrastructureError
 from atropos.renamed import accept_renamed
-from atropos.sandbox.protocol import CallResult, ToolCall
+from atropos.sandbox.protocol import (
+    DEFAULT_MAX_TIMEOUT_S,
+    CallResult,
+    CallTimeouts,
+    DefaultTimeoutS,
+    MaxTimeoutS,
+    ToolCall,
+)
 from atropos.slots.config import RENAMED
 from atropos.slots.lease import Lease, PoolHost
 from atropos.slots.pool import SlotPool
@@ -39,9 +46,9 @@ class ExecutorConfig(BaseModel):
     tool_batch_window_ms: float = Field(20.0, ge=0, description=(
         "upper bound on how long a call waits for a batch in flight to its host (a lone call does not wait)"))
     tool_max_batch_size: int = Field(200, ge=1, description="calls per request at most (a turn is never split)")
-    default_timeout_s: float = Field(60.0, gt=0)
+    default_timeout_s: DefaultTimeoutS = CallTimeouts.model_fields["default_timeout_s"].default
     min_timeout_s: float = Field(1.0, gt=0)
-    max_timeout_s: float = Field(600.0, gt=0)
+    max_timeout_s: MaxTimeoutS = DEFAULT_MAX_TIMEOUT_S
     acquire_timeout_s: float | None = Field(None, description="wait for a slot on first use (pool default)")
     network: bool = Field(False, description="slots leased by the executor may reach the network")
     tool_server_url: str | None = Field(None, description="ToolServer for external tools")

@@ -47,7 +47,6 @@ class NomadBackendConfig(ContainerSlotCaps):
     workspace_bytes: int = Field(2 << 30, ge=64 << 20, description="size of the tmpfs holding all workspaces")
     slot_workspace_bytes: ContainerWorkspaceBytes = 128 << 20
     pids_limit: int = Field(4096, ge=64)
-    max_timeout_s: float = Field(600.0, gt=0)
     datacenters: list[str] = Field(default_factory=lambda: ["*"])
     seccomp_profile: str = Field("/etc/atropos-sandbox/seccomp.json",
                                  description="outer seccomp profile, a path on every Nomad client")

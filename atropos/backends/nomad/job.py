@@ -116,9 +116,7 @@ def _docker_config(c: NomadBackendConfig) -> dict[str, Any]:
         # reservation (cpu_hard_limit), not taking a starting neighbour's; the pool's prewarm request
         # (Backend.prewarm) then finds nothing left to start.
         "args": [*HostLaunch(host="0.0.0.0", port=CONTAINER_PORT, slots=c.slots_per_host, data_dir="/slots/data",
-                             max_timeout_s=c.max_timeout_s, workspace_bytes=c.slot_workspace_bytes,
-                             cgroup_dir=SLOT_CGROUP_DIR, slot_memory_bytes=c.slot_memory_bytes,
-                             slot_pids=c.slot_pids, slot_cpus=c.slot_cpus).args(), NODE_ADDRESS_ARG],
+                             limits=c.slot_limits(), cgroup_dir=SLOT_CGROUP_DIR).args(), NODE_ADDRESS_ARG],
         "init": True,
         # resources.cpu is only a share (CPU weight) by default; the hard limit turns it into a CFS
         # quota, so a busy host cannot take more than it reserved (isolation.md: a hard CPU cap).
