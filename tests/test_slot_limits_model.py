@@ -41,6 +41,7 @@ def below_bound(field: str) -> float:
 def host_of(args: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple[HostConfig, Any]:
     """What a host started with ``args`` runs with (its own argument parser)."""
     monkeypatch.setenv(HOST_TOKEN_ENV, "t0ken")
+    monkeypatch.setattr(host_main, "_read_token_from_stdin", lambda: "t0ken")  # --token-stdin: no real stdin here
     return host_main.parse_args(args)
 
 
@@ -78,14 +79,14 @@ def test_the_launch_flags_round_trip_every_field(monkeypatch: pytest.MonkeyPatch
     """Every HostLaunch field, set away from its default, arrives in the host as it was sent."""
     launch = HostLaunch(host="127.0.0.2", port=4567, slots=3, data_dir="/srv/d", limits=ODD, prewarm=False,
                         parent_pid=4321, unsafe_no_isolation=True, cgroup_dir="/sys/fs/cgroup/x",
-                        unsafe_no_cgroups=True, log_level="DEBUG",
+                        unsafe_no_cgroups=True, log_level="DEBUG", token_stdin=True,
                         egress=EgressSettings(deny=tuple(parse_networks(["203.0.113.0/24"]))))
     cfg, args = host_of(launch.args(), monkeypatch)
     arrived = {
         "host": cfg.host, "port": cfg.port, "slots": cfg.slots, "data_dir": str(cfg.data_dir),
         "limits": cfg.slot_limits(), "prewarm": not args.no_prewarm, "parent_pid": args.parent_pid,
         "unsafe_no_isolation": cfg.unsafe_no_isolation, "unsafe_no_cgroups": cfg.unsafe_no_cgroups,
-        "cgroup_dir": str(cfg.cgroup_dir), "log_level": args.log_level,
+        "cgroup_dir": str(cfg.cgroup_dir), "log_level": args.log_level, "token_stdin": args.token_stdin,
         "egress": launch.egress if cfg.egress == launch.egress.policy() else cfg.egress,
     }
     assert set(arrived) == set(HostLaunch.model_fields), "a HostLaunch field this test does not follow"
