@@ -372,10 +372,9 @@ def test_hosts_sweeping_the_same_stale_cgroups_at_once_never_fail_their_start() 
     import subprocess
     import threading
 
-    from atropos.sandbox.cgroups import _remove_stale, _v1_dir
-    from atropos.sandbox.contract.cgroupfs import mountinfo
+    from atropos.sandbox.contract.cgroupfs import mountinfo, remove_stale, v1_dir
 
-    base = _v1_dir(mountinfo(), own_cgroups(), "pids")
+    base = v1_dir(mountinfo(), own_cgroups(), "pids")
     assert base is not None
     dead = subprocess.Popen(["true"])
     dead.wait()  # a pid that no longer exists (a host SIGKILLed earlier)
@@ -387,7 +386,7 @@ def test_hosts_sweeping_the_same_stale_cgroups_at_once_never_fail_their_start() 
 
         def sweep() -> None:
             try:
-                _remove_stale(base)
+                remove_stale(base)
             except BaseException as exc:  # any escape is the failure under test
                 errors.append(exc)
 

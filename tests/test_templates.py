@@ -24,9 +24,8 @@ from typing import Any
 import pytest
 
 from atropos.errors import LeaseError, TemplateBuildFailed, TemplateInUse, TemplateSourceError, UnknownTemplate
-from atropos.sandbox.cgroups import _v1_dir
 from atropos.sandbox.client import HostClient
-from atropos.sandbox.contract.cgroupfs import V1_CONTROLLERS, mountinfo, own_cgroups, rmdir_tree
+from atropos.sandbox.contract.cgroupfs import V1_CONTROLLERS, mountinfo, own_cgroups, rmdir_tree, v1_dir
 from atropos.sandbox.mountns import read_mountinfo
 from atropos.sandbox.protocol import HealthInfo, TemplateInfo
 from atropos.sandbox.trees import walk_tree
@@ -137,7 +136,7 @@ def userns_host(source: Path) -> Iterator[RunningHost]:
 def delegated_cgroup_dir(where: Path, uid: int) -> tuple[Path, list[Path]]:
     """A ``--cgroup-dir`` for a host running as ``uid``: on cgroup v1 one directory per controller
     (memory, pids, cpu) owned by ``uid``, linked from ``where``. Returns it and the cgroups made."""
-    base = {c: _v1_dir(mountinfo(), own_cgroups(), c) for c in V1_CONTROLLERS}
+    base = {c: v1_dir(mountinfo(), own_cgroups(), c) for c in V1_CONTROLLERS}
     if not all(base.values()):
         pytest.skip("no cgroup v1 hierarchies to delegate from (this test delegates the v1 way)")
     made = []

@@ -97,7 +97,7 @@ class HostActor:
     and stops it. Made a Ray actor by ``RayBackend`` (``ray.remote(HostActor)``)."""
 
     def __init__(self, launch: dict[str, Any]) -> None:
-        from atropos.sandbox.inslot import make_undumpable
+        from atropos.sandbox.launch import make_undumpable
 
         # before the token arrives (start): the node's other tasks run as our user
         make_undumpable()
@@ -139,7 +139,7 @@ class HostActor:
                 "node_id": ray.get_runtime_context().get_node_id()}
 
     async def _sweep(self, root: Path) -> None:
-        from atropos.sandbox.cgroups import remove_stale_slot_cgroups
+        from atropos.sandbox.contract.cgroupfs import remove_stale_slot_cgroups
 
         while True:
             for sweep in (functools.partial(remove_dead_hosts, root, self.data_dir), remove_stale_slot_cgroups):

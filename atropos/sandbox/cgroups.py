@@ -21,12 +21,9 @@ under the host's own cgroup, so whatever bounds the host also bounds its slots.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
 import socket
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,10 +32,14 @@ from atropos.sandbox.contract.cgroupfs import (
     CFS_PERIOD_US,
     V1_CONTROLLERS,
     V2_CONTROLLERS,
-    Mountinfo,
+    cgroup_pids,
+    kill_cgroup,
     mountinfo,
     own_cgroups,
+    remove_stale,
     rmdir_tree,
+    v1_dir,
+    v2_dir,
 )
 from atropos.sandbox.launch import SlotLimits
 
@@ -85,10 +86,7 @@ class SlotCgroup:
         return [SH, "-c", _PLACE, "atropos-cgroup", *self.procs_files, "--"]
 
     def pids(self) -> list[int]:
-        try:
-            return [int(p) for p in _read(self.main / "cgroup.procs").split()]
-        except FileNotFoundError:
-            return []
+        return cgroup_pids(self.main)
 
     def apply(self, caps: SlotLimits) -> None:
         if self.version == 2:
@@ -128,32 +126,8 @@ class SlotCgroup:
         return int(_read(self.dirs["memory"] / "memory.usage_in_bytes"))
 
     def kill(self, deadline_s: float = 30.0) -> list[int]:
-        """SIGKILL every process in the cgroup until it is empty; survivors (none, normally).
-
-        The limit is time, not rounds, and generous: a killed process leaves the cgroup only once
-        it is reaped, which on a starved machine took over the 2.6 s a fixed number of rounds gave
-        it (a slot quarantined for processes that were already dying). A true survivor (one the
-        kernel cannot kill) still ends in quarantine, just later."""
-        if self.version == 2 and (self.main / "cgroup.kill").exists():
-            _write(self.main / "cgroup.kill", "1")
-        deadline = time.monotonic() + deadline_s
-        i = 0
-        while True:
-            left = self.pids()
-            if not left or time.monotonic() > deadline:
-                return left
-            for pid in left:
-                with contextlib.suppress(OSError):
-                    fd = os.pidfd_open(pid)
-                    try:
-                        signal.pidfd_send_signal(fd, signal.SIGKILL)
-                    finally:
-                        os.close(fd)
-            # a killed process leaves cgroup.procs once it is reaped (its parent, often in the
-            # cgroup too, dies with it; init reaps the rest); short first waits: a sandbox's
-            # processes are normally gone within a millisecond or two
-            i += 1
-            time.sleep(min(0.0005 * i, 0.02))
+        """SIGKILL every process in the cgroup until it is empty; survivors (none, normally)."""
+        return kill_cgroup(self.main, deadline_s)
 
     def remove(self) -> None:
         """Kill what is left and remove the directories (children first)."""
@@ -212,16 +186,16 @@ class SlotCgroups:
     def _nested(cls, label: str) -> SlotCgroups:
         mounts = mountinfo()
         own = own_cgroups()
-        v1 = {c: _v1_dir(mounts, own, c) for c in V1_CONTROLLERS}
+        v1 = {c: v1_dir(mounts, own, c) for c in V1_CONTROLLERS}
         if all(v1.values()):
             parents: dict[str, Path] = {}
             for c, base in v1.items():
                 assert base is not None
-                _remove_stale(base)
+                remove_stale(base)
                 parents[c] = base / label
                 parents[c].mkdir(exist_ok=True)
             return cls(1, parents, owned=True)
-        v2 = _v2_dir(mounts, own)
+        v2 = v2_dir(mounts, own)
         if v2 is None:
             found = [c for c, p in v1.items() if p] if any(v1.values()) else []
             raise CgroupUnavailable(
@@ -249,7 +223,7 @@ class SlotCgroups:
             leaf.mkdir(exist_ok=True)
             _write(leaf / "cgroup.procs", str(os.getpid()))
             _enable_v2(base)
-        _remove_stale(base)
+        remove_stale(base)
         parent = base / label
         parent.mkdir(exist_ok=True)
         _enable_v2(parent)
@@ -277,35 +251,6 @@ class SlotCgroups:
                 rmdir_tree(p)
 
 
-def remove_stale_slot_cgroups() -> None:
-    """Remove the slot cgroups of dead hosts that were started from this process's own cgroup (a
-    host nests its slots' cgroups there, ``_nested``): what a Ray actor runs now and then on its
-    node, so a killed pool's or a lost node's leftovers do not wait for the next host's start."""
-    mounts = mountinfo()
-    own = own_cgroups()
-    bases = [_v1_dir(mounts, own, c) for c in V1_CONTROLLERS] + [_v2_dir(mounts, own)]
-    for base in {b for b in bases if b is not None}:
-        _remove_stale(base)
-
-
-def _remove_stale(base: Path) -> None:
-    """Slot cgroups of hosts that died without cleaning up (SIGKILL): ``atropos-<pid>`` of a dead pid."""
-    for d in base.glob("atropos-*"):
-        pid = d.name.removeprefix("atropos-").removesuffix("-host")
-        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
-            continue
-        # Best effort: hosts starting at the same moment sweep the same leftovers, so a cgroup
-        # may vanish under us (ENOENT, or ENODEV from a file of a cgroup being removed); what one
-        # host cannot remove now the next one will, and it never stops this host's own start.
-        try:
-            for child in d.iterdir() if d.is_dir() else []:
-                if (child / "cgroup.procs").exists():
-                    SlotCgroup(child.name, 1, {"pids": child}).kill()
-            rmdir_tree(d)
-        except OSError as exc:
-            log.debug("stale cgroup %s not removed: %s", d, exc)
-
-
 def _tgid(pid: str) -> int:
     try:
         for line in _read(Path(f"/proc/{pid}/status")).splitlines():
@@ -321,37 +266,6 @@ def _enable_v2(d: Path) -> None:
     missing = [c for c in V2_CONTROLLERS if c not in enabled]
     if missing:
         _write(d / "cgroup.subtree_control", " ".join(f"+{c}" for c in missing))
-
-
-def _v1_dir(mounts: list[Mountinfo], own: dict[str, str], controller: str) -> Path | None:
-    """Where this process's own v1 cgroup of ``controller`` is visible (None: not mounted)."""
-    path = own.get(controller)
-    if path is None:
-        return None
-    for m in mounts:
-        if m.fstype == "cgroup" and controller in m.super_options:
-            rel = os.path.relpath(path, m.root) if m.root != "/" else path.lstrip("/")
-            if rel.startswith(".."):
-                continue
-            d = Path(m.mountpoint) / rel
-            if (d / "cgroup.procs").exists():
-                return d
-    return None
-
-
-def _v2_dir(mounts: list[Mountinfo], own: dict[str, str]) -> Path | None:
-    path = own.get("")
-    if path is None:
-        return None
-    for m in mounts:
-        if m.fstype == "cgroup2":
-            rel = os.path.relpath(path, m.root) if m.root != "/" else path.lstrip("/")
-            d = Path(m.mountpoint) / rel
-            if not rel.startswith("..") and (d / "cgroup.controllers").exists():
-                controllers = set(_read(d / "cgroup.controllers").split())
-                if set(V2_CONTROLLERS) <= controllers or _read(d / "cgroup.subtree_control").strip():
-                    return d
-    return None
 
 
 HINT = ("Slots need a cgroup each for their memory, process and CPU caps: run the host as root, in a "

@@ -29,6 +29,7 @@ from typing import IO, Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from atropos.sandbox.egress import EgressSettings
+from atropos.sandbox.inslot import make_undumpable as make_undumpable  # the host and the Ray actor too
 from atropos.sandbox.protocol import DEFAULT_MAX_TIMEOUT_S, MaxTimeoutS
 
 HOST_TOKEN_ENV = "ATROPOS_SANDBOX_TOKEN"

@@ -3,7 +3,10 @@ cgroup directory on the engine machine) see it: controllers, mounts and removal.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,3 +69,106 @@ def rmdir_tree(d: Path) -> None:
         except OSError:
             time.sleep(0.02)
     log.warning("could not remove cgroup %s", d)
+
+
+def remove_stale_slot_cgroups() -> None:
+    """Remove the slot cgroups of dead hosts that were started from this process's own cgroup (a
+    host nests its slots' cgroups there, ``_nested``): what a Ray actor runs now and then on its
+    node, so a killed pool's or a lost node's leftovers do not wait for the next host's start."""
+    mounts = mountinfo()
+    own = own_cgroups()
+    bases = [v1_dir(mounts, own, c) for c in V1_CONTROLLERS] + [v2_dir(mounts, own)]
+    for base in {b for b in bases if b is not None}:
+        remove_stale(base)
+
+
+def remove_stale(base: Path) -> None:
+    """Slot cgroups of hosts that died without cleaning up (SIGKILL): ``atropos-<pid>`` of a dead pid."""
+    for d in base.glob("atropos-*"):
+        pid = d.name.removeprefix("atropos-").removesuffix("-host")
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        # Best effort: hosts starting at the same moment sweep the same leftovers, so a cgroup
+        # may vanish under us (ENOENT, or ENODEV from a file of a cgroup being removed); what one
+        # host cannot remove now the next one will, and it never stops this host's own start.
+        try:
+            for child in d.iterdir() if d.is_dir() else []:
+                if (child / "cgroup.procs").exists():
+                    kill_cgroup(child)
+            rmdir_tree(d)
+        except OSError as exc:
+            log.debug("stale cgroup %s not removed: %s", d, exc)
+
+
+def v1_dir(mounts: list[Mountinfo], own: dict[str, str], controller: str) -> Path | None:
+    """Where this process's own v1 cgroup of ``controller`` is visible (None: not mounted)."""
+    path = own.get(controller)
+    if path is None:
+        return None
+    for m in mounts:
+        if m.fstype == "cgroup" and controller in m.super_options:
+            rel = os.path.relpath(path, m.root) if m.root != "/" else path.lstrip("/")
+            if rel.startswith(".."):
+                continue
+            d = Path(m.mountpoint) / rel
+            if (d / "cgroup.procs").exists():
+                return d
+    return None
+
+
+def v2_dir(mounts: list[Mountinfo], own: dict[str, str]) -> Path | None:
+    path = own.get("")
+    if path is None:
+        return None
+    for m in mounts:
+        if m.fstype == "cgroup2":
+            rel = os.path.relpath(path, m.root) if m.root != "/" else path.lstrip("/")
+            d = Path(m.mountpoint) / rel
+            if not rel.startswith("..") and (d / "cgroup.controllers").exists():
+                controllers = set(_read(d / "cgroup.controllers").split())
+                if set(V2_CONTROLLERS) <= controllers or _read(d / "cgroup.subtree_control").strip():
+                    return d
+    return None
+
+
+def _read(path: Path) -> str:
+    with open(path) as fh:
+        return fh.read()
+
+
+def cgroup_pids(d: Path) -> list[int]:
+    """The processes in the cgroup ``d`` (none if it is gone)."""
+    try:
+        return [int(p) for p in _read(d / "cgroup.procs").split()]
+    except FileNotFoundError:
+        return []
+
+
+def kill_cgroup(d: Path, deadline_s: float = 30.0) -> list[int]:
+    """SIGKILL every process in the cgroup ``d`` until it is empty; survivors (none, normally).
+
+    The limit is time, not rounds, and generous: a killed process leaves the cgroup only once it
+    is reaped, which on a starved machine took over the 2.6 s a fixed number of rounds gave it (a
+    slot quarantined for processes that were already dying). A true survivor (one the kernel
+    cannot kill) still ends in quarantine, just later."""
+    if (d / "cgroup.kill").exists():  # v2: one write kills the whole cgroup
+        with open(d / "cgroup.kill", "w") as fh:
+            fh.write("1")
+    deadline = time.monotonic() + deadline_s
+    i = 0
+    while True:
+        left = cgroup_pids(d)
+        if not left or time.monotonic() > deadline:
+            return left
+        for pid in left:
+            with contextlib.suppress(OSError):
+                fd = os.pidfd_open(pid)
+                try:
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                finally:
+                    os.close(fd)
+        # a killed process leaves cgroup.procs once it is reaped (its parent, often in the cgroup
+        # too, dies with it; init reaps the rest); short first waits: a sandbox's processes are
+        # normally gone within a millisecond or two
+        i += 1
+        time.sleep(min(0.0005 * i, 0.02))
