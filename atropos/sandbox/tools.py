@@ -13,12 +13,14 @@ import base64
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from atropos.errors import ToolInputError
-from atropos.sandbox.config import HostConfig
+
+if TYPE_CHECKING:  # the host's config is only ever passed in: the definitions are shared with the pool
+    from atropos.sandbox.config import HostConfig
 
 # Commands longer than this go through stdin: a huge argv fails with E2BIG.
 _ARGV_LIMIT = 64 << 10
@@ -113,7 +115,7 @@ class ArchiveArgs(_Args):
 
 # -- how validated arguments become the in-slot request ------------------------------------
 # Each takes (op, args, timeout, cfg); the keys and their order are the wire the in-slot op reads.
-Request = Callable[[str, Any, float, HostConfig], dict[str, Any]]
+Request = Callable[[str, Any, float, "HostConfig"], dict[str, Any]]
 
 
 def _exec_request(op: str, args: BashArgs | PythonArgs, timeout: float, cfg: HostConfig) -> dict[str, Any]:
