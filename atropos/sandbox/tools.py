@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from atropos.errors import ToolInputError
+from atropos.errors import ToolInputError, validation_message
 from atropos.sandbox.config import HostConfig
 
 # Commands longer than this go through stdin: a huge argv fails with E2BIG.
@@ -141,10 +141,7 @@ def validate_args(tool: str, raw: dict[str, Any]) -> _Args:
     try:
         return spec.args.model_validate(raw)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'arguments'}: {err['msg']}" for err in exc.errors()
-        )
-        raise ToolInputError(f"invalid arguments for {tool}: {problems}") from None
+        raise ToolInputError(f"invalid arguments for {tool}: {validation_message(exc)}") from None
 
 
 def clamp_timeout(requested: float | None, cfg: HostConfig) -> tuple[float, list[str]]:
