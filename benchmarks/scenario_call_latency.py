@@ -28,6 +28,10 @@ Variants (timed in alternating chunks, so load changes hit all alike):
   ``POST /v1/slots/{lease_id}/call`` (``atropos.cli serve``, default settings, own process) with a
   keep-alive ``httpx.AsyncClient`` and with the lean keep-alive client of ``atropos.sandbox.http1``.
 
+- ``... [baseline tree]``: with $ATROPOS_BENCH_BASELINE_TREE set to another revision's source tree
+  (``git archive <rev> | tar -x -C DIR``), ``true`` through the host API and the REST routes of a
+  host and a ToolServer run from that tree, in the same interleaved rounds: a change's before/after.
+
 Targets (docs/targets.md): ``true`` p50 <= 2x the fork+exec floor measured in the same run, and
 >= 5x faster than ``docker exec``; issue 19: direct lease <= 1.0x the floor, executor <= 1.25x the
 direct lease, REST <= 2.5x the floor (keep-alive client).
@@ -45,11 +49,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
+    BASELINE_TREE_ENV,
     BENCH_LABEL,
     DOCKER_IMAGE,
     Row,
     ScenarioResult,
     Target,
+    baseline_tree,
     bench_dir,
     docker_pool,
     docker_problem,
@@ -162,6 +168,7 @@ async def run(quick: bool) -> ScenarioResult:
         await tool("write_file", {"path": "four_k.txt", "content": content})()
         argv, seccomp_path, ids = await asyncio.to_thread(_bwrap_setup, root / "bwrap")
         user_routes = {**await pool_routes(routes), **await rest_routes(routes, root)}
+        user_routes.update(await _baseline_routes(routes, root))
 
         variants: dict[str, tuple[Any, int]] = {
             "fork+exec /bin/true": (_fork_exec, n_fork),
@@ -230,6 +237,9 @@ async def run(quick: bool) -> ScenarioResult:
                     note="bwrap_argv + product seccomp filter, env={}, "
                          + (f"uid {UNPRIVILEGED_UID}" if os.geteuid() == 0 else "own uid"))]
     res.rows += _route_rows(res, samples, floor)
+    res.rows += [Row(name, samples[name], base=name.removesuffix(BASELINE),
+                     note=f"the same route served by {tree} (${BASELINE_TREE_ENV}); x base = / this tree's p50")
+                 for name in samples if name.endswith(BASELINE) and (tree := baseline_tree())]
     res.rows += _breakdown(res)
     res.rows += cpu_rows
     true_row.target = "p50 <= 2x floor"
@@ -253,6 +263,32 @@ async def run(quick: bool) -> ScenarioResult:
         res.notes.append(f"docker exec / docker run / DockerBackend host: skipped: {problem}")
         res.targets.append(Target("`true` >= 5x faster than docker exec (p50)", f"skipped: {problem}", None))
     return res
+
+
+BASELINE = " [baseline tree]"
+
+
+async def _baseline_routes(stack: AsyncExitStack, root: Path) -> dict[str, Any]:
+    """With $ATROPOS_BENCH_BASELINE_TREE: ``true`` through the host API and the REST routes of a host
+    and a ToolServer run from that tree, timed in the same interleaved rounds as this tree's."""
+    from atropos.sandbox.protocol import ToolCall
+
+    tree = baseline_tree()
+    if tree is None:
+        return {}
+    host = await asyncio.to_thread(start_host, root / "host-baseline", 2, None, tree)
+    stack.callback(host.stop)
+    client = host.client()
+    stack.push_async_callback(client.aclose)
+    lease = await client.lease("bench-call-latency-baseline")
+
+    async def host_true() -> None:
+        result = await client.call(ToolCall(id=secrets.token_hex(4), slot=lease.slot, lease=lease.lease,
+                                            tool="bash", args={"command": "true"}))
+        if not result.ok:
+            raise RuntimeError(f"baseline tree: true failed: {result.error}")
+
+    return {f"bash: true (host API){BASELINE}": host_true, **await rest_routes(stack, root, tree, BASELINE)}
 
 
 def _route_rows(res: ScenarioResult, samples: dict[str, list[float]], floor: Row) -> list[Row]:
