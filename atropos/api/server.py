@@ -49,7 +49,7 @@ from atropos.errors import (
     ToolError,
     validation_message,
 )
-from atropos.fastroute import checked_by_guard, hot_post
+from atropos.fastroute import FastRoutes, checked_by_guard, hot_post
 from atropos.logs import call_fields
 from atropos.sandbox.protocol import MAX_VERIFY_PROGRAM, SealResult, VerifyResult, Wire
 from atropos.slots.lease import Lease
@@ -320,7 +320,6 @@ def create_tool_server(
     serve_docs(app)
     app.state.pool = pool
     app.state.rest_leases = server.leases
-    app.add_middleware(_Gate, server=server, routes=app.router.routes)
     install_error_handlers(app, TOOLSERVER_ERRORS)
     deps = [Depends(server.auth)]
     _pool_routes(app, server, deps)
@@ -332,8 +331,8 @@ def create_tool_server(
 
 
 class _Gate:
-    """Every route's concurrency limit (429 over it) and request metrics, as plain ASGI middleware
-    (``BaseHTTPMiddleware`` costs a task and a stream per request)."""
+    """Every route's concurrency limit (429 over it) and request metrics, in the app's front (so the
+    hot routes served ahead of FastAPI's middleware have them too; see atropos.fastroute)."""
 
     def __init__(self, app: ASGIApp, server: _ToolServer, routes: list[BaseRoute]) -> None:
         self.app, self.gate, self.limit, self.routes = app, server.gate, server.settings.max_concurrency, routes
@@ -474,14 +473,14 @@ def _file_routes(app: FastAPI, server: _ToolServer, deps: list[Any]) -> None:
 
 
 def _dispatch(app: FastAPI, server: _ToolServer) -> ASGIApp:
-    """The app's front: the guard, the lease route's delivery check."""
+    """The app's front: the guard, the gate, the lease route's delivery check, the hot routes."""
     settings = server.settings
     # Docs stay readable without a token (they hold no secret); everything else needs it.
     public = {"/healthz", "/status", *DOCS_PUBLIC}
     if settings.public_metrics:
         public.add("/metrics")
-    guard = RequestGuard(app, max_body=settings.max_body_bytes, token=settings.token or None,  # type: ignore[arg-type]
-                         public=public)
+    gated = _Gate(FastRoutes(app), server, app.router.routes)
+    guard = RequestGuard(gated, max_body=settings.max_body_bytes, token=settings.token or None, public=public)
     leasing = release_undelivered(guard, server.release_undelivered)
 
     async def route(scope: dict[str, Any], receive: Receive, send: Send) -> None:

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from atropos import __version__, metrics
 from atropos.asgi import ASGIApp, ErrorMap, Receive, RequestGuard, Send, http_error, install_error_handlers
 from atropos.errors import SlotUnavailable, ToolError
-from atropos.fastroute import LineStream, checked_by_guard, hot_post
+from atropos.fastroute import FastRoutes, LineStream, checked_by_guard, hot_post
 from atropos.sandbox.host import SandboxHost
 from atropos.sandbox.protocol import (
     LEASE_HEADER,
@@ -264,7 +264,7 @@ def wrap(app: FastAPI, host: SandboxHost) -> ASGIApp:
     """Auth and body limit first, for every path (docs included: a host is not a public service).
 
     Template tar uploads get their own, larger body limit (``max_template_bytes``)."""
-    default = RequestGuard(app, max_body=host.cfg.max_body_bytes, token=host.cfg.token)  # type: ignore[arg-type]
+    default = RequestGuard(FastRoutes(app), max_body=host.cfg.max_body_bytes, token=host.cfg.token)
     upload = RequestGuard(app, max_body=host.cfg.max_template_bytes, token=host.cfg.token)  # type: ignore[arg-type]
 
     async def route(scope: dict[str, Any], receive: Receive, send: Send) -> None:
