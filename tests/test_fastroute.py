@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 from atropos.api.server import ToolServerSettings, create_tool_server
 from atropos.asgi import install_error_handlers
 from atropos.errors import LeaseError
-from atropos.fastroute import FastRoute, checked_by_guard, hot_post
+from atropos.fastroute import FastRoute, FastRoutes, checked_by_guard, hot_post
 from atropos.sandbox.config import HostConfig
 from atropos.sandbox.host import SandboxHost
 from atropos.sandbox.server import create_app
@@ -29,7 +29,7 @@ def _routes(app: FastAPI) -> dict[tuple[str, str], APIRoute]:
     return {(method, r.path): r for r in app.routes if isinstance(r, APIRoute) for method in r.methods}
 
 
-def test_the_hot_routes_are_routes_of_their_apps_one_table(tmp_path: object) -> None:
+def test_the_hot_routes_are_routes_of_their_apps_one_table() -> None:
     host_app = create_app(SandboxHost(HostConfig(token="t" * 32)), manage_lifecycle=False)
     host_routes = _routes(host_app)
     assert isinstance(host_routes["POST", "/v1/call"], FastRoute)
@@ -50,7 +50,11 @@ def test_a_fast_route_refuses_a_dependency_it_would_not_run() -> None:
     hot_post(FastAPI(), "/echo", dependencies=[Depends(checked_by_guard(checks_something))])(endpoint)
 
 
-async def test_a_fast_route_answers_through_the_apps_error_handlers() -> None:
+@pytest.mark.parametrize("front", ["FastRoutes", "the app's own router"])
+async def test_a_fast_route_answers_through_the_apps_error_handlers(front: str) -> None:
+    """Served ahead of the middleware stack (``FastRoutes``, as the servers do) or by FastAPI's own
+    router, a FastRoute answers alike: its model, 422 for a bad body, the app's handler's answer
+    for a package error."""
     app = FastAPI()
     install_error_handlers(app)
 
@@ -60,7 +64,8 @@ async def test_a_fast_route_answers_through_the_apps_error_handlers() -> None:
             raise LeaseError("stale lease")
         return Echo(text=f"{name}:{body.text}")
 
-    transport = httpx.ASGITransport(app=app)
+    served = FastRoutes(app) if front == "FastRoutes" else app
+    transport = httpx.ASGITransport(app=served)  # type: ignore[arg-type]
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
         ok = await http.post("/echo/a", json={"text": "hi"})
         assert ok.status_code == 200 and ok.json() == {"text": "a:hi"}
