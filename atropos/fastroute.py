@@ -53,7 +53,9 @@ def _json_content_type(value: str | None) -> bool:
     return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
-def _invalid(problems: list[Any]) -> RequestValidationError:
+def invalid_body(problems: list[Any]) -> RequestValidationError:
+    """A body's validation problems as FastAPI's error (answered 422 ``invalid_request`` by the app's
+    handler, ``atropos.asgi``), located under ``body`` as FastAPI locates them."""
     return RequestValidationError([{**p, "loc": ("body", *p.get("loc", ()))} for p in problems])
 
 
@@ -94,11 +96,11 @@ class FastRoute(APIRoute):
         kwargs: dict[str, Any] = {name: path_params[name] for name in self.path_names}
         if self.body_name:
             if not _json_content_type(content_type):
-                raise _invalid([{"loc": (), "msg": "expected an application/json body", "type": "content_type"}])
+                raise invalid_body([{"loc": (), "msg": "expected an application/json body", "type": "content_type"}])
             try:
                 kwargs[self.body_name] = self.body_model.model_validate_json(raw)
             except ValidationError as exc:
-                raise _invalid(list(exc.errors())) from None
+                raise invalid_body(list(exc.errors())) from None
         return kwargs
 
     async def run(self, scope: MutableMapping[str, Any], receive: Callable[[], Awaitable[Any]]) -> Any:

@@ -122,5 +122,6 @@ async def rest_routes(stack: AsyncExitStack, root: Path, tree: Path = REPO, suff
         if r.status != 200 or not json.loads(r.body)["ok"]:
             raise RuntimeError(f"REST true failed: {r.status} {r.body[:200]!r}")
 
+    via_lean.pid = proc.pid  # type: ignore[attr-defined]  # the ToolServer's, for CPU per call
     return {f"bash: true (REST, httpx keep-alive){suffix}": via_httpx,
             f"bash: true (REST, lean keep-alive){suffix}": via_lean}

@@ -210,6 +210,13 @@ async def run(quick: bool) -> ScenarioResult:
                 variants["bash: true (DockerBackend host)"] = (docker_true, n_api)
         samples = await time_interleaved(variants, warmup=3 if quick else 5, rounds=5 if quick else 10)
         cpu_rows = await _cpu_breakdown(host.proc.pid, tool("bash", {"command": "true"}), n_api * 2)
+        if f"bash: true (host API){BASELINE}" in variants:
+            host_call = tool("bash", {"command": "true"})
+            host_call.pid = host.proc.pid  # type: ignore[attr-defined]
+            lean = "bash: true (REST, lean keep-alive)"
+            cpu_rows += await _route_cpu_rows({
+                "host process per /v1/call": (host_call, variants[f"bash: true (host API){BASELINE}"][0]),
+                "ToolServer process per REST call": (variants[lean][0], variants[lean + BASELINE][0])}, n_api * 2)
         await client.release(lease.slot, lease.lease)
     finally:
         await routes.aclose()
@@ -288,7 +295,35 @@ async def _baseline_routes(stack: AsyncExitStack, root: Path) -> dict[str, Any]:
         if not result.ok:
             raise RuntimeError(f"baseline tree: true failed: {result.error}")
 
+    host_true.pid = host.proc.pid  # type: ignore[attr-defined]
     return {f"bash: true (host API){BASELINE}": host_true, **await rest_routes(stack, root, tree, BASELINE)}
+
+
+async def _cpu_per_call(pid: int, call: Any, n: int) -> float:
+    """CPU time (us) of process ``pid`` itself per call, over ``n`` back-to-back calls: unlike wall
+    time, barely moved by the load of a shared machine."""
+    for _ in range(5):
+        await call()
+    before = _cpu_of(pid)[0]
+    for _ in range(n):
+        await call()
+    return (_cpu_of(pid)[0] - before) / n * 1e6
+
+
+async def _route_cpu_rows(pairs: dict[str, tuple[Any, Any]], n: int) -> list[Row]:
+    """Per route, this tree's and the baseline tree's server CPU per ``true`` call, alternating in
+    chunks (with $ATROPOS_BENCH_BASELINE_TREE)."""
+    rows = []
+    for label, (this, base) in pairs.items():
+        ours, theirs = [], []
+        for _ in range(4):
+            ours.append(await _cpu_per_call(this.pid, this, n // 4))
+            theirs.append(await _cpu_per_call(base.pid, base, n // 4))
+        mine, other = sum(ours) / len(ours), sum(theirs) / len(theirs)
+        rows.append(Row(f"cpu/call: {label}", value=round(mine), unit="us"))
+        rows.append(Row(f"cpu/call: {label}{BASELINE}", value=round(other), unit="us",
+                        note=f"this tree / baseline tree = {mine / other:.2f}x"))
+    return rows
 
 
 def _route_rows(res: ScenarioResult, samples: dict[str, list[float]], floor: Row) -> list[Row]:

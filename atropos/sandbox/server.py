@@ -11,14 +11,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Query, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from atropos import __version__, metrics
 from atropos.asgi import ASGIApp, ErrorMap, Receive, RequestGuard, Send, http_error, install_error_handlers
 from atropos.errors import SlotUnavailable, ToolError
-from atropos.fastroute import FastRoutes, LineStream, checked_by_guard, hot_post
+from atropos.fastroute import FastRoutes, LineStream, checked_by_guard, hot_post, invalid_body
 from atropos.sandbox.host import SandboxHost
 from atropos.sandbox.protocol import (
     LEASE_HEADER,
@@ -187,7 +186,7 @@ def _template_routes(app: FastAPI, host: SandboxHost, deps: list[Any]) -> None:
         try:
             req = TemplateRequest.model_validate_json(await request.body())
         except ValidationError as exc:  # answered like every route's bad body (atropos.asgi)
-            raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+            raise invalid_body(exc.errors()) from None
         if req.source == "slot" and req.slot is not None:
             slot_or_404(req.slot)
         return await host.create_template(req)
