@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from atropos.errors import AtroposSandboxError
+from atropos.errors import AtroposSandboxError, validation_message
 
 log = logging.getLogger(__name__)
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -62,8 +62,7 @@ class ErrorMap:
     """One app's answer to every error of the package: the (status, code) of ``atropos.errors.ERRORS``
     (a ``ToolError`` its own), except where ``overrides`` says the app's contract differs, looked up
     along the error's class hierarchy like the table itself. Every route of the app answers
-    through it: FastAPI's through the handler ``install_error_handlers`` installs, the raw hot
-    routes through ``answer``."""
+    through it, by the handler ``install_error_handlers`` installs."""
 
     overrides: Mapping[type[AtroposSandboxError], Callable[[Any], Answer]] = field(default_factory=dict)
 
@@ -95,14 +94,11 @@ def install_error_handlers(app: FastAPI, errors: ErrorMap | None = None) -> None
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err.get('loc', ())) or 'request'}: {err.get('msg', '')}"
-            for err in exc.errors()
-        )
-        return JSONResponse(error_body(422, "invalid_request", problems), status_code=422)
+        return JSONResponse(error_body(422, "invalid_request", validation_message(exc, "request")), status_code=422)
 
 
-async def _respond(send: Send, status: int, code: str, message: str, extra: Iterable[tuple[bytes, bytes]] = ()) -> None:
+async def send_error(send: Send, status: int, code: str, message: str,
+                     extra: Iterable[tuple[bytes, bytes]] = ()) -> None:
     body = json.dumps(error_body(status, code, message)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -134,7 +130,7 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         if not self._authorized(scope):
-            return await _respond(send, 401, "unauthorized", "missing or wrong bearer token",
+            return await send_error(send, 401, "unauthorized", "missing or wrong bearer token",
                                   [(b"www-authenticate", b"Bearer")])
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > self.max_body:
@@ -184,4 +180,4 @@ async def _drain(receive: Receive, budget: int) -> None:
 
 
 async def _too_large(send: Send, limit: int, extra: Iterable[tuple[bytes, bytes]] = ()) -> None:
-    await _respond(send, 413, "body_too_large", f"request body over the limit of {limit} bytes", extra)
+    await send_error(send, 413, "body_too_large", f"request body over the limit of {limit} bytes", extra)

@@ -20,6 +20,9 @@ in a message. A ``ToolError`` carries the host's code and status per instance.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
 
 class AtroposSandboxError(Exception):
     """Base class of every error this package raises on purpose."""
@@ -243,3 +246,24 @@ def exit_code(exc: AtroposSandboxError) -> int:
     if isinstance(exc, (InfrastructureError, IsolationUnavailable)):
         return 3
     return 1
+
+
+class _Problems(Protocol):
+    """pydantic's ``ValidationError`` and FastAPI's ``RequestValidationError`` alike."""
+
+    def errors(self) -> Any: ...
+
+
+def validation_message(exc: _Problems, whole: str = "arguments", *, prefix: Iterable[str] = (),
+                       given: bool = False, first: bool = False) -> str:
+    """What failed validation, as one line: ``loc: message`` per problem, joined by ``; ``. The
+    location is ``prefix`` then pydantic's ``loc`` joined by dots, or ``whole`` when both are empty
+    (the input itself is wrong); ``given`` adds each offending input, ``first`` keeps only the first
+    problem and counts the rest. Every boundary that turns a validation failure into words uses it."""
+    lead = tuple(prefix)
+    problems: list[Mapping[str, Any]] = list(exc.errors())
+    lines = [f"{'.'.join(str(p) for p in (*lead, *err.get('loc', ()))) or whole}: {err.get('msg', '')}"
+             + (f" (given {err.get('input')!r})" if given else "") for err in problems]
+    if first and len(lines) > 1:
+        return f"{lines[0]} (and {len(lines) - 1} more)"
+    return "; ".join(lines)

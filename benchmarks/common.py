@@ -312,14 +312,29 @@ class RunningHost:
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
 
-def start_host(data_dir: Path, slots: int = 8, extra: list[str] | None = None) -> RunningHost:
-    """Start ``python -m atropos.sandbox`` and wait for its ready line (blocking)."""
+BASELINE_TREE_ENV = "ATROPOS_BENCH_BASELINE_TREE"
+
+
+def baseline_tree() -> Path | None:
+    """Another revision's source tree (e.g. ``git archive <rev> | tar -x -C DIR``) to time beside this
+    one in the same run, from $ATROPOS_BENCH_BASELINE_TREE; None when unset."""
+    value = os.environ.get(BASELINE_TREE_ENV)
+    return Path(value).resolve() if value else None
+
+
+def tree_env(tree: Path, env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a process (and its children) that imports ``atropos`` from ``tree``."""
+    return env if tree == REPO else {**env, "PYTHONPATH": str(tree)}
+
+
+def start_host(data_dir: Path, slots: int = 8, extra: list[str] | None = None, tree: Path = REPO) -> RunningHost:
+    """Start ``python -m atropos.sandbox`` (from ``tree``) and wait for its ready line (blocking)."""
     token = secrets.token_urlsafe(16)
-    env = {**os.environ, "ATROPOS_SANDBOX_TOKEN": token}
+    env = tree_env(tree, {**os.environ, "ATROPOS_SANDBOX_TOKEN": token})
     proc = subprocess.Popen(
         [sys.executable, "-m", "atropos.sandbox", "--port", "0", "--slots", str(slots),
          "--data-dir", str(data_dir), "--log-level", "WARNING", *(extra or [])],
-        stdout=subprocess.PIPE, env=env, cwd=REPO,
+        stdout=subprocess.PIPE, env=env, cwd=tree,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()

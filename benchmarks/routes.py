@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.common import REPO, local_pool
+from benchmarks.common import REPO, local_pool, tree_env
 
 Fn = Callable[[], Awaitable[None]]
 
@@ -61,21 +61,22 @@ async def pool_routes(stack: AsyncExitStack) -> dict[str, Fn]:
     return {"bash: true (lease.bash)": lease_bash, "bash: true (ToolExecutor.execute)": execute}
 
 
-async def rest_routes(stack: AsyncExitStack, root: Path) -> dict[str, Fn]:
-    """A ToolServer (``python -m atropos.cli serve``, local backend, 1 host x 2 slots, default log
-    level) and one REST lease; ``true`` through httpx and through the lean client."""
+async def rest_routes(stack: AsyncExitStack, root: Path, tree: Path = REPO, suffix: str = "") -> dict[str, Fn]:
+    """A ToolServer (``python -m atropos.cli serve`` from ``tree``, local backend, 1 host x 2 slots,
+    default log level) and one REST lease; ``true`` through httpx and through the lean client (row
+    names end with ``suffix``)."""
     from atropos.sandbox.http1 import ConnectionPool
 
     token = secrets.token_urlsafe(16)
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ATROPOS_SANDBOX_")}  # defaults only
-    env["ATROPOS_TOOLSERVER_TOKEN"] = token
-    log_path = root / "toolserver.log"
+    env = tree_env(tree, {**env, "ATROPOS_TOOLSERVER_TOKEN": token})
+    log_path = root / f"toolserver-{port}.log"
     log_file = log_path.open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "atropos.cli", "serve", "--port", str(port), "--slots-per-host", "2",
-         "--min-hosts", "1", "--max-hosts", "1", "--pool-id", f"bench-rest-{os.getpid()}"],
-        stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+         "--min-hosts", "1", "--max-hosts", "1", "--pool-id", f"bench-rest-{os.getpid()}-{port}"],
+        stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=tree)
 
     def stop() -> None:
         proc.terminate()
@@ -121,4 +122,6 @@ async def rest_routes(stack: AsyncExitStack, root: Path) -> dict[str, Fn]:
         if r.status != 200 or not json.loads(r.body)["ok"]:
             raise RuntimeError(f"REST true failed: {r.status} {r.body[:200]!r}")
 
-    return {"bash: true (REST, httpx keep-alive)": via_httpx, "bash: true (REST, lean keep-alive)": via_lean}
+    via_lean.pid = proc.pid  # type: ignore[attr-defined]  # the ToolServer's, for CPU per call
+    return {f"bash: true (REST, httpx keep-alive){suffix}": via_httpx,
+            f"bash: true (REST, lean keep-alive){suffix}": via_lean}

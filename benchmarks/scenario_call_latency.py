@@ -28,6 +28,10 @@ Variants (timed in alternating chunks, so load changes hit all alike):
   ``POST /v1/slots/{lease_id}/call`` (``atropos.cli serve``, default settings, own process) with a
   keep-alive ``httpx.AsyncClient`` and with the lean keep-alive client of ``atropos.sandbox.http1``.
 
+- ``... [baseline tree]``: with $ATROPOS_BENCH_BASELINE_TREE set to another revision's source tree
+  (``git archive <rev> | tar -x -C DIR``), ``true`` through the host API and the REST routes of a
+  host and a ToolServer run from that tree, in the same interleaved rounds: a change's before/after.
+
 Targets (docs/targets.md): ``true`` p50 <= 2x the fork+exec floor measured in the same run, and
 >= 5x faster than ``docker exec``; issue 19: direct lease <= 1.0x the floor, executor <= 1.25x the
 direct lease, REST <= 2.5x the floor (keep-alive client).
@@ -45,11 +49,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
+    BASELINE_TREE_ENV,
     BENCH_LABEL,
     DOCKER_IMAGE,
     Row,
     ScenarioResult,
     Target,
+    baseline_tree,
     bench_dir,
     docker_pool,
     docker_problem,
@@ -162,6 +168,7 @@ async def run(quick: bool) -> ScenarioResult:
         await tool("write_file", {"path": "four_k.txt", "content": content})()
         argv, seccomp_path, ids = await asyncio.to_thread(_bwrap_setup, root / "bwrap")
         user_routes = {**await pool_routes(routes), **await rest_routes(routes, root)}
+        user_routes.update(await _baseline_routes(routes, root))
 
         variants: dict[str, tuple[Any, int]] = {
             "fork+exec /bin/true": (_fork_exec, n_fork),
@@ -203,6 +210,13 @@ async def run(quick: bool) -> ScenarioResult:
                 variants["bash: true (DockerBackend host)"] = (docker_true, n_api)
         samples = await time_interleaved(variants, warmup=3 if quick else 5, rounds=5 if quick else 10)
         cpu_rows = await _cpu_breakdown(host.proc.pid, tool("bash", {"command": "true"}), n_api * 2)
+        if f"bash: true (host API){BASELINE}" in variants:
+            host_call = tool("bash", {"command": "true"})
+            host_call.pid = host.proc.pid  # type: ignore[attr-defined]
+            lean = "bash: true (REST, lean keep-alive)"
+            cpu_rows += await _route_cpu_rows({
+                "host process per /v1/call": (host_call, variants[f"bash: true (host API){BASELINE}"][0]),
+                "ToolServer process per REST call": (variants[lean][0], variants[lean + BASELINE][0])}, n_api * 2)
         await client.release(lease.slot, lease.lease)
     finally:
         await routes.aclose()
@@ -230,6 +244,9 @@ async def run(quick: bool) -> ScenarioResult:
                     note="bwrap_argv + product seccomp filter, env={}, "
                          + (f"uid {UNPRIVILEGED_UID}" if os.geteuid() == 0 else "own uid"))]
     res.rows += _route_rows(res, samples, floor)
+    res.rows += [Row(name, samples[name], base=name.removesuffix(BASELINE),
+                     note=f"the same route served by {tree} (${BASELINE_TREE_ENV}); x base = / this tree's p50")
+                 for name in samples if name.endswith(BASELINE) and (tree := baseline_tree())]
     res.rows += _breakdown(res)
     res.rows += cpu_rows
     true_row.target = "p50 <= 2x floor"
@@ -253,6 +270,60 @@ async def run(quick: bool) -> ScenarioResult:
         res.notes.append(f"docker exec / docker run / DockerBackend host: skipped: {problem}")
         res.targets.append(Target("`true` >= 5x faster than docker exec (p50)", f"skipped: {problem}", None))
     return res
+
+
+BASELINE = " [baseline tree]"
+
+
+async def _baseline_routes(stack: AsyncExitStack, root: Path) -> dict[str, Any]:
+    """With $ATROPOS_BENCH_BASELINE_TREE: ``true`` through the host API and the REST routes of a host
+    and a ToolServer run from that tree, timed in the same interleaved rounds as this tree's."""
+    from atropos.sandbox.protocol import ToolCall
+
+    tree = baseline_tree()
+    if tree is None:
+        return {}
+    host = await asyncio.to_thread(start_host, root / "host-baseline", 2, None, tree)
+    stack.callback(host.stop)
+    client = host.client()
+    stack.push_async_callback(client.aclose)
+    lease = await client.lease("bench-call-latency-baseline")
+
+    async def host_true() -> None:
+        result = await client.call(ToolCall(id=secrets.token_hex(4), slot=lease.slot, lease=lease.lease,
+                                            tool="bash", args={"command": "true"}))
+        if not result.ok:
+            raise RuntimeError(f"baseline tree: true failed: {result.error}")
+
+    host_true.pid = host.proc.pid  # type: ignore[attr-defined]
+    return {f"bash: true (host API){BASELINE}": host_true, **await rest_routes(stack, root, tree, BASELINE)}
+
+
+async def _cpu_per_call(pid: int, call: Any, n: int) -> float:
+    """CPU time (us) of process ``pid`` itself per call, over ``n`` back-to-back calls: unlike wall
+    time, barely moved by the load of a shared machine."""
+    for _ in range(5):
+        await call()
+    before = _cpu_of(pid)[0]
+    for _ in range(n):
+        await call()
+    return (_cpu_of(pid)[0] - before) / n * 1e6
+
+
+async def _route_cpu_rows(pairs: dict[str, tuple[Any, Any]], n: int) -> list[Row]:
+    """Per route, this tree's and the baseline tree's server CPU per ``true`` call, alternating in
+    chunks (with $ATROPOS_BENCH_BASELINE_TREE)."""
+    rows = []
+    for label, (this, base) in pairs.items():
+        ours, theirs = [], []
+        for _ in range(4):
+            ours.append(await _cpu_per_call(this.pid, this, n // 4))
+            theirs.append(await _cpu_per_call(base.pid, base, n // 4))
+        mine, other = sum(ours) / len(ours), sum(theirs) / len(theirs)
+        rows.append(Row(f"cpu/call: {label}", value=round(mine), unit="us"))
+        rows.append(Row(f"cpu/call: {label}{BASELINE}", value=round(other), unit="us",
+                        note=f"this tree / baseline tree = {mine / other:.2f}x"))
+    return rows
 
 
 def _route_rows(res: ScenarioResult, samples: dict[str, list[float]], floor: Row) -> list[Row]:

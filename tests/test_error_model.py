@@ -20,8 +20,6 @@ PACKAGE = Path(errors.__file__).parent
 # Exceptions that stay where they are, with why: control flow inside one module, never raised to
 # a caller of the package.
 PRIVATE = {
-    "BadBody": "fastroute: a raw route answers it 422 itself",
-    "Disconnected": "fastroute: a raw route answers it nothing",
     "ToolFailure": "supervisor (inside the sandbox): becomes the frame's error code",
     "VerifierTimeout": "verifier (inside the sandbox): interrupts the program",
     "SessionTimeout": "python_session (inside the sandbox): interrupts the cell",
@@ -105,3 +103,33 @@ def test_no_app_reads_an_error_code_out_of_a_message() -> None:
         text = (PACKAGE / module).read_text()
         for needle in ('"not_found" in', '"too_large" in', "in str(exc)", "in message"):
             assert needle not in text, (module, needle)
+
+
+def test_validation_failures_are_put_into_words_in_one_place() -> None:
+    """Issue 26: ``ValidationError``-to-message was written 10 times (each boundary its own wording
+    of ``loc: msg``); now ``atropos.errors.validation_message`` is the one."""
+    import re
+
+    spelled = re.compile(r"""\[['"]msg['"]\]|\.get\(['"]msg['"]|error_count\(\)""")
+    by_hand = [str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
+               if path.name != "errors.py" and spelled.search(path.read_text())]
+    assert not by_hand, f"use atropos.errors.validation_message: {by_hand}"
+
+
+def test_one_validation_message_for_every_boundary() -> None:
+    from pydantic import BaseModel, ValidationError
+
+    class Args(BaseModel):
+        command: str
+        timeout_s: float = 1.0
+
+    with pytest.raises(ValidationError) as bad:
+        Args.model_validate({"timeout_s": "soon"})
+    assert errors.validation_message(bad.value) == (
+        "command: Field required; timeout_s: Input should be a valid number, unable to parse string as a number")
+    first = errors.validation_message(bad.value, prefix=("body",), first=True)
+    assert first == "body.command: Field required (and 1 more)"
+    assert errors.validation_message(bad.value, given=True).startswith("command: Field required (given {")
+    with pytest.raises(ValidationError) as whole:
+        Args.model_validate_json(b"{not json")
+    assert errors.validation_message(whole.value, "body").startswith("body: Invalid JSON")

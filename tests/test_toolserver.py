@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import re
 import socket
 import tarfile
 from collections.abc import AsyncIterator
@@ -83,8 +84,8 @@ async def test_raw_http_client_drives_a_slot_from_lease_to_release(server: str) 
         # merely names "not_found" or "too_large" is a 400, not a 404 or 413)
         for name in ("/etc/not_found", "../too_large"):
             refused = await http.get(f"/v1/slots/{lid}/files", params={"path": name})
-            assert refused.status_code == 400, (name, refused.text)
-            assert "path_escape" in refused.json()["error"]["message"]
+            assert refused.status_code == 403, (name, refused.text)
+            assert refused.json()["error"]["code"] == "path_escape"
         assert (await http.delete(f"/v1/slots/{lid}")).json() == {"released": True}
         after = await http.post(f"/v1/slots/{lid}/call", json={"tool": "bash", "args": {"command": "true"}})
         assert after.status_code == 404 and after.json()["error"]["code"] == "unknown_lease"
@@ -186,7 +187,7 @@ async def test_external_calls_are_counted_by_their_real_outcome() -> None:
 
 
 async def test_slot_call_route_answers_like_its_schema_says() -> None:
-    """The slot call is served by a raw ASGI route (the hot path): over real HTTP it still checks the
+    """The slot call is the hot route (a lean handler, atropos.fastroute): over real HTTP it checks the
     token and body limit first, refuses bad bodies with 422 invalid_request, answers 404/409/429 in
     the one error shape, returns what its OpenAPI schema documents, and is counted per route."""
     from atropos.api.server import SlotCallResponse
@@ -252,3 +253,70 @@ async def test_slot_call_route_answers_like_its_schema_says() -> None:
     finally:
         srv.should_exit = True
         await task
+
+
+def _statuses_agree(resp: httpx.Response) -> None:
+    """A refusal's body says the response's status, and its message names no other HTTP status."""
+    error = resp.json()["error"]
+    assert error["status"] == resp.status_code, resp.text
+    for named in re.findall(r"HTTP (\d{3})", error["message"]):
+        assert int(named) == resp.status_code, resp.text
+
+
+async def test_one_status_per_error_code_on_every_rest_route(server: str) -> None:
+    """Issue 28, item 5: the same refusal answers the same status whichever route met it. A tool's
+    own failure (the read_file tool refusing a path, a verifier program failing) is an observation:
+    200 with ok:false. Anything else answers the status of its code on every route: a sealed slot
+    is 409 verification_phase on /call as on PUT /files, a path escape 403 path_escape from the
+    file routes; and each error body's status is the response's."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with httpx.AsyncClient(base_url=server, headers=auth, timeout=120) as http:
+        lid = (await http.post("/v1/slots", json={"trajectory_id": "status-rule"})).json()["lease_id"]
+        call = f"/v1/slots/{lid}/call"
+        await http.put(f"/v1/slots/{lid}/files", params={"path": "a.txt"}, content=b"a")
+
+        tool = await http.post(call, json={"tool": "read_file", "args": {"path": "../etc/passwd"}})
+        assert tool.status_code == 200 and tool.json()["ok"] is False
+        assert tool.json()["error"]["code"] == "path_escape"
+        for route in ("files", "list", "archive"):
+            escape = await http.get(f"/v1/slots/{lid}/{route}", params={"path": "../etc"})
+            assert (escape.status_code, escape.json()["error"]["code"]) == (403, "path_escape"), (route, escape.text)
+            _statuses_agree(escape)
+        missing = await http.get(f"/v1/slots/{lid}/files", params={"path": "nope.txt"})
+        assert (missing.status_code, missing.json()["error"]["code"]) == (404, "not_found")
+        _statuses_agree(missing)
+
+        failing = await http.post(f"/v1/slots/{lid}/verify", json={
+            "program": "def verify(workspace, secrets, args):\n    raise ValueError('no')\n"})
+        assert failing.status_code == 200 and failing.json()["ok"] is False  # sealed the slot too
+        assert failing.json()["error"]["status"] != 200, failing.text  # a failure, not a success status
+
+        for refused in (await http.post(call, json={"tool": "write_file", "args": {"path": "b", "content": "x"}}),
+                        await http.post(call, json={"tool": "bash", "args": {"command": "true"}}),
+                        await http.put(f"/v1/slots/{lid}/files", params={"path": "b"}, content=b"x")):
+            assert (refused.status_code, refused.json()["error"]["code"]) == (409, "verification_phase"), \
+                refused.text
+            _statuses_agree(refused)
+        reading = await http.post(call, json={"tool": "read_file", "args": {"path": "a.txt"}})
+        assert reading.status_code == 200 and reading.json()["content"] == "a"  # reading stays allowed
+        await http.delete(f"/v1/slots/{lid}")
+
+
+async def test_docs_load_from_the_toolserver_itself(server: str) -> None:
+    """Issue 28, item 6: /docs works without the internet: the page names no external URL and every
+    script, style sheet and icon it references is served by the ToolServer (no token needed)."""
+    async with httpx.AsyncClient(base_url=server, timeout=60) as http:
+        page = await http.get("/docs")
+        assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+        assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}", page.text), "an external URL in /docs"
+        refs = re.findall(r"""(?:src|href)=["']([^"']+)["']""", page.text)
+        assert {"/docs/assets/swagger-ui-bundle.js", "/docs/assets/swagger-ui.css"} <= set(refs), refs
+        for ref in refs:
+            got = await http.get(ref)
+            assert got.status_code == 200 and got.content, ref
+        bundle = await http.get("/docs/assets/swagger-ui-bundle.js")
+        assert "SwaggerUIBundle" in bundle.text and "javascript" in bundle.headers["content-type"]
+        assert "openapi.json" in page.text and (await http.get("/openapi.json")).status_code == 200
+        assert "Apache License" in (await http.get("/docs/assets/LICENSE")).text
+        other = await http.get("/docs/assets/__init__.py", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert other.status_code == 404  # only the page's files are served from the package's folder

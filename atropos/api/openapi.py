@@ -26,14 +26,17 @@ ERROR_SCHEMA: dict[str, Any] = {
 
 # status -> (when, example code, example message)
 _ERRORS: dict[int, tuple[str, str, str]] = {
-    400: ("the request cannot run as asked (a file the host refused: not a regular file, a path leaving "
-          "the workspace, ...; the code is the host's: is_directory, path_escape, not_regular, ...)",
+    400: ("the request cannot run as asked (a file the host refused: not a regular file, ...; the code is "
+          "the host's: is_directory, not_regular, ...)",
           "is_directory", "HTTP 400 is_directory: data.txt: is a directory"),
+    403: ("the path leaves the workspace (path_escape) or the file may not be read (permission_denied)",
+          "path_escape", "HTTP 403 path_escape: ../x: path escapes the workspace"),
     401: ("missing or wrong bearer token (`Authorization: Bearer <token>`)", "unauthorized",
           "missing or wrong bearer token"),
     404: ("no such lease (released, expired after the idle timeout, or never granted), tool or file",
           "unknown_lease", "no such lease (released, expired or never granted)"),
-    409: ("the lease is no longer valid on its host (the slot was reset or its host replaced)",
+    409: ("the lease is no longer valid on its host (lease_invalid: the slot was reset or its host replaced), "
+          "or the slot is sealed and the request would run or write in it (verification_phase)",
           "lease_invalid", "lease is not valid for slot 3"),
     413: ("the request body is over the server's limit", "too_large", "request body over 33554432 bytes"),
     422: ("the body or a parameter fails validation", "invalid_request", "args: field required"),
@@ -55,7 +58,7 @@ def _statuses(method: str, path: str) -> list[int]:
     if "{lease_id}" in path:
         statuses += [404, 409, 503]
         if path.endswith(("/files", "/archive", "/list")):
-            statuses.append(400)
+            statuses += [400, 403]
     elif path == "/v1/slots" and method == "post":
         statuses.append(503)
     elif "{name}" in path:
@@ -77,8 +80,10 @@ def complete_openapi(app: FastAPI, *, max_body_bytes: int, max_concurrency: int,
               f"in progress at once (429 beyond); a REST lease unused for {lease_idle_s:g} s is released (404 "
               f"after that); file reads up to {max_file_read_bytes} bytes by default. Every error has the body "
               "`{\"error\": {\"code\", \"message\", \"status\"}}`. A slot call whose tool ran and failed, or "
-              "refused its arguments, is a 200 with `ok: false` (a result for the model to read); statuses "
-              "other than 200 mean the request itself could not be served.")
+              "refused its arguments, is a 200 with `ok: false` (a result for the model to read), and so is a "
+              "verifier program that failed; statuses other than 200 mean the request itself could not be "
+              "served, one status per error code on every route (a sealed slot is 409 `verification_phase`, "
+              "a path leaving the workspace 403 `path_escape`), and `error.status` is the response's status.")
 
     def build() -> dict[str, Any]:
         if app.openapi_schema:

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import hmac
 import logging
-import re
 import secrets
 import time
 from collections import deque
@@ -22,16 +20,36 @@ from contextlib import asynccontextmanager
 from importlib import resources
 from typing import Any
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi.responses import HTMLResponse, Response
 from pydantic import BaseModel, Field, ValidationError
+from starlette.routing import BaseRoute, Match
 
 from atropos import __version__, metrics
 from atropos.api.disconnect import release_undelivered, unless_disconnected
+from atropos.api.docs import PUBLIC as DOCS_PUBLIC
+from atropos.api.docs import serve_docs
 from atropos.api.openapi import complete_openapi
-from atropos.asgi import Answer, ASGIApp, ErrorMap, Receive, RequestGuard, Send, http_error, install_error_handlers
-from atropos.errors import AtroposSandboxError, ClientGone, InfrastructureError, LeaseError, SlotUnavailable, ToolError
-from atropos.fastroute import body_route, send_error, send_json
+from atropos.asgi import (
+    ASGIApp,
+    ErrorMap,
+    Receive,
+    RequestGuard,
+    Send,
+    http_error,
+    install_error_handlers,
+    send_error,
+)
+from atropos.errors import (
+    ClientGone,
+    InfrastructureError,
+    LeaseError,
+    SlotSealed,
+    SlotUnavailable,
+    ToolError,
+    validation_message,
+)
+from atropos.fastroute import FastRoutes, checked_by_guard, hot_post
 from atropos.logs import call_fields
 from atropos.sandbox.protocol import MAX_VERIFY_PROGRAM, SealResult, VerifyResult, Wire
 from atropos.sandbox.tools import PROGRAM_ONLY
@@ -122,17 +140,9 @@ class _RestLease:
 _error = http_error
 
 
-def _host_tool_error(exc: ToolError) -> Answer:
-    # A file the host refused keeps its code; its status is one the REST routes declare (404 no
-    # such file, 413 too large, else 400: see atropos.api.openapi), whatever the host's own was.
-    return (exc.status if exc.status in (404, 413) else 400), exc.code, None
-
-
-# The ToolServer's answers: the table of atropos.errors, with a retry hint when no slot was free.
-TOOLSERVER_ERRORS = ErrorMap({
-    SlotUnavailable: lambda exc: (503, exc.code, {"Retry-After": "5"}),
-    ToolError: _host_tool_error,
-})
+# The ToolServer's answers: the table of atropos.errors (a file the host refused answers the host's
+# code and status, one status per code), with a retry hint when no slot was free.
+TOOLSERVER_ERRORS = ErrorMap({SlotUnavailable: lambda exc: (503, exc.code, {"Retry-After": "5"})})
 GRANTED = "atropos_granted_lease"  # scope["state"] key: the lease id a POST /v1/slots granted
 
 
@@ -155,12 +165,10 @@ class _ToolServer:
         self.recent: deque[dict[str, Any]] = deque(maxlen=100)
         self.pool_metrics = metrics.pool_registry(pool)  # this app's own: see atropos.metrics
 
-    async def auth(self, authorization: str = Header("", description="Bearer <token>")) -> None:
-        if self.settings.allow_no_auth and not self.token:
-            return
-        scheme, _, presented = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(presented.encode(), self.token):
-            raise _error(401, "unauthorized", "missing or wrong bearer token")
+    @staticmethod
+    @checked_by_guard
+    async def auth(authorization: str = Header("", description="Bearer <token>")) -> None:
+        """Documents the header; the app's RequestGuard has checked it before any route runs."""
 
     async def reap_idle(self) -> None:
         idle_s = self.settings.rest_lease_idle_s
@@ -249,6 +257,10 @@ class _ToolServer:
                 counted = "infrastructure"
                 log.warning("slot call %s failed: %s", req.tool, exc, extra={**ids, "outcome": counted})
                 raise
+            if result.error is not None and result.error.code == SlotSealed.code:
+                # the slot's state refuses the request (not the tool's own failure): 409, as on every route
+                counted = "verification_phase"
+                raise SlotSealed(result.error.message)
             ok, content = format_result(req.tool, result)
             outcome = "ok" if ok else (result.error.code if result.error else "failed")
             # "error" = the tool ran and failed (exit 1, file missing); arguments the tool refused are their
@@ -281,7 +293,7 @@ class _ToolServer:
             return result
         except (ValidationError, ToolError) as exc:  # what the model asked an external tool cannot run as asked
             outcome = "invalid_arguments"
-            message = _validation_message(exc) if isinstance(exc, ValidationError) else str(exc)
+            message = validation_message(exc) if isinstance(exc, ValidationError) else str(exc)
             raise _error(422, "invalid_arguments", message) from None
         except InfrastructureError:
             outcome = "infrastructure"
@@ -303,10 +315,12 @@ def create_tool_server(
     if not settings.token and not settings.allow_no_auth:
         raise ValueError("the ToolServer needs a token (or allow_no_auth for loopback development)")
     server = _ToolServer(pool, settings, registry or ToolRegistry.default(), externals or {}, manage_pool)
-    app = FastAPI(title="atropos-sandbox ToolServer", version=__version__, lifespan=server.lifespan)
+    # /docs from this server's own files (atropos.api.docs); ReDoc has no packaged copy: off
+    app = FastAPI(title="atropos-sandbox ToolServer", version=__version__, lifespan=server.lifespan,
+                  docs_url=None, redoc_url=None)
+    serve_docs(app)
     app.state.pool = pool
     app.state.rest_leases = server.leases
-    _limit_concurrency(app, server)
     install_error_handlers(app, TOOLSERVER_ERRORS)
     deps = [Depends(server.auth)]
     _pool_routes(app, server, deps)
@@ -317,24 +331,44 @@ def create_tool_server(
     return _dispatch(app, server)
 
 
-def _limit_concurrency(app: FastAPI, server: _ToolServer) -> None:
-    limit = server.settings.max_concurrency
+class _Gate:
+    """Every route's concurrency limit (429 over it) and request metrics, in the app's front (so the
+    hot routes served ahead of FastAPI's middleware have them too; see atropos.fastroute)."""
 
-    @app.middleware("http")
-    async def limit_concurrency(request: Request, call_next: Any) -> Any:
+    def __init__(self, app: ASGIApp, server: _ToolServer, routes: list[BaseRoute]) -> None:
+        self.app, self.gate, self.limit, self.routes = app, server.gate, server.settings.max_concurrency, routes
+
+    def _route_path(self, scope: dict[str, Any]) -> str:
+        route = scope.get("route")  # set by the router; a request refused before routing is matched here
+        if route is None:
+            route = next((r for r in self.routes if r.matches(scope)[0] == Match.FULL), None)
+        return str(getattr(route, "path", "unmatched"))
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
         t0 = time.perf_counter()
-        if server.gate.locked():
-            busy = f"over {limit} requests in progress"
-            response: Any = JSONResponse({"error": {"code": "too_many_requests", "status": 429, "message": busy}},
-                                         status_code=429, headers={"Retry-After": "1"})
-        else:
-            async with server.gate:
-                response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        metrics.API_REQUESTS.labels(request.method, path, str(response.status_code)).inc()
-        metrics.API_SECONDS.labels(path).observe(time.perf_counter() - t0)
-        return response
+        status = 499  # nothing answered: the client left first
+
+        async def counted(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if self.gate.locked():
+                return await send_error(counted, 429, "too_many_requests", f"over {self.limit} requests in progress",
+                                        [(b"retry-after", b"1")])
+            async with self.gate:
+                await self.app(scope, receive, counted)
+        except Exception:
+            status = 500
+            raise
+        finally:
+            path = self._route_path(scope)
+            metrics.API_REQUESTS.labels(scope["method"], path, str(status)).inc()
+            metrics.API_SECONDS.labels(path).observe(time.perf_counter() - t0)
 
 
 def _pool_routes(app: FastAPI, server: _ToolServer, deps: list[Any]) -> None:
@@ -383,9 +417,9 @@ def _slot_routes(app: FastAPI, server: _ToolServer, deps: list[Any]) -> None:
         answer reaches it holds nothing: the slot is given back."""
         return await server.grant(req, request)
 
-    @app.post("/v1/slots/{lease_id}/call", response_model=SlotCallResponse, dependencies=deps)
+    @hot_post(app, "/v1/slots/{lease_id}/call", response_model=SlotCallResponse, dependencies=deps)
     async def slot_call(lease_id: str, req: SlotCallRequest) -> SlotCallResponse:
-        """Run one sandbox tool in the leased slot (served by the raw route of ``_slot_call_route``)."""
+        """Run one sandbox tool in the leased slot (the hot route: see atropos.fastroute)."""
         return await server.slot_call(lease_id, req)
 
     @app.post("/v1/slots/{lease_id}/seal", response_model=SealResult, dependencies=deps)
@@ -440,83 +474,21 @@ def _file_routes(app: FastAPI, server: _ToolServer, deps: list[Any]) -> None:
 
 
 def _dispatch(app: FastAPI, server: _ToolServer) -> ASGIApp:
-    """The app's front: the guards, the raw slot-call route, the lease route's delivery check."""
+    """The app's front: the guard, the gate, the lease route's delivery check, the hot routes."""
     settings = server.settings
     # Docs stay readable without a token (they hold no secret); everything else needs it.
-    public = {"/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json", "/status"}
+    public = {"/healthz", "/status", *DOCS_PUBLIC}
     if settings.public_metrics:
         public.add("/metrics")
-    guard = RequestGuard(app, max_body=settings.max_body_bytes, token=settings.token or None,  # type: ignore[arg-type]
-                         public=public)
+    gated = _Gate(FastRoutes(app), server, app.router.routes)
+    guard = RequestGuard(gated, max_body=settings.max_body_bytes, token=settings.token or None, public=public)
     leasing = release_undelivered(guard, server.release_undelivered)
-    hot = RequestGuard(_slot_call_route(server), max_body=settings.max_body_bytes, token=settings.token or None)
 
     async def route(scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("method") == "POST":
-            path = scope.get("path", "")
-            match = SLOT_CALL_PATH.fullmatch(path)
-            if match is not None:
-                scope["path_params"] = {"lease_id": match[1]}
-                return await hot(scope, receive, send)
-            if path == "/v1/slots":
-                return await leasing(scope, receive, send)
+        if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path") == "/v1/slots":
+            return await leasing(scope, receive, send)
         return await guard(scope, receive, send)
 
     route.fastapi = app  # type: ignore[attr-defined]
     return route
 
-
-SLOT_CALL_PATH = re.compile(r"/v1/slots/([^/]+)/call")
-SLOT_CALL_ROUTE = "/v1/slots/{lease_id}/call"
-
-
-def _slot_call_route(server: _ToolServer) -> ASGIApp:
-    """``POST /v1/slots/{lease_id}/call`` without FastAPI (see atropos.fastroute): the same
-    concurrency gate, errors and request metrics as the ``limit_concurrency`` middleware gives the
-    other routes."""
-    gate, limit = server.gate, server.settings.max_concurrency
-
-    async def call(scope: dict[str, Any], _receive: Receive, send: Send, req: SlotCallRequest) -> None:
-        try:
-            response = await server.slot_call(scope["path_params"]["lease_id"], req)
-        except HTTPException as exc:
-            detail: dict[str, Any] = exc.detail if isinstance(exc.detail, dict) else {}
-            headers = [(k.lower().encode(), v.encode()) for k, v in (exc.headers or {}).items()]
-            return await send_error(send, exc.status_code, str(detail.get("code", "error")),
-                                    str(detail.get("message", exc.detail)), headers)
-        except AtroposSandboxError as exc:
-            status, code, extra = TOOLSERVER_ERRORS.answer(exc)
-            return await send_error(send, status, code, str(exc),
-                                    [(k.lower().encode(), v.encode()) for k, v in (extra or {}).items()])
-        await send_json(send, 200, response.model_dump_json().encode())
-
-    served = body_route(SlotCallRequest, call)
-
-    async def slot_call(scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        t0 = time.perf_counter()
-        status = 499  # nothing answered: the client left before its body arrived
-
-        async def counted(message: dict[str, Any]) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            if gate.locked():
-                return await send_error(counted, 429, "too_many_requests", f"over {limit} requests in progress",
-                                        [(b"retry-after", b"1")])
-            async with gate:
-                await served(scope, receive, counted)
-        except Exception:
-            status = 500
-            raise
-        finally:
-            metrics.API_REQUESTS.labels("POST", SLOT_CALL_ROUTE, str(status)).inc()
-            metrics.API_SECONDS.labels(SLOT_CALL_ROUTE).observe(time.perf_counter() - t0)
-
-    return slot_call
-
-
-def _validation_message(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'arguments'}: {e['msg']}" for e in exc.errors())

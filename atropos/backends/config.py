@@ -23,7 +23,7 @@ from atropos.backends.docker import DockerBackendConfig
 from atropos.backends.local import LocalBackendConfig
 from atropos.backends.nomad import NomadBackendConfig
 from atropos.backends.ray import RayBackendConfig
-from atropos.errors import ConfigError
+from atropos.errors import ConfigError, validation_message
 from atropos.sandbox.protocol import MaxTimeoutS
 
 BackendConfig = Annotated[
@@ -93,7 +93,8 @@ def backend_config(s: BackendSettings, environ: Mapping[str, str] | None = None,
         config: BackendConfig = _ADAPTER.validate_python(data)
     except ValidationError as exc:
         where = {"nomad": " (settings, NOMAD_*, ATROPOS_NOMAD_*)", "ray": " (settings, ATROPOS_RAY_*)"}.get(s.kind, "")
-        raise ConfigError(f"invalid {s.kind} backend settings{where}: {_first_problem(exc)}") from None
+        problem = validation_message(exc, "value", first=True)
+        raise ConfigError(f"invalid {s.kind} backend settings{where}: {problem}") from None
     return config
 
 
@@ -102,15 +103,10 @@ def parse_backend_config(data: Mapping[str, Any]) -> BackendConfig:
     try:
         config: BackendConfig = _ADAPTER.validate_python(dict(data))
     except ValidationError as exc:
-        raise ConfigError(f"invalid backend config: {_first_problem(exc)}") from None
+        raise ConfigError(f"invalid backend config: {validation_message(exc, 'value', first=True)}") from None
     return config
 
 
 def build_backend(s: BackendSettings, environ: Mapping[str, str] | None = None, **overrides: Any) -> Backend:
     return backend_config(s, environ, **overrides).build()
 
-
-def _first_problem(exc: ValidationError) -> str:
-    problems = [f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}" for e in exc.errors()]
-    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-    return problems[0] + more

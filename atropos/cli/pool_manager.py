@@ -34,7 +34,7 @@ from atropos.cli.pool_state import (
 )
 from atropos.cli.serve import client_url, where_to_look
 from atropos.cli.settings import SETTINGS_ENV_PREFIX, TOKEN_ENV, ServeSettings, load_settings, pool_id_of
-from atropos.errors import InfrastructureError
+from atropos.errors import InfrastructureError, validation_message
 
 
 def cmd_pool_up(args: argparse.Namespace) -> int:
@@ -125,7 +125,7 @@ def cmd_pool_status(args: argparse.Namespace) -> int:
         PoolStatus.model_validate(body)
     except ValidationError as exc:
         raise InfrastructureError(f"pool {pool_id!r} answered /v1/status with an unexpected shape: "
-                                  f"{exc.error_count()} problem(s), e.g. {exc.errors()[0]['msg']}") from None
+                                  f"{validation_message(exc, 'body', first=True)}") from None
     print(json.dumps(body, indent=2) if args.json else render_status(body))
     return EXIT_OK
 

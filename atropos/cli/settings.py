@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from atropos.backends.base import BACKEND_KINDS, BackendKind
-from atropos.errors import ConfigError
+from atropos.errors import ConfigError, validation_message
 from atropos.renamed import accept_renamed
 
 # The bearer token of the ToolServer `serve` runs: not the sandbox hosts' token (HOST_TOKEN_ENV of
@@ -142,7 +142,7 @@ def load_settings(args: argparse.Namespace, environ: dict[str, str] | None = Non
     try:
         return ServeSettings.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors())
+        problems = validation_message(exc, "settings")
         where = f" (config file {config})" if config else ""
         raise ConfigError(f"invalid settings{where}: {problems}") from None
 

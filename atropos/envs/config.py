@@ -14,6 +14,7 @@ from atroposlib.envs.base import APIServerConfig, BaseEnvConfig
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from atropos.backends.base import BACKEND_KINDS, BackendKind
+from atropos.errors import validation_message
 from atropos.tools.registry import DEFAULT_TOOLSETS
 
 if TYPE_CHECKING:
@@ -167,6 +168,4 @@ def settings_problem(exc: ValidationError, config_cls: type[BaseModel]) -> str |
     None when ``exc`` is not about the run's settings (a bug elsewhere keeps its traceback)."""
     if exc.title not in {config_cls.__name__, AgentEnvConfig.__name__, APIServerConfig.__name__, "ServerBaseline"}:
         return None
-    problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or exc.title}: {err['msg']} (given {err['input']!r})"
-                         for err in exc.errors())
-    return f"invalid settings ({exc.title}): {problems}"
+    return f"invalid settings ({exc.title}): {validation_message(exc, exc.title, given=True)}"

@@ -17,7 +17,7 @@ from importlib import resources
 from typing import Any, TypeVar
 
 from atropos import __version__, metrics
-from atropos.errors import IsolationUnavailable, LeaseError, SlotSealed, SlotUnavailable, ToolError
+from atropos.errors import IsolationUnavailable, LeaseError, PathEscapeError, SlotSealed, SlotUnavailable, ToolError
 from atropos.sandbox import seccomp
 from atropos.sandbox.cgroups import SlotCgroups
 from atropos.sandbox.config import HostConfig
@@ -71,7 +71,7 @@ set -g default-terminal screen
 
 
 # Status codes of supervisor error codes; everything else is a 400-class tool error.
-_STATUS = {"not_found": 404, "too_large": 413, "path_escape": 403, "permission_denied": 403}
+_STATUS = {"not_found": 404, "too_large": 413, PathEscapeError.code: PathEscapeError.status, "permission_denied": 403}
 
 
 class SandboxHost:
@@ -496,14 +496,8 @@ class SandboxHost:
                                          status=_STATUS.get(code, 400))
         except KeyError as exc:
             result.error = ErrorInfo(code="unknown_slot", message=str(exc.args[0]), status=404)
-        except SlotSealed as exc:
-            result.error = ErrorInfo(code="verification_phase", message=str(exc), status=409)
-        except LeaseError as exc:
-            result.error = ErrorInfo(code="lease_invalid", message=str(exc), status=409)
-        except ToolError as exc:
-            result.error = ErrorInfo(code="invalid_arguments", message=str(exc), status=422)
-        except SandboxDied as exc:
-            result.error = ErrorInfo(code="sandbox_failed", message=str(exc), status=503)
+        except (LeaseError, ToolError, SandboxDied) as exc:  # SlotSealed is a LeaseError
+            result.error = ErrorInfo(code=exc.code, message=str(exc), status=exc.status)  # atropos.errors.ERRORS
         elapsed = time.perf_counter() - t0
         result.duration_ms = round(elapsed * 1000, 3)
         outcome = "ok" if result.ok else (result.error.code if result.error else "error")

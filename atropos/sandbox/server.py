@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from atropos import __version__, metrics
 from atropos.asgi import ASGIApp, ErrorMap, Receive, RequestGuard, Send, http_error, install_error_handlers
 from atropos.errors import SlotUnavailable, ToolError
-from atropos.fastroute import body_route, send_json, stream_lines
+from atropos.fastroute import FastRoutes, LineStream, checked_by_guard, hot_post, invalid_body
 from atropos.sandbox.host import SandboxHost
 from atropos.sandbox.protocol import (
     LEASE_HEADER,
@@ -66,6 +66,7 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
     app = FastAPI(title="atropos-sandbox host", version=__version__, lifespan=lifespan)
     install_error_handlers(app, HOST_ERRORS)
 
+    @checked_by_guard
     async def auth(authorization: str = Header("", description="Bearer <host token>")) -> None:
         """Documents the header; RequestGuard has already checked it before the body was read."""
         scheme, _, presented = authorization.partition(" ")
@@ -151,17 +152,18 @@ def _slot_routes(app: FastAPI, host: SandboxHost, deps: list[Any]) -> None:
                 raise
             raise ToolError(str(exc), code="too_large", status=413) from None
 
-    @app.post("/v1/calls", dependencies=deps, response_class=StreamingResponse,
+    # the hot routes: ordinary routes with a lean handler (see atropos.fastroute)
+    @hot_post(app, "/v1/calls", dependencies=deps, response_class=StreamingResponse,
               responses={200: {"content": {"application/x-ndjson": {}},
                                "description": "one CallResult JSON per line, in completion order"}})
-    async def calls(batch: CallBatch) -> StreamingResponse:
+    async def calls(batch: CallBatch) -> LineStream:
         async def lines() -> AsyncIterator[bytes]:
             async for result in host.run_calls(batch.calls):
                 yield result.model_dump_json().encode() + b"\n"
 
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
+        return LineStream(lines(), media_type="application/x-ndjson")
 
-    @app.post("/v1/call", response_model=CallResult, dependencies=deps)
+    @hot_post(app, "/v1/call", response_model=CallResult, dependencies=deps)
     async def call(call: ToolCall) -> CallResult:
         return await host.run_call(call)
 
@@ -183,10 +185,8 @@ def _template_routes(app: FastAPI, host: SandboxHost, deps: list[Any]) -> None:
             return await host.upload_template(request.stream(), name, gzip=TAR_TYPES[ctype])
         try:
             req = TemplateRequest.model_validate_json(await request.body())
-        except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
-                                 for e in exc.errors())
-            raise _error(422, "invalid_request", problems) from None
+        except ValidationError as exc:  # answered like every route's bad body (atropos.asgi)
+            raise invalid_body(exc.errors()) from None
         if req.source == "slot" and req.slot is not None:
             slot_or_404(req.slot)
         return await host.create_template(req)
@@ -263,14 +263,10 @@ def wrap(app: FastAPI, host: SandboxHost) -> ASGIApp:
     """Auth and body limit first, for every path (docs included: a host is not a public service).
 
     Template tar uploads get their own, larger body limit (``max_template_bytes``)."""
-    default = RequestGuard(app, max_body=host.cfg.max_body_bytes, token=host.cfg.token)  # type: ignore[arg-type]
+    default = RequestGuard(FastRoutes(app), max_body=host.cfg.max_body_bytes, token=host.cfg.token)
     upload = RequestGuard(app, max_body=host.cfg.max_template_bytes, token=host.cfg.token)  # type: ignore[arg-type]
-    hot = {"/v1/call": RequestGuard(_call_route(host), max_body=host.cfg.max_body_bytes, token=host.cfg.token),
-           "/v1/calls": RequestGuard(_calls_route(host), max_body=host.cfg.max_body_bytes, token=host.cfg.token)}
 
     async def route(scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path") in hot:
-            return await hot[scope["path"]](scope, receive, send)
         if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path") == "/v1/templates":
             for key, value in scope.get("headers", []):
                 if key == b"content-type" and value.split(b";")[0].strip().lower().decode() in TAR_TYPES:
@@ -279,22 +275,3 @@ def wrap(app: FastAPI, host: SandboxHost) -> ASGIApp:
 
     return route
 
-
-# -- the hot routes, served raw (see atropos.fastroute); their FastAPI twins above are the schema --
-def _call_route(host: SandboxHost) -> ASGIApp:
-    async def call(_scope: dict[str, Any], _receive: Receive, send: Send, req: ToolCall) -> None:
-        result = await host.run_call(req)
-        await send_json(send, 200, result.model_dump_json().encode())
-
-    return body_route(ToolCall, call)
-
-
-def _calls_route(host: SandboxHost) -> ASGIApp:
-    async def calls(_scope: dict[str, Any], receive: Receive, send: Send, batch: CallBatch) -> None:
-        async def lines() -> AsyncIterator[bytes]:
-            async for result in host.run_calls(batch.calls):
-                yield result.model_dump_json().encode() + b"\n"
-
-        await stream_lines(receive, send, lines(), b"application/x-ndjson")
-
-    return body_route(CallBatch, calls)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from atropos.errors import ToolError
 from atropos.sandbox.bwrap import LIB_DIR, RUN_DIR, SANDBOX_ENV, WORKSPACE, SandboxPaths, bwrap_argv
 from atropos.sandbox.cgroups import SlotCgroup
 from atropos.sandbox.config import HostConfig
@@ -41,6 +42,9 @@ SETPRIV = "/usr/bin/setpriv"  # util-linux too
 HAVE_CHOOM = os.path.exists(CHOOM)
 SANDBOX_OOM_SCORE_ADJ = 1000  # under memory pressure the sandbox dies, never the host
 VERIFY_GRACE_S = 10.0  # beyond the program's own timeout: its start and its answer
+# A verifier program that failed is its verify call's observation (200, ok:false, like a tool that failed);
+# its error carries the status of a tool's own failure in the one table, never 200 (not an error status).
+VERIFIER_FAILED = ToolError.status
 
 log = logging.getLogger(__name__)
 
@@ -323,7 +327,7 @@ class Slot(SlotWorkspace):
         except SandboxDied as exc:
             late = time.monotonic() - t0 >= req.timeout_s
             result.error = ErrorInfo(code="timed_out" if late else "verifier_died",
-                                     message=str(exc), status=200)
+                                     message=str(exc), status=VERIFIER_FAILED)
             return result
         finally:
             if proc is not None:
@@ -332,7 +336,8 @@ class Slot(SlotWorkspace):
             result.duration_ms = round((time.monotonic() - t0) * 1000, 3)
         answer = frame.get("result") if frame.get("ok") else None
         if not isinstance(answer, dict):
-            result.error = ErrorInfo(code="verifier_died", message=f"malformed answer: {frame!r:.300}", status=200)
+            result.error = ErrorInfo(code="verifier_died", message=f"malformed answer: {frame!r:.300}",
+                                     status=VERIFIER_FAILED)
             return result
         result.log = str(answer.get("log", ""))
         verdict = answer.get("verdict")
@@ -343,7 +348,7 @@ class Slot(SlotWorkspace):
             if not isinstance(err, dict):
                 err = {}
             result.error = ErrorInfo(code=str(err.get("code", "bad_verdict")), message=str(err.get("message", "")),
-                                     status=200)
+                                     status=VERIFIER_FAILED)
         return result
 
     async def _kill_all(self) -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from atropos.errors import ToolInputError
+from atropos.errors import ToolInputError, validation_message
 
 if TYPE_CHECKING:  # the host's config is only ever passed in: the definitions are shared with the pool
     from atropos.sandbox.config import HostConfig
@@ -300,10 +300,7 @@ def validate_args(tool: str, raw: dict[str, Any]) -> _Args:
     try:
         return spec.args.model_validate(raw)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'arguments'}: {err['msg']}" for err in exc.errors()
-        )
-        raise ToolInputError(f"invalid arguments for {tool}: {problems}") from None
+        raise ToolInputError(f"invalid arguments for {tool}: {validation_message(exc)}") from None
 
 
 def clamp_timeout(requested: float | None, cfg: HostConfig) -> tuple[float, list[str]]:

@@ -9,7 +9,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from atropos.errors import ConfigError, ToolInputError
+from atropos.errors import ConfigError, ToolInputError, validation_message
 from atropos.tools.web.http_api import HttpSearchProvider
 from atropos.tools.web.models import SearchProvider, WebExtractArgs, WebSearchArgs
 from atropos.tools.web.offline import OfflineCorpusProvider
@@ -52,10 +52,7 @@ def parse_args(model: type[_A], tool: str, arguments: Mapping[str, Any]) -> _A:
     try:
         return model.model_validate(dict(arguments))
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'arguments'}: {err['msg']}" for err in exc.errors()
-        )
-        raise ToolInputError(f"invalid arguments for {tool}: {problems}") from None
+        raise ToolInputError(f"invalid arguments for {tool}: {validation_message(exc)}") from None
 
 
 async def run_web_tool(provider: SearchProvider, tool: str, arguments: Mapping[str, Any]) -> str:
