@@ -63,7 +63,7 @@ WARM_KINDS = {BASH: _bash_boot, PYTHON: _python_boot}
 
 class Child:
     """A process this supervisor spawned and has not reaped: what ``subprocess.Popen`` keeps, minus
-    its cost (no Python-level pipe, error pipe or file objects; the spawn is a vfork in libc)."""
+    its cost (no Python-level pipe, error pipe or file objects)."""
 
     def __init__(self, pid: int, out_fd: int, err_fd: int) -> None:
         self.pid = pid
@@ -95,8 +95,10 @@ class Child:
         self.out_fd = self.err_fd = -1
 
 
-# Python ignores these at start-up and exec keeps an ignored signal ignored: reset, as Popen does.
-_SIGDEF = tuple(s for s in (getattr(signal, "SIGPIPE", None), getattr(signal, "SIGXFSZ", None)) if s is not None)
+# Signals a child gets back at their default disposition: Python ignores SIGPIPE and SIGXFSZ at
+# start-up, and exec keeps an ignored signal ignored (the sandbox itself starts clean, see
+# sandbox_process.signal_reset, and the supervisor keeps nothing else ignored: inslot.clean_signals).
+_SIGDEF = tuple(s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP))
 
 
 def executable(name: str, env: dict[str, str]) -> str:
@@ -111,19 +113,35 @@ def executable(name: str, env: dict[str, str]) -> str:
 
 
 def spawn(argv: list[str], env: dict[str, str], cwd: str) -> Child:
-    """Start ``argv`` in its own session with stdin from /dev/null and stdout/stderr into fresh
-    non-blocking pipes. The child inherits this process's inheritable descriptors at their numbers;
-    every other descriptor here is close-on-exec (see ``inslot.cloexec_all``). ``cwd`` becomes this
-    process's own cwd (nothing here uses it: every path the supervisor opens is absolute or relative
-    to a directory descriptor)."""
+    """Start ``argv`` in its own session in ``cwd`` with stdin from /dev/null and stdout/stderr into
+    fresh non-blocking pipes, default signal dispositions and an empty mask. The child inherits this
+    process's inheritable descriptors at their numbers; every other descriptor here is close-on-exec
+    (see ``inslot.cloexec_all``).
+
+    A plain fork, not libc's posix_spawn: glibc's posix_spawn leaves its two internal signals (32
+    and 33) *ignored* in the child, and exec keeps them so, which a fresh process started by bash
+    or Popen never has (visible in /proc/<pid>/status). Warm interpreters are spawned while the slot
+    is idle, so the fork's extra cost is off every call's path."""
     path = executable(argv[0], env)
+    ignored = [s for s in _SIGDEF if signal.getsignal(s) is signal.SIG_IGN]
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     try:
-        os.chdir(cwd)
-        pid = os.posix_spawn(path, argv, env, setsid=True, setsigdef=_SIGDEF, file_actions=[
-            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-            (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)])
+        pid = os.fork()
+        if pid == 0:  # the child: nothing here may return into the supervisor's code
+            try:
+                os.setsid()
+                os.chdir(cwd)
+                null = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(null, 0)
+                os.dup2(out_w, 1)
+                os.dup2(err_w, 2)
+                for sig in ignored:
+                    signal.signal(sig, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_SETMASK, ())
+                os.execve(path, argv, env)
+            finally:
+                os._exit(127)  # exec failed: the interpreter is simply not alive (see _take_warm)
     except BaseException:
         os.close(out_r)
         os.close(err_r)
