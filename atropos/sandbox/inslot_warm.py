@@ -10,27 +10,35 @@ import os
 import signal
 
 # Warm interpreters: a `bash` (and, once the slot has used `python`, a `python3`) that has already
-# paid for exec, dynamic loading and start-up, waiting for its command: the next default call only
-# writes the source into a memfd (seekable, so bash's `read` takes it in blocks, not a byte per
-# syscall) and says go through a pipe. What the bootstrap needs is gone before the source runs, so
-# the source sees what a fresh `bash -c` / `python3 -c` gives it.
+# paid for its start (exec, dynamic loading, start-up), waiting for its command: the next default
+# call only writes the source into a memfd and says go through a pipe.
 BASH = "/bin/bash"
 PYTHON = "python3"
 
 
-def _bash_boot(go_fd: int, src_fd: int) -> str:
+def _bash_boot(go_fd: int, src_fd: int, env: dict[str, str]) -> str:
+    # The waiting bash execs a real `bash -c SOURCE`: only a fresh `-c` parse behaves exactly as
+    # `bash -c` (it execs the script's last simple command, so a program that dies of a signal
+    # there is reported as that signal with no "Killed" line; `set -x` traces `+ cmd`, a syntax
+    # error keeps `-c:` and the previous status, /proc/$$/fd and cmdline are those of `bash -c`).
+    # The start-up paid in advance is what the exec still gains over a call's own spawn from the
+    # supervisor (a Python fork; see benchmarks/scenario_call_latency.py). What this bash exported on
+    # its own (PWD, and SHLVL, which `exec` lowers back to the value it was given) goes back to the
+    # environment the slot gives a fresh `bash -c`.
+    unexport = " ".join(name for name in ("PWD", "SHLVL") if name not in env)
     return (f'IFS= read -r -n 1 -u {go_fd} __atropos_go || exit 0; '
             f'IFS= read -r -d "" -u {src_fd} __atropos_cmd; exec {go_fd}<&- {src_fd}<&-; '
-            # the source runs from BASH_EXECUTION_STRING (as in `bash -c`): a syntax error in it
-            # quotes its own line, never this bootstrap
-            'unset __atropos_go; BASH_EXECUTION_STRING=$__atropos_cmd; unset __atropos_cmd; '
-            ': "$0"; eval "$BASH_EXECUTION_STRING"')
+            + (f'export -n {unexport}; ' if unexport else '')
+            + f'exec {BASH} -c "$__atropos_cmd"')
 
 
-def _python_boot(go_fd: int, src_fd: int) -> str:
-    # One function, deleted from __main__ before the source runs in __main__'s namespace. Uncaught
-    # exceptions are printed by sys.excepthook without the bootstrap's own frame, as `python3 -c`
-    # prints them (exit status 1); SystemExit propagates to the interpreter as usual.
+def _python_boot(go_fd: int, src_fd: int, env: dict[str, str]) -> str:
+    # One function, deleted from __main__ before the source runs in __main__'s namespace. An
+    # uncaught exception is reported as the interpreter reports it (Python/pythonrun.c,
+    # _PyErr_PrintEx): sys.last_* set first (atexit handlers read them), then sys.excepthook without
+    # the bootstrap's frame, outside any exception handler (an exception raised by the hook chains
+    # onto nothing), "Error in sys.excepthook" or "sys.excepthook is missing" as there; exit status 1.
+    # SystemExit propagates to the interpreter as usual.
     return f"""def _atropos_boot():
     import os, sys
     if not os.read({go_fd}, 1):
@@ -46,14 +54,50 @@ def _python_boot(go_fd: int, src_fd: int) -> str:
     namespace = sys.modules["__main__"].__dict__
     del namespace["_atropos_boot"]
     source = b"".join(parts).decode("utf-8", "surrogateescape")
+    sys.orig_argv = [{PYTHON!r}, "-c", source]
     try:
         exec(compile(source, "<string>", "exec"), namespace)
+        return
     except SystemExit:
         raise
     except BaseException as exc:
-        exc.__traceback__ = exc.__traceback__.tb_next  # the printer reads it from the exception
-        sys.excepthook(type(exc), exc, exc.__traceback__)
-        raise SystemExit(1) from None
+        error = exc
+    error.__traceback__ = error.__traceback__.tb_next
+    sys.last_type, sys.last_value, sys.last_traceback = type(error), error, error.__traceback__
+    if sys.version_info >= (3, 12):
+        sys.last_exc = error
+    hook = getattr(sys, "excepthook", None)
+    if hook is None:
+        sys.stderr.write("sys.excepthook is missing\\n")
+        sys.__excepthook__(type(error), error, error.__traceback__)
+    else:
+        try:
+            hook(type(error), error, error.__traceback__)
+        except SystemExit:
+            raise
+        except BaseException as exc2:
+            failed = exc2
+            failed.__traceback__ = failed.__traceback__.tb_next
+            sys.stdout.flush()
+            sys.stderr.write("Error in sys.excepthook:\\n")
+            sys.__excepthook__(type(failed), failed, failed.__traceback__)
+            sys.stderr.write("\\nOriginal exception was:\\n")
+            sys.__excepthook__(type(error), error, error.__traceback__)
+    if type(error) is not KeyboardInterrupt:
+        raise SystemExit(1)
+    # An uncaught KeyboardInterrupt ends python3 by SIGINT once atexit handlers ran (Modules/main.c):
+    # it must leave the code the interpreter runs, so it passes through the interpreter's printer,
+    # which this one-shot hook silences, putting back what the real report set.
+    tb, hook = error.__traceback__, getattr(sys, "excepthook", None)
+    def _quiet(*_):
+        error.__traceback__ = sys.last_traceback = tb
+        sys.last_value = error
+        if hook is None:
+            del sys.excepthook
+        else:
+            sys.excepthook = hook
+    sys.excepthook = _quiet
+    raise error
 _atropos_boot()
 """
 
@@ -134,6 +178,7 @@ def spawn(argv: list[str], env: dict[str, str], cwd: str) -> Child:
                 os.chdir(cwd)
                 null = os.open(os.devnull, os.O_RDONLY)
                 os.dup2(null, 0)
+                os.close(null)
                 os.dup2(out_w, 1)
                 os.dup2(err_w, 2)
                 for sig in ignored:
@@ -165,7 +210,7 @@ class WarmInterpreter:
         go_r, self.go_w = os.pipe2(os.O_CLOEXEC)
         os.set_inheritable(go_r, True)
         try:
-            self.proc = spawn([kind, "-c", WARM_KINDS[kind](go_r, self.src_fd)], env, cwd)
+            self.proc = spawn([kind, "-c", WARM_KINDS[kind](go_r, self.src_fd, env)], env, cwd)
         except BaseException:
             os.close(self.src_fd)
             os.close(self.go_w)

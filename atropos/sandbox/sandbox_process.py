@@ -32,7 +32,7 @@ _PYTHON_IGNORES = frozenset(s for s in (getattr(signal, "SIGPIPE", None), getatt
 _UNCATCHABLE = frozenset({signal.SIGKILL, signal.SIGSTOP})
 
 
-def _inherited_signal_state() -> tuple[list[int], bool]:
+def _inherited_signal_state() -> tuple[list[signal.Signals], bool]:
     """The signals this process ignores that a fresh process would not, and whether the calling
     thread blocks any."""
     ignored = [s for s in signal.valid_signals()
