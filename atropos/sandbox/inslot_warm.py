@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 
 # Warm interpreters: a `bash` (and, once the slot has used `python`, a `python3`) that has already
 # paid for its start (exec, dynamic loading, start-up), waiting for its command: the next default
@@ -106,30 +107,27 @@ WARM_KINDS = {BASH: _bash_boot, PYTHON: _python_boot}
 
 
 class Child:
-    """A process this supervisor spawned and has not reaped: what ``subprocess.Popen`` keeps, minus
-    its cost (no Python-level pipe, error pipe or file objects)."""
+    """A process this supervisor spawned and has not reaped, with its stdout/stderr pipe ends as raw
+    non-blocking descriptors (no file objects)."""
 
-    def __init__(self, pid: int, out_fd: int, err_fd: int) -> None:
-        self.pid = pid
+    def __init__(self, popen: subprocess.Popen[bytes], out_fd: int, err_fd: int) -> None:
+        self.popen = popen  # reaps it: nothing else may wait for this pid
+        self.pid = popen.pid
         self.out_fd = out_fd
         self.err_fd = err_fd
-        self.returncode: int | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.returncode
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
+        return self.popen.poll()
 
     def wait(self) -> int:
-        if self.returncode is None:
-            _, status = os.waitpid(self.pid, 0)
-            self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
+        return self.popen.wait()
 
     def kill(self) -> None:
-        if self.returncode is None:
+        if self.popen.returncode is None:
             os.kill(self.pid, signal.SIGKILL)  # unreaped: the pid is still ours
 
     def close_pipes(self) -> None:
@@ -137,12 +135,6 @@ class Child:
             if fd >= 0:
                 os.close(fd)
         self.out_fd = self.err_fd = -1
-
-
-# Signals a child gets back at their default disposition: Python ignores SIGPIPE and SIGXFSZ at
-# start-up, and exec keeps an ignored signal ignored (the sandbox itself starts clean, see
-# sandbox_process.signal_reset, and the supervisor keeps nothing else ignored: inslot.clean_signals).
-_SIGDEF = tuple(s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP))
 
 
 def executable(name: str, env: dict[str, str]) -> str:
@@ -157,46 +149,34 @@ def executable(name: str, env: dict[str, str]) -> str:
 
 
 def spawn(argv: list[str], env: dict[str, str], cwd: str) -> Child:
-    """Start ``argv`` in its own session in ``cwd`` with stdin from /dev/null and stdout/stderr into
-    fresh non-blocking pipes, default signal dispositions and an empty mask. The child inherits this
+    """Start ``argv`` in its own session in ``cwd`` with stdin from /dev/null (read-only, as a call's
+    own process gets it) and stdout/stderr into fresh non-blocking pipes. The child inherits this
     process's inheritable descriptors at their numbers; every other descriptor here is close-on-exec
     (see ``inslot.cloexec_all``).
 
-    A plain fork, not libc's posix_spawn: glibc's posix_spawn leaves its two internal signals (32
-    and 33) *ignored* in the child, and exec keeps them so, which a fresh process started by bash
-    or Popen never has (visible in /proc/<pid>/status). Warm interpreters are spawned while the slot
-    is idle, so the fork's extra cost is off every call's path."""
+    Popen (a vfork in CPython's own child code), not libc's posix_spawn: glibc's posix_spawn leaves
+    its two internal signals (32 and 33) *ignored* in the child, and exec keeps them so, which a
+    process started by bash or Popen never has (visible in /proc/<pid>/status); and not os.fork,
+    which costs a Python process several times the CPU. Popen resets what Python ignores (SIGPIPE,
+    SIGXFSZ); the supervisor keeps nothing else ignored or blocked (``inslot.clean_signals``)."""
     path = executable(argv[0], env)
-    ignored = [s for s in _SIGDEF if signal.getsignal(s) is signal.SIG_IGN]
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        pid = os.fork()
-        if pid == 0:  # the child: nothing here may return into the supervisor's code
-            try:
-                os.setsid()
-                os.chdir(cwd)
-                null = os.open(os.devnull, os.O_RDONLY)
-                os.dup2(null, 0)
-                os.close(null)
-                os.dup2(out_w, 1)
-                os.dup2(err_w, 2)
-                for sig in ignored:
-                    signal.signal(sig, signal.SIG_DFL)
-                signal.pthread_sigmask(signal.SIG_SETMASK, ())
-                os.execve(path, argv, env)
-            finally:
-                os._exit(127)  # exec failed: the interpreter is simply not alive (see _take_warm)
+        popen = subprocess.Popen(argv, executable=path, stdin=null, stdout=out_w, stderr=err_w, cwd=cwd, env=env,
+                                 close_fds=False, start_new_session=True)
     except BaseException:
         os.close(out_r)
         os.close(err_r)
         raise
     finally:
+        os.close(null)
         os.close(out_w)
         os.close(err_w)
     os.set_blocking(out_r, False)
     os.set_blocking(err_r, False)
-    return Child(pid, out_r, err_r)
+    return Child(popen, out_r, err_r)
 
 
 class WarmInterpreter:
