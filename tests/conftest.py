@@ -115,13 +115,14 @@ def slot_path(data_dir: Path, slot: int, sub: str = "ws") -> Path:
         return real
 
 
-def start_host(data_dir: Path, slots: int = 8, extra: list[str] | None = None) -> RunningHost:
+def start_host(data_dir: Path, slots: int = 8, extra: list[str] | None = None,
+               preexec_fn: Callable[[], Any] | None = None) -> RunningHost:
     token = secrets.token_urlsafe(16)
     env = {**os.environ, "ATROPOS_SANDBOX_TOKEN": token}
     proc = subprocess.Popen(
         [sys.executable, "-m", "atropos.sandbox", "--port", "0", "--slots", str(slots),
          "--data-dir", str(data_dir), "--log-level", "WARNING", *(extra or [])],
-        stdout=subprocess.PIPE, env=env,
+        stdout=subprocess.PIPE, env=env, preexec_fn=preexec_fn,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()

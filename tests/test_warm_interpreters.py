@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from conftest import LeasedSlot
+from test_fidelity import fresh_runs
 
 AGE = "read -r up _ < /proc/uptime; read -r -a st < /proc/$$/stat; " \
       "echo $(( ${up%.*}${up#*.}0 - ${st[21]} * 1000 / $(getconf CLK_TCK) ))"  # ms since this bash started
@@ -40,10 +41,12 @@ async def test_the_warm_bash_looks_like_a_fresh_bash_c(slot: LeasedSlot) -> None
     await slot.sh("true")
     await asyncio.sleep(0.2)
     warm = (await slot.sh(probe))["stdout"]
-    fresh = (await slot.sh(probe, workdir="."))["stdout"]  # a cwd given: a bash started for the call
-    volatile = ("BASHPID=", "RANDOM=", "SECONDS=", "SRANDOM=", "EPOCHREALTIME=", "EPOCHSECONDS=",
+    # a real `bash -c` started fresh in the same slot (a tool call with its own cwd would be served by
+    # the waiting bash as well, and compare it with itself)
+    fresh = (await fresh_runs(slot, [["/bin/bash", "-c", probe]]))[0][0]
+    volatile = ("BASHPID=", "RANDOM=", "SECONDS=", "SRANDOM=", "EPOCHREALTIME=", "EPOCHSECONDS=", "PPID=",
                 "declare -- BASHPID", "declare -i RANDOM", "declare -i SECONDS", "declare -i SRANDOM",
-                "declare -- EPOCHREALTIME", "declare -- EPOCHSECONDS")
+                "declare -- EPOCHREALTIME", "declare -- EPOCHSECONDS", "declare -ir PPID")
 
     def stable(text: str) -> list[str]:
         return [line for line in text.splitlines() if not line.startswith(volatile)]

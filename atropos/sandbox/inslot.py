@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -104,9 +105,23 @@ def protocol_fds() -> tuple[int, int]:
     return rfd, wfd
 
 
+def clean_signals() -> None:
+    """Signal state as a fresh ``python3`` has it, whatever this process inherited: nothing blocked,
+    nothing ignored but what Python itself ignores (SIGPIPE, SIGXFSZ), SIGINT raising
+    KeyboardInterrupt. What this process starts gets it too (exec keeps an ignored signal ignored
+    and the mask); the host starts every sandbox clean already (sandbox_process.signal_reset), this
+    holds whoever started us."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGPIPE, signal.SIGXFSZ):
+            continue
+        if signal.getsignal(sig) is signal.SIG_IGN:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
+
 def cloexec_all() -> None:
     """Every descriptor this process holds beyond stdio becomes close-on-exec, so a child started
-    with ``posix_spawn`` (which, unlike ``Popen(close_fds=True)``, closes nothing itself) inherits
+    with a bare fork and exec (which, unlike ``Popen(close_fds=True)``, closes nothing itself) inherits
     only what is made inheritable for it on purpose. Descriptors Python opens later are
     close-on-exec already (PEP 446)."""
     for name in os.listdir("/proc/self/fd"):

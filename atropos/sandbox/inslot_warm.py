@@ -8,29 +8,38 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 
 # Warm interpreters: a `bash` (and, once the slot has used `python`, a `python3`) that has already
-# paid for exec, dynamic loading and start-up, waiting for its command: the next default call only
-# writes the source into a memfd (seekable, so bash's `read` takes it in blocks, not a byte per
-# syscall) and says go through a pipe. What the bootstrap needs is gone before the source runs, so
-# the source sees what a fresh `bash -c` / `python3 -c` gives it.
+# paid for its start (exec, dynamic loading, start-up), waiting for its command: the next default
+# call only writes the source into a memfd and says go through a pipe.
 BASH = "/bin/bash"
 PYTHON = "python3"
 
 
-def _bash_boot(go_fd: int, src_fd: int) -> str:
+def _bash_boot(go_fd: int, src_fd: int, env: dict[str, str]) -> str:
+    # The waiting bash execs a real `bash -c SOURCE`: only a fresh `-c` parse behaves exactly as
+    # `bash -c` (it execs the script's last simple command, so a program that dies of a signal
+    # there is reported as that signal with no "Killed" line; `set -x` traces `+ cmd`, a syntax
+    # error keeps `-c:` and the previous status, /proc/$$/fd and cmdline are those of `bash -c`).
+    # The start-up paid in advance is what the exec still gains over a call's own spawn from the
+    # supervisor (a Python fork; see benchmarks/scenario_call_latency.py). What this bash exported on
+    # its own (PWD, and SHLVL, which `exec` lowers back to the value it was given) goes back to the
+    # environment the slot gives a fresh `bash -c`.
+    unexport = " ".join(name for name in ("PWD", "SHLVL") if name not in env)
     return (f'IFS= read -r -n 1 -u {go_fd} __atropos_go || exit 0; '
             f'IFS= read -r -d "" -u {src_fd} __atropos_cmd; exec {go_fd}<&- {src_fd}<&-; '
-            # the source runs from BASH_EXECUTION_STRING (as in `bash -c`): a syntax error in it
-            # quotes its own line, never this bootstrap
-            'unset __atropos_go; BASH_EXECUTION_STRING=$__atropos_cmd; unset __atropos_cmd; '
-            ': "$0"; eval "$BASH_EXECUTION_STRING"')
+            + (f'export -n {unexport}; ' if unexport else '')
+            + f'exec {BASH} -c "$__atropos_cmd"')
 
 
-def _python_boot(go_fd: int, src_fd: int) -> str:
-    # One function, deleted from __main__ before the source runs in __main__'s namespace. Uncaught
-    # exceptions are printed by sys.excepthook without the bootstrap's own frame, as `python3 -c`
-    # prints them (exit status 1); SystemExit propagates to the interpreter as usual.
+def _python_boot(go_fd: int, src_fd: int, env: dict[str, str]) -> str:
+    # One function, deleted from __main__ before the source runs in __main__'s namespace. An
+    # uncaught exception is reported as the interpreter reports it (Python/pythonrun.c,
+    # _PyErr_PrintEx): sys.last_* set first (atexit handlers read them), then sys.excepthook without
+    # the bootstrap's frame, outside any exception handler (an exception raised by the hook chains
+    # onto nothing), "Error in sys.excepthook" or "sys.excepthook is missing" as there; exit status 1.
+    # SystemExit propagates to the interpreter as usual.
     return f"""def _atropos_boot():
     import os, sys
     if not os.read({go_fd}, 1):
@@ -46,14 +55,50 @@ def _python_boot(go_fd: int, src_fd: int) -> str:
     namespace = sys.modules["__main__"].__dict__
     del namespace["_atropos_boot"]
     source = b"".join(parts).decode("utf-8", "surrogateescape")
+    sys.orig_argv = [{PYTHON!r}, "-c", source]
     try:
         exec(compile(source, "<string>", "exec"), namespace)
+        return
     except SystemExit:
         raise
     except BaseException as exc:
-        exc.__traceback__ = exc.__traceback__.tb_next  # the printer reads it from the exception
-        sys.excepthook(type(exc), exc, exc.__traceback__)
-        raise SystemExit(1) from None
+        error = exc
+    error.__traceback__ = error.__traceback__.tb_next
+    sys.last_type, sys.last_value, sys.last_traceback = type(error), error, error.__traceback__
+    if sys.version_info >= (3, 12):
+        sys.last_exc = error
+    hook = getattr(sys, "excepthook", None)
+    if hook is None:
+        sys.stderr.write("sys.excepthook is missing\\n")
+        sys.__excepthook__(type(error), error, error.__traceback__)
+    else:
+        try:
+            hook(type(error), error, error.__traceback__)
+        except SystemExit:
+            raise
+        except BaseException as exc2:
+            failed = exc2
+            failed.__traceback__ = failed.__traceback__.tb_next
+            sys.stdout.flush()
+            sys.stderr.write("Error in sys.excepthook:\\n")
+            sys.__excepthook__(type(failed), failed, failed.__traceback__)
+            sys.stderr.write("\\nOriginal exception was:\\n")
+            sys.__excepthook__(type(error), error, error.__traceback__)
+    if type(error) is not KeyboardInterrupt:
+        raise SystemExit(1)
+    # An uncaught KeyboardInterrupt ends python3 by SIGINT once atexit handlers ran (Modules/main.c):
+    # it must leave the code the interpreter runs, so it passes through the interpreter's printer,
+    # which this one-shot hook silences, putting back what the real report set.
+    tb, hook = error.__traceback__, getattr(sys, "excepthook", None)
+    def _quiet(*_):
+        error.__traceback__ = sys.last_traceback = tb
+        sys.last_value = error
+        if hook is None:
+            del sys.excepthook
+        else:
+            sys.excepthook = hook
+    sys.excepthook = _quiet
+    raise error
 _atropos_boot()
 """
 
@@ -62,30 +107,27 @@ WARM_KINDS = {BASH: _bash_boot, PYTHON: _python_boot}
 
 
 class Child:
-    """A process this supervisor spawned and has not reaped: what ``subprocess.Popen`` keeps, minus
-    its cost (no Python-level pipe, error pipe or file objects; the spawn is a vfork in libc)."""
+    """A process this supervisor spawned and has not reaped, with its stdout/stderr pipe ends as raw
+    non-blocking descriptors (no file objects)."""
 
-    def __init__(self, pid: int, out_fd: int, err_fd: int) -> None:
-        self.pid = pid
+    def __init__(self, popen: subprocess.Popen[bytes], out_fd: int, err_fd: int) -> None:
+        self.popen = popen  # reaps it: nothing else may wait for this pid
+        self.pid = popen.pid
         self.out_fd = out_fd
         self.err_fd = err_fd
-        self.returncode: int | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.returncode
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
+        return self.popen.poll()
 
     def wait(self) -> int:
-        if self.returncode is None:
-            _, status = os.waitpid(self.pid, 0)
-            self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
+        return self.popen.wait()
 
     def kill(self) -> None:
-        if self.returncode is None:
+        if self.popen.returncode is None:
             os.kill(self.pid, signal.SIGKILL)  # unreaped: the pid is still ours
 
     def close_pipes(self) -> None:
@@ -93,10 +135,6 @@ class Child:
             if fd >= 0:
                 os.close(fd)
         self.out_fd = self.err_fd = -1
-
-
-# Python ignores these at start-up and exec keeps an ignored signal ignored: reset, as Popen does.
-_SIGDEF = tuple(s for s in (getattr(signal, "SIGPIPE", None), getattr(signal, "SIGXFSZ", None)) if s is not None)
 
 
 def executable(name: str, env: dict[str, str]) -> str:
@@ -111,29 +149,34 @@ def executable(name: str, env: dict[str, str]) -> str:
 
 
 def spawn(argv: list[str], env: dict[str, str], cwd: str) -> Child:
-    """Start ``argv`` in its own session with stdin from /dev/null and stdout/stderr into fresh
-    non-blocking pipes. The child inherits this process's inheritable descriptors at their numbers;
-    every other descriptor here is close-on-exec (see ``inslot.cloexec_all``). ``cwd`` becomes this
-    process's own cwd (nothing here uses it: every path the supervisor opens is absolute or relative
-    to a directory descriptor)."""
+    """Start ``argv`` in its own session in ``cwd`` with stdin from /dev/null (read-only, as a call's
+    own process gets it) and stdout/stderr into fresh non-blocking pipes. The child inherits this
+    process's inheritable descriptors at their numbers; every other descriptor here is close-on-exec
+    (see ``inslot.cloexec_all``).
+
+    Popen (a vfork in CPython's own child code), not libc's posix_spawn: glibc's posix_spawn leaves
+    its two internal signals (32 and 33) *ignored* in the child, and exec keeps them so, which a
+    process started by bash or Popen never has (visible in /proc/<pid>/status); and not os.fork,
+    which costs a Python process several times the CPU. Popen resets what Python ignores (SIGPIPE,
+    SIGXFSZ); the supervisor keeps nothing else ignored or blocked (``inslot.clean_signals``)."""
     path = executable(argv[0], env)
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        os.chdir(cwd)
-        pid = os.posix_spawn(path, argv, env, setsid=True, setsigdef=_SIGDEF, file_actions=[
-            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-            (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)])
+        popen = subprocess.Popen(argv, executable=path, stdin=null, stdout=out_w, stderr=err_w, cwd=cwd, env=env,
+                                 close_fds=False, start_new_session=True)
     except BaseException:
         os.close(out_r)
         os.close(err_r)
         raise
     finally:
+        os.close(null)
         os.close(out_w)
         os.close(err_w)
     os.set_blocking(out_r, False)
     os.set_blocking(err_r, False)
-    return Child(pid, out_r, err_r)
+    return Child(popen, out_r, err_r)
 
 
 class WarmInterpreter:
@@ -147,7 +190,7 @@ class WarmInterpreter:
         go_r, self.go_w = os.pipe2(os.O_CLOEXEC)
         os.set_inheritable(go_r, True)
         try:
-            self.proc = spawn([kind, "-c", WARM_KINDS[kind](go_r, self.src_fd)], env, cwd)
+            self.proc = spawn([kind, "-c", WARM_KINDS[kind](go_r, self.src_fd, env)], env, cwd)
         except BaseException:
             os.close(self.src_fd)
             os.close(self.go_w)

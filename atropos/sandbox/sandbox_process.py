@@ -21,6 +21,39 @@ MAX_FRAME = 96 << 20  # > base64 of the largest archive or read (see HostConfig)
 KILL_WAIT_S = 5.0
 _timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
 
+# Every process of a slot starts as from a clean login: default dispositions, nothing blocked. A
+# host started from a background shell (`nohup cmd &` ignores SIGHUP, SIGINT and SIGQUIT) or under a
+# blocked mask would otherwise pass both on through bwrap into every sandbox (exec keeps an ignored
+# signal ignored and the mask as it is): `timeout -s INT`, Ctrl-C in the terminal and the
+# python_session's interrupt would stop working. Python itself ignores SIGPIPE and SIGXFSZ, which
+# Popen resets in the child anyway (restore_signals).
+_PYTHON_IGNORES = frozenset(s for s in (getattr(signal, "SIGPIPE", None), getattr(signal, "SIGXFSZ", None)) if s)
+_UNCATCHABLE = frozenset({signal.SIGKILL, signal.SIGSTOP})
+
+
+def _inherited_signal_state() -> tuple[list[signal.Signals], bool]:
+    """The signals this process ignores that a fresh process would not, and whether the calling
+    thread blocks any."""
+    ignored = [s for s in signal.valid_signals()
+               if s not in _UNCATCHABLE and s not in _PYTHON_IGNORES and signal.getsignal(s) is signal.SIG_IGN]
+    return ignored, bool(signal.pthread_sigmask(signal.SIG_BLOCK, ()))
+
+
+def signal_reset() -> Any:
+    """A ``preexec_fn`` that gives the child default dispositions and an empty mask, or None when
+    this process has nothing to pass on (the usual case: a preexec_fn makes Popen fork instead of
+    vfork, so it is only paid by a host that inherited such a state)."""
+    ignored, masked = _inherited_signal_state()
+    if not ignored and not masked:
+        return None
+
+    def reset() -> None:  # in the child, between fork and exec
+        for sig in ignored:
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())
+
+    return reset
+
 
 class SandboxProcess:
     """A long-lived sandboxed supervisor. Requests are serialised by the owning slot's lock.
@@ -89,6 +122,7 @@ class SandboxProcess:
                 # Its own process group: killed while it starts, bwrap leaves a child blocked before
                 # --die-with-parent applies; killpg reaches that child too.
                 start_new_session=True,
+                preexec_fn=signal_reset(),
                 **ids,
             )
         except OSError as exc:

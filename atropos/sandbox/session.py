@@ -40,10 +40,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from atropos.sandbox.inslot import Capture, apply_limits, make_undumpable, protocol_fds, serve
+    from atropos.sandbox.inslot import Capture, apply_limits, clean_signals, make_undumpable, protocol_fds, serve
 else:  # run from the host's lib dir, beside inslot.py (isolated mode: the dir is not on sys.path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from inslot import Capture, apply_limits, make_undumpable, protocol_fds, serve
+    from inslot import Capture, apply_limits, clean_signals, make_undumpable, protocol_fds, serve
     del sys.path[0]
 
 INTERRUPT_EVERY_S = 0.25
@@ -276,6 +276,7 @@ def _setup_python(workspace: str) -> None:
 
 def main() -> None:
     make_undumpable()  # the slot's other processes cannot read the driver's memory or descriptors
+    clean_signals()  # the code runs in this process: SIGINT must raise KeyboardInterrupt, as in python3
     cfg = json.loads(sys.argv[1])
     rfd, wfd = protocol_fds()  # the code's stdio is ours to redirect
     try:

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from atropos.sandbox.inslot import (
         Capture,
         apply_limits,
+        clean_signals,
         cloexec_all,
         make_undumpable,
         ns_last_pid,
@@ -54,7 +55,16 @@ if TYPE_CHECKING:
     from atropos.sandbox.inslot_warm import BASH, WARM_KINDS, Child, WarmInterpreter
 else:  # run from the host's lib dir, beside inslot.py (isolated mode: the dir is not on sys.path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from inslot import Capture, apply_limits, cloexec_all, make_undumpable, ns_last_pid, protocol_fds, serve
+    from inslot import (
+        Capture,
+        apply_limits,
+        clean_signals,
+        cloexec_all,
+        make_undumpable,
+        ns_last_pid,
+        protocol_fds,
+        serve,
+    )
     from inslot_archive import archive
     from inslot_files import SlotFiles, ToolFailure
     from inslot_terminal import run_terminal
@@ -370,10 +380,13 @@ def _limit_cpu(pid: int, seconds: Any) -> None:
 
 def main() -> None:
     make_undumpable()  # before the first request arrives
+    clean_signals()
     cfg = json.loads(sys.argv[1])
     rfd, wfd = protocol_fds()
     apply_limits(cfg.get("limits", {}))
-    if cfg.get("exec"):
+    if cfg.get("exec"):  # the terminal's tmux: Python's own ignores would outlive the exec
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+            signal.signal(sig, signal.SIG_DFL)
         os.execvpe(cfg["exec"][0], cfg["exec"], dict(cfg.get("env", {})))
     cloexec_all()  # what bwrap handed us stays here: interpreters are spawned without a close-all
     sup = Supervisor(cfg)
