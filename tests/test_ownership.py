@@ -25,8 +25,8 @@ PACKAGES = ["slots", "envs"]
 ALLOWED = {
     ("host.py", "exc.args"): "re-raising the same exception with its message marked (see SandboxHost.start)",
     ("env_cli.py", "sys.argv"): "the command line BaseEnv.cli parses is the process's, not an object's",
-    ("env_base.py", "config.wandb_name"): "the env's own config (a pydantic settings record), defaulted",
-    ("env_base.py", "self.server.tool_parser"): "atroposlib's ServerManager has no setter; ManagedServer reads it",
+    ("agent_env.py", "config.wandb_name"): "the env's own config (a pydantic settings record), defaulted",
+    ("agent_env.py", "self.server.tool_parser"): "atroposlib's ServerManager has no setter; ManagedServer reads it",
 }
 
 
