@@ -84,9 +84,10 @@ class SlotPool:
         """Stop every host and loop; leases still held become invalid. Safe to call twice."""
         await self.background.stop()
         self.queue.fail_all("the pool is stopping")
-        for host in await self.fleet.close():
+        for host in self.fleet.forget_all():
             for lease in host.leases.values():
                 lease.lose("the pool stopped")
+            await host.client.aclose()
         await self.backend.close()
         self.audit.close()
 

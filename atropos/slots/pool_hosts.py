@@ -55,12 +55,11 @@ class HostFleet:
         """Slots that could be leased right now, on hosts that take leases."""
         return sum(len(h.free) for h in self.hosts.values() if h.leasable)
 
-    async def close(self) -> list[PoolHost]:
-        """Forget every host and close its client; returns them (their leases are the pool's to fail)."""
+    def forget_all(self) -> list[PoolHost]:
+        """The pool stops: forget every host and return them (the pool fails their leases before it
+        closes their clients, so no call starts on a closed client)."""
         hosts = list(self.hosts.values())
         self.hosts.clear()
-        for host in hosts:
-            await host.client.aclose()
         return hosts
 
     async def _add_host(self, prewarm: bool = True) -> PoolHost:
