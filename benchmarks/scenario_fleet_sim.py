@@ -56,7 +56,7 @@ async def _one(hosts: int, seconds: float) -> dict[str, Any]:
         # The rest BATCH hosts at a time: a start leases every slot of every host at once, and
         # 100 x 64 connections opened together time out (see benchmarks/README.md, "The limit").
         while len(pool.hosts) < hosts:
-            await asyncio.gather(*(pool._add_host() for _ in range(min(BATCH, hosts - len(pool.hosts)))))
+            await asyncio.gather(*(pool.fleet._add_host() for _ in range(min(BATCH, hosts - len(pool.hosts)))))
         pool.cfg.min_hosts = hosts
         start_s = time.perf_counter() - t0
         rss1 = _rss_bytes()

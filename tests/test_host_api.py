@@ -672,7 +672,7 @@ async def test_unexpected_error_during_reset_quarantines_with_the_reason(monkeyp
         async def broken(template: object) -> None:
             raise ValueError("the helper answered nonsense")
 
-        monkeypatch.setattr(slot, "_build_workspace", broken)
+        monkeypatch.setattr(slot.ws, "build", broken)
         ok, detail = await slot.reset()
         assert ok is False
         assert slot.state == "quarantined"  # not stuck in "resetting": neither free nor reported

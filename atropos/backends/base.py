@@ -27,7 +27,7 @@ class HostInfo(BaseModel):
 
 
 # The one meaning of every backend config's ``prewarm`` (local, docker, ray): the backend starts its
-# hosts with ``--no-prewarm`` and the pool picks the moment (atropos/slots/pool_hosts.py).
+# hosts with ``--no-prewarm`` and the pool picks the moment (atropos/slots/pool_hosts.py, ``HostFleet``).
 PREWARM_DESCRIPTION = (
     "start every slot's sandbox ahead of its first call: the pool asks each host (POST /v1/prewarm) "
     "once its whole initial fleet is up, so prewarming never competes with the hosts still starting, "

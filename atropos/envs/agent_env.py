@@ -31,17 +31,30 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-from atroposlib.envs.base import ScoredDataGroup
+from atroposlib.envs.base import APIServerConfig, BaseEnv, ScoredDataGroup
 
-from atropos.agent.errors import is_infrastructure
-from atropos.envs.config import AgentEnvConfig
-from atropos.envs.env_base import ExecTool, Rollout
-from atropos.envs.env_rollout import RolloutEnv
+from atropos.agent.errors import inference_failure, is_infrastructure
+from atropos.agent.loop import AgentResult, ChatReply, assistant_turns, hermes_system_prompt
+from atropos.agent.managed import ManagedSession, servers_give_token_ids
+from atropos.agent.tokens import template_wraps_tool_responses
+from atropos.backends.base import Backend
+from atropos.backends.config import BackendSettings
+from atropos.envs import env_cli, score_info
+from atropos.envs.config import AgentEnvConfig, backend_settings
+from atropos.envs.env_base import ExecTool, Rollout, _new_stats
+from atropos.envs.env_rollout import RolloutRunner
+from atropos.envs.env_sandbox import EnvSandbox
 from atropos.envs.score_info import ERROR_KEY, INFO_KEY, error_shares, rollout_info
-from atropos.errors import InfrastructureError
+from atropos.envs.verifier_check import VerifierCheck, VerifierCheckResult, append_to_html, run_checks, summary_lines
+from atropos.errors import ConfigError, InfrastructureError
+from atropos.progress import GroupProgress
 from atropos.slots.lease import Lease, PoolTemplate
+from atropos.slots.pool import PoolStatus, SlotPool
+from atropos.tools.executor import ToolExecutor
+from atropos.tools.registry import ToolRegistry
 
 __all__ = ["AgentEnv", "AgentEnvConfig", "ExecTool", "Rollout"]
 
@@ -52,9 +65,302 @@ log = logging.getLogger(__name__)
 PROCESS_MAX_LOST_GROUPS = 5
 
 
-class AgentEnv(RolloutEnv):
-    """Subclass it (see the module docstring); its parts are listed in env_base.py."""
+class AgentEnv(BaseEnv):
+    """Subclass it (see the module docstring). It holds the hooks and BaseEnv's glue; the work is done by
+    collaborators that each own their state: ``sandbox`` (the pool and the tool executor,
+    env_sandbox.py), ``rollouts`` (one rollout in one slot, its retries, the group step; env_rollout.py)
+    and the command line (env_cli.py)."""
 
+    env_config_cls = AgentEnvConfig
+    system_preamble: str = "You are an agent working in a Linux sandbox. Your workspace is /workspace."
+
+    def __init__(self, config: AgentEnvConfig, server_configs: Any, slurm: bool = False, testing: bool = False):
+        super().__init__(config, server_configs, slurm, testing)
+        self.config: AgentEnvConfig = config
+        if not config.wandb_name and self.name:
+            config.wandb_name = self.name  # serve mode's /register-env refuses a missing name (422)
+        # BaseEnv never hands tool_parser to its ServerManager; ManagedServer reads it from there.
+        self.server.tool_parser = config.tool_parser
+        self.tools = ToolRegistry.default(with_web=bool(config.tool_server_url)).select(
+            config.enabled_toolsets + (["web"] if config.tool_server_url else []), config.disabled_toolsets)
+        self.managed_tokens = self._decide_token_source()
+        self.wrap_tool_responses = not template_wraps_tool_responses(self.tokenizer)
+        self.sandbox = EnvSandbox()  # the slot pool and the tool executor (env_sandbox.py)
+        self.rollouts = RolloutRunner(self)  # one rollout, its retries, the group step (env_rollout.py)
+        self.stats = _new_stats()
+        self.eval_stats = _new_stats()  # kept apart: eval rollouts must not move training metrics
+        self._process_mode = False
+        self._lost_in_a_row = 0
+        self._grammars: dict[bool, str] = {}  # turn_grammar's two grammars, by allow_answer
+        self.progress = GroupProgress()  # one stderr line per scored group (long runs show they move)
+        self.verifier_results: list[VerifierCheckResult] = []
+
+    def _decide_token_source(self) -> bool:
+        source = self.config.token_source
+        if source == "chat_template":
+            return False
+        able = servers_give_token_ids(getattr(self.server, "servers", []))
+        if source == "managed" and not able:
+            raise ConfigError("token_source='managed' needs inference servers that return token ids "
+                              "(APIServerConfig.server_type 'vllm' or 'sglang')")
+        if able and self.config.tool_call_grammar:
+            log.warning("tool_call_grammar is a llama.cpp feature; ignored with ManagedServer (vllm/sglang)")
+        return able
+
+    # -- the hooks a subclass implements or overrides ---------------------------------------
+    def build_task(self, item: Any) -> str:
+        """The user message that states the task."""
+        raise NotImplementedError
+
+    async def score_trajectory(self, item: Any, final_response: str) -> float:
+        """Score from the final answer alone (override ``verify_and_score_trajectory`` to look at the slot)."""
+        raise NotImplementedError
+
+    async def setup_agent_env(self) -> None:
+        """Env-specific setup, once, after the pool is up (the reference AgentEnv's hook). Default: nothing."""
+
+    async def setup_group_workspace(self, item: Any, *, trajectory_id: str, exec_tool: ExecTool,
+                                    lease: Lease) -> dict[str, Any]:
+        """Prepare the workspace once per item (clone a repo, install dependencies) in one slot of
+        the group; every rollout of the group then starts from a copy-on-write fork of the result
+        (a template made from that slot). Override it to use it; by default there is no group step.
+        ``setup_trajectory_workspace`` still runs afterwards in each rollout's own slot."""
+        return {}
+
+    def has_group_setup(self) -> bool:
+        """Whether the subclass overrides ``setup_group_workspace`` (then groups fork a template)."""
+        return type(self).setup_group_workspace is not AgentEnv.setup_group_workspace
+
+    async def setup_trajectory_workspace(self, item: Any, *, trajectory_id: str, exec_tool: ExecTool,
+                                         lease: Lease) -> dict[str, Any]:
+        """Prepare the slot before the agent starts (write fixtures, clone a repo). Default: nothing."""
+        return {}
+
+    async def verify_and_score_trajectory(self, item: Any, final_response: str, *, trajectory_id: str,
+                                          exec_tool: ExecTool, lease: Lease,
+                                          agent_result: AgentResult) -> tuple[float, dict[str, Any]]:
+        """Verify the slot's final workspace and score. Default: ``score_trajectory``.
+
+        It runs in the slot's verification phase: the lease is sealed (every process of the agent
+        killed; commands and writes refused). Read the workspace with ``lease.read_file`` or, to
+        run anything (hidden tests, a checker), use ``lease.verify(program, secrets=...)``: a
+        fresh read-only sandbox whose verdict the agent's code cannot forge (docs/verification.md)."""
+        return await self.score_trajectory(item, final_response), {}
+
+    def verifier_checks(self) -> list[VerifierCheck]:
+        """One item per task family with its reference solution (a scripted policy, see
+        ``atropos.testing``): a process run first shows the verifier scoring each reference 1 and
+        each untouched starting state 0, in a slot. Default: none (no check)."""
+        return []
+
+    def eval_items(self) -> list[Any]:
+        """Held-out items for ``evaluate`` (default: none; override to enable evaluation)."""
+        return []
+
+    def system_prompt(self) -> str:
+        """``system_preamble`` plus the tool schemas in Hermes format; override to change the prompt."""
+        return hermes_system_prompt(self.tools.schemas(), self.system_preamble)
+
+    def build_backend(self) -> Backend:
+        from atropos.backends.config import build_backend
+
+        return build_backend(self.backend_settings())
+
+    def backend_settings(self) -> BackendSettings:
+        """What this env's fields say about the backend (kind, pool id, slots, image, cluster
+        addresses), mapped exactly as the CLI maps its settings; ``build_backend`` builds from it."""
+        return backend_settings(self.config, self.build_backend_pool_id())
+
+    def build_backend_pool_id(self) -> str:
+        return "".join(ch if ch.isalnum() or ch in "_.-" else "-" for ch in
+                       f"env-{self.config.wandb_name or type(self).__name__}")[:60]
+
+    # -- the model turn and one rollout -------------------------------------------------------
+    async def chat(self, messages: list[dict[str, Any]], session: ManagedSession | None = None) -> ChatReply:
+        """One model turn: through the rollout's ManagedServer session when there is one, else
+        through atroposlib's ServerManager (OpenAI-compatible servers). A failure of the server is
+        raised as ``InferenceUnavailable`` (infrastructure: the rollout is retried, never scored)."""
+        c = self.config
+        kwargs: dict[str, Any] = {"max_tokens": c.agent_max_tokens, "temperature": c.agent_temperature}
+        try:
+            if session is not None:
+                # no grammar here: extra_body would reach vllm's /generate as an unknown field
+                return await session.chat(messages, **kwargs)
+            grammar = self.turn_grammar(messages) if c.tool_call_grammar else None
+            if grammar is not None:
+                kwargs["extra_body"] = {"grammar": grammar}
+            completion = await self.server.chat_completion(messages=messages, n=1, **kwargs)
+        except Exception as exc:
+            failure = inference_failure(exc)
+            if failure is None:
+                raise
+            raise failure from exc
+        choice = completion.choices[0]
+        message = choice.message
+        calls = None
+        if getattr(message, "tool_calls", None):
+            calls = [tc.model_dump() if hasattr(tc, "model_dump") else dict(tc) for tc in message.tool_calls]
+        return ChatReply(text=message.content or "", tool_calls=calls, finish_reason=choice.finish_reason or "stop")
+
+    def turn_grammar(self, messages: list[dict[str, Any]]) -> str | None:
+        """The GBNF grammar for the next turn (with ``tool_call_grammar``): any tool call with
+        schema-valid arguments, and after ``grammar_forced_tool_turns`` turns also a plain answer."""
+        from atropos.agent.grammars import schema_grammar
+
+        allow_answer = assistant_turns(messages) >= self.config.grammar_forced_tool_turns
+        if allow_answer not in self._grammars:
+            self._grammars[allow_answer] = schema_grammar(self.tools.schemas(), allow_answer=allow_answer)
+        return self._grammars[allow_answer]
+
+    async def rollout(self, item: Any, lease: Lease) -> Rollout:
+        """One trajectory in one slot: setup, agent loop, in-slot verification, tokens and masks
+        (``RolloutRunner.rollout``)."""
+        return await self.rollouts.rollout(item, lease)
+
+    # -- the sandbox side (EnvSandbox) --------------------------------------------------------
+    @property
+    def pool(self) -> SlotPool | None:
+        """The slot pool, from ``setup_sandbox`` until the run ends (None outside)."""
+        return self.sandbox.pool
+
+    @property
+    def executor(self) -> ToolExecutor | None:
+        """The tool executor over ``pool`` (None outside a run)."""
+        return self.sandbox.executor
+
+    async def setup_sandbox(self) -> None:
+        """Start the slot pool and the tool executor (once; later calls do nothing)."""
+        await self.sandbox.start(self.build_backend, self.build_backend_pool_id(), self.config, self.tools)
+
+    async def shutdown_sandbox(self) -> None:
+        """Stop the executor and the pool (every sandbox host goes). Safe to call twice."""
+        await self.sandbox.stop()
+
+    # -- the run's lifecycle (BaseEnv's hooks) ------------------------------------------------
+    async def setup(self) -> None:
+        """BaseEnv's hook: start the slot pool, then ``setup_agent_env``. Call it first when overriding."""
+        await self.setup_sandbox()
+        await self.setup_agent_env()
+        if self._process_mode and self.config.verifier_check:
+            await self.check_verifier()
+
+    async def check_verifier(self) -> list[VerifierCheckResult]:
+        """Run ``verifier_checks()`` now (reference and stub of each, in slots) and print the table."""
+        checks = self.verifier_checks()
+        if not checks:
+            return []
+        await self.setup_sandbox()
+        self.verifier_results = await run_checks(self, checks)
+        for line in summary_lines(self.verifier_results):
+            print(f"[atropos-sandbox] {line}", flush=True)
+        return self.verifier_results
+
+    async def process_manager(self) -> Any:
+        """``process`` mode: BaseEnv's loop, then the pool is stopped and the summary printed."""
+        self._process_mode = True
+        try:
+            return await super().process_manager()
+        finally:
+            await self._end_run()
+            path = getattr(self.config, "data_path_to_save_groups", None)
+            if path:
+                report = Path(str(path).rsplit(".", 1)[0] + ".html")
+                append_to_html(report, self.verifier_results)
+                score_info.append_to_html(report, Path(path))
+
+    async def env_manager(self) -> Any:
+        """``serve`` mode: BaseEnv's loop, then the pool is stopped and the summary printed."""
+        try:
+            return await super().env_manager()
+        finally:
+            await self._end_run()
+
+    async def _end_run(self) -> None:
+        """The pool's last status, then the pool down, then the summary (with what the pool ran)."""
+        status = self.pool.status() if self.pool is not None else None
+        await self.shutdown_sandbox()
+        self.print_summary(status)
+
+    async def _run_evaluate(self) -> None:
+        # BaseEnv's `evaluate` command runs setup() + evaluate() and returns: nothing stops the pool.
+        try:
+            await super()._run_evaluate()
+        finally:
+            await self.shutdown_sandbox()
+
+    def print_summary(self, status: PoolStatus | None = None) -> None:
+        """The run's ``[atropos-sandbox]`` lines: pool, rollouts, mean score, dropped groups, files."""
+        s = self.stats
+        rollouts = int(s["rollouts"])
+        mean = s["score_sum"] / rollouts if rollouts else 0.0
+        per_call = 1000 * s["tool_seconds"] / s["tool_calls"] if s["tool_calls"] else 0.0
+        path = getattr(self.config, "data_path_to_save_groups", None)
+        if status is not None:  # what the pool really ran, not what was asked for
+            slots = sorted({h.slots for h in status.hosts})
+            print(f"[atropos-sandbox] pool: backend {status.backend}, {len(status.hosts)} host(s) with "
+                  f"{'/'.join(map(str, slots)) or '-'} slots, {status.leases_total} leases, "
+                  f"{status.lost_hosts} host(s) lost", flush=True)
+        print(f"[atropos-sandbox] rollouts: {rollouts}  tool calls run: {int(s['tool_calls'])}  "
+              f"mean score: {mean:.3f}  sandbox time per call: {per_call:.1f} ms  "
+              f"infra retries: {int(s['infra_retries'])}  tokens: "
+              f"{'ManagedServer' if self.managed_tokens else 'chat template'}", flush=True)
+        errors = {k.split("/", 1)[1]: int(v) for k, v in s.items() if k.startswith("verifier_error/")}
+        if errors:
+            print("[atropos-sandbox] verifier errors (rollouts): " + "  ".join(
+                f"{code} {n}/{rollouts}" for code, n in sorted(errors.items())), flush=True)
+        for line in summary_lines(self.verifier_results):
+            print(f"[atropos-sandbox] {line}", flush=True)
+        if s["groups_dropped_same_scores"]:
+            print(f"[atropos-sandbox] {int(s['groups_dropped_same_scores'])} group(s) dropped, not saved or sent: "
+                  "all scores equal and ensure_scores_are_not_same=True", flush=True)
+        if path:
+            print(f"[atropos-sandbox] data: {path}  html: {str(path).rsplit('.', 1)[0]}.html", flush=True)
+
+    async def wandb_log(self, wandb_metrics: dict[str, Any] | None = None) -> None:
+        """BaseEnv's, plus ``score_metrics()``."""
+        await super().wandb_log({**(wandb_metrics or {}), **self.score_metrics()})
+
+    def score_metrics(self) -> dict[str, float]:
+        """``train/verifier_error/<code>``: the share of the rollouts since the last call whose
+        verifier returned that ``verifier_error`` (0.0 for a code seen earlier in the run only)."""
+        s, last = self.stats, getattr(self, "_stats_logged", {})
+        self._stats_logged = dict(s)
+        n = s["rollouts"] - last.get("rollouts", 0)
+        if not n:
+            return {}
+        return {f"train/{k}": (v - last.get(k, 0)) / n for k, v in sorted(s.items()) if k.startswith("verifier_error/")}
+
+    async def handle_send_to_api(self, scored_data: Any, item: Any = None, do_send_to_api: bool = True,
+                                 abort_on_any_max_length_exceeded: bool = True) -> None:
+        """BaseEnv's, after counting the groups it will drop for equal scores (it only logs them)."""
+        if self.config.ensure_scores_are_not_same:
+            groups = scored_data if isinstance(scored_data, list) else [scored_data]
+            same = sum(1 for g in groups if g is not None and g.get("scores") and len(set(g["scores"])) == 1)
+            if same:
+                self.stats["groups_dropped_same_scores"] += same
+                log.warning("%d group(s) with all scores equal dropped (ensure_scores_are_not_same=True): "
+                            "not written to the jsonl, not sent to the trainer", same)
+        await super().handle_send_to_api(scored_data, item, do_send_to_api, abort_on_any_max_length_exceeded)
+
+    # -- the command line (env_cli.py) --------------------------------------------------------
+    @classmethod
+    def config_init(cls) -> tuple[AgentEnvConfig, list[APIServerConfig]]:
+        """Defaults for the CLI (``env_cli.default_config``): a LIST of ``APIServerConfig`` and a
+        ``wandb_name`` even when a subclass does not override this."""
+        return env_cli.default_config(cls)
+
+    @classmethod
+    def cli(cls) -> None:
+        """``python your_env.py process|serve|evaluate [--env.* --openai.*]``: BaseEnv's CLI, with
+        wandb off unless asked and SIGTERM stopping the run as Ctrl-C does (``env_cli.run_cli``)."""
+        env_cli.run_cli(cls, super().cli)
+
+    @classmethod
+    def print_defaults(cls) -> None:
+        """What this env's ``config_init`` sets (``--help`` lists atroposlib's class defaults instead)."""
+        env_cli.print_defaults(cls)
+
+    # -- groups and evaluation ----------------------------------------------------------------
     async def collect_trajectories(self, item: Any) -> tuple[ScoredDataGroup | None, list[Any]]:
         """BaseEnv's hook: one group of ``group_size`` rollouts of ``item``, each in its own slot.
         ``(None, [item])`` when infrastructure lost it (the item is retried, never scored 0)."""
@@ -92,14 +398,14 @@ class AgentEnv(RolloutEnv):
                                                     network=self.config.allow_network,
                                                     colocate=True if group_setup else None)
                 if group_setup:
-                    template = await self._prepare_group(item, leases)
+                    template = await self.rollouts.prepare_group(item, leases)
             except Exception as exc:
                 if not is_infrastructure(exc):
                     raise
                 what = "group setup failed" if leases else f"could not lease a group of {len(ids)}"
                 return self._backlog(item, f"{what} ({type(exc).__name__}: {exc})")
             results = await asyncio.gather(
-                *(self._rollout_with_retries(item, lease, template, self.stats) for lease in leases),
+                *(self.rollouts.with_retries(item, lease, template, self.stats) for lease in leases),
                 return_exceptions=True)
         finally:
             await asyncio.gather(*(self.pool.release(lease) for lease in leases), return_exceptions=True)
@@ -206,7 +512,7 @@ class AgentEnv(RolloutEnv):
                                                      for k, v in metrics.items()), flush=True)
         await self.evaluate_log(metrics=metrics, start_time=start, end_time=time.time(),
                                 samples=[{"messages": r.messages, "score": r.score,
-                                                   INFO_KEY: rollout_info(r.finish, r.info)} for r in done])
+                                          INFO_KEY: rollout_info(r.finish, r.info)} for r in done])
 
     async def _eval_rollout(self, i: int, item: Any) -> Rollout:
         """One eval rollout in its own slot, started as a training rollout is: the group step too
@@ -217,8 +523,8 @@ class AgentEnv(RolloutEnv):
         template: PoolTemplate | None = None
         try:
             if self.has_group_setup():
-                template = await self._prepare_group(item, [lease], self.eval_stats)
-            return await self._rollout_with_retries(item, lease, template, self.eval_stats)
+                template = await self.rollouts.prepare_group(item, [lease], self.eval_stats)
+            return await self.rollouts.with_retries(item, lease, template, self.eval_stats)
         finally:
             await self.pool.release(lease)
             await self._drop_template(template, "eval")

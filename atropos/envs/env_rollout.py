@@ -1,6 +1,8 @@
 """One rollout of an AgentEnv in one slot: workspace setup, the agent loop within the context
 budget, the slot sealed before verification, tokens and masks; retried on a fresh slot after an
-infrastructure failure; and the group step that makes a template every rollout forks."""
+infrastructure failure; and the group step that makes a template every rollout forks. A collaborator
+of AgentEnv (``env.rollouts``): it owns no state of its own and calls the env's hooks, so a subclass's
+overrides (``rollout``, ``chat``, the workspace and scoring hooks) are the ones that run."""
 
 from __future__ import annotations
 
@@ -8,71 +10,40 @@ import asyncio
 import functools
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from atropos.agent.errors import TokenTrackingError, inference_failure, is_infrastructure
+from atropos.agent.errors import TokenTrackingError, is_infrastructure
 from atropos.agent.loop import (
     AgentConfig,
     AgentResult,
-    ChatReply,
     ToolsFn,
-    assistant_turns,
     run_agent,
 )
 from atropos.agent.managed import ManagedSession, TrackedSequence
 from atropos.agent.tokens import IGNORE, count_prompt_tokens, tokenize_conversation
 from atropos.envs.env_base import Rollout
-from atropos.envs.env_sandbox import SandboxEnv
 from atropos.envs.score_info import json_safe
 from atropos.slots.lease import Lease, PoolTemplate
 from atropos.tools.executor import AgentToolCall, ToolOutcome
 
+if TYPE_CHECKING:
+    from atropos.envs.agent_env import AgentEnv
+
 log = logging.getLogger("atropos.envs.agent_env")
 
 
-class RolloutEnv(SandboxEnv):
-    async def chat(self, messages: list[dict[str, Any]], session: ManagedSession | None = None) -> ChatReply:
-        """One model turn: through the rollout's ManagedServer session when there is one, else
-        through atroposlib's ServerManager (OpenAI-compatible servers). A failure of the server is
-        raised as ``InferenceUnavailable`` (infrastructure: the rollout is retried, never scored)."""
-        c = self.config
-        kwargs: dict[str, Any] = {"max_tokens": c.agent_max_tokens, "temperature": c.agent_temperature}
-        try:
-            if session is not None:
-                # no grammar here: extra_body would reach vllm's /generate as an unknown field
-                return await session.chat(messages, **kwargs)
-            grammar = self.turn_grammar(messages) if c.tool_call_grammar else None
-            if grammar is not None:
-                kwargs["extra_body"] = {"grammar": grammar}
-            completion = await self.server.chat_completion(messages=messages, n=1, **kwargs)
-        except Exception as exc:
-            failure = inference_failure(exc)
-            if failure is None:
-                raise
-            raise failure from exc
-        choice = completion.choices[0]
-        message = choice.message
-        calls = None
-        if getattr(message, "tool_calls", None):
-            calls = [tc.model_dump() if hasattr(tc, "model_dump") else dict(tc) for tc in message.tool_calls]
-        return ChatReply(text=message.content or "", tool_calls=calls, finish_reason=choice.finish_reason or "stop")
+class RolloutRunner:
+    """Runs rollouts for ``env``: reads its config, pool and executor, calls its hooks."""
 
-    def turn_grammar(self, messages: list[dict[str, Any]]) -> str | None:
-        """The GBNF grammar for the next turn (with ``tool_call_grammar``): any tool call with
-        schema-valid arguments, and after ``grammar_forced_tool_turns`` turns also a plain answer."""
-        from atropos.agent.grammars import schema_grammar
+    def __init__(self, env: AgentEnv) -> None:
+        self.env = env
 
-        allow_answer = assistant_turns(messages) >= self.config.grammar_forced_tool_turns
-        if allow_answer not in self._grammars:
-            self._grammars[allow_answer] = schema_grammar(self.tools.schemas(), allow_answer=allow_answer)
-        return self._grammars[allow_answer]
-
-    async def _prepare_group(self, item: Any, leases: list[Lease],
-                             stats: dict[str, float] | None = None) -> PoolTemplate:
+    async def prepare_group(self, item: Any, leases: list[Lease],
+                            stats: dict[str, float] | None = None) -> PoolTemplate:
         """Run ``setup_group_workspace`` in the group's first slot, make a template of it (that slot
         continues as a fork of it) and fork the other slots from it."""
-        assert self.pool is not None and self.executor is not None
-        executor, setup = self.executor, leases[0]
+        assert self.env.pool is not None and self.env.executor is not None
+        executor, setup = self.env.executor, leases[0]
         tid = setup.trajectory_id
         t0 = time.perf_counter()
         executor.bind(tid, setup)
@@ -80,52 +51,52 @@ class RolloutEnv(SandboxEnv):
             async def exec_tool(call: AgentToolCall) -> ToolOutcome:
                 return await executor.execute(tid, call)
 
-            await self.setup_group_workspace(item, trajectory_id=tid, exec_tool=exec_tool, lease=setup)
+            await self.env.setup_group_workspace(item, trajectory_id=tid, exec_tool=exec_tool, lease=setup)
         finally:
             executor.unbind(tid)
-        template = await self.pool.template_from_lease(setup, name=f"group-{tid.rsplit('-', 1)[0]}")
+        template = await self.env.pool.template_from_lease(setup, name=f"group-{tid.rsplit('-', 1)[0]}")
         try:
-            await asyncio.gather(*(self.pool.fork(lease, template) for lease in leases[1:]))
+            await asyncio.gather(*(self.env.pool.fork(lease, template) for lease in leases[1:]))
         except BaseException:
-            await asyncio.gather(*(self.pool.release(lease) for lease in leases), return_exceptions=True)
-            await self.pool.delete_template(template)
+            await asyncio.gather(*(self.env.pool.release(lease) for lease in leases), return_exceptions=True)
+            await self.env.pool.delete_template(template)
             raise
-        stats = self.stats if stats is None else stats
+        stats = self.env.stats if stats is None else stats
         stats["group_setups"] += 1
         stats["group_setup_seconds"] += time.perf_counter() - t0
         log.debug("group %s: setup + template + %d forks in %.2fs", tid, len(leases) - 1, time.perf_counter() - t0)
         return template
 
-    async def _rollout_with_retries(self, item: Any, lease: Lease, template: PoolTemplate | None,
-                                    stats: dict[str, float]) -> Rollout:
+    async def with_retries(self, item: Any, lease: Lease, template: PoolTemplate | None,
+                          stats: dict[str, float]) -> Rollout:
         """``rollout`` in ``lease``; after an infrastructure failure again from scratch in a fresh slot
         (the old one's workspace is half-done or gone), up to ``infra_retries`` times."""
-        assert self.pool is not None
+        assert self.env.pool is not None
         current = lease
         try:
-            for attempt in range(self.config.infra_retries + 1):
+            for attempt in range(self.env.config.infra_retries + 1):
                 try:
-                    return await self.rollout(item, current)
+                    return await self.env.rollout(item, current)
                 except Exception as exc:
-                    if not is_infrastructure(exc) or attempt == self.config.infra_retries:
+                    if not is_infrastructure(exc) or attempt == self.env.config.infra_retries:
                         raise
                     stats["infra_retries"] += 1
                     log.warning("rollout %s hit an infrastructure failure (%s: %s); retrying on a fresh slot",
                                 current.trajectory_id, type(exc).__name__, exc)
                     if current is not lease:
-                        await self.pool.release(current)
-                    current = await self.pool.lease(f"{lease.trajectory_id}-r{attempt + 1}",
-                                                    self.config.acquire_timeout_s, network=self.config.allow_network,
-                                                    template=template)
+                        await self.env.pool.release(current)
+                    current = await self.env.pool.lease(f"{lease.trajectory_id}-r{attempt + 1}",
+                                                        self.env.config.acquire_timeout_s,
+                                                        network=self.env.config.allow_network, template=template)
             raise AssertionError("unreachable")
         finally:
             if current is not lease:
-                await self.pool.release(current)
+                await self.env.pool.release(current)
 
     async def rollout(self, item: Any, lease: Lease) -> Rollout:
         """One trajectory in one slot: setup, agent loop, in-slot verification, tokens and masks."""
-        assert self.executor is not None
-        executor = self.executor
+        assert self.env.executor is not None
+        executor = self.env.executor
         tid = lease.trajectory_id
         executor.bind(tid, lease)
         try:
@@ -135,24 +106,24 @@ class RolloutEnv(SandboxEnv):
             async def run_tools(calls: list[AgentToolCall]) -> list[ToolOutcome]:
                 return await executor.execute_many(tid, calls)
 
-            await self.setup_trajectory_workspace(item, trajectory_id=tid, exec_tool=exec_tool, lease=lease)
-            messages = [{"role": "system", "content": self.system_prompt()},
-                        {"role": "user", "content": self.build_task(item)}]
-            cfg = AgentConfig(max_steps=self.config.agent_max_steps, temperature=self.config.agent_temperature,
-                              max_tokens=self.config.agent_max_tokens,
-                              max_context_tokens=self.config.max_token_length,
-                              wrap_tool_responses=self.wrap_tool_responses)
+            await self.env.setup_trajectory_workspace(item, trajectory_id=tid, exec_tool=exec_tool, lease=lease)
+            messages = [{"role": "system", "content": self.env.system_prompt()},
+                        {"role": "user", "content": self.env.build_task(item)}]
+            cfg = AgentConfig(max_steps=self.env.config.agent_max_steps, temperature=self.env.config.agent_temperature,
+                              max_tokens=self.env.config.agent_max_tokens,
+                              max_context_tokens=self.env.config.max_token_length,
+                              wrap_tool_responses=self.env.wrap_tool_responses)
             t0 = time.perf_counter()
             result, tracked, fallback = await self._run_policy(tid, messages, cfg, run_tools)
             log.debug("rollout %s: %d steps in %.1fs (%s)", tid, len(result.steps), time.perf_counter() - t0,
                       result.finish)
             if result.finish == "context_budget":
-                log.info("rollout %s stopped at the context budget (%d tokens)", tid, self.config.max_token_length)
+                log.info("rollout %s stopped at the context budget (%d tokens)", tid, self.env.config.max_token_length)
             # The verification phase: every process of the agent dies here and nothing runs in the
             # slot again (reading it and lease.verify remain), so no leftover of the rollout can
             # watch, race or rewrite what the verification reads.
             await lease.seal()
-            score, meta = await self.verify_and_score_trajectory(
+            score, meta = await self.env.verify_and_score_trajectory(
                 item, result.final_response, trajectory_id=tid, exec_tool=exec_tool, lease=lease, agent_result=result)
         finally:
             executor.unbind(tid)
@@ -168,7 +139,7 @@ class RolloutEnv(SandboxEnv):
         if tracked is not None:
             tokens, masks, logprobs = tracked.tokens, tracked.masks, tracked.logprobs
         else:
-            tokenized = tokenize_conversation(self.tokenizer, result.messages)
+            tokenized = tokenize_conversation(self.env.tokenizer, result.messages)
             tokens, masks, logprobs = tokenized.tokens, tokenized.masks, None
         if all(m == IGNORE for m in masks):
             log.warning("rollout %s has no trainable token", tid)
@@ -179,14 +150,14 @@ class RolloutEnv(SandboxEnv):
         """The agent loop, in a ManagedServer context of its own when the server gives token ids.
         Returns the result, the tracked sequence (None on the chat-template path) and whether
         ManagedServer's tracking broke and the chat template had to be used instead."""
-        count = functools.partial(count_prompt_tokens, self.tokenizer)
-        if not self.managed_tokens:
-            return await run_agent(self.chat, run_tools, messages, cfg, count), None, False
+        count = functools.partial(count_prompt_tokens, self.env.tokenizer)
+        if not self.env.managed_tokens:
+            return await run_agent(self.env.chat, run_tools, messages, cfg, count), None, False
         # One context per rollout with n=1 per turn: the rollout ends as one node, and extension
         # can never match another rollout's prefix (reference §3.2).
-        async with self.server.managed_server(tokenizer=self.tokenizer) as managed:
-            session = ManagedSession(managed, self.tokenizer)
-            result = await run_agent(functools.partial(self.chat, session=session), run_tools, messages, cfg, count)
+        async with self.env.server.managed_server(tokenizer=self.env.tokenizer) as managed:
+            session = ManagedSession(managed, self.env.tokenizer)
+            result = await run_agent(functools.partial(self.env.chat, session=session), run_tools, messages, cfg, count)
             try:
                 return result, session.tracked(), False  # inside the block: the state resets on exit
             except TokenTrackingError as exc:

@@ -22,7 +22,7 @@ from atropos.agent.loop import AgentConfig, ChatReply, run_agent
 from atropos.testing.scripted import Policy, answer, by_turn
 
 if TYPE_CHECKING:
-    from atropos.envs.env_base import AgentEnvBase
+    from atropos.envs.agent_env import AgentEnv
 
 __all__ = ["VerifierCheck", "VerifierCheckResult", "append_to_html", "run_checks", "summary_lines"]
 
@@ -51,7 +51,7 @@ class VerifierCheckResult(BaseModel):
 STUB_POLICY: Policy = by_turn(answer("I am done."))  # touches nothing: the starting state is verified
 
 
-async def _scripted_rollout(env: AgentEnvBase, item: Any, policy: Policy, tag: str) -> tuple[float, dict[str, Any]]:
+async def _scripted_rollout(env: AgentEnv, item: Any, policy: Policy, tag: str) -> tuple[float, dict[str, Any]]:
     assert env.pool is not None and env.executor is not None
     executor = env.executor
     tid = f"verifier-check-{tag}-{uuid.uuid4().hex[:6]}"
@@ -81,7 +81,7 @@ async def _scripted_rollout(env: AgentEnvBase, item: Any, policy: Policy, tag: s
             executor.unbind(tid)
 
 
-async def run_checks(env: AgentEnvBase, checks: list[VerifierCheck]) -> list[VerifierCheckResult]:
+async def run_checks(env: AgentEnv, checks: list[VerifierCheck]) -> list[VerifierCheckResult]:
     """Every check's reference and stub run, concurrently, each in its own slot."""
 
     async def one(check: VerifierCheck) -> VerifierCheckResult:

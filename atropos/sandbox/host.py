@@ -143,16 +143,9 @@ class SandboxHost:
 
     def _make_slot(self, index: int, name: str | None = None) -> Slot:
         uid = None if self.uid_base is None else self.uid_base + index
-        slot = Slot(index, self.cfg, self.root, uid, self.seccomp_path, self.workspaces)
-        slot.killer = self.killer
-        slot.private_net = self.private_net
-        if self.cgroups is not None:
-            slot.cgroup = self.cgroups.slot(name or f"slot-{index}", self.cfg.slot_limits())
-        if name:
-            slot.dir = self.root / name
-            slot.paths = type(slot.paths)(workspace=slot.dir / "ws", run_dir=slot.dir / "run",
-                                          lib_dir=slot.paths.lib_dir, etc_dir=slot.paths.etc_dir)
-        return slot
+        cgroup = None if self.cgroups is None else self.cgroups.slot(name or f"slot-{index}", self.cfg.slot_limits())
+        return Slot(index, self.cfg, self.root, uid, self.seccomp_path, self.workspaces, name=name,
+                    killer=self.killer, private_net=self.private_net, cgroup=cgroup)
 
     def _prepare_root(self) -> None:
         root = self.root
@@ -271,7 +264,7 @@ class SandboxHost:
                     f"{states.count('quarantined')} quarantined of {len(self.slots)}"
                 )
         if template is not None:
-            slot.state = "resetting"  # taken now: the fork below awaits
+            slot.claim()  # taken now: the fork below awaits
             async with self._resetting(), slot.lock:
                 ok, detail = await slot.reset(template)
             self._schedule_trash()
@@ -298,7 +291,7 @@ class SandboxHost:
         t0 = time.perf_counter()
         # Refuse new calls at once and abort the running one: waiting for a 10-minute command
         # would hold the slot (and the pool's caller) hostage.
-        slot.lease_token = None
+        slot.revoke()
         await slot.stop_sandboxes()
         async with self._resetting(), slot.lock:
             ok, detail = await slot.reset(template)
@@ -320,7 +313,7 @@ class SandboxHost:
     async def _sealing(self, index: int, lease: str) -> Slot:
         slot = self.slot(index)
         self.check_lease(slot, lease)
-        slot.sealed = True  # refuse new calls at once, and abort the running one (as a reset does)
+        slot.mark_sealed()  # refuse new calls at once, and abort the running one (as a reset does)
         await slot.stop_sandboxes()
         return slot
 
@@ -484,7 +477,7 @@ class SandboxHost:
                 self.check_lease(slot, call.lease)  # a reset may have happened while we waited
                 if slot.sealed and call.tool in SEALED_REFUSED:
                     raise SlotSealed(f"{call.tool}: slot {slot.index} is in its verification phase")
-                slot.calls += 1
+                slot.count_call()
                 self.total_calls += 1
                 frame = await self._request(slot, payload, timeout)
             if frame.get("ok"):

@@ -26,7 +26,6 @@ from atropos.sandbox.protocol import (
     SlotState,
     VerifyRequest,
     VerifyResult,
-    WorkspaceKind,
 )
 from atropos.sandbox.sandbox_process import SandboxDied, SandboxProcess
 from atropos.sandbox.slot_workspace import SlotWorkspace
@@ -59,27 +58,28 @@ class SessionLost(SandboxDied):
         self.timed_out = timed_out
 
 
-class Slot(SlotWorkspace):
+class Slot:
     """State machine: free -> leased -> resetting -> free (or quarantined when a reset fails)."""
 
     def __init__(self, index: int, cfg: HostConfig, root: Path, uid: int | None, seccomp_path: str | None,
-                 workspaces: Workspaces | None = None):
+                 workspaces: Workspaces | None = None, *, name: str | None = None, killer: UidKiller | None = None,
+                 private_net: bool = False, cgroup: SlotCgroup | None = None):
         self.index = index
         self.workspaces = workspaces
         self.cfg = cfg
         self.uid = uid
         self.seccomp_path = seccomp_path
-        self.dir = root / "slots" / str(index)
+        # ``name``: a slot outside the numbered ones (the host's health slot) lives beside them
+        self.dir = root / name if name else root / "slots" / str(index)
         self.paths = SandboxPaths(
             workspace=self.dir / "ws", run_dir=self.dir / "run", lib_dir=root / "lib", etc_dir=root / "etc"
         )
-        self.trash = root / "trash"
         self.state: SlotState = "free"
         self.generation = 0
         self.lease_token: str | None = None
         self.trajectory_id: str | None = None
         self.network = False
-        self.private_net = False  # set by the host: network slots get their own namespace
+        self.private_net = private_net  # network slots get their own namespace
         self.leased_at: float | None = None
         self.calls = 0
         self.detail = ""
@@ -88,16 +88,39 @@ class Slot(SlotWorkspace):
         self.sandbox: SandboxProcess | None = None
         self.terminal: SandboxProcess | None = None
         self.session: SandboxProcess | None = None  # the python_session interpreter, started on first use
-        self.killer: UidKiller | None = None  # shared by the host's slots
-        self.template: Template | None = None  # the template the workspace is built on
-        self.ws_kind: WorkspaceKind = "plain"
-        self.capped = False  # the workspace (a fork's layers) is a capped tmpfs mount
-        self.scratch = False  # run dir, /tmp and /dev/shm are capped tmpfs mounts (size and inodes)
-        self.last_verified = ""
+        self.killer = killer  # shared by the host's slots
         # The verification phase of the lease began (see docs/verification.md): every process of
         # the agent is gone, no command or interpreter runs again in the slot until its reset.
         self.sealed = False
-        self.cgroup: SlotCgroup | None = None  # every sandbox of the slot runs in it (set by the host)
+        self.cgroup = cgroup  # every sandbox of the slot runs in it
+        self.ws = SlotWorkspace(index, cfg, uid, self.dir, self.paths, workspaces, root / "trash", cgroup,
+                                generation=lambda: self.generation)
+
+    @property
+    def template(self) -> Template | None:
+        """The template the workspace is a fork of (the workspace's state)."""
+        return self.ws.template
+
+    @property
+    def last_verified(self) -> str:
+        """What the last reset verified (the workspace's state)."""
+        return self.ws.last_verified
+
+    # -- what the host does to a slot: its methods, so the slot's state has one writer -------
+    def claim(self) -> None:
+        """Taken for a lease whose fork is still being built: no other lease request gets it."""
+        self.state = "resetting"
+
+    def revoke(self) -> None:
+        """Refuse new calls at once (a reset or release begins); the running one is stopped next."""
+        self.lease_token = None
+
+    def mark_sealed(self) -> None:
+        """The verification phase begins: new calls are refused at once (see ``seal``)."""
+        self.sealed = True
+
+    def count_call(self) -> None:
+        self.calls += 1
 
     # -- layout ----------------------------------------------------------------------------
     async def prepare(self) -> None:
@@ -105,12 +128,12 @@ class Slot(SlotWorkspace):
         def clear() -> None:
             self.dir.mkdir(parents=True, exist_ok=True)
             os.chmod(self.dir, 0o711)
-            for d in (self.paths.workspace, self.paths.run_dir, self.ov, *self._scratch_dirs()):
+            for d in (self.paths.workspace, self.paths.run_dir, self.ws.ov, *self.ws.scratch_dirs()):
                 if d.exists() or d.is_symlink():
-                    self._discard(d)
+                    self.ws.discard(d)
 
         await asyncio.to_thread(clear)
-        await self._build_workspace(None)
+        await self.ws.build(None)
 
     # -- leases ----------------------------------------------------------------------------
     def grant(self, trajectory_id: str, network: bool) -> LeaseInfo:
@@ -134,7 +157,7 @@ class Slot(SlotWorkspace):
             leased_for_s=None if self.leased_at is None else round(time.monotonic() - self.leased_at, 3),
             sandbox_running=self.sandbox is not None and self.sandbox.alive,
             session_running=self.session is not None and self.session.alive,
-            template=None if self.template is None else self.template.id, workspace=self.ws_kind,
+            template=None if self.ws.template is None else self.ws.template.id, workspace=self.ws.ws_kind,
             sealed=self.sealed,
         )
 
@@ -146,11 +169,11 @@ class Slot(SlotWorkspace):
                            isolated=False, env={**SANDBOX_ENV, "HOME": str(self.paths.workspace)})
             return [self.cfg.python, "-I", "-S", str(self.paths.lib_dir / script), json.dumps(sup_cfg)]
         paths = self.paths
-        if self.scratch:
+        if self.ws.scratch:
             # every sandbox of the slot, the verifier's included, binds the slot's capped /tmp and
             # /dev/shm (bubblewrap's own tmpfs caps the size only: empty files are uncounted kernel
             # memory); verify() renews them first, so nothing the agent left there reaches it
-            tmp, shm = self._scratch_dirs()
+            tmp, shm = self.ws.scratch_dirs()
             paths = dataclasses.replace(paths, tmp=tmp, shm=shm)
         argv = bwrap_argv(self.cfg.bwrap, paths, self.cfg.limits, network=self.network and not verifier,
                           seccomp_fd=-1, private_net=self.private_net)
@@ -162,10 +185,10 @@ class Slot(SlotWorkspace):
     async def _start(self, extra: dict[str, Any], label: str, protocol: bool = True,
                      script: str = "supervisor.py", verifier: bool = False) -> SandboxProcess:
         argv, uid = self._argv(extra, script, verifier), self.uid
-        if self.ws_kind == "overlay" or self.capped or self.scratch:
+        if self.ws.ws_kind == "overlay" or self.ws.capped or self.ws.scratch:
             # The fork's overlay and the capped tmpfs mounts exist only in the workspace mount
             # namespace: start bwrap in it (nsenter drops to the slot's uid itself on a root host).
-            argv, uid = [*self._ns().launcher(self.uid), *argv], None
+            argv, uid = [*self.ws.ns().launcher(self.uid), *argv], None
         if HAVE_CHOOM:
             # Raised before bwrap starts (raising needs no privilege); /proc is read-only inside, so
             # nothing in the slot can lower it and make the host the OOM killer's victim.
@@ -193,7 +216,7 @@ class Slot(SlotWorkspace):
         return self.sandbox
 
     async def ensure_terminal(self) -> None:
-        sock = self._view(self.paths.run_dir) / "tmux.sock"
+        sock = self.ws.view(self.paths.run_dir) / "tmux.sock"
         if self.terminal is not None and self.terminal.alive:
             if _is_socket(sock):
                 return
@@ -276,12 +299,12 @@ class Slot(SlotWorkspace):
             await self._kill_cgroup()
             # The uid sweep (a /proc scan) and the workspace's renewal run side by side: the slot is
             # not leasable until both are done, and a survivor quarantines it all the same.
-            outcomes = await asyncio.gather(self._kill_uid(), self._renew_workspace(template),
+            outcomes = await asyncio.gather(self._kill_uid(), self.ws.renew(template),
                                             return_exceptions=True)
             for outcome in outcomes:
                 if isinstance(outcome, BaseException):
                     raise outcome
-            problem = self._verify()
+            problem = self.ws.verify()
             if problem:
                 raise RuntimeError(problem)
         except Exception as exc:
@@ -308,7 +331,7 @@ class Slot(SlotWorkspace):
         self.sealed = True
         await self.stop_sandboxes()
         await self._kill_all()  # RuntimeError if any process of the slot's uid survived
-        return self._processes_checked()
+        return self.ws.processes_checked()
 
     async def verify(self, req: VerifyRequest) -> VerifyResult:
         """Run a verifier program in a fresh sandbox of the sealed slot (see docs/verification.md)."""
@@ -318,8 +341,8 @@ class Slot(SlotWorkspace):
         workspace = str(self.paths.workspace) if self.cfg.unsafe_no_isolation else WORKSPACE
         proc: SandboxProcess | None = None
         try:
-            if self.scratch:
-                await self._renew_scratch()
+            if self.ws.scratch:
+                await self.ws.renew_scratch()
             proc = await self._start({}, f"slot {self.index} verifier", script="verifier.py", verifier=True)
             frame = await proc.request({"op": "verify", "program": req.program, "secrets": req.secrets,
                                         "args": req.args, "timeout": req.timeout_s, "workspace": workspace},
@@ -383,8 +406,8 @@ class Slot(SlotWorkspace):
         assert mgr is not None
         await self.stop_sandboxes()
         await self._kill_all()
-        kind, ws = self.ws_kind, self.paths.workspace
-        source = str(self._view(ws)) if kind == "overlay" or self.capped else None
+        kind, ws = self.ws.ws_kind, self.paths.workspace
+        source = str(self.ws.view(ws)) if kind == "overlay" or self.ws.capped else None
 
         async def fill(tree: Path) -> None:
             if source is not None:
@@ -399,9 +422,9 @@ class Slot(SlotWorkspace):
                 self.quarantine(f"snapshot failed after the workspace was taken: {exc}")
             raise
         try:
-            await self._drop_workspace()
-            await self._build_workspace(template)
-            problem = self._verify()
+            await self.ws.drop()
+            await self.ws.build(template)
+            problem = self.ws.verify()
             if problem:
                 raise RuntimeError(problem)
         except Exception as exc:  # even a surprise: the slot's workspace is gone all the same, never leave it leased

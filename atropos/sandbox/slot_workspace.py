@@ -1,5 +1,6 @@
 """A slot's workspace and scratch mounts: built, dropped, renewed on reset, and verified fresh
-(see docs/templates.md, "What a reset verifies"). Mixed into ``Slot``."""
+(see docs/templates.md, "What a reset verifies"). Held by ``Slot`` as ``slot.ws``: the slot reads
+its state (template, kind, mounts) and asks it to build, renew, drop and verify; only it writes them."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import os
 import secrets
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,22 +24,25 @@ from atropos.sandbox.workspaces import Workspaces
 
 
 class SlotWorkspace:
-    """The workspace half of a slot; the attributes below are the slot's own (set by ``Slot``)."""
+    """The workspace of one slot: its layout (fixed) and what it is now built as (its own state)."""
 
-    index: int
-    cfg: HostConfig
-    uid: int | None
-    dir: Path
-    paths: SandboxPaths
-    workspaces: Workspaces | None
-    template: Template | None
-    ws_kind: WorkspaceKind
-    capped: bool
-    scratch: bool
-    last_verified: str
-    cgroup: SlotCgroup | None
-    trash: Path
-    generation: int
+    def __init__(self, index: int, cfg: HostConfig, uid: int | None, dir: Path, paths: SandboxPaths,
+                 workspaces: Workspaces | None, trash: Path, cgroup: SlotCgroup | None,
+                 generation: Callable[[], int]) -> None:
+        self.index = index
+        self.cfg = cfg
+        self.uid = uid
+        self.dir = dir
+        self.paths = paths
+        self.workspaces = workspaces
+        self.trash = trash
+        self.cgroup = cgroup  # read only: what a reset can say it checked (``processes_checked``)
+        self._generation = generation  # the slot's, for the names of discarded trees
+        self.template: Template | None = None  # the template the workspace is built on
+        self.ws_kind: WorkspaceKind = "plain"
+        self.capped = False  # the workspace (a fork's layers) is a capped tmpfs mount
+        self.scratch = False  # run dir, /tmp and /dev/shm are capped tmpfs mounts (size and inodes)
+        self.last_verified = ""
 
     @property
     def ov(self) -> Path:
@@ -50,19 +55,19 @@ class SlotWorkspace:
             os.chown(d, self.uid, self.uid)
         os.chmod(d, 0o700)
 
-    def _discard(self, d: Path) -> None:
+    def discard(self, d: Path) -> None:
         """Move a dirty tree aside (never copy into or walk it here); deleted in the background."""
         self.trash.mkdir(exist_ok=True)
-        os.rename(d, self.trash / f"{self.index}-{d.name}-{self.generation}-{secrets.token_hex(4)}")
+        os.rename(d, self.trash / f"{self.index}-{d.name}-{self._generation()}-{secrets.token_hex(4)}")
 
-    def _view(self, p: Path) -> Path:
+    def view(self, p: Path) -> Path:
         """Where the host reaches ``p`` as the slot sees it: through the mount namespace when
         ``p`` (or what holds it) is mounted there, else the path itself."""
         if not self.capped and not self.scratch and self.ws_kind != "overlay":
             return p
-        return Path(self._ns().proc_path(Path(self._real(p))))
+        return Path(self.ns().proc_path(Path(self._real(p))))
 
-    def _ns(self) -> MountNamespace:
+    def ns(self) -> MountNamespace:
         ns = None if self.workspaces is None else self.workspaces.ns
         if ns is None or not ns.alive:
             raise WorkspaceError("the workspace mount helper is not running")
@@ -74,7 +79,7 @@ class SlotWorkspace:
     def _real(self, p: Path) -> str:
         return os.path.join(os.path.realpath(p.parent), p.name)
 
-    async def _drop_workspace(self) -> None:
+    async def drop(self) -> None:
         """Unmount a fork (its upper layer goes to the trash with the rest): never walk or copy
         into the dirty tree."""
         targets = []
@@ -83,53 +88,53 @@ class SlotWorkspace:
         if self.capped:
             targets.append(self.ov if self.ws_kind == "overlay" else self.paths.workspace)
         if self.scratch:
-            targets += [self.paths.run_dir, *self._scratch_dirs()]
+            targets += [self.paths.run_dir, *self.scratch_dirs()]
         if targets:
             real = [self._real(t) for t in targets]
             if self.ws_kind == "overlay" and not self.capped:
                 # the fork's upper layer is on disk and goes to the trash below: unmounted first
-                await self._ns().call({"op": "umount", "targets": real})
+                await self.ns().call({"op": "umount", "targets": real})
             else:  # tmpfs-backed: moved aside whole, unmounted in the background
-                await self._ns().call({"op": "renew", "detach": real, "trash": str(self._mount_trash())})
+                await self.ns().call({"op": "renew", "detach": real, "trash": str(self._mount_trash())})
         if self.template is not None:
             self.template.users.discard(self.index)
             self.template = None
         self.ws_kind = "plain"
         self.capped = self.scratch = False
-        for d in (self.paths.workspace, self.ov, self.paths.run_dir, *self._scratch_dirs()):
+        for d in (self.paths.workspace, self.ov, self.paths.run_dir, *self.scratch_dirs()):
             if d.exists() or d.is_symlink():
-                self._discard(d)
+                self.discard(d)
 
-    def _scratch_dirs(self) -> tuple[Path, Path]:
+    def scratch_dirs(self) -> tuple[Path, Path]:
         """Host-side mount points of the slot's /tmp and /dev/shm."""
         return self.dir / "tmp", self.dir / "shm"
 
     async def _mount_cap(self, target: Path, quota: dict[str, Any]) -> None:
         self.capped = True  # before the await: a half-done mount is still unmounted by a drop
-        await self._ns().call({"op": "tmpfs", "target": self._real(target), "quota": quota})
+        await self.ns().call({"op": "tmpfs", "target": self._real(target), "quota": quota})
 
     async def _mount_scratch(self) -> None:
         """The run dir (the terminal's log), /tmp and /dev/shm: each its own tmpfs capped in size
         AND inodes (bubblewrap's --tmpfs can only cap the size; empty files cost kernel memory)."""
         self.scratch = True  # before the await: a half-done mount is still unmounted by a drop
-        await self._ns().call({"op": "tmpfs_many", "mounts": self._scratch_mounts()})
+        await self.ns().call({"op": "tmpfs_many", "mounts": self._scratch_mounts()})
 
-    async def _renew_scratch(self) -> None:
+    async def renew_scratch(self) -> None:
         """Fresh capped /tmp and /dev/shm (the old ones go to the trash): the verifier's, empty of
         whatever the agent left, capped as the agent's were."""
         mounts = self._scratch_mounts()[1:]  # not the run dir: the verifier has none
-        await self._ns().call({"op": "renew", "detach": [m["target"] for m in mounts], "tmpfs": mounts,
+        await self.ns().call({"op": "renew", "detach": [m["target"] for m in mounts], "tmpfs": mounts,
                                "trash": str(self._mount_trash())})
 
     def _scratch_mounts(self) -> list[dict[str, Any]]:
         return [{"target": self._real(target), "quota": quota} for target, quota in
-                zip((self.paths.run_dir, *self._scratch_dirs()), self.cfg.limits.scratch_quotas(self.uid), strict=True)]
+                zip((self.paths.run_dir, *self.scratch_dirs()), self.cfg.limits.scratch_quotas(self.uid), strict=True)]
 
     def _mount_trash(self) -> Path:
         assert self.workspaces is not None
         return self.workspaces.mount_trash
 
-    async def _renew_workspace(self, template: Template | None) -> None:
+    async def renew(self, template: Template | None) -> None:
         """Back to a fresh workspace. The common case, an empty workspace after an empty one whose
         dirs are all capped tmpfs mounts, is one round trip to the mount helper: the old mounts
         move aside (their pages go with a background unmount) and fresh ones take their place on
@@ -139,25 +144,25 @@ class SlotWorkspace:
                      and self.scratch == mgr.scratch_capped and self.capped == mgr.capped
                      and (self.scratch or self.capped))
         if not renewable:
-            await self._drop_workspace()
-            await self._build_workspace(template)
+            await self.drop()
+            await self.build(template)
             return
         mounts = self._scratch_mounts() if self.scratch else []
         ws = self.paths.workspace
         if self.capped:
             mounts.append({"target": self._real(ws), "quota": self.cfg.limits.workspace_quota(self.uid)})
         else:  # an uncapped workspace is a directory on disk: to the trash, a fresh one in its place
-            self._discard(ws)
+            self.discard(ws)
             self._fresh_dir(ws)
-        await self._ns().call({"op": "renew", "detach": [m["target"] for m in mounts], "tmpfs": mounts,
+        await self.ns().call({"op": "renew", "detach": [m["target"] for m in mounts], "tmpfs": mounts,
                                "trash": str(self._mount_trash())})
 
-    async def _build_workspace(self, template: Template | None) -> None:
+    async def build(self, template: Template | None) -> None:
         ws, mgr = self.paths.workspace, self.workspaces
         quota = self.cfg.limits.workspace_quota(self.uid) if mgr is not None and mgr.capped else None
         self._fresh_dir(self.paths.run_dir)
         if mgr is not None and mgr.scratch_capped:
-            for d in self._scratch_dirs():
+            for d in self.scratch_dirs():
                 self._fresh_dir(d)
             await self._mount_scratch()
         if template is None:
@@ -168,7 +173,7 @@ class SlotWorkspace:
         template.users.add(self.index)  # before any await: a delete now sees it in use
         self.template = template
         if mgr is not None and mgr.mode == "overlay":
-            ns = self._ns()
+            ns = self.ns()
             ov, upper, work, lower = self.ov, self.ov / "upper", self.ov / "work", self.ov / "lower"
             ov.mkdir(mode=0o700)
             fork_quota = quota if mgr.fork_capped else None
@@ -193,7 +198,7 @@ class SlotWorkspace:
         if quota is not None:
             self._fresh_dir(ws)
             await self._mount_cap(ws, quota)
-        view = self._view(ws)
+        view = self.view(ws)
         await copy_tree(template.tree, view, timeout=self.cfg.max_timeout_s * 6, into_empty=quota is not None)
         summary = await asyncio.to_thread(walk_tree, view, chown_to=self.uid)
         if self.uid is not None:
@@ -203,16 +208,16 @@ class SlotWorkspace:
             raise WorkspaceError(f"copy of template {template.id} differs from it "
                                  f"({summary.tree_hash[:12]} != {template.summary.tree_hash[:12]})")
 
-    def _verify(self) -> str:
+    def verify(self) -> str:
         """What a finished reset must show (see docs/templates.md, "What a reset verifies")."""
         dirs = [self.paths.run_dir] + ([self.paths.workspace] if self.ws_kind == "plain" else [])
         if self.scratch:
-            dirs += self._scratch_dirs()
+            dirs += self.scratch_dirs()
         if self.capped or self.scratch:
             problem = self._verify_caps()
             if problem:
                 return problem
-        for d in map(self._view, dirs):
+        for d in map(self.view, dirs):
             st = os.lstat(d)
             if not stat.S_ISDIR(st.st_mode):
                 return f"{d} is not a directory after reset"
@@ -222,10 +227,10 @@ class SlotWorkspace:
                 return f"{d} is not empty after reset"
         if self.ws_kind == "plain":
             owner = ", owned by the slot uid" if self.uid is not None else ""
-            self.last_verified = f"empty workspace and run dir{owner}; {self._processes_checked()}"
+            self.last_verified = f"empty workspace and run dir{owner}; {self.processes_checked()}"
         elif self.ws_kind == "copy":
             assert self.template is not None
-            st = os.lstat(self._view(self.paths.workspace))
+            st = os.lstat(self.view(self.paths.workspace))
             if not stat.S_ISDIR(st.st_mode) or (self.uid is not None and st.st_uid != self.uid):
                 return "the copied workspace is not a directory owned by the slot"
             self.last_verified = (f"fresh copy of template {self.template.id}: manifest hash "
@@ -241,12 +246,12 @@ class SlotWorkspace:
         lim = self.cfg.limits
         capped: dict[str, tuple[int, int]] = {}
         if self.scratch:
-            for d, quota in zip((self.paths.run_dir, *self._scratch_dirs()), lim.scratch_quotas(self.uid), strict=True):
+            for d, quota in zip((self.paths.run_dir, *self.scratch_dirs()), lim.scratch_quotas(self.uid), strict=True):
                 capped[self._real(d)] = (int(quota["bytes"]), int(quota["inodes"]))
         if self.capped:
             ws_or_layers = self.ov if self.ws_kind == "overlay" else self.paths.workspace
             capped[self._real(ws_or_layers)] = (lim.workspace_bytes, lim.workspace_inodes)
-        mounts = self._ns().mounts(self._mounts_prefix())
+        mounts = self.ns().mounts(self._mounts_prefix())
         for path, (size, inodes) in capped.items():
             at = [m for m in mounts if m.mountpoint == path]
             if len(at) != 1 or at[0].fstype != "tmpfs":
@@ -261,7 +266,7 @@ class SlotWorkspace:
 
     def _verify_overlay(self) -> str:
         assert self.template is not None
-        ns = self._ns()
+        ns = self.ns()
         ws, lower, upper, work = (self._real(p) for p in (self.paths.workspace, self.ov / "lower",
                                                             self.ov / "upper", self.ov / "work"))
         mounts = ns.mounts(self._mounts_prefix())
@@ -279,17 +284,17 @@ class SlotWorkspace:
             return f"the lower layer is {at_lower[0].root}, not template {self.template.id}"
         if ns.mode == "root" and "idmapped" not in at_lower[0].options.split(","):
             return "the template layer is not idmapped"
-        upper_view = self._view(self.ov / "upper")
+        upper_view = self.view(self.ov / "upper")
         st = os.lstat(upper_view)
         if not stat.S_ISDIR(st.st_mode) or (self.uid is not None and st.st_uid != self.uid):
             return "the upper layer is not a directory owned by the slot"
         if os.listdir(upper_view):
             return "the upper layer is not empty after reset"
         self.last_verified = (f"fresh overlay (mount {m.mount_id}, none before it) of template {self.template.id}: "
-                              f"empty upper layer, read-only template layer; {self._processes_checked()}")
+                              f"empty upper layer, read-only template layer; {self.processes_checked()}")
         return ""
 
-    def _processes_checked(self) -> str:
+    def processes_checked(self) -> str:
         """What the reset established about the old lease's processes, and no more than that."""
         if self.cgroup is not None:
             by_uid = " and no process of the slot uid" if self.uid is not None else ""

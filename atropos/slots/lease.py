@@ -54,6 +54,62 @@ class PoolHost:
         """Whether its free slots may be handed out now."""
         return not self.dead.is_set() and not self.suspected
 
+    # -- what the pool does to a host: its methods, so the host's state has one writer --------
+    def hold(self, lease: Lease) -> None:
+        """``lease`` now holds its slot (taken from ``free``): the host is no longer idle."""
+        self.leases[lease.slot] = lease
+        self.idle_since = None
+
+    def drop(self, lease: Lease) -> None:
+        """``lease`` no longer holds its slot (released, or its reset failed)."""
+        if self.leases.get(lease.slot) is lease:
+            del self.leases[lease.slot]
+
+    def give_back(self, slot: int, token: str, generation: int) -> None:
+        """A reset slot with its fresh host lease token returns to the free list."""
+        self.free.append((slot, token, generation))
+
+    def quarantine_slot(self) -> None:
+        """Count a slot that failed its reset (it never returns to ``free``)."""
+        self.quarantined += 1
+
+    def mark_dead(self, reason: str) -> list[Lease]:
+        """Out of service for good: the free list is emptied and the leases it held are returned
+        (the pool fails them)."""
+        self.dead_reason = reason
+        self.dead.set()
+        leases = list(self.leases.values())
+        self.leases.clear()
+        return leases
+
+    def retire(self) -> None:
+        """Removed from the pool: nothing is leased from it again."""
+        self.free.clear()
+
+    def suspect(self) -> None:
+        """Lease nothing from it until a health probe passes."""
+        self.suspected = True
+
+    def probed(self, healthy: bool, ms: float | None) -> bool:
+        """Record a health probe (``ms``: how long its answer took, None without one); returns
+        whether a passing probe lifted a suspicion (its free slots may be leased again)."""
+        if ms is not None:
+            self.last_health_ms = ms
+        if not healthy:
+            self.failures += 1
+            return False
+        self.failures = 0
+        lifted, self.suspected = self.suspected, False
+        return lifted
+
+    def idle_for(self, now: float) -> float | None:
+        """Seconds it has been wholly idle (no lease, every slot free), None when in use."""
+        if self.leases or len(self.free) != self.info.slots:
+            self.idle_since = None
+            return None
+        self.idle_since = self.idle_since or now
+        return now - self.idle_since
+
     async def guard(self, work: Awaitable[T]) -> T:
         """Await ``work`` unless the host is declared dead first; then fail fast with HostUnavailable."""
         if self.dead.is_set():
@@ -98,6 +154,10 @@ class PoolTemplate:
     def tree_hash(self) -> str:
         return self.info.tree_hash
 
+    def mark_deleted(self) -> None:
+        """No slot may be forked from it again (its copies are being deleted)."""
+        self.deleted = True
+
 
 class Lease:
     """One slot held by one trajectory until ``release()``; tool calls go to that slot only."""
@@ -125,6 +185,26 @@ class Lease:
     def key(self) -> tuple[str, int]:
         """``(host id, slot)``: the slot this lease holds."""
         return (self.host.id, self.slot)
+
+    # -- what the pool does to a lease: its methods, so the lease's state has one writer ----
+    def lose(self, reason: str) -> None:
+        """Its host was lost or the pool stopped: every later call raises HostUnavailable."""
+        self.lost = reason
+
+    def end(self) -> bool:
+        """Mark the lease released; False when it already was (release is idempotent)."""
+        if self.released:
+            return False
+        self.released = True
+        return True
+
+    def renewed(self, token: str, generation: int) -> None:
+        """The host reset the slot under this lease: its new token and generation."""
+        self.token, self.generation = token, generation
+
+    def forked_from(self, template: PoolTemplate) -> None:
+        """The workspace was snapshotted as ``template`` and is now a fork of it."""
+        self.template = template
 
     def check(self) -> None:
         """Raise ``LeaseError`` if released, ``HostUnavailable`` if its host was lost."""
@@ -273,8 +353,7 @@ class Lease:
         if not result.ok or result.lease is None:
             self.lost = f"reset failed, slot quarantined: {result.detail}"
             self.pool.quarantine(self.host, self.slot, result.detail)
-            if self.host.leases.get(self.slot) is self:
-                del self.host.leases[self.slot]
+            self.host.drop(self)
             raise ResetFailed(f"{self!r}: {result.detail}")
         self.token, self.generation = result.lease.lease, result.lease.generation
         self.sealed = False

@@ -13,22 +13,52 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections import deque
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from typing import Any
 
+from atropos.backends.base import Backend
 from atropos.errors import GroupTooLarge, HostUnavailable, LeaseError, SlotUnavailable
+from atropos.slots.audit import LeaseAudit
+from atropos.slots.background import Background
+from atropos.slots.config import PoolConfig
 from atropos.slots.lease import Lease, PoolHost, PoolTemplate
-from atropos.slots.pool_base import _Waiter
+from atropos.slots.pool_hosts import HostFleet
+from atropos.slots.pool_queue import SlotQueue
 from atropos.slots.pool_status import HostStatus, PoolStatus
-from atropos.slots.pool_templates import PoolTemplates
+from atropos.slots.pool_templates import TemplateShipper
 
 __all__ = ["GroupTooLarge", "HostStatus", "PoolStatus", "SlotPool"]
 
 log = logging.getLogger(__name__)
 
 
-class SlotPool(PoolTemplates):
-    """The pool. Its parts: state and queue (pool_base.py), hosts, health and scaling (pool_hosts.py),
-    templates (pool_templates.py), status models (pool_status.py); leasing and release are here."""
+class SlotPool:
+    """The pool: leasing and release, over collaborators that each own their state: the host fleet
+    (hosts, health, scaling; pool_hosts.py), the slot queue (free slots to leases, FIFO waiters;
+    pool_queue.py), the template shipper (pool_templates.py) and the background tasks
+    (background.py). Status models: pool_status.py."""
+
+    def __init__(self, backend: Backend, cfg: PoolConfig | None = None) -> None:
+        self.backend = backend
+        self.cfg = cfg or PoolConfig()
+        self.audit = LeaseAudit(self.cfg.audit_path)
+        self.background = Background()
+        self.fleet = HostFleet(backend, self.cfg, self.audit, self.background,
+                               on_capacity=lambda: self.queue._grant_waiters(), demand=lambda: self.queue.waiting())
+        self.queue = SlotQueue(self, self.fleet, self.audit, release=self._begin_release)
+        self.templates = TemplateShipper(self.fleet)
+        self._calls_total = 0
+        self._call_times: deque[float] = deque(maxlen=10_000)
+        self._quarantines = 0
+
+    @property
+    def hosts(self) -> dict[str, PoolHost]:
+        """The pool's hosts by id (owned by the fleet)."""
+        return self.fleet.hosts
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        return self.background.spawn(coro)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -37,34 +67,26 @@ class SlotPool(PoolTemplates):
         reaped = await self.backend.reap_orphans()
         if reaped:
             log.info("reaped %d orphaned host(s) of earlier pools", reaped)
-        self._running = True
+        self.background.start()
         # No host prewarms while others still start (on a shared machine the first hosts' sandboxes
         # would take the CPU the last ones need to come up): the fleet is asked once all of it is up.
-        results = await asyncio.gather(*(self._add_host(prewarm=False) for _ in range(self.cfg.min_hosts)),
+        results = await asyncio.gather(*(self.fleet._add_host(prewarm=False) for _ in range(self.cfg.min_hosts)),
                                        return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors and len(errors) == len(results):
             await self.stop()
             raise errors[0]
-        self._request_prewarm([r for r in results if not isinstance(r, BaseException)])
-        self._spawn(self._health_loop())
-        self._spawn(self._scale_loop())
+        self.fleet._request_prewarm([r for r in results if not isinstance(r, BaseException)])
+        self._spawn(self.fleet._health_loop())
+        self._spawn(self.fleet._scale_loop())
 
     async def stop(self) -> None:
         """Stop every host and loop; leases still held become invalid. Safe to call twice."""
-        self._running = False
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for waiter in self._waiters:
-            if not waiter.future.done():
-                waiter.future.set_exception(SlotUnavailable("the pool is stopping"))
-        self._waiters.clear()
-        hosts = list(self.hosts.values())
-        self.hosts.clear()
-        for host in hosts:
+        await self.background.stop()
+        self.queue.fail_all("the pool is stopping")
+        for host in self.fleet.forget_all():
             for lease in host.leases.values():
-                lease.lost = "the pool stopped"
+                lease.lose("the pool stopped")
             await host.client.aclose()
         await self.backend.close()
         self.audit.close()
@@ -82,45 +104,6 @@ class SlotPool(PoolTemplates):
         per_host = max((h.info.slots for h in self.hosts.values()), default=None) or self.backend.host_slots()
         return None if per_host is None else per_host * self.cfg.max_hosts
 
-    def _take(self, trajectory_id: str, network: bool, host: PoolHost | None = None) -> Lease:
-        # Spread over hosts (most free first): calls of different trajectories then rarely
-        # share a host's CPU budget.
-        if host is None:
-            host = max((h for h in self.hosts.values() if h.free and h.leasable), key=lambda h: len(h.free))
-        slot, token, generation = host.free.pop()
-        lease = Lease(self, host, slot, token, generation, trajectory_id, network)
-        host.leases[slot] = lease
-        host.idle_since = None
-        self._leases_total += 1
-        self.audit.record("lease", trajectory_id, host.id, slot, generation)
-        return lease
-
-    def _grant_waiters(self) -> None:
-        while self._waiters:
-            waiter = self._waiters[0]
-            if waiter.future.done():
-                self._waiters.popleft()
-                continue
-            if self.free_count() < len(waiter.ids):
-                return  # FIFO: a group at the head waits for its whole size
-            self._waiters.popleft()
-            waiter.future.set_result(self._take_group(waiter.ids, waiter.network, waiter.colocate, waiter.prefer))
-
-    def _take_group(self, ids: list[str], network: bool, colocate: bool, prefer: frozenset[str]) -> list[Lease]:
-        """Take one slot per id; with ``colocate`` on as few hosts as possible, preferring hosts
-        in ``prefer`` (those that already hold the group's template: no shipping needed)."""
-        if not colocate:
-            return [self._take(t, network) for t in ids]
-        hosts = sorted((h for h in self.hosts.values() if h.free and h.leasable),
-                       key=lambda h: (h.id in prefer, len(h.free)), reverse=True)
-        whole = [h for h in hosts if len(h.free) >= len(ids)]
-        order = whole[:1] or hosts
-        leases: list[Lease] = []
-        for host in order:
-            while host.free and len(leases) < len(ids):
-                leases.append(self._take(ids[len(leases)], network, host))
-        return leases
-
     async def lease(self, trajectory_id: str, timeout: float | None = None, *, network: bool = False,
                     template: PoolTemplate | None = None) -> Lease:
         """Lease one slot for a trajectory, waiting FIFO up to ``timeout`` seconds; with
@@ -135,7 +118,7 @@ class SlotPool(PoolTemplates):
         ``template``: every slot starts as a fresh copy-on-write fork of it. ``colocate``
         (default: when a template is given) puts the group on as few hosts as possible,
         preferring hosts that already hold the template."""
-        if not self._running:
+        if not self.background.running:
             raise SlotUnavailable("the pool is not running")
         ids = list(trajectory_ids)
         # A single slot always fits (max_hosts >= 1, hosts have >= 1 slot): skip the walk over hosts.
@@ -146,10 +129,10 @@ class SlotPool(PoolTemplates):
                 f"(max_hosts {self.cfg.max_hosts} x {most // self.cfg.max_hosts} slots per host)")
         colocate = template is not None if colocate is None else colocate
         prefer = frozenset(template.copies) if template is not None else frozenset()
-        if not self._waiters and self.free_count() >= len(ids):
-            leases = self._take_group(ids, network, colocate, prefer)
+        if self.queue.can_take_now(len(ids)):
+            leases = self.queue._take_group(ids, network, colocate, prefer)
         else:
-            leases = await self._wait(ids, network, self.cfg.acquire_timeout_s if timeout is None else timeout,
+            leases = await self.queue._wait(ids, network, self.cfg.acquire_timeout_s if timeout is None else timeout,
                                       colocate, prefer)
         if template is not None:
             await self._prepare_or_release(leases, lambda lease: lease.reset(template, network=network or None))
@@ -157,45 +140,12 @@ class SlotPool(PoolTemplates):
             await self._prepare_or_release(leases, self._enable_network)
         return leases
 
-    async def _wait(self, ids: list[str], network: bool, timeout: float, colocate: bool = False,
-                    prefer: frozenset[str] = frozenset()) -> list[Lease]:
-        waiter = _Waiter(ids, network, colocate=colocate, prefer=prefer)
-        self._waiters.append(waiter)
-        self._scale.set()
-        try:
-            done, _ = await asyncio.wait({waiter.future}, timeout=timeout)
-        except asyncio.CancelledError:
-            self._abandon(waiter)
-            raise
-        if not done:
-            self._abandon(waiter)
-            total = sum(h.info.slots for h in self.hosts.values())
-            raise SlotUnavailable(
-                f"no slot within {timeout:g}s for {len(ids)} trajectory(ies): pool has {total} slots on "
-                f"{len(self.hosts)} host(s) (max {self.cfg.max_hosts}), {self.free_count()} free, "
-                f"{len(self._waiters)} request(s) queued"
-            )
-        return waiter.future.result()
-
-    def _abandon(self, waiter: _Waiter) -> None:
-        if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
-            # Granted in the same instant the caller gave up: give the slots straight back.
-            for lease in waiter.future.result():
-                self._begin_release(lease)
-        else:
-            waiter.future.cancel()
-        with contextlib.suppress(ValueError):
-            self._waiters.remove(waiter)
-        # The abandoned waiter may have been the head of the queue, holding back smaller
-        # requests behind it that the free slots can serve now (FIFO waits for the head).
-        self._grant_waiters()
-
     async def _enable_network(self, lease: Lease) -> None:
         result = await lease.host.guard(lease.host.client.reset(
             lease.slot, lease.token, trajectory_id=lease.trajectory_id, network=True))
         if not result.ok or result.lease is None:
             raise HostUnavailable(f"could not enable network on {lease!r}: {result.detail}")
-        lease.token, lease.generation = result.lease.lease, result.lease.generation
+        lease.renewed(result.lease.lease, result.lease.generation)
 
     async def release(self, lease: Lease) -> None:
         """End a lease: the slot is reset and returns to the pool, or is quarantined. Idempotent."""
@@ -207,12 +157,10 @@ class SlotPool(PoolTemplates):
     def _begin_release(self, lease: Lease) -> asyncio.Task[None] | None:
         """The synchronous part of ``release``: the lease ends now and its reset is already
         running when this returns, so no cancellation can come between the two."""
-        if lease.released:
+        if not lease.end():
             return None
-        lease.released = True
         host = lease.host
-        if host.leases.get(lease.slot) is lease:
-            del host.leases[lease.slot]
+        host.drop(lease)
         self.audit.record("release", lease.trajectory_id, host.id, lease.slot, lease.generation)
         if lease.lost is not None or host.dead.is_set():
             return None
@@ -245,20 +193,20 @@ class SlotPool(PoolTemplates):
             result = await host.guard(host.client.reset(lease.slot, lease.token, network=False,
                                                         trajectory_id=f"pool:{self.cfg.pool_id}"))
         except HostUnavailable:
-            self.suspect(host)
+            self.fleet.suspect(host)
             return
         except LeaseError as exc:
             self.quarantine(host, lease.slot, f"reset refused: {exc}")
             return
         if result.ok and result.lease is not None:
-            host.free.append((lease.slot, result.lease.lease, result.lease.generation))
-            self._grant_waiters()
+            host.give_back(lease.slot, result.lease.lease, result.lease.generation)
+            self.queue._grant_waiters()
         else:
             self.quarantine(host, lease.slot, result.detail)
 
     def quarantine(self, host: PoolHost, slot: int, why: str) -> None:
         """Count a slot that failed its reset: it never returns to the free list."""
-        host.quarantined += 1
+        host.quarantine_slot()
         self._quarantines += 1
         log.error("slot %s/%d quarantined: %s", host.id, slot, why)
 
@@ -295,11 +243,48 @@ class SlotPool(PoolTemplates):
             ))
         recent = [t for t in self._call_times if now - t <= 10.0]
         return PoolStatus(
-            pool_id=self.cfg.pool_id, backend=self.backend.name, hosts=hosts, starting_hosts=self._starting,
+            pool_id=self.cfg.pool_id, backend=self.backend.name, hosts=hosts, starting_hosts=self.fleet.starting,
             free=sum(h.free for h in hosts), leased=sum(h.leased for h in hosts),
             quarantined=sum(h.quarantined for h in hosts),
-            waiting=sum(len(w.ids) for w in self._waiters if not w.future.done()),
-            leases_total=self._leases_total, calls_total=self._calls_total,
-            calls_per_s=round(len(recent) / 10.0, 2), lost_hosts=self._lost_hosts,
-            scale_ups=self._scale_ups, scale_downs=self._scale_downs, quarantines=self._quarantines,
+            waiting=self.queue.waiting(), leases_total=self.queue.leases_total, calls_total=self._calls_total,
+            calls_per_s=round(len(recent) / 10.0, 2), lost_hosts=self.fleet.lost_hosts,
+            scale_ups=self.fleet.scale_ups, scale_downs=self.fleet.scale_downs, quarantines=self._quarantines,
         )
+
+    # -- the collaborators' public parts, under the names users and leases call -------------
+    def free_count(self) -> int:
+        """Slots that could be leased right now, on hosts that take leases."""
+        return self.fleet.free_count()
+
+    def declare_dead(self, host: PoolHost, reason: str) -> None:
+        """Take ``host`` out of service: its leases are lost (their calls raise HostUnavailable)."""
+        self.fleet.declare_dead(host, reason)
+
+    def suspect(self, host: PoolHost) -> None:
+        """A call saw a transport error: probe ``host`` now, lease nothing from it until a probe passes."""
+        self.fleet.suspect(host)
+
+    async def template_from_lease(self, lease: Lease, name: str = "") -> PoolTemplate:
+        """Snapshot a leased slot's workspace as a template (see ``TemplateShipper.template_from_lease``)."""
+        return await self.templates.template_from_lease(lease, name)
+
+    async def create_template(self, source: str, *, name: str = "", **fields: Any) -> PoolTemplate:
+        """A template from a host-side source ("dir": path=, "git": url=, ref=, depth=) on one host."""
+        return await self.templates.create_template(source, name=name, **fields)
+
+    async def upload_template(self, data: bytes | AsyncIterable[bytes], *, name: str = "",
+                              gzip: bool = False) -> PoolTemplate:
+        """A template from a tar archive, unpacked on one host (shipped to others on use)."""
+        return await self.templates.upload_template(data, name=name, gzip=gzip)
+
+    async def template_on(self, template: PoolTemplate, host: PoolHost) -> str:
+        """The template's id on ``host``, shipping it there first (once) if needed."""
+        return await self.templates.template_on(template, host)
+
+    async def fork(self, lease: Lease, template: PoolTemplate) -> None:
+        """Reset a lease to a fresh copy-on-write fork of ``template`` (the lease is kept)."""
+        await lease.reset(template)
+
+    async def delete_template(self, template: PoolTemplate) -> None:
+        """Delete every host's copy; copies still in use stay and are logged."""
+        await self.templates.delete_template(template)

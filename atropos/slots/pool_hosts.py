@@ -7,21 +7,65 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Coroutine
+from typing import Any
 
-from atropos.backends.base import HostInfo
+from atropos.backends.base import Backend, HostInfo
 from atropos.errors import AtroposSandboxError
 from atropos.sandbox.client import HostClient
+from atropos.slots.audit import LeaseAudit
+from atropos.slots.background import Background
+from atropos.slots.config import PoolConfig
 from atropos.slots.lease import PoolHost
-from atropos.slots.pool_base import PoolBase
 
 log = logging.getLogger("atropos.slots.pool")
 
 
-class PoolHosts(PoolBase):
+class HostFleet:
+    """Owns the hosts and the counts of their comings and goings; tells the pool (``on_capacity``)
+    when slots may have become leasable, and asks it (``demand``) how many slots are waited for."""
+
+    def __init__(self, backend: Backend, cfg: PoolConfig, audit: LeaseAudit, background: Background,
+                 on_capacity: Callable[[], None], demand: Callable[[], int]) -> None:
+        self.backend = backend
+        self.cfg = cfg
+        self.hosts: dict[str, PoolHost] = {}
+        self._audit = audit
+        self._background = background
+        self._grant_waiters = on_capacity
+        self._demand = demand
+        self._scale = asyncio.Event()
+        self.starting = 0
+        self.lost_hosts = 0
+        self.scale_ups = 0
+        self.scale_downs = 0
+
+    @property
+    def _running(self) -> bool:
+        return self._background.running
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        return self._background.spawn(coro)
+
+    def rescale(self) -> None:
+        """Demand changed (a request waits, a host died): run a scaling step now, not at the next tick."""
+        self._scale.set()
+
+    def free_count(self) -> int:
+        """Slots that could be leased right now, on hosts that take leases."""
+        return sum(len(h.free) for h in self.hosts.values() if h.leasable)
+
+    def forget_all(self) -> list[PoolHost]:
+        """The pool stops: forget every host and return them (the pool fails their leases before it
+        closes their clients, so no call starts on a closed client)."""
+        hosts = list(self.hosts.values())
+        self.hosts.clear()
+        return hosts
+
     async def _add_host(self, prewarm: bool = True) -> PoolHost:
         """Start a host and take its slots; ``prewarm``: then ask it to prewarm them (if the backend
         says so). ``start()`` passes False and asks the whole initial fleet once all of it is up."""
-        self._starting += 1
+        self.starting += 1
         info: HostInfo | None = None
         try:
             t0 = time.perf_counter()
@@ -33,13 +77,14 @@ class PoolHosts(PoolBase):
             await client.health(timeout=self.cfg.health_timeout_s)
             leases = await asyncio.gather(*(
                 client.lease(f"pool:{self.cfg.pool_id}", slot=i) for i in range(info.slots)))
-            host.free = [(li.slot, li.lease, li.generation) for li in leases]
+            for li in leases:
+                host.give_back(li.slot, li.lease, li.generation)
         except BaseException:
             if info is not None:
                 await self.backend.stop_host(info.id)
             raise
         finally:
-            self._starting -= 1
+            self.starting -= 1
         self.hosts[host.id] = host
         log.info("scale: host %s up with %d slots in %.0f ms (%d hosts)", host.id, info.slots,
                  (time.perf_counter() - t0) * 1000, len(self.hosts))
@@ -68,7 +113,7 @@ class PoolHosts(PoolBase):
 
     async def _remove_host(self, host: PoolHost, reason: str) -> None:
         self.hosts.pop(host.id, None)
-        host.free.clear()
+        host.retire()
         log.info("scale: host %s removed (%s); %d hosts left", host.id, reason, len(self.hosts))
         await host.client.aclose()
         await self.backend.stop_host(host.id)
@@ -77,16 +122,14 @@ class PoolHosts(PoolBase):
         """Take ``host`` out of service: its leases are lost (their calls raise HostUnavailable)."""
         if host.dead.is_set():
             return
-        host.dead_reason = reason
-        host.dead.set()
-        self._lost_hosts += 1
-        log.error("host %s is dead (%s): failing %d lease(s)", host.id, reason, len(host.leases))
-        for lease in list(host.leases.values()):
-            lease.lost = reason
-            self.audit.record("lost", lease.trajectory_id, host.id, lease.slot, lease.generation)
-        host.leases.clear()
+        self.lost_hosts += 1
+        lost = host.mark_dead(reason)
+        log.error("host %s is dead (%s): failing %d lease(s)", host.id, reason, len(lost))
+        for lease in lost:
+            lease.lose(reason)
+            self._audit.record("lost", lease.trajectory_id, host.id, lease.slot, lease.generation)
         self._spawn(self._remove_host(host, f"dead: {reason}"))
-        self._scale.set()
+        self.rescale()
 
     def suspect(self, host: PoolHost) -> None:
         """A call saw a transport error: check the host now instead of at the next health tick,
@@ -95,7 +138,7 @@ class PoolHosts(PoolBase):
         # once stopped, nothing may start: a probe through a closed client would fail with an
         # exception no one retrieves ("Task exception was never retrieved" at a normal end)
         if not host.dead.is_set() and self._running:
-            host.suspected = True
+            host.suspect()
             self._spawn(self._check_host(host, urgent=True))
 
     async def _check_host(self, host: PoolHost, urgent: bool = False) -> None:
@@ -104,20 +147,18 @@ class PoolHosts(PoolBase):
         if not await self.backend.alive(host.id):
             self.declare_dead(host, "the backend reports the host gone")
             return
+        ms: float | None = None
         try:
             t0 = time.perf_counter()
             health = await host.client.health(timeout=self.cfg.health_timeout_s)
-            host.last_health_ms = (time.perf_counter() - t0) * 1000
+            ms = (time.perf_counter() - t0) * 1000
             healthy, why = health.ok, health.detail
         except AtroposSandboxError as exc:
             healthy, why = False, str(exc)
+        if host.probed(healthy, ms):
+            self._grant_waiters()
         if healthy:
-            host.failures = 0
-            if host.suspected:
-                host.suspected = False
-                self._grant_waiters()
             return
-        host.failures += 1
         log.warning("host %s failed a health probe (%d/%d): %s", host.id, host.failures,
                     self.cfg.health_failures, why)
         if host.failures >= self.cfg.health_failures or (urgent and host.failures > 1):
@@ -141,16 +182,16 @@ class PoolHosts(PoolBase):
                 await asyncio.sleep(self.cfg.start_retry_s)
 
     async def _scale_step(self) -> None:
-        demand = sum(len(w.ids) for w in self._waiters if not w.future.done())
+        demand = self._demand()
         if self._should_start_host(demand):
             log.info("scale: starting a host (hosts %d, starting %d, waiting %d, free %d)",
-                     len(self.hosts), self._starting, demand, self.free_count())
+                     len(self.hosts), self.starting, demand, self.free_count())
             self._spawn(self._add_host_logged())
             return
         await self._stop_idle_hosts(demand)
 
     def _should_start_host(self, demand: int) -> bool:
-        capacity = len(self.hosts) + self._starting
+        capacity = len(self.hosts) + self.starting
         return capacity < self.cfg.max_hosts and (
             capacity < self.cfg.min_hosts or demand > self.free_count() + self._starting_slots())
 
@@ -161,24 +202,21 @@ class PoolHosts(PoolBase):
             host = self.hosts.get(host_id)
             if host is None:
                 continue
-            idle = not host.leases and len(host.free) == host.info.slots
-            if not idle:
-                host.idle_since = None
+            idle = host.idle_for(now)
+            if idle is None:
                 continue
-            host.idle_since = host.idle_since or now
-            if (len(self.hosts) > self.cfg.min_hosts and not demand
-                    and now - host.idle_since >= self.cfg.scale_down_idle_s):
-                self._scale_downs += 1
-                await self._remove_host(host, f"idle for {now - host.idle_since:.0f}s")
+            if len(self.hosts) > self.cfg.min_hosts and not demand and idle >= self.cfg.scale_down_idle_s:
+                self.scale_downs += 1
+                await self._remove_host(host, f"idle for {idle:.0f}s")
 
     def _starting_slots(self) -> int:
-        return self._starting * max((h.info.slots for h in self.hosts.values()), default=1)
+        return self.starting * max((h.info.slots for h in self.hosts.values()), default=1)
 
     async def _add_host_logged(self) -> None:
         try:
             await self._add_host()
-            self._scale_ups += 1
+            self.scale_ups += 1
         except Exception as exc:
             log.error("scale: host start failed: %s", exc)
             await asyncio.sleep(self.cfg.start_retry_s)
-            self._scale.set()
+            self.rescale()

@@ -12,12 +12,22 @@ from typing import Any
 
 from atropos.errors import HostUnavailable, TemplateInUse, UnknownTemplate, WorkspaceError
 from atropos.slots.lease import Lease, PoolHost, PoolTemplate
-from atropos.slots.pool_hosts import PoolHosts
+from atropos.slots.pool_hosts import HostFleet
 
 log = logging.getLogger("atropos.slots.pool")
 
 
-class PoolTemplates(PoolHosts):
+class TemplateShipper:
+    """Makes templates on one host and ships them to others on first use; owns no hosts (it reads
+    the fleet's) and keeps each template's copies on the ``PoolTemplate`` itself."""
+
+    def __init__(self, fleet: HostFleet) -> None:
+        self._fleet = fleet
+
+    @property
+    def hosts(self) -> dict[str, PoolHost]:
+        return self._fleet.hosts
+
     async def template_from_lease(self, lease: Lease, name: str = "") -> PoolTemplate:
         """Snapshot a leased slot's workspace (e.g. after a group's setup ran in it) as a
         template. The lease stays valid; its workspace becomes a fresh fork of the template."""
@@ -25,10 +35,10 @@ class PoolTemplates(PoolHosts):
         try:
             info = await lease.host.guard(lease.host.client.template_from_slot(lease.slot, lease.token, name=name))
         except HostUnavailable:
-            self.suspect(lease.host)
+            self._fleet.suspect(lease.host)
             raise
         template = PoolTemplate(name=name, info=info, copies={lease.host.id: info.id})
-        lease.template = template
+        lease.forked_from(template)
         log.info("template %s (%s) made from %r: %d files, %.1f MB", info.id, name, lease, info.files,
                  info.bytes / 1e6)
         return template
@@ -82,14 +92,10 @@ class PoolTemplates(PoolHosts):
                  info.bytes / 1e6, (time.perf_counter() - t0) * 1000)
         return info.id
 
-    async def fork(self, lease: Lease, template: PoolTemplate) -> None:
-        """Reset a lease to a fresh copy-on-write fork of ``template`` (the lease is kept)."""
-        await lease.reset(template)
-
     async def delete_template(self, template: PoolTemplate) -> None:
         """Delete every host's copy. Copies still in use (a slot built on them) stay and are
         logged; release or reset those slots first."""
-        template.deleted = True
+        template.mark_deleted()
         for pending in list(template.shipping.values()):
             with contextlib.suppress(BaseException):
                 await pending

@@ -1,0 +1,128 @@
+"""The SlotPool's slot queue: taking free slots off hosts for leases, and the FIFO queue of
+requests waiting for slots (a group at the head waits for its whole size)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from atropos.errors import SlotUnavailable
+from atropos.slots.audit import LeaseAudit
+from atropos.slots.lease import Lease, PoolHost
+from atropos.slots.pool_hosts import HostFleet
+
+if TYPE_CHECKING:
+    from atropos.slots.pool import SlotPool
+
+
+@dataclass
+class _Waiter:
+    ids: list[str]
+    network: bool
+    future: asyncio.Future[list[Lease]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    colocate: bool = False
+    prefer: frozenset[str] = frozenset()
+
+
+class SlotQueue:
+    """Owns the waiters and the lease count; reads the fleet's hosts, takes slots through them."""
+
+    def __init__(self, pool: SlotPool, fleet: HostFleet, audit: LeaseAudit,
+                 release: Callable[[Lease], object]) -> None:
+        self._pool = pool  # only handed to the leases it makes (their calls go through the pool)
+        self._fleet = fleet
+        self._audit = audit
+        self._release = release  # the pool's synchronous release, for grants nobody took
+        self._waiters: deque[_Waiter] = deque()
+        self.leases_total = 0
+
+    def waiting(self) -> int:
+        """Slots asked for by requests still waiting."""
+        return sum(len(w.ids) for w in self._waiters if not w.future.done())
+
+    def can_take_now(self, n: int) -> bool:
+        """Whether ``n`` slots may be taken without waiting (nobody queued ahead, enough free)."""
+        return not self._waiters and self._fleet.free_count() >= n
+
+    def fail_all(self, why: str) -> None:
+        """The pool stops: every waiting request fails with SlotUnavailable."""
+        for waiter in self._waiters:
+            if not waiter.future.done():
+                waiter.future.set_exception(SlotUnavailable(why))
+        self._waiters.clear()
+
+    def _take(self, trajectory_id: str, network: bool, host: PoolHost | None = None) -> Lease:
+        # Spread over hosts (most free first): calls of different trajectories then rarely
+        # share a host's CPU budget.
+        if host is None:
+            host = max((h for h in self._fleet.hosts.values() if h.free and h.leasable), key=lambda h: len(h.free))
+        slot, token, generation = host.free.pop()
+        lease = Lease(self._pool, host, slot, token, generation, trajectory_id, network)
+        host.hold(lease)
+        self.leases_total += 1
+        self._audit.record("lease", trajectory_id, host.id, slot, generation)
+        return lease
+
+    def _grant_waiters(self) -> None:
+        while self._waiters:
+            waiter = self._waiters[0]
+            if waiter.future.done():
+                self._waiters.popleft()
+                continue
+            if self._fleet.free_count() < len(waiter.ids):
+                return  # FIFO: a group at the head waits for its whole size
+            self._waiters.popleft()
+            waiter.future.set_result(self._take_group(waiter.ids, waiter.network, waiter.colocate, waiter.prefer))
+
+    def _take_group(self, ids: list[str], network: bool, colocate: bool, prefer: frozenset[str]) -> list[Lease]:
+        """Take one slot per id; with ``colocate`` on as few hosts as possible, preferring hosts
+        in ``prefer`` (those that already hold the group's template: no shipping needed)."""
+        if not colocate:
+            return [self._take(t, network) for t in ids]
+        hosts = sorted((h for h in self._fleet.hosts.values() if h.free and h.leasable),
+                       key=lambda h: (h.id in prefer, len(h.free)), reverse=True)
+        whole = [h for h in hosts if len(h.free) >= len(ids)]
+        order = whole[:1] or hosts
+        leases: list[Lease] = []
+        for host in order:
+            while host.free and len(leases) < len(ids):
+                leases.append(self._take(ids[len(leases)], network, host))
+        return leases
+
+    async def _wait(self, ids: list[str], network: bool, timeout: float, colocate: bool = False,
+                    prefer: frozenset[str] = frozenset()) -> list[Lease]:
+        waiter = _Waiter(ids, network, colocate=colocate, prefer=prefer)
+        self._waiters.append(waiter)
+        self._fleet.rescale()
+        try:
+            done, _ = await asyncio.wait({waiter.future}, timeout=timeout)
+        except asyncio.CancelledError:
+            self._abandon(waiter)
+            raise
+        if not done:
+            self._abandon(waiter)
+            hosts = self._fleet.hosts
+            total = sum(h.info.slots for h in hosts.values())
+            raise SlotUnavailable(
+                f"no slot within {timeout:g}s for {len(ids)} trajectory(ies): pool has {total} slots on "
+                f"{len(hosts)} host(s) (max {self._fleet.cfg.max_hosts}), {self._fleet.free_count()} free, "
+                f"{len(self._waiters)} request(s) queued"
+            )
+        return waiter.future.result()
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
+            # Granted in the same instant the caller gave up: give the slots straight back.
+            for lease in waiter.future.result():
+                self._release(lease)
+        else:
+            waiter.future.cancel()
+        with contextlib.suppress(ValueError):
+            self._waiters.remove(waiter)
+        # The abandoned waiter may have been the head of the queue, holding back smaller
+        # requests behind it that the free slots can serve now (FIFO waits for the head).
+        self._grant_waiters()
