@@ -93,7 +93,7 @@ class AuthenticationError(AtroposSandboxError):
 
 class TransportError(InfrastructureError):
     """The connection to a host failed, closed early, sent something that is not HTTP, or timed
-    out (``atropos.sandbox.http1``; the host client turns it into ``HostUnavailable``)."""
+    out (``atropos.sandbox.contract.http1``; the host client turns it into ``HostUnavailable``)."""
 
 
 class SandboxDied(InfrastructureError):

@@ -298,7 +298,7 @@ class RunningHost:
     data_dir: Path
 
     def client(self, **kw: Any) -> Any:
-        from atropos.sandbox.client import HostClient
+        from atropos.sandbox.contract.client import HostClient
 
         return HostClient(self.address, self.token, **kw)
 

@@ -2,7 +2,7 @@
 (``lease.bash``), ``ToolExecutor.execute`` (every AgentEnv rollout) on the same pool host, and the
 ToolServer's REST ``POST /v1/slots/{lease_id}/call`` (``atropos.cli serve`` in its own process,
 default settings) through two keep-alive clients: ``httpx.AsyncClient`` and the project's lean
-HTTP/1.1 client (``atropos.sandbox.http1``, what a non-Python framework's client costs is closer to).
+HTTP/1.1 client (``atropos.sandbox.contract.http1``, what a non-Python framework's client costs is closer to).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ async def rest_routes(stack: AsyncExitStack, root: Path, tree: Path = REPO, suff
     """A ToolServer (``python -m atropos.cli serve`` from ``tree``, local backend, 1 host x 2 slots,
     default log level) and one REST lease; ``true`` through httpx and through the lean client (row
     names end with ``suffix``)."""
-    from atropos.sandbox.http1 import ConnectionPool
+    from atropos.sandbox.contract.http1 import ConnectionPool
 
     token = secrets.token_urlsafe(16)
     port = _free_port()

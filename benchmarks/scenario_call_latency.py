@@ -8,7 +8,7 @@ Variants (timed in alternating chunks, so load changes hit all alike):
 - ``GET /v1/slots``: an authenticated API request that touches no sandbox (the HTTP floor).
 - ``of which host-side`` / ``of which in-sandbox exec``: the host's ``CallResult.duration_ms`` and
   the supervisor's own ``duration_ms`` of the same ``true`` calls (where the end-to-end time goes).
-- ``fresh hardened bwrap``: a new sandbox per call, argv from ``atropos.sandbox.bwrap.bwrap_argv``
+- ``fresh hardened bwrap``: a new sandbox per call, argv from ``atropos.sandbox.host.isolation.bwrap.bwrap_argv``
   with the product's seccomp filter (``--seccomp FD``), ``env={}``, as an unprivileged uid when
   root, running ``/bin/true`` (the design of the reference implementation: one bwrap per call).
 - ``docker exec`` (CLI, into a running container) and ``docker run --rm`` (``--entrypoint true``),
@@ -26,7 +26,7 @@ Variants (timed in alternating chunks, so load changes hit all alike):
   SlotPool host (``benchmarks.routes``): the Python lease API and the executor every AgentEnv
   rollout uses (default config); ``bash: true (REST, ...)``: the ToolServer's
   ``POST /v1/slots/{lease_id}/call`` (``atropos.cli serve``, default settings, own process) with a
-  keep-alive ``httpx.AsyncClient`` and with the lean keep-alive client of ``atropos.sandbox.http1``.
+  keep-alive ``httpx.AsyncClient`` and with the lean keep-alive client of ``atropos.sandbox.contract.http1``.
 
 - ``... [baseline tree]``: with $ATROPOS_BENCH_BASELINE_TREE set to another revision's source tree
   (``git archive <rev> | tar -x -C DIR``), ``true`` through the host API and the REST routes of a
@@ -71,9 +71,9 @@ UNPRIVILEGED_UID = 65534
 
 def _bwrap_setup(root: Path) -> tuple[list[str], str, dict[str, Any]]:
     """argv (with a {fd} placeholder), seccomp path and subprocess ids for a fresh-bwrap call."""
-    from atropos.sandbox.bwrap import SandboxPaths, bwrap_argv
-    from atropos.sandbox.config import HostConfig, Limits
-    from atropos.sandbox.seccomp import write_filter
+    from atropos.sandbox.host.config import HostConfig, Limits
+    from atropos.sandbox.host.isolation.bwrap import SandboxPaths, bwrap_argv
+    from atropos.sandbox.host.isolation.seccomp import write_filter
 
     cfg = HostConfig()
     paths = SandboxPaths(workspace=root / "ws", run_dir=root / "run", lib_dir=root / "lib", etc_dir=root / "etc")
@@ -127,7 +127,7 @@ async def _start_docker_pool() -> tuple[Any, str]:
 
 
 async def run(quick: bool) -> ScenarioResult:
-    from atropos.sandbox.protocol import ToolCall
+    from atropos.sandbox.contract.protocol import ToolCall
 
     n_api = 100 if quick else 600
     n_fork = 100 if quick else 600
@@ -278,7 +278,7 @@ BASELINE = " [baseline tree]"
 async def _baseline_routes(stack: AsyncExitStack, root: Path) -> dict[str, Any]:
     """With $ATROPOS_BENCH_BASELINE_TREE: ``true`` through the host API and the REST routes of a host
     and a ToolServer run from that tree, timed in the same interleaved rounds as this tree's."""
-    from atropos.sandbox.protocol import ToolCall
+    from atropos.sandbox.contract.protocol import ToolCall
 
     tree = baseline_tree()
     if tree is None:

@@ -152,7 +152,7 @@ def _helper_pid(host_pid: int) -> int | None:
 def _slot_bytes(slots_dir: Path, helper: int | None) -> int:
     """Bytes the slots hold: used bytes of the tmpfs mounts under ``slots_dir`` inside the workspace
     namespace (upper layers, capped workspaces), plus blocks allocated under it on disk."""
-    from atropos.sandbox.mountns import read_mountinfo
+    from atropos.sandbox.host.workspace.mountns import read_mountinfo
 
     total = _blocks(slots_dir)
     if helper is not None:

@@ -68,7 +68,7 @@ class _Atropos(PeerSession):
                 self._client = self._lease = None
 
     def calls(self) -> dict[str, Fn]:
-        from atropos.sandbox.protocol import ToolCall
+        from atropos.sandbox.contract.protocol import ToolCall
 
         client = self._client
 
@@ -117,7 +117,7 @@ class AtroposDocker(_Atropos):
 
     async def open(self) -> None:
         from atropos.backends.docker import DockerBackend, DockerBackendConfig
-        from atropos.sandbox.client import HostClient
+        from atropos.sandbox.contract.client import HostClient
 
         self._backend = DockerBackend(DockerBackendConfig(image=DOCKER_IMAGE, pool_id="bench-peers", slots_per_host=1))
         info = await self._backend.start_host()

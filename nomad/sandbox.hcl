@@ -164,7 +164,7 @@ job "atropos-sandbox" {
         args = [
           "--host", "0.0.0.0", "--port", "8080", "--slots=${var.slots_per_host}",
           "--data-dir", "/slots/data",
-          # the slot limits, in the order atropos/sandbox/launch.py (SlotLimits) declares them
+          # the slot limits, in the order atropos/sandbox/contract/launch.py (SlotLimits) declares them
           "--max-timeout=${var.max_timeout_s}", "--workspace-bytes=${var.slot_workspace_bytes}",
           "--slot-memory-bytes=${var.slot_memory_bytes}", "--slot-pids=${var.slot_pids}",
           "--slot-cpus=${var.slot_cpus}",

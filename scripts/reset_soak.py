@@ -30,8 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from atropos.sandbox.client import HostClient
-from atropos.sandbox.protocol import LeaseInfo, ToolCall
+from atropos.sandbox.contract.client import HostClient
+from atropos.sandbox.contract.protocol import LeaseInfo, ToolCall
 
 
 def tree_pids(root: int) -> list[int]:

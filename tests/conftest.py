@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from atropos.sandbox.client import HostClient
-from atropos.sandbox.protocol import CallResult, LeaseInfo, ToolCall
+from atropos.sandbox.contract.client import HostClient
+from atropos.sandbox.contract.protocol import CallResult, LeaseInfo, ToolCall
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")

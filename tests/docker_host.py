@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from atropos.sandbox.client import HostClient
+from atropos.sandbox.contract.client import HostClient
 
 CONTAINER_DATA_DIR = "/slots/data"
 

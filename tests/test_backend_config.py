@@ -25,7 +25,7 @@ from atropos.cli import ServeSettings, backend_settings, nomad_config
 from atropos.envs.config import AgentEnvConfig
 from atropos.envs.config import backend_settings as env_backend_settings
 from atropos.errors import ConfigError, HostUnavailable
-from atropos.sandbox.launch import HOST_TOKEN_ENV, HostLaunch, SlotLimits
+from atropos.sandbox.contract.launch import HOST_TOKEN_ENV, HostLaunch, SlotLimits
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -869,11 +869,11 @@ async def test_a_frozen_sandbox_is_an_infrastructure_error_not_an_observation() 
 async def test_killing_a_starting_sandbox_leaves_no_process_behind() -> None:
     from importlib import resources
 
-    from atropos.sandbox.bwrap import SandboxPaths, bwrap_argv
-    from atropos.sandbox.config import Limits
+    from atropos.sandbox.host.config import Limits
+    from atropos.sandbox.host.isolation.bwrap import SandboxPaths, bwrap_argv
+    from atropos.sandbox.host.isolation.sandbox_process import SandboxDied, SandboxProcess
+    from atropos.sandbox.host.isolation.seccomp import write_filter
     from atropos.sandbox.inslot import LIB_FILES
-    from atropos.sandbox.sandbox_process import SandboxDied, SandboxProcess
-    from atropos.sandbox.seccomp import write_filter
 
     root = Path(f"/tmp/atropos-bwrapkill-{os.getpid()}-{secrets.token_hex(3)}")
     uid = 199_990 if os.geteuid() == 0 else None  # as the host does: an unprivileged per-slot uid
@@ -886,7 +886,7 @@ async def test_killing_a_starting_sandbox_leaves_no_process_behind() -> None:
     for name in ("passwd", "group", "hosts"):
         (paths.etc_dir / name).write_text("")
     for script in LIB_FILES:
-        (paths.lib_dir / script).write_bytes(resources.files("atropos.sandbox").joinpath(script).read_bytes())
+        (paths.lib_dir / script).write_bytes(resources.files("atropos.sandbox.inslot").joinpath(script).read_bytes())
     argv = bwrap_argv("/usr/bin/bwrap", paths, Limits(), network=False, seccomp_fd=-1)
     argv[argv.index("-1")] = "{seccomp_fd}"
     argv += ["/usr/bin/python3", "-I", "-S", "/run/atropos/supervisor.py", "{}"]

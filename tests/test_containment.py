@@ -24,10 +24,10 @@ import pytest
 from conftest import HOST_WORKSPACE_BYTES, LeasedSlot, RunningHost, start_host, stop_host, wait_until
 
 from atropos.backends import docker_cgroups
-from atropos.sandbox.config import RUN_DIR_INODES, Limits
 from atropos.sandbox.contract.hostdirs import remove_tree
-from atropos.sandbox.protocol import VerifyRequest
-from atropos.sandbox.trees import copy_tree, walk_tree
+from atropos.sandbox.contract.protocol import VerifyRequest
+from atropos.sandbox.host.config import RUN_DIR_INODES, Limits
+from atropos.sandbox.host.workspace.trees import copy_tree, walk_tree
 from atropos.slots.config import PoolConfig
 from atropos.slots.pool import SlotPool
 from tests.docker_host import host_of_kind

@@ -25,9 +25,9 @@ from typing import Any
 
 import pytest
 
-from atropos.sandbox.egress import EgressPolicy, EgressSettings, host_addresses, parse_networks
-from atropos.sandbox.launch import HostLaunch
-from atropos.sandbox.network import private_network_available
+from atropos.sandbox.contract.egress import EgressPolicy, EgressSettings, host_addresses, parse_networks
+from atropos.sandbox.contract.launch import HostLaunch
+from atropos.sandbox.host.isolation.network import private_network_available
 from tests.egress_probe import MACHINE, probe_docker
 from tests.pool_backends import BACKENDS, DOCKER_IMAGE, require_docker
 

@@ -13,7 +13,7 @@ import pytest
 from atropos import errors
 from atropos.asgi import ErrorMap
 from atropos.errors import ERRORS, AtroposSandboxError, SlotUnavailable, ToolError
-from atropos.sandbox import client
+from atropos.sandbox.contract import client
 
 PACKAGE = Path(errors.__file__).parent
 

@@ -16,9 +16,9 @@ from atropos.api.server import ToolServerSettings, create_tool_server
 from atropos.asgi import install_error_handlers
 from atropos.errors import LeaseError
 from atropos.fastroute import FastRoute, FastRoutes, checked_by_guard, hot_post
-from atropos.sandbox.config import HostConfig
-from atropos.sandbox.host import SandboxHost
-from atropos.sandbox.server import create_app
+from atropos.sandbox.host.config import HostConfig
+from atropos.sandbox.host.sandbox_host import SandboxHost
+from atropos.sandbox.host.server import create_app
 
 
 class Echo(BaseModel):

@@ -51,7 +51,7 @@ from schemathesis.specs.openapi.checks import content_type_conformance, response
 
 from atropos.agent.parsing import CLOSE, OPEN, ParseResult, parse_hermes, parse_openai
 from atropos.api.server import ToolServerSettings, create_tool_server
-from atropos.sandbox.tools import TOOLS
+from atropos.sandbox.contract.tools import TOOLS
 from atropos.slots.config import PoolConfig
 from atropos.slots.pool import SlotPool
 from tests.fuzz_hosts import FuzzHost, started_fuzz_host

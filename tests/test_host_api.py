@@ -28,13 +28,13 @@ from fastapi.routing import APIRoute
 
 from atropos.backends.local import LocalBackend, LocalBackendConfig
 from atropos.errors import HostUnavailable, IsolationUnavailable, LeaseError, SlotUnavailable
-from atropos.sandbox.config import HostConfig
 from atropos.sandbox.contract.hostdirs import ISOLATION_FAILED
-from atropos.sandbox.host import SandboxHost, check_isolation
-from atropos.sandbox.protocol import LEASE_HEADER, ToolCall
-from atropos.sandbox.server import create_app
-from atropos.sandbox.slot import Slot
-from atropos.sandbox.tools import clamp_timeout
+from atropos.sandbox.contract.protocol import LEASE_HEADER, ToolCall
+from atropos.sandbox.contract.tools import clamp_timeout
+from atropos.sandbox.host.config import HostConfig
+from atropos.sandbox.host.sandbox_host import SandboxHost, check_isolation
+from atropos.sandbox.host.server import create_app
+from atropos.sandbox.host.slot import Slot
 
 BODY_LIMIT = HostConfig().max_body_bytes
 
@@ -157,7 +157,7 @@ async def test_malformed_body_without_token_is_401(anon: httpx.AsyncClient, meth
 
 
 async def test_client_raises_authentication_error(host: RunningHost) -> None:
-    from atropos.sandbox.client import AuthenticationError, HostClient
+    from atropos.sandbox.contract.client import AuthenticationError, HostClient
 
     async with HostClient(host.address, "wrong-token") as client:
         with pytest.raises(AuthenticationError):

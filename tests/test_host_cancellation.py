@@ -22,10 +22,10 @@ import httpx
 import pytest
 from conftest import RunningHost, slot_path
 
-from atropos.sandbox.config import HostConfig, Limits
-from atropos.sandbox.host import SandboxHost
-from atropos.sandbox.protocol import CallResult, LeaseInfo, LeaseRequest, ToolCall
-from atropos.sandbox.sandbox_process import SandboxDied, SandboxProcess
+from atropos.sandbox.contract.protocol import CallResult, LeaseInfo, LeaseRequest, ToolCall
+from atropos.sandbox.host.config import HostConfig, Limits
+from atropos.sandbox.host.isolation.sandbox_process import SandboxDied, SandboxProcess
+from atropos.sandbox.host.sandbox_host import SandboxHost
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from conftest import LeasedSlot, RunningHost, slot_path, start_host, stop_host
 
-from atropos.sandbox.protocol import CallResult, ToolCall
+from atropos.sandbox.contract.protocol import CallResult, ToolCall
 
 KIB = 1024
 MAX_OUTPUT = 64 * KIB  # HostConfig.max_output_bytes default: kept per stream (head + tail)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from atropos.sandbox.http1 import ConnectionPool, TransportError
+from atropos.sandbox.contract.http1 import ConnectionPool, TransportError
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

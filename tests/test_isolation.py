@@ -37,8 +37,8 @@ import pytest
 from conftest import HOST_WORKSPACE_BYTES, LeasedSlot, RunningHost, slot_path, start_host, stop_host, wait_until
 
 from atropos.errors import LeaseError
+from atropos.sandbox.contract.protocol import CallResult, ToolCall
 from atropos.sandbox.inslot import LIB_FILES
-from atropos.sandbox.protocol import CallResult, ToolCall
 from tests.docker_host import DockerHost, in_docker, start_docker_host, stop_docker_host
 from tests.pool_backends import BACKENDS, DOCKER_IMAGE, require_docker
 
@@ -459,11 +459,12 @@ async def test_r07_hardlink_to_shared_files_refused(slot: LeasedSlot, host: Runn
 # =================================================================================================
 async def test_shared_lib_etc_usr_read_only(slot: LeasedSlot, host: RunningHost) -> None:
     shared = [host.data_dir / "lib" / "supervisor.py", host.data_dir / "lib" / "session.py",
-              host.data_dir / "lib" / "inslot.py", host.data_dir / "lib" / "verifier.py",
+              host.data_dir / "lib" / "inslot_common.py", host.data_dir / "lib" / "verifier.py",
               host.data_dir / "lib" / "tmux.conf", host.data_dir / "etc" / "passwd", host.data_dir / "etc" / "hosts"]
     hashes = {p: sha(p) for p in shared}
     out = await slot.sh(
-        "for f in /run/atropos/supervisor.py /run/atropos/session.py /run/atropos/inslot.py /run/atropos/verifier.py "
+        "for f in /run/atropos/supervisor.py /run/atropos/session.py /run/atropos/inslot_common.py "
+        "/run/atropos/verifier.py "
         "/run/atropos/tmux.conf /etc/passwd "
         "/etc/hosts /etc/group "
         "/usr/bin/bash; do echo x >> $f && echo WROTE:$f; done; "

@@ -196,7 +196,7 @@ def test_parsing_wire_messages_keeps_nothing_per_call() -> None:
     import sys
 
     from atropos.api.server import SlotCallRequest
-    from atropos.sandbox.protocol import CallBatch, CallResult, LeaseInfo, ResetResult
+    from atropos.sandbox.contract.protocol import CallBatch, CallResult, LeaseInfo, ResetResult
 
     cases: list[tuple[Any, dict[str, Any], Any]] = [
         (CallResult, {"id": "@", "slot": 1, "ok": True, "result": {"stdout": "out"}}, lambda m: m.id),

@@ -1182,7 +1182,7 @@ def test_hosts_deny_network_slots_the_nodes_own_address() -> None:
     # A host in its container sees only the container's addresses; the job passes the node's, which
     # Nomad fills in per node, so the egress policy denies it like the host's own. The fake's node
     # address is a documentation address nothing here sends traffic to (the driver runs nothing).
-    from atropos.sandbox.egress import EgressPolicy, parse_addresses
+    from atropos.sandbox.contract.egress import EgressPolicy, parse_addresses
 
     seen = _ConfigSeen()
     with FakeNomad(driver=seen, time_scale=0.02, node_ip="192.0.2.77") as fake:

@@ -27,8 +27,8 @@ from atropos.api.externals import web_externals
 from atropos.api.server import ToolServerSettings, create_tool_server
 from atropos.logs import JsonFormatter, RedactingFormatter, call_fields, redact
 from atropos.progress import GroupProgress
-from atropos.sandbox.client import HostClient
-from atropos.sandbox.protocol import ToolCall
+from atropos.sandbox.contract.client import HostClient
+from atropos.sandbox.contract.protocol import ToolCall
 from atropos.slots.config import PoolConfig
 from atropos.slots.pool import PoolStatus, SlotPool
 from atropos.tools.registry import ToolRegistry
@@ -319,7 +319,7 @@ async def test_host_metrics_after_known_activity(host) -> None:  # type: ignore[
         assert (await http.get("/metrics")).status_code == 401  # host metrics need the token
         before = scrape((await http.get("/metrics", headers=headers)).text)
         lease = await client.lease("metrics-traj")
-        from atropos.sandbox.protocol import ToolCall
+        from atropos.sandbox.contract.protocol import ToolCall
 
         for i in range(2):
             await client.call(ToolCall(id=str(i), slot=lease.slot, lease=lease.lease, tool="bash",

@@ -18,12 +18,13 @@ import atropos
 PACKAGE = Path(atropos.__file__).parent
 
 # By module name, not path: the sandbox modules may move into sub-packages.
-MODULES = ["atropos.sandbox.slot", "atropos.sandbox.slot_workspace", "atropos.sandbox.host"]
+MODULES = ["atropos.sandbox.host.slot", "atropos.sandbox.host.workspace.slot_workspace",
+           "atropos.sandbox.host.sandbox_host"]
 PACKAGES = ["slots", "envs"]
 
 # Writes that stay, with why (file name, the assigned expression).
 ALLOWED = {
-    ("host.py", "exc.args"): "re-raising the same exception with its message marked (see SandboxHost.start)",
+    ("sandbox_host.py", "exc.args"): "re-raising the same exception with its message marked (see SandboxHost.start)",
     ("env_cli.py", "sys.argv"): "the command line BaseEnv.cli parses is the process's, not an object's",
     ("agent_env.py", "config.wandb_name"): "the env's own config (a pydantic settings record), defaulted",
     ("agent_env.py", "self.server.tool_parser"): "atroposlib's ServerManager has no setter; ManagedServer reads it",

@@ -16,7 +16,7 @@ from conftest import wait_until
 
 from atropos.backends.config import BackendSettings, build_backend
 from atropos.errors import HostUnavailable, LeaseError, SlotUnavailable
-from atropos.sandbox.client import CALL_ANSWER_GRACE_S
+from atropos.sandbox.contract.client import CALL_ANSWER_GRACE_S
 from atropos.slots.audit import double_leases
 from atropos.slots.pool import GroupTooLarge, SlotPool
 from tests.pool_backends import BACKENDS, DATA_ROOT, kill_host, make_backend, pool_cfg
@@ -319,7 +319,7 @@ async def test_network_leases_are_released_when_network_setup_fails_or_is_cancel
 
 
 async def test_quarantine_counter_moves_when_a_reset_fails() -> None:
-    from atropos.sandbox.protocol import ResetResult
+    from atropos.sandbox.contract.protocol import ResetResult
 
     async with SlotPool(make_backend("local", slots=2), pool_cfg()) as pool:
         assert pool.status().quarantines == 0

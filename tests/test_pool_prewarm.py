@@ -18,8 +18,8 @@ import pytest
 from conftest import RunningHost, start_host, stop_host, wait_until
 
 from atropos.backends.base import Backend, HostInfo
-from atropos.sandbox.client import HostClient
-from atropos.sandbox.protocol import PrewarmResult, SlotInfo
+from atropos.sandbox.contract.client import HostClient
+from atropos.sandbox.contract.protocol import PrewarmResult, SlotInfo
 from atropos.slots.pool import SlotPool
 from tests.pool_backends import BACKENDS, host_pid, make_backend, pool_cfg
 

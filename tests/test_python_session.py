@@ -17,7 +17,7 @@ import pytest
 from conftest import LeasedSlot, RunningHost
 
 from atropos.api.server import ToolServerSettings, create_tool_server
-from atropos.sandbox.config import HostConfig
+from atropos.sandbox.host.config import HostConfig
 from atropos.slots.pool import SlotPool
 from atropos.tools.executor import AgentToolCall, ToolExecutor
 from atropos.tools.registry import ToolRegistry
@@ -264,7 +264,7 @@ async def test_rest_slot_api_python_session(pool: SlotPool) -> None:
 
 
 def test_model_facing_text() -> None:
-    from atropos.sandbox.protocol import CallResult
+    from atropos.sandbox.contract.protocol import CallResult
     from atropos.tools.formatting import format_result
 
     def text(**r: Any) -> tuple[bool, str]:

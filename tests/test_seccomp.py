@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from atropos.errors import IsolationUnavailable
-from atropos.sandbox import seccomp
-from atropos.sandbox.seccomp import SeccompUnavailable, build_filter_bytes, write_filter
+from atropos.sandbox.host.isolation import seccomp
+from atropos.sandbox.host.isolation.seccomp import SeccompUnavailable, build_filter_bytes, write_filter
 
 BWRAP = shutil.which("bwrap")
 

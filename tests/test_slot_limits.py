@@ -1,4 +1,4 @@
-"""Per-slot caps hold for the slot as a whole (atropos/sandbox/cgroups.py), on local and Docker hosts.
+"""Per-slot caps hold for the slot as a whole (atropos/sandbox/host/isolation/cgroups.py), on local and Docker hosts.
 
 Each attack is one a hostile policy can mount through the public API: many processes that each stay
 under RLIMIT_AS, pages parked in memfds and tmpfs mounts (in no process's RSS), a fork bomb, a CPU
@@ -338,7 +338,7 @@ def test_v2_placement_and_kill_on_a_real_unified_hierarchy() -> None:
     import os
     import subprocess
 
-    from atropos.sandbox.cgroups import SlotCgroup
+    from atropos.sandbox.host.isolation.cgroups import SlotCgroup
 
     d = UNIFIED / f"atropos-test-{os.getpid()}"
     d.mkdir()

@@ -1,4 +1,4 @@
-"""One slot-limits model (``SlotLimits``, atropos/sandbox/launch.py): every backend config, the
+"""One slot-limits model (``SlotLimits``, atropos/sandbox/contract/launch.py): every backend config, the
 launch command line, the host's flags and config and its cgroups derive from it, and the largest
 per-call timeout is declared once (issue 26: it was declared 9 times, one copy without its bound).
 
@@ -19,10 +19,10 @@ from pydantic import ValidationError
 from atropos.backends.config import BackendConfig
 from atropos.backends.slot_caps import SlotCaps, setting_name
 from atropos.sandbox import __main__ as host_main
-from atropos.sandbox.config import HostConfig
-from atropos.sandbox.egress import EgressSettings, parse_networks
-from atropos.sandbox.launch import HOST_TOKEN_ENV, HostLaunch, SlotLimits
-from atropos.sandbox.protocol import DEFAULT_MAX_TIMEOUT_S, MaxTimeoutS
+from atropos.sandbox.contract.egress import EgressSettings, parse_networks
+from atropos.sandbox.contract.launch import HOST_TOKEN_ENV, HostLaunch, SlotLimits
+from atropos.sandbox.contract.protocol import DEFAULT_MAX_TIMEOUT_S, MaxTimeoutS
+from atropos.sandbox.host.config import HostConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKEND_CLASSES = get_args(get_args(BackendConfig)[0])

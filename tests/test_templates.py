@@ -24,11 +24,11 @@ from typing import Any
 import pytest
 
 from atropos.errors import LeaseError, TemplateBuildFailed, TemplateInUse, TemplateSourceError, UnknownTemplate
-from atropos.sandbox.client import HostClient
 from atropos.sandbox.contract.cgroupfs import V1_CONTROLLERS, mountinfo, own_cgroups, rmdir_tree, v1_dir
-from atropos.sandbox.mountns import read_mountinfo
-from atropos.sandbox.protocol import HealthInfo, TemplateInfo
-from atropos.sandbox.trees import walk_tree
+from atropos.sandbox.contract.client import HostClient
+from atropos.sandbox.contract.protocol import HealthInfo, TemplateInfo
+from atropos.sandbox.host.workspace.mountns import read_mountinfo
+from atropos.sandbox.host.workspace.trees import walk_tree
 from tests.conftest import LeasedSlot, RunningHost, helper_pid, slot_path, start_host, stop_host
 
 DIGEST = ("find . -mindepth 1 -printf '%y %m %P -> %l\\n' | LC_ALL=C sort | sha256sum | cut -c1-16; "

@@ -1,4 +1,4 @@
-"""Each tool is declared once (atropos/sandbox/tools.py): everything else that names tools is derived
+"""Each tool is declared once (atropos/sandbox/contract/tools.py): everything else that names tools is derived
 from the definitions or checked against them here, so adding a tool means its definition, its
 in-slot op and a test, and forgetting a place fails (issue 26). docs/tools.md is generated from the
 same definitions (issue 28)."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from atropos.sandbox.tools import TOOLS, Formatter
+from atropos.sandbox.contract.tools import TOOLS, Formatter
 from atropos.tools.registry import ToolRegistry
 
 # Tools a model is never offered (programs call them over REST): a deliberate choice, named here.
@@ -31,7 +31,7 @@ def test_every_tool_the_host_runs_is_offered_to_the_model() -> None:
 
 
 def test_the_toolsets_come_from_the_definitions() -> None:
-    from atropos.sandbox.tools import PROGRAM_ONLY as derived
+    from atropos.sandbox.contract.tools import PROGRAM_ONLY as derived
 
     assert derived == PROGRAM_ONLY
     registry = ToolRegistry.default()
@@ -43,8 +43,8 @@ def test_the_toolsets_come_from_the_definitions() -> None:
 
 
 def test_the_sealed_lists_come_from_the_definitions(tmp_path: Path) -> None:
-    from atropos.sandbox import supervisor
-    from atropos.sandbox.host import SEALED_REFUSED
+    from atropos.sandbox.host.sandbox_host import SEALED_REFUSED
+    from atropos.sandbox.inslot import supervisor
 
     assert {name for name, spec in TOOLS.items() if spec.writes} == WRITING
     assert SEALED_REFUSED == WRITING
@@ -56,7 +56,7 @@ def test_the_sealed_lists_come_from_the_definitions(tmp_path: Path) -> None:
 
 
 def test_every_op_a_definition_names_exists_in_the_slot(tmp_path: Path) -> None:
-    from atropos.sandbox import session, supervisor
+    from atropos.sandbox.inslot import session, supervisor
 
     served = set(supervisor.Supervisor({"workspace": str(tmp_path), "isolated": False}).ops())
     in_slot = served | set(session.OPS)
@@ -67,7 +67,7 @@ def test_every_op_a_definition_names_exists_in_the_slot(tmp_path: Path) -> None:
 
 
 def test_results_are_formatted_by_the_definition(monkeypatch: pytest.MonkeyPatch) -> None:
-    from atropos.sandbox.protocol import CallResult
+    from atropos.sandbox.contract.protocol import CallResult
     from atropos.tools.formatting import format_result
 
     def reads_as(name: str) -> Formatter:

@@ -51,8 +51,8 @@ from atropos.errors import (
 )
 from atropos.fastroute import FastRoutes, checked_by_guard, hot_post
 from atropos.logs import call_fields
-from atropos.sandbox.protocol import MAX_VERIFY_PROGRAM, SealResult, VerifyResult, Wire
-from atropos.sandbox.tools import PROGRAM_ONLY
+from atropos.sandbox.contract.protocol import MAX_VERIFY_PROGRAM, SealResult, VerifyResult, Wire
+from atropos.sandbox.contract.tools import PROGRAM_ONLY
 from atropos.slots.lease import Lease
 from atropos.slots.pool import PoolStatus, SlotPool
 from atropos.slots.results import WriteResult

@@ -24,7 +24,7 @@ from atropos.backends.local import LocalBackendConfig
 from atropos.backends.nomad import NomadBackendConfig
 from atropos.backends.ray import RayBackendConfig
 from atropos.errors import ConfigError, validation_message
-from atropos.sandbox.protocol import MaxTimeoutS
+from atropos.sandbox.contract.protocol import MaxTimeoutS
 
 BackendConfig = Annotated[
     LocalBackendConfig | DockerBackendConfig | NomadBackendConfig | RayBackendConfig,

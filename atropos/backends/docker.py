@@ -27,9 +27,9 @@ from atropos.backends.base import PREWARM_DESCRIPTION, Backend, HostInfo, new_to
 from atropos.backends.docker_cgroups import HostCgroup
 from atropos.backends.slot_caps import ContainerSlotCaps
 from atropos.errors import ConfigError, HostUnavailable, IsolationUnavailable
-from atropos.sandbox import egress
-from atropos.sandbox.egress import EgressSettings
-from atropos.sandbox.launch import HOST_TOKEN_ENV, HostLaunch
+from atropos.sandbox.contract import egress
+from atropos.sandbox.contract.egress import EgressSettings
+from atropos.sandbox.contract.launch import HOST_TOKEN_ENV, HostLaunch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -151,7 +151,7 @@ class DockerBackend(Backend):
             memswap_limit=c.memory_bytes,
             nano_cpus=int(c.cpus * 1e9),
             port_bindings={CONTAINER_PORT: ("127.0.0.1", None)},
-            # slirp4netns gives slots leased with network their own namespace (atropos.sandbox.network)
+            # slirp4netns gives slots leased with network their own namespace (atropos.sandbox.host.isolation.network)
             devices=["/dev/net/tun:/dev/net/tun:rwm"] if os.path.exists("/dev/net/tun") else None,
         )
         # `--security-opt systempaths=unconfined` of the CLI: lets bwrap mount a fresh /proc. The

@@ -1,7 +1,7 @@
 """A delegated cgroup subtree for each Docker sandbox host: where its slot cgroups live.
 
 The host inside the container (uid 1000, no capability) caps each slot with a cgroup of its own
-(atropos.sandbox.cgroups), so it needs a cgroup directory it may write. Docker mounts the
+(atropos.sandbox.host.isolation.cgroups), so it needs a cgroup directory it may write. Docker mounts the
 container's own cgroup read-only, so this backend prepares one on the engine's machine, before
 the container exists:
 

@@ -23,7 +23,7 @@ from atropos.sandbox.contract.hostdirs import (
     owned_dir,
     remove_tree,
 )
-from atropos.sandbox.launch import HostLaunch, start_host_process
+from atropos.sandbox.contract.launch import HostLaunch, start_host_process
 
 log = logging.getLogger(__name__)
 KEPT_HOST_LOGS = 20  # logs of hosts of ended runs kept under the pool's data root (the newest)

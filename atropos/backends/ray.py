@@ -7,7 +7,7 @@ Why it is built this way:
 - The host token reaches the actor in a method call after the actor exists, never in its
   constructor arguments, options or runtime_env: those are stored in Ray's actor table and shown
   by its state API and dashboard; a method call's arguments are sent to the actor only. The
-  actor writes it on the host's stdin (``atropos/sandbox/launch.py: start_host_process``), never
+  actor writes it on the host's stdin (``atropos/sandbox/contract/launch.py: start_host_process``), never
   in an environment block: Ray runs every task of a node as one user, which can read the
   ``/proc/<pid>/environ`` of all of them. The actor's worker and the host are non-dumpable.
 - Each host's log is ``flock``-ed by its actor and inherited by the host, so the lock lasts as
@@ -97,7 +97,7 @@ class HostActor:
     and stops it. Made a Ray actor by ``RayBackend`` (``ray.remote(HostActor)``)."""
 
     def __init__(self, launch: dict[str, Any]) -> None:
-        from atropos.sandbox.launch import make_undumpable
+        from atropos.sandbox.contract.launch import make_undumpable
 
         # before the token arrives (start): the node's other tasks run as our user
         make_undumpable()
@@ -111,7 +111,7 @@ class HostActor:
         import ray
 
         from atropos.sandbox.contract.hostdirs import owned_dir
-        from atropos.sandbox.launch import HostLaunch, start_host_process
+        from atropos.sandbox.contract.launch import HostLaunch, start_host_process
 
         ip = ray.util.get_node_ip_address()
         spec = dict(self.launch)

@@ -10,7 +10,7 @@ own cgroup and tmpfs. The defaults differ with where a host runs:
   with its own budget, which its slots split (1 GiB, 512 pids, 1 CPU each); the workspace is always
   a tmpfs inside the container's.
 
-Each field is a field of ``SlotLimits`` (atropos/sandbox/launch.py), which declares its type,
+Each field is a field of ``SlotLimits`` (atropos/sandbox/contract/launch.py), which declares its type,
 bounds, unit and process default once; ``slot_limits()`` is what a host is launched with. The
 largest per-call timeout is one of them: the host enforces it and declares it to the pool itself.
 
@@ -25,8 +25,14 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from atropos.sandbox.launch import SlotCpus, SlotLimits, SlotMemoryBytes, SlotPids, SlotWorkspaceBytes
-from atropos.sandbox.protocol import MaxTimeoutS
+from atropos.sandbox.contract.launch import (
+    SlotCpus,
+    SlotLimits,
+    SlotMemoryBytes,
+    SlotPids,
+    SlotWorkspaceBytes,
+)
+from atropos.sandbox.contract.protocol import MaxTimeoutS
 
 SlotsPerHost = Annotated[int, Field(ge=1, le=1023)]
 ContainerWorkspaceBytes = Annotated[int, Field(ge=1 << 20, description="what one slot can write (its own tmpfs)")]

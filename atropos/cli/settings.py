@@ -19,7 +19,7 @@ from atropos.errors import ConfigError, validation_message
 from atropos.renamed import accept_renamed
 
 # The bearer token of the ToolServer `serve` runs: not the sandbox hosts' token (HOST_TOKEN_ENV of
-# atropos/sandbox/launch.py), which the pool makes per host and no user ever handles.
+# atropos/sandbox/contract/launch.py), which the pool makes per host and no user ever handles.
 TOOLSERVER_TOKEN_ENV = TOKEN_ENV = "ATROPOS_TOOLSERVER_TOKEN"
 SETTINGS_ENV_PREFIX = "ATROPOS_SANDBOX_"
 CONFIG_ENV = "ATROPOS_SANDBOX_CONFIG"

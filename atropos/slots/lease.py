@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from atropos.backends.base import HostInfo
 from atropos.errors import HostUnavailable, InfrastructureError, LeaseError, ResetFailed, SandboxDied, ToolError
-from atropos.sandbox.client import HostClient
-from atropos.sandbox.protocol import (
+from atropos.sandbox.contract.client import HostClient
+from atropos.sandbox.contract.protocol import (
     CallResult,
     ResetResult,
     SealResult,

@@ -12,7 +12,7 @@ from typing import Any
 
 from atropos.backends.base import Backend, HostInfo
 from atropos.errors import AtroposSandboxError
-from atropos.sandbox.client import HostClient
+from atropos.sandbox.contract.client import HostClient
 from atropos.slots.audit import LeaseAudit
 from atropos.slots.background import Background
 from atropos.slots.config import PoolConfig

@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from atropos.errors import HostUnavailable, InfrastructureError
 from atropos.renamed import accept_renamed
-from atropos.sandbox.protocol import (
+from atropos.sandbox.contract.protocol import (
     DEFAULT_MAX_TIMEOUT_S,
     CallResult,
     CallTimeouts,

@@ -1,13 +1,13 @@
 """How a tool result reads to the model: short, plain text, nothing of the platform's internals.
 
-Each tool's own formatting is part of its definition (``atropos/sandbox/tools.py``); this adds what
+Each tool's own formatting is part of its definition (``atropos/sandbox/contract/tools.py``); this adds what
 every tool shares: the error line and the host's notes.
 """
 
 from __future__ import annotations
 
-from atropos.sandbox.protocol import CallResult
-from atropos.sandbox.tools import TOOLS, format_exec, format_json, format_session
+from atropos.sandbox.contract.protocol import CallResult
+from atropos.sandbox.contract.tools import TOOLS, format_exec, format_json, format_session
 
 __all__ = ["format_exec", "format_result", "format_session"]
 

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from atropos.errors import ConfigError
-from atropos.sandbox import tools as sandbox_tools
+from atropos.sandbox.contract import tools as sandbox_tools
 
 Kind = Literal["sandbox", "external"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from atropos.backends.nomad.config import NomadBackendConfig
-from atropos.sandbox.launch import HOST_TOKEN_ENV, HostLaunch
+from atropos.sandbox.contract.launch import HOST_TOKEN_ENV, HostLaunch
 
 # What the package re-exports (atropos/backends/nomad/__init__.py takes this list as it is).
 __all__ = ["GROUP", "META_BOOT", "META_INSTANCE", "META_MANAGED", "META_OWNER_HOST", "META_OWNER_PID",
@@ -129,6 +129,6 @@ def _docker_config(c: NomadBackendConfig) -> dict[str, Any]:
         "readonly_rootfs": True,
         "pids_limit": c.pids_limit,
         "mount": tmpfs,
-        # slirp4netns: slots leased with network get their own namespace (atropos.sandbox.network)
+        # slirp4netns: slots leased with network get their own namespace (atropos.sandbox.host.isolation.network)
         "devices": [{"host_path": "/dev/net/tun", "container_path": "/dev/net/tun"}],
     }

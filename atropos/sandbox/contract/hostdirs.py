@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from atropos.errors import IsolationUnavailable
-from atropos.sandbox.inslot_fs import DIR_FLAGS, identity, up
+from atropos.sandbox.inslot.inslot_fs import DIR_FLAGS, identity, up
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ the slot's code cannot read the requests it holds through ``/proc/<pid>/mem``, `
 next operation (see ``Supervisor.untouched``). A *sealed* supervisor (the slot's verification
 phase, see docs/verification.md) starts no interpreter and runs no command at all.
 
-Its parts, one module each (all copied beside it into the host's lib dir, see ``inslot.LIB_FILES``):
+Its parts, one module each (all copied beside it into the host's lib dir, see ``atropos.sandbox.inslot.LIB_FILES``):
 ``inslot_warm`` (waiting interpreters), ``inslot_files`` (file tools beneath the workspace),
 ``inslot_archive`` (the archive tool), ``inslot_terminal`` (the tmux terminal), ``inslot_fs`` (the
 descriptor-relative walk and read, shared with the host's ``trees.py``), ``inslot`` (the wire and
@@ -39,7 +39,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from atropos.sandbox.inslot import (
+    from atropos.sandbox.inslot.inslot_archive import archive
+    from atropos.sandbox.inslot.inslot_common import (
         Capture,
         apply_limits,
         clean_signals,
@@ -49,13 +50,13 @@ if TYPE_CHECKING:
         protocol_fds,
         serve,
     )
-    from atropos.sandbox.inslot_archive import archive
-    from atropos.sandbox.inslot_files import SlotFiles, ToolFailure
-    from atropos.sandbox.inslot_terminal import run_terminal
-    from atropos.sandbox.inslot_warm import BASH, WARM_KINDS, Child, WarmInterpreter
+    from atropos.sandbox.inslot.inslot_files import SlotFiles, ToolFailure
+    from atropos.sandbox.inslot.inslot_terminal import run_terminal
+    from atropos.sandbox.inslot.inslot_warm import BASH, WARM_KINDS, Child, WarmInterpreter
 else:  # run from the host's lib dir, beside inslot.py (isolated mode: the dir is not on sys.path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from inslot import (
+    from inslot_archive import archive
+    from inslot_common import (
         Capture,
         apply_limits,
         clean_signals,
@@ -65,7 +66,6 @@ else:  # run from the host's lib dir, beside inslot.py (isolated mode: the dir i
         protocol_fds,
         serve,
     )
-    from inslot_archive import archive
     from inslot_files import SlotFiles, ToolFailure
     from inslot_terminal import run_terminal
     from inslot_warm import BASH, WARM_KINDS, Child, WarmInterpreter
@@ -313,7 +313,7 @@ class Supervisor:
 
     # -- protocol --------------------------------------------------------------------------
     def ops(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
-        """The ops this supervisor answers (the tools' definitions in atropos/sandbox/tools.py name them)."""
+        """The ops this supervisor answers (the tools' definitions in atropos/sandbox/contract/tools.py name them)."""
         return {
             "exec": self.run, "read_file": self.files.read_file, "write_file": self.files.write_file,
             "edit_file": self.files.edit_file, "list_dir": self.files.list_dir, "stat": self.files.stat,

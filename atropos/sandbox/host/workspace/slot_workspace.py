@@ -12,15 +12,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from atropos.sandbox.bwrap import SandboxPaths
-from atropos.sandbox.cgroups import SlotCgroup
-from atropos.sandbox.config import HostConfig
-from atropos.sandbox.mountns import MountNamespace
-from atropos.sandbox.protocol import WorkspaceKind
-from atropos.sandbox.templates import Template
-from atropos.sandbox.trees import copy_tree, walk_tree
-from atropos.sandbox.workspace import WorkspaceError
-from atropos.sandbox.workspaces import Workspaces
+from atropos.sandbox.contract.protocol import WorkspaceKind
+from atropos.sandbox.host.config import HostConfig
+from atropos.sandbox.host.isolation.bwrap import SandboxPaths
+from atropos.sandbox.host.isolation.cgroups import SlotCgroup
+from atropos.sandbox.host.workspace import WorkspaceError
+from atropos.sandbox.host.workspace.mountns import MountNamespace
+from atropos.sandbox.host.workspace.templates import Template
+from atropos.sandbox.host.workspace.trees import copy_tree, walk_tree
+from atropos.sandbox.host.workspace.workspaces import Workspaces
 
 
 class SlotWorkspace:

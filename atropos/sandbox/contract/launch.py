@@ -28,9 +28,9 @@ from typing import IO, Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from atropos.sandbox.egress import EgressSettings
-from atropos.sandbox.inslot import make_undumpable as make_undumpable  # the host and the Ray actor too
-from atropos.sandbox.protocol import DEFAULT_MAX_TIMEOUT_S, MaxTimeoutS
+from atropos.sandbox.contract.egress import EgressSettings
+from atropos.sandbox.contract.protocol import DEFAULT_MAX_TIMEOUT_S, MaxTimeoutS
+from atropos.sandbox.inslot.inslot_common import make_undumpable as make_undumpable  # the host and the Ray actor too
 
 HOST_TOKEN_ENV = "ATROPOS_SANDBOX_TOKEN"
 HOST_MODULE = "atropos.sandbox"
@@ -39,7 +39,7 @@ SETTINGS_ENV_PREFIX = "ATROPOS_SANDBOX_"
 
 
 # A limit's type and bounds (its default is SlotLimits'): the backend configs' ``slot_*`` fields
-# (atropos/backends/slot_caps.py) and the host's config (atropos/sandbox/config.py) use these.
+# (atropos/backends/slot_caps.py) and the host's config (atropos/sandbox/host/config.py) use these.
 SlotWorkspaceBytes = Annotated[int, Field(ge=0, description="what one slot can write to its workspace (bytes): its "
                                           "own tmpfs, so the pages count against RAM; 0 = uncapped (the data disk)")]
 SlotMemoryBytes = Annotated[int, Field(ge=64 << 20, description="memory one slot may hold as a whole (bytes): every "
@@ -57,9 +57,9 @@ class SlotLimits(BaseModel):
     """What one slot of a host may use, one field per limit: its default (a host that runs as a
     process beside others on a machine), unit, bounds, description and the host flag it travels as.
 
-    Declared once, here: the host's flags and what they set (``atropos/sandbox/__main__.py``,
+    Declared once, here: the host's flags and what they set (``atropos/sandbox/host/main.py``,
     ``HostConfig.slot_limits``), the launch command line (``args``), the slot cgroups
-    (``atropos/sandbox/cgroups.py``) and every backend config (``SlotCaps.slot_limits`` in
+    (``atropos/sandbox/host/isolation/cgroups.py``) and every backend config (``SlotCaps.slot_limits`` in
     atropos/backends/slot_caps.py, whose fields are named ``slot_<field>``, the timeout as is) read
     these fields. Adding a limit: a field here, its setting in slot_caps.py and config.py, where it
     is enforced, and ``nomad/sandbox.hcl`` (tests/test_slot_limits_model.py checks all of them)."""

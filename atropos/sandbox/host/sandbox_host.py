@@ -18,20 +18,8 @@ from typing import Any, TypeVar
 
 from atropos import __version__, metrics
 from atropos.errors import IsolationUnavailable, LeaseError, PathEscapeError, SlotSealed, SlotUnavailable, ToolError
-from atropos.sandbox import seccomp
-from atropos.sandbox.cgroups import SlotCgroups
-from atropos.sandbox.config import HostConfig
 from atropos.sandbox.contract.hostdirs import ISOLATION_FAILED, owned_dir
-from atropos.sandbox.host_setup import (
-    _write,
-    check_isolation,
-    claim_uid_block,
-    resolve_network_isolation,
-    setup_cgroups,
-)
-from atropos.sandbox.inslot import LIB_FILES
-from atropos.sandbox.network import DNS as SLIRP_DNS
-from atropos.sandbox.protocol import (
+from atropos.sandbox.contract.protocol import (
     MAX_VERIFY_SECRETS,
     CallResult,
     ErrorInfo,
@@ -49,14 +37,26 @@ from atropos.sandbox.protocol import (
     VerifyRequest,
     VerifyResult,
 )
-from atropos.sandbox.sandbox_process import SandboxDied
-from atropos.sandbox.slot import SessionLost, Slot
-from atropos.sandbox.templates import Template
-from atropos.sandbox.tools import SEALED_REFUSED, clamp_timeout, supervisor_request, validate_args
-from atropos.sandbox.trees import delete_trash
-from atropos.sandbox.uidkill import UidKiller
-from atropos.sandbox.workspace import TemplateSourceError, WorkspaceError
-from atropos.sandbox.workspaces import Workspaces
+from atropos.sandbox.contract.tools import SEALED_REFUSED, clamp_timeout, supervisor_request, validate_args
+from atropos.sandbox.host.config import HostConfig
+from atropos.sandbox.host.host_setup import (
+    _write,
+    check_isolation,
+    claim_uid_block,
+    resolve_network_isolation,
+    setup_cgroups,
+)
+from atropos.sandbox.host.isolation import seccomp
+from atropos.sandbox.host.isolation.cgroups import SlotCgroups
+from atropos.sandbox.host.isolation.network import DNS as SLIRP_DNS
+from atropos.sandbox.host.isolation.sandbox_process import SandboxDied
+from atropos.sandbox.host.isolation.uidkill import UidKiller
+from atropos.sandbox.host.slot import SessionLost, Slot
+from atropos.sandbox.host.workspace import TemplateSourceError, WorkspaceError
+from atropos.sandbox.host.workspace.templates import Template
+from atropos.sandbox.host.workspace.trees import delete_trash
+from atropos.sandbox.host.workspace.workspaces import Workspaces
+from atropos.sandbox.inslot import LIB_FILES
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -157,7 +157,7 @@ class SandboxHost:
         os.chmod(lib, 0o755)
         # the supervisor, the python_session driver and what the two share: all run inside the sandbox
         for script in LIB_FILES:
-            _write(lib / script, resources.files("atropos.sandbox").joinpath(script).read_bytes())
+            _write(lib / script, resources.files("atropos.sandbox.inslot").joinpath(script).read_bytes())
         _write(lib / "tmux.conf", TMUX_CONF.encode())
         etc = root / "etc"
         os.chmod(etc, 0o755)

@@ -23,10 +23,6 @@ from typing import Any
 
 FRAME = struct.Struct(">I")
 MAX_FRAME = 64 << 20
-# What the host copies into its lib dir (mounted read-only at /run/atropos in every sandbox): the
-# programs that run inside a slot and the modules they import from beside them.
-LIB_FILES = ("supervisor.py", "inslot_warm.py", "inslot_files.py", "inslot_archive.py", "inslot_terminal.py",
-             "inslot_fs.py", "session.py", "verifier.py", "inslot.py")
 
 
 class Capture:

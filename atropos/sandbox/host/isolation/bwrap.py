@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from atropos.sandbox.config import Limits
+from atropos.sandbox.host.config import Limits
 
 WORKSPACE = "/workspace"
 RUN_DIR = "/run/term"
@@ -47,7 +47,7 @@ def bwrap_argv(bwrap: str, paths: SandboxPaths, limits: Limits, *, network: bool
     ``/proc/1/environ``) and as an unprivileged uid (a uid-0 caller makes ``--uid`` cosmetic).
     Never put secrets in this argv: it is visible in ``/proc/1/cmdline`` inside.
     With ``network`` and ``private_net`` the sandbox keeps its own network namespace and waits
-    for ``atropos.sandbox.network`` to plug slirp4netns in (``{info_fd}``/``{block_fd}``
+    for ``atropos.sandbox.host.isolation.network`` to plug slirp4netns in (``{info_fd}``/``{block_fd}``
     placeholders: the caller substitutes the descriptors).
     """
     argv = [

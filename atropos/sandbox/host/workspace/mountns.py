@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from atropos.errors import WorkspaceError
-from atropos.sandbox.workspace import TOOL_PATH
+from atropos.sandbox.host.workspace import TOOL_PATH
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,7 @@ from atropos import __version__, metrics
 from atropos.asgi import ASGIApp, ErrorMap, Receive, RequestGuard, Send, http_error, install_error_handlers
 from atropos.errors import SlotUnavailable, ToolError
 from atropos.fastroute import FastRoutes, LineStream, checked_by_guard, hot_post, invalid_body
-from atropos.sandbox.host import SandboxHost
-from atropos.sandbox.protocol import (
+from atropos.sandbox.contract.protocol import (
     LEASE_HEADER,
     CallBatch,
     CallResult,
@@ -38,6 +37,7 @@ from atropos.sandbox.protocol import (
     VerifyRequest,
     VerifyResult,
 )
+from atropos.sandbox.host.sandbox_host import SandboxHost
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ looks for them. No network. See docs/verification.md for the whole phase.
 
 from __future__ import annotations
 
-from atropos.sandbox.bwrap import RUN_DIR, SANDBOX_ENV, WORKSPACE, SandboxPaths
+from atropos.sandbox.host.isolation.bwrap import RUN_DIR, SANDBOX_ENV, WORKSPACE, SandboxPaths
 
 VERIFIER_HOME = "/tmp"
 VERIFIER_ENV = {k: v for k, v in SANDBOX_ENV.items() if k != "PS1"} | {"HOME": VERIFIER_HOME}

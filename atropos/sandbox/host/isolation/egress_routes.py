@@ -12,8 +12,8 @@ import asyncio
 import json
 from typing import Any
 
-from atropos.sandbox.child_process import killed_if_left
-from atropos.sandbox.egress import SLIRP_GATEWAY, EgressPolicy, host_addresses
+from atropos.sandbox.contract.egress import SLIRP_GATEWAY, EgressPolicy, host_addresses
+from atropos.sandbox.host.child_process import killed_if_left
 
 # Runs in a fresh interpreter (-I: no site, no environment): joins the slot's user and network
 # namespaces (the fds in argv) and adds the routes, one rtnetlink request each, checking every ack.

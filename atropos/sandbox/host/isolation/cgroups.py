@@ -41,7 +41,7 @@ from atropos.sandbox.contract.cgroupfs import (
     v1_dir,
     v2_dir,
 )
-from atropos.sandbox.launch import SlotLimits
+from atropos.sandbox.contract.launch import SlotLimits
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 (``DirWalk``) and a bounded read (``read_at_most``).
 
 One copy for both sides: the in-slot tools (``inslot_archive``, ``inslot_files``, ``verifier``)
-import it from the host's lib dir (it is in ``inslot.LIB_FILES``), the host's own tree code
-(``trees.py``) as ``atropos.sandbox.inslot_fs``. So: standard library only, and no import of
+import it from the host's lib dir (it is in ``atropos.sandbox.inslot.LIB_FILES``), the host's own tree code
+(``trees.py``) as ``atropos.sandbox.inslot.inslot_fs``. So: standard library only, and no import of
 another in-slot module.
 """
 

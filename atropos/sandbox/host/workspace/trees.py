@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from atropos.errors import WorkspaceError
-from atropos.sandbox.child_process import killed_if_left
 from atropos.sandbox.contract.hostdirs import remove_tree
-from atropos.sandbox.inslot_fs import DIR_FLAGS, DirWalk, identity, up
-from atropos.sandbox.workspace import TOOL_PATH
+from atropos.sandbox.host.child_process import killed_if_left
+from atropos.sandbox.host.workspace import TOOL_PATH
+from atropos.sandbox.inslot.inslot_fs import DIR_FLAGS, DirWalk, identity, up
 
 log = logging.getLogger(__name__)
 

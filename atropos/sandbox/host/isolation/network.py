@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from atropos.errors import NetworkSetupFailed as NetworkSetupFailed  # defined there since issue 18
-from atropos.sandbox.egress import EgressPolicy
-from atropos.sandbox.egress_routes import install_routes
+from atropos.sandbox.contract.egress import EgressPolicy
+from atropos.sandbox.host.isolation.egress_routes import install_routes
 
 SLIRP4NETNS = shutil.which("slirp4netns") or "/usr/bin/slirp4netns"
 TAP = "tap0"

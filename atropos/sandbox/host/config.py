@@ -7,10 +7,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from atropos.sandbox.contract.egress import EgressPolicy
 from atropos.sandbox.contract.hostdirs import default_data_dir
-from atropos.sandbox.egress import EgressPolicy
-from atropos.sandbox.launch import SlotCpus, SlotLimits, SlotMemoryBytes, SlotPids, SlotWorkspaceBytes
-from atropos.sandbox.protocol import CallTimeouts, DefaultTimeoutS, MaxTimeoutS
+from atropos.sandbox.contract.launch import (
+    SlotCpus,
+    SlotLimits,
+    SlotMemoryBytes,
+    SlotPids,
+    SlotWorkspaceBytes,
+)
+from atropos.sandbox.contract.protocol import CallTimeouts, DefaultTimeoutS, MaxTimeoutS
 
 RUN_DIR_INODES = 1024  # the run dir holds the terminal's socket and log, nothing else
 
@@ -134,6 +140,6 @@ class HostConfig(BaseModel):
 
 def host_settings(slot: SlotLimits) -> dict[str, Any]:
     """The fields of a HostConfig that ``slot`` sets, but ``limits.workspace_bytes``: the inverse of
-    ``HostConfig.slot_limits`` (the host's flags, atropos/sandbox/__main__.py)."""
+    ``HostConfig.slot_limits`` (the host's flags, atropos/sandbox/host/main.py)."""
     return {"max_timeout_s": slot.max_timeout_s, "slot_memory_bytes": slot.memory_bytes,
             "slot_pids": slot.pids, "slot_cpus": slot.cpus}

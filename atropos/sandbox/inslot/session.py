@@ -40,10 +40,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from atropos.sandbox.inslot import Capture, apply_limits, clean_signals, make_undumpable, protocol_fds, serve
+    from atropos.sandbox.inslot.inslot_common import (
+        Capture,
+        apply_limits,
+        clean_signals,
+        make_undumpable,
+        protocol_fds,
+        serve,
+    )
 else:  # run from the host's lib dir, beside inslot.py (isolated mode: the dir is not on sys.path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from inslot import Capture, apply_limits, clean_signals, make_undumpable, protocol_fds, serve
+    from inslot_common import Capture, apply_limits, clean_signals, make_undumpable, protocol_fds, serve
     del sys.path[0]
 
 INTERRUPT_EVERY_S = 0.25
@@ -293,7 +300,7 @@ def main() -> None:
     serve(rfd, wfd, functools.partial(_handle, session))
 
 
-# The ops the session driver answers (the python_session tool's definition in atropos/sandbox/tools.py
+# The ops the session driver answers (the python_session tool's definition in atropos/sandbox/contract/tools.py
 # names "session").
 OPS: dict[str, Callable[[Session, dict[str, Any]], Any]] = {
     "ping": lambda _session, _req: {"pong": True},

@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from atropos.sandbox.inslot_fs import read_at_most
+    from atropos.sandbox.inslot.inslot_fs import read_at_most
 else:  # run from the host's lib dir beside inslot_fs.py (see supervisor.py)
     from inslot_fs import read_at_most
 

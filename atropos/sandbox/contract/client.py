@@ -26,8 +26,8 @@ from atropos.errors import (
     UnknownTemplate,
     WorkspaceError,
 )
-from atropos.sandbox.http1 import ConnectionPool
-from atropos.sandbox.protocol import (
+from atropos.sandbox.contract.http1 import ConnectionPool
+from atropos.sandbox.contract.protocol import (
     DEFAULT_MAX_TIMEOUT_S,
     LEASE_HEADER,
     CallResult,

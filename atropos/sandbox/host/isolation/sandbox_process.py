@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from atropos.errors import SandboxDied as SandboxDied  # defined there since issue 18
-from atropos.sandbox.network import NetworkSetupFailed, SlirpHandshake
+from atropos.sandbox.host.isolation.network import NetworkSetupFailed, SlirpHandshake
 
 log = logging.getLogger(__name__)
 FRAME = struct.Struct(">I")

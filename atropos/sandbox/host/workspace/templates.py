@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from atropos.errors import TemplateInUse, TemplateSourceError, UnknownTemplate
-from atropos.sandbox.protocol import TemplateInfo
-from atropos.sandbox.trees import TreeSummary
+from atropos.sandbox.contract.protocol import TemplateInfo
+from atropos.sandbox.host.workspace.trees import TreeSummary
 
 
 # -- templates ---------------------------------------------------------------------------------

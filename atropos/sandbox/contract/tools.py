@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from atropos.errors import ToolInputError, validation_message
 
 if TYPE_CHECKING:  # the host's config is only ever passed in: the definitions are shared with the pool
-    from atropos.sandbox.config import HostConfig
+    from atropos.sandbox.host.config import HostConfig
 
 # Commands longer than this go through stdin: a huge argv fails with E2BIG.
 _ARGV_LIMIT = 64 << 10

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from atropos.errors import IsolationUnavailable
-from atropos.sandbox.cgroups import CgroupUnavailable, SlotCgroups
-from atropos.sandbox.config import HostConfig
-from atropos.sandbox.network import private_network_available
+from atropos.sandbox.host.config import HostConfig
+from atropos.sandbox.host.isolation.cgroups import CgroupUnavailable, SlotCgroups
+from atropos.sandbox.host.isolation.network import private_network_available
 
 log = logging.getLogger(__name__)
 

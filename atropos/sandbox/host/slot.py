@@ -14,12 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from atropos.errors import ToolError
-from atropos.sandbox.bwrap import LIB_DIR, RUN_DIR, SANDBOX_ENV, WORKSPACE, SandboxPaths, bwrap_argv
-from atropos.sandbox.cgroups import SlotCgroup
-from atropos.sandbox.config import HostConfig
 from atropos.sandbox.contract.hostdirs import remove_tree
-from atropos.sandbox.network import SlirpHandshake
-from atropos.sandbox.protocol import (
+from atropos.sandbox.contract.protocol import (
     ErrorInfo,
     LeaseInfo,
     SlotInfo,
@@ -27,14 +23,25 @@ from atropos.sandbox.protocol import (
     VerifyRequest,
     VerifyResult,
 )
-from atropos.sandbox.sandbox_process import SandboxDied, SandboxProcess
-from atropos.sandbox.slot_workspace import SlotWorkspace
-from atropos.sandbox.templates import Template
-from atropos.sandbox.trees import copy_tree
-from atropos.sandbox.uidkill import UidKiller, _kill_uid
-from atropos.sandbox.verification import VERIFIER_ENV, verifier_bwrap
-from atropos.sandbox.workspace import WorkspaceError
-from atropos.sandbox.workspaces import Workspaces
+from atropos.sandbox.host.config import HostConfig
+from atropos.sandbox.host.isolation.bwrap import (
+    LIB_DIR,
+    RUN_DIR,
+    SANDBOX_ENV,
+    WORKSPACE,
+    SandboxPaths,
+    bwrap_argv,
+)
+from atropos.sandbox.host.isolation.cgroups import SlotCgroup
+from atropos.sandbox.host.isolation.network import SlirpHandshake
+from atropos.sandbox.host.isolation.sandbox_process import SandboxDied, SandboxProcess
+from atropos.sandbox.host.isolation.uidkill import UidKiller, _kill_uid
+from atropos.sandbox.host.isolation.verification import VERIFIER_ENV, verifier_bwrap
+from atropos.sandbox.host.workspace import WorkspaceError
+from atropos.sandbox.host.workspace.slot_workspace import SlotWorkspace
+from atropos.sandbox.host.workspace.templates import Template
+from atropos.sandbox.host.workspace.trees import copy_tree
+from atropos.sandbox.host.workspace.workspaces import Workspaces
 
 CHOOM = "/usr/bin/choom"  # util-linux: on every Debian/Ubuntu
 SETPRIV = "/usr/bin/setpriv"  # util-linux too

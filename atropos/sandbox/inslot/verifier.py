@@ -32,11 +32,17 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from atropos.sandbox.inslot import Capture, apply_limits, make_undumpable, protocol_fds, serve
-    from atropos.sandbox.inslot_fs import read_at_most
+    from atropos.sandbox.inslot.inslot_common import (
+        Capture,
+        apply_limits,
+        make_undumpable,
+        protocol_fds,
+        serve,
+    )
+    from atropos.sandbox.inslot.inslot_fs import read_at_most
 else:  # run from the host's lib dir, beside inslot.py (isolated mode: the dir is not on sys.path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from inslot import Capture, apply_limits, make_undumpable, protocol_fds, serve
+    from inslot_common import Capture, apply_limits, make_undumpable, protocol_fds, serve
     from inslot_fs import read_at_most
     del sys.path[0]
 

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from atropos.sandbox.inslot_files import SlotFiles, ToolFailure
-    from atropos.sandbox.inslot_fs import DIR_FLAGS, DirWalk, TreeMoved, identity, read_at_most
+    from atropos.sandbox.inslot.inslot_files import SlotFiles, ToolFailure
+    from atropos.sandbox.inslot.inslot_fs import DIR_FLAGS, DirWalk, TreeMoved, identity, read_at_most
 else:  # run from the host's lib dir beside inslot_files.py (see supervisor.py)
     from inslot_files import SlotFiles, ToolFailure
     from inslot_fs import DIR_FLAGS, DirWalk, TreeMoved, identity, read_at_most

@@ -15,11 +15,11 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from atropos.sandbox.inslot import Capture
+    from atropos.sandbox.inslot.inslot_common import Capture
 else:  # run from the host's lib dir beside inslot.py (see supervisor.py)
-    from inslot import Capture
+    from inslot_common import Capture
 if TYPE_CHECKING:
-    from atropos.sandbox.inslot_files import ToolFailure
+    from atropos.sandbox.inslot.inslot_files import ToolFailure
 else:  # run from the host's lib dir beside inslot_files.py (see supervisor.py)
     from inslot_files import ToolFailure
 

@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from atropos.errors import TemplateBuildFailed, TemplateSourceError, WorkspaceError
-from atropos.sandbox.child_process import killed_if_left
 from atropos.sandbox.contract.hostdirs import remove_tree
-from atropos.sandbox.mountns import HELPER, MountNamespace
-from atropos.sandbox.templates import Template, TemplateStore, source_dir_allowed
-from atropos.sandbox.trees import TreeSummary, copy_tree, run_tool, walk_tree
-from atropos.sandbox.workspace import TOOL_PATH
+from atropos.sandbox.host.child_process import killed_if_left
+from atropos.sandbox.host.workspace import TOOL_PATH
+from atropos.sandbox.host.workspace.mountns import HELPER, MountNamespace
+from atropos.sandbox.host.workspace.templates import Template, TemplateStore, source_dir_allowed
+from atropos.sandbox.host.workspace.trees import TreeSummary, copy_tree, run_tool, walk_tree
 
 log = logging.getLogger(__name__)
 

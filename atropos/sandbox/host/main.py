@@ -1,0 +1,220 @@
+"""``python -m atropos.sandbox``: run one sandbox host.
+
+The token comes from one line on stdin (``--token-stdin``: how the local and Ray backends pass it,
+``atropos/sandbox/contract/launch.py``), ``ATROPOS_SANDBOX_TOKEN`` (a container's orchestrator) or
+``--token-file`` (never a flag: argv is visible to every process on the machine). The host makes
+itself non-dumpable first thing: no process of its user can read its environ or memory.
+Once started, the host prints one JSON line on stdout:
+``{"event": "ready", "port": N, ...}`` so a parent can find a port picked with ``--port 0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import functools
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from atropos.asgi import listening_socket
+from atropos.errors import AtroposSandboxError
+from atropos.logs import configure
+from atropos.request_deadline import server_config
+from atropos.sandbox.contract import egress
+from atropos.sandbox.contract.hostdirs import kill_processes_naming
+from atropos.sandbox.contract.launch import HOST_TOKEN_ENV as TOKEN_ENV
+from atropos.sandbox.contract.launch import SlotLimits
+from atropos.sandbox.host.config import HostConfig, Limits, host_settings
+from atropos.sandbox.host.isolation.sandbox_process import SandboxProcess
+from atropos.sandbox.host.sandbox_host import SandboxHost
+from atropos.sandbox.host.server import create_app, wrap
+from atropos.sandbox.inslot.inslot_common import make_undumpable
+
+SHUTDOWN_GRACE_S = 5.0  # after SIGTERM: then whatever still runs of this host is killed
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Namespace]:
+    defaults = HostConfig()
+    p = argparse.ArgumentParser(prog="python -m atropos.sandbox", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default=defaults.host, help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=defaults.port, help="port; 0 picks a free one")
+    p.add_argument("--slots", type=int, default=defaults.slots, help="number of slots (default %(default)s)")
+    p.add_argument("--data-dir", type=Path, default=defaults.data_dir, help="where workspaces live")
+    p.add_argument("--token-file", type=Path, help=f"file holding the bearer token (else ${TOKEN_ENV})")
+    p.add_argument("--token-stdin", action="store_true",
+                   help="read the bearer token as the first line of stdin (then stdin is /dev/null)")
+    p.add_argument("--uid-base", type=int, help="first per-slot uid when running as root")
+    for name, field in SlotLimits.model_fields.items():  # one flag per slot limit, as declared there
+        number = int if field.annotation is int else float
+        p.add_argument(SlotLimits.flag(name), dest=f"limit_{name}", type=number, default=field.default,
+                       help=f"{field.description} (default %(default)s)")
+    p.add_argument("--nproc", type=int, default=Limits().nproc, help="processes per slot")
+    p.add_argument("--memory", type=int, default=Limits().address_space_bytes, help="address space per process (bytes)")
+    p.add_argument("--workspace-inodes", type=int, default=Limits().workspace_inodes,
+                   help="files a slot can create (default %(default)s)")
+    p.add_argument("--tmp-inodes", type=int, default=Limits().tmp_inodes,
+                   help="files a slot can create in /tmp (default %(default)s)")
+    p.add_argument("--shm-inodes", type=int, default=Limits().shm_inodes,
+                   help="files a slot can create in /dev/shm (default %(default)s)")
+    p.add_argument("--cgroup-dir", type=Path, help="writable cgroup directory for the slot cgroups "
+                   "(default: a subtree of the host's own cgroup)")
+    p.add_argument("--unsafe-no-cgroups", action="store_true",
+                   help="DEVELOPMENT ONLY: no per-slot memory, process or CPU caps")
+    p.add_argument("--unsafe-no-isolation", action="store_true",
+                   help="DEVELOPMENT ONLY: run slots without bubblewrap")
+    p.add_argument("--no-prewarm", action="store_true",
+                   help="start slot sandboxes on first use, or when asked (POST /v1/prewarm): a pool starts its "
+                        "hosts so and asks once its fleet is up")
+    p.add_argument("--parent-pid", type=int, help="exit when this process (the pool) dies")
+    p.add_argument("--network-isolation", choices=("auto", "private", "shared"), default="auto",
+                   help="network slots: private namespace behind slirp4netns, or the host's (see HostConfig)")
+    p.add_argument("--egress-allow", action="append", default=[], metavar="CIDR",
+                   help="network slots may reach this IPv4 range despite the deny list (repeatable)")
+    p.add_argument("--egress-deny", action="append", default=[], metavar="CIDR",
+                   help="network slots cannot reach this IPv4 range (repeatable; added to the defaults)")
+    p.add_argument("--egress-no-default-deny", action="store_true",
+                   help="drop the default deny list (link-local, private, CGNAT, multicast, reserved ranges)")
+    p.add_argument("--egress-allow-host-addresses", action="store_true",
+                   help="network slots may reach this host's own non-loopback addresses")
+    p.add_argument("--egress-machine-address", action="append", default=[], metavar="ADDR",
+                   help="an address of the machine this host runs on (a container's engine machine), denied "
+                        "like the host's own (repeatable)")
+    p.add_argument("--request-read-timeout", type=float, default=defaults.request_read_timeout_s,
+                   help="seconds a request's head and body may take to arrive (default %(default)s)")
+    p.add_argument("--workspace-mode", choices=("auto", "overlay", "copy"), default="auto",
+                   help="template forks: overlayfs copy-on-write, or full copies (default %(default)s)")
+    p.add_argument("--template-source-dir", type=Path, action="append", default=[],
+                   help="host directory templates may be made from (repeatable; default: none)")
+    p.add_argument("--log-level", default="INFO", help="log level (default %(default)s)")
+    p.add_argument("--log-json", action="store_true", help="one JSON object per log line (stderr)")
+    args = p.parse_args(argv)
+    token = os.environ.pop(TOKEN_ENV, "")  # scrub: nothing we start should inherit it
+    if args.token_stdin:
+        token = _read_token_from_stdin()
+    elif args.token_file:
+        token = args.token_file.read_text().strip()
+    if not token:
+        p.error(f"a token is required: --token-stdin, ${TOKEN_ENV} or --token-file")
+    try:
+        policy = egress.EgressSettings(
+            deny=tuple(egress.parse_networks(args.egress_deny)), allow=tuple(egress.parse_networks(args.egress_allow)),
+            machine_addresses=tuple(egress.parse_addresses(args.egress_machine_address)),
+            default_deny=not args.egress_no_default_deny, deny_host_addresses=not args.egress_allow_host_addresses,
+        ).policy()
+        slot = SlotLimits(**{name: getattr(args, f"limit_{name}") for name in SlotLimits.model_fields})
+    except ValueError as exc:  # pydantic's ValidationError is one: the flag's bound, said as usage
+        p.error(str(exc))
+    cfg = HostConfig(
+        slots=args.slots, data_dir=args.data_dir, host=args.host, port=args.port, token=token,
+        uid_base=args.uid_base, unsafe_no_isolation=args.unsafe_no_isolation, **host_settings(slot),
+        limits=Limits(nproc=args.nproc, address_space_bytes=args.memory, workspace_bytes=slot.workspace_bytes,
+                      workspace_inodes=args.workspace_inodes, tmp_inodes=args.tmp_inodes,
+                      shm_inodes=args.shm_inodes),
+        workspace_mode=args.workspace_mode, network_isolation=args.network_isolation,
+        template_source_dirs=args.template_source_dir, egress=policy,
+        request_read_timeout_s=args.request_read_timeout,
+        cgroup_dir=args.cgroup_dir, unsafe_no_cgroups=args.unsafe_no_cgroups,
+    )
+    return cfg, args
+
+
+def _read_token_from_stdin() -> str:
+    """The first line of stdin; then stdin becomes /dev/null, so nothing started later reads the
+    pipe (its writer closed it: nothing more would come anyway)."""
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = os.read(0, 4096)
+        if not chunk:
+            break
+        line += chunk
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    return line.decode(errors="replace").strip()
+
+
+def _die_with_parent(parent: int) -> None:
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before the line above took effect
+        sys.exit(0)
+
+
+async def serve(cfg: HostConfig, prewarm: bool = True) -> None:
+    host = SandboxHost(cfg)
+    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+    # a busy port raises OSError (EADDRINUSE): LocalBackend reads it in this host's stderr
+    sock = listening_socket(family, (cfg.host, cfg.port), 1024)
+    await host.start()
+    # in the background: the host answers while its slots warm up. A pool starts its hosts with
+    # --no-prewarm and asks for it (POST /v1/prewarm) once its whole fleet is up.
+    if prewarm:
+        host.prewarm_in_background()
+    app = create_app(host, manage_lifecycle=False)
+    server = uvicorn.Server(server_config(
+        wrap(app, host), cfg.request_read_timeout_s, loop="asyncio", access_log=False, log_level="warning",
+        timeout_keep_alive=120, lifespan="off",
+    ))
+    port = sock.getsockname()[1]
+    print(json.dumps({"event": "ready", "port": port, "pid": os.getpid(), "slots": cfg.slots,
+                      "isolation": "none" if cfg.unsafe_no_isolation else "bubblewrap",
+                      "slot_cgroups": f"v{host.cgroups.version}" if host.cgroups is not None else "none"}), flush=True)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        try:
+            await host.stop()
+        finally:
+            SandboxProcess.kill_all()  # sandboxes whose start was cancelled by the shutdown
+
+
+def main(argv: list[str] | None = None) -> None:
+    # before the token arrives: no process of our user (every task Ray runs on this node, the
+    # slots' users in a container) may read our memory, fds or environ (root still can)
+    make_undumpable()
+    cfg, args = parse_args(argv)
+    # the same redacting handler as the pool side: a host's stderr lands in the pool's logs
+    configure(level=args.log_level, json_lines=args.log_json)
+    # SIGTERM (a backend's stop, the pool's death) must run host.stop(): uvicorn handles it while it
+    # serves, then re-raises it with this handler; before that (prewarm) it lands here directly.
+    signal.signal(signal.SIGTERM, functools.partial(_exit_on_sigterm, cfg.data_dir))
+    if args.parent_pid:
+        _die_with_parent(args.parent_pid)
+    try:
+        asyncio.run(serve(cfg, prewarm=not args.no_prewarm))
+    except AtroposSandboxError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        SandboxProcess.kill_all()
+        kill_processes_naming(cfg.data_dir)
+
+
+def _exit_on_sigterm(data_dir: Path, signum: int, frame: object) -> None:
+    # A sandbox whose start the shutdown cancels is killed by asyncio's own cleanup, which kills
+    # only bwrap; a child bwrap had not released yet then blocks for good, holding the pipes that
+    # cleanup waits for. Past a grace period, kill everything of this host and leave.
+    threading.Thread(target=_last_resort, args=(data_dir,), daemon=True).start()
+    raise SystemExit(128 + signum)
+
+
+def _last_resort(data_dir: Path) -> None:
+    time.sleep(SHUTDOWN_GRACE_S)
+    SandboxProcess.kill_all()
+    kill_processes_naming(data_dir)
+    time.sleep(2.0)
+    os._exit(1)
+
+
+if __name__ == "__main__":
+    main()
