@@ -82,22 +82,22 @@ async def test_bash_is_stateless_but_files_persist(slot: LeasedSlot) -> None:
     assert out["stdout"] == "[]\n/workspace\ndata\n"
 
 
-async def test_bash_command_over_64k_goes_through_stdin(slot: LeasedSlot) -> None:
-    lines = [f"n=$((n + 1))  # {i:05d} {'padding' * 4}" for i in range(2500)]
+async def test_bash_command_over_128k_goes_through_stdin(slot: LeasedSlot) -> None:
+    lines = [f"n=$((n + 1))  # {i:05d} {'padding' * 4}" for i in range(3000)]
     command = "echo first-line\n" + "\n".join(lines) + '\necho "total=$n"\n'
-    assert len(command.encode()) > 64 * KIB
+    assert len(command.encode()) > 128 * KIB  # beyond what one exec argument can hold
     out = await slot.sh(command)
     assert out["exit_code"] == 0, out["stderr"]
-    assert out["stdout"] == "first-line\ntotal=2500\n"
+    assert out["stdout"] == "first-line\ntotal=3000\n"
     # a command that big cannot also take a stdin argument: refused with a clear message
     code, message = _error(await slot.call("bash", command=command, stdin="x"))
     assert code == "invalid_arguments"
-    assert "stdin" in message and "64 KiB" in message
+    assert "stdin" in message and "128 KiB" in message
 
 
-async def test_python_code_over_64k_goes_through_stdin(slot: LeasedSlot) -> None:
-    code = "\n".join(f"v{i} = {i}" for i in range(8000)) + "\nprint(v7999 + 1)\n"
-    assert len(code.encode()) > 64 * KIB
+async def test_python_code_over_128k_goes_through_stdin(slot: LeasedSlot) -> None:
+    code = "\n".join(f"v{i} = {i}" for i in range(14000)) + "\nprint(v7999 + 1)\n"
+    assert len(code.encode()) > 128 * KIB
     out = await slot.ok("python", code=code)
     assert out["exit_code"] == 0, out["stderr"]
     assert out["stdout"] == "8000\n"

@@ -22,8 +22,10 @@ from atropos.errors import ToolInputError, validation_message
 if TYPE_CHECKING:  # the host's config is only ever passed in: the definitions are shared with the pool
     from atropos.sandbox.host.config import HostConfig
 
-# Commands longer than this go through stdin: a huge argv fails with E2BIG.
-_ARGV_LIMIT = 64 << 10
+# One exec argument is at most 32 pages with its NUL (the kernel's MAX_ARG_STRLEN, 128 KiB): a `-c`
+# source up to that runs as `bash -c` / `python3 -c` would; a longer one cannot be a `-c` argument
+# at all (`bash -c` itself fails with E2BIG) and runs from stdin instead (docs/warm-interpreters.md).
+_ARGV_LIMIT = (128 << 10) - 1
 _MAX_OFFSET = (1 << 63) - 1  # a file offset (off_t)
 
 
@@ -124,7 +126,7 @@ def _exec_request(op: str, args: BashArgs | PythonArgs, timeout: float, cfg: Hos
     stdin = args.stdin if isinstance(args, BashArgs) else None
     if len(source.encode()) > _ARGV_LIMIT:
         if stdin:
-            raise ToolInputError("stdin cannot be combined with a command over 64 KiB")
+            raise ToolInputError("stdin cannot be combined with a command over 128 KiB")
         argv = [*interpreter, "-s" if bash else "-"]
         stdin = source
     else:
