@@ -36,6 +36,8 @@ from typing import Any
 from atroposlib.envs.base import ScoredDataGroup
 
 from atropos.agent.errors import is_infrastructure
+from atropos.agent.loop import ChatReply
+from atropos.agent.managed import ManagedSession
 from atropos.envs.config import AgentEnvConfig
 from atropos.envs.env_base import ExecTool, Rollout
 from atropos.envs.env_rollout import RolloutEnv
@@ -53,6 +55,14 @@ PROCESS_MAX_LOST_GROUPS = 5
 
 class AgentEnv(RolloutEnv):
     """Subclass it (see the module docstring); its parts are listed in env_base.py."""
+
+    async def chat(self, messages: list[dict[str, Any]], session: ManagedSession | None = None) -> ChatReply:
+        """One model turn (RolloutEnv's), timed: serve mode warns when turns this slow make a
+        rollout outlive ``worker_timeout`` (env_sandbox.py)."""
+        t0 = time.monotonic()
+        reply = await super().chat(messages, session)
+        self._turn_done(time.monotonic() - t0)
+        return reply
 
     async def collect_trajectories(self, item: Any) -> tuple[ScoredDataGroup | None, list[Any]]:
         """BaseEnv's hook: one group of ``group_size`` rollouts of ``item``, each in its own slot.
@@ -85,11 +95,12 @@ class AgentEnv(RolloutEnv):
         group_setup = self.has_group_setup()
         leases: list[Lease] = []
         template: PoolTemplate | None = None
+        pool = self.pool  # the finally releases into this pool even if the run is ending
         try:
             try:
-                leases = await self.pool.lease_many(ids, self.config.acquire_timeout_s,
-                                                    network=self.config.allow_network,
-                                                    colocate=True if group_setup else None)
+                leases = await pool.lease_many(ids, self.config.acquire_timeout_s,
+                                               network=self.config.allow_network,
+                                               colocate=True if group_setup else None)
                 if group_setup:
                     template = await self._prepare_group(item, leases)
             except Exception as exc:
@@ -101,7 +112,7 @@ class AgentEnv(RolloutEnv):
                 *(self._rollout_with_retries(item, lease, template, self.stats) for lease in leases),
                 return_exceptions=True)
         finally:
-            await asyncio.gather(*(self.pool.release(lease) for lease in leases), return_exceptions=True)
+            await asyncio.gather(*(pool.release(lease) for lease in leases), return_exceptions=True)
             await self._drop_template(template, "group")
         rollouts, lost = self._split_results(results)
         if lost:

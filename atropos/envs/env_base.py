@@ -6,6 +6,7 @@ The parts of AgentEnv build on each other in a line: ``AgentEnvCli`` (env_cli.py
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -23,6 +24,7 @@ from atropos.backends.base import Backend
 from atropos.backends.config import BackendSettings
 from atropos.envs.config import AgentEnvConfig, backend_settings
 from atropos.envs.env_cli import AgentEnvCli
+from atropos.envs.serve_pace import TurnPace
 from atropos.envs.verifier_check import (
     VerifierCheck,
     VerifierCheckResult,
@@ -80,6 +82,9 @@ class AgentEnvBase(AgentEnvCli):
         self.stats = _new_stats()
         self.eval_stats = _new_stats()  # kept apart: eval rollouts must not move training metrics
         self._process_mode = False
+        self._serve_mode = False
+        self._rollout_tasks: set[asyncio.Task[Any]] = set()  # serve: BaseEnv's group workers still running
+        self.pace = TurnPace()  # serve: model turn latencies vs worker_timeout
         self._lost_in_a_row = 0
         self._grammars: dict[bool, str] = {}  # turn_grammar's two grammars, by allow_answer
         self.progress = GroupProgress()  # one stderr line per scored group (long runs show they move)

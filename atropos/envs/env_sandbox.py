@@ -1,14 +1,20 @@
 """AgentEnv's sandbox and run lifecycle: the slot pool and tool executor started in ``setup`` and
 stopped when the run ends in every mode (BaseEnv has no teardown hook), the verifier check, and
-the run summary."""
+the run summary; in serve mode also how many groups run at once, the stop once the trainer has
+taken ``total_steps`` batches, and the check for a run-api left over from an earlier run."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from atropos.envs.env_base import AgentEnvBase
+from atropos.envs.serve_pace import default_max_workers
 from atropos.envs.verifier_check import (
     VerifierCheckResult,
     append_to_html,
@@ -21,6 +27,14 @@ from atropos.tools.executor import ExecutorConfig, ToolExecutor
 from atropos.tools.registry import ToolRegistry
 
 log = logging.getLogger("atropos.envs.agent_env")
+
+
+class _TrainerDone(Exception):
+    """Serve mode: the trainer has taken ``total_steps`` batches (ends BaseEnv's loop, not an error)."""
+
+
+def _say(line: str) -> None:
+    print(f"[atropos-sandbox] {line}", file=sys.stderr, flush=True)
 
 
 class SandboxEnv(AgentEnvBase):
@@ -97,11 +111,90 @@ class SandboxEnv(AgentEnvBase):
                 append_to_html(Path(str(path).rsplit(".", 1)[0] + ".html"), self.verifier_results)
 
     async def env_manager(self) -> Any:
-        """``serve`` mode: BaseEnv's loop, then the pool is stopped and the summary printed."""
+        """``serve`` mode: BaseEnv's loop until the trainer has taken ``total_steps`` batches; then
+        every running group is cancelled and waited for (its slots released) before the pool stops
+        and the summary is printed, also when the run is stopped by SIGTERM or Ctrl-C."""
+        self._serve_mode = True
         try:
             return await super().env_manager()
+        except _TrainerDone:
+            _say(f"the trainer has taken {self.config.total_steps} batch(es) (total_steps): stopping")
+            return None
         finally:
+            await self._stop_rollouts()
             await self._end_run()
+
+    async def handle_env(self, item_uuid: str) -> Any:
+        """BaseEnv's worker for one group, tracked until it has ended: BaseEnv cancels workers
+        (total_steps, queue full, worker_timeout) without waiting for them, and a group's slots
+        must be released before the pool stops."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._rollout_tasks.add(task)
+        try:
+            return await super().handle_env(item_uuid)
+        finally:
+            if task is not None:
+                self._rollout_tasks.discard(task)
+
+    async def _stop_rollouts(self) -> None:
+        tasks = [t for t in self._rollout_tasks if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        # each releases its slots in its finally; nothing they raise matters once the run is over
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def get_status(self) -> None:
+        """BaseEnv's, then the end of the run as soon as the trainer has taken ``total_steps``
+        batches (BaseEnv waits for one more batch in the queue, which nobody will take)."""
+        await super().get_status()
+        if self.status_dict["current_step"] >= self.config.total_steps > 0:
+            raise _TrainerDone
+
+    async def register_env(self) -> None:
+        """BaseEnv's, then a warning if run-api already holds groups or steps this env did not
+        make: a run-api left running by an earlier run hands its groups to the new trainer first."""
+        await super().register_env()
+        try:
+            async with httpx.AsyncClient(timeout=10) as client:
+                status = (await client.get(f"{self.config.rollout_server_url}/status")).json()
+            queued, step = int(status["queue_size"]), int(status["current_step"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            log.debug("run-api /status unreadable (%s); no leftover check", exc)
+            return
+        if queued or step:
+            _say(f"warning: run-api at {self.config.rollout_server_url} already holds {queued} group(s) and is at "
+                 f"step {step} before this env sent anything: left over from an earlier run (or sent by another "
+                 "env). A trainer gets those groups first. Start a fresh run-api for each run, or have the "
+                 "trainer GET /reset_data before it registers (docs/write-an-environment.md, section 5).")
+
+    async def get_server_info(self) -> None:
+        """BaseEnv's (the trainer's batch size), then ``max_num_workers`` when left at -1: the
+        groups of one batch (serve_pace.py says why not atroposlib's 8 per server)."""
+        await super().get_server_info()
+        c = self.config
+        if c.max_num_workers == -1:
+            c.max_num_workers = default_max_workers(
+                batch_size=c.batch_size, group_size=c.group_size,
+                atroposlib_default=c.max_num_workers_per_node * len(self.server.servers),
+                pool_slots=c.max_hosts * c.slots_per_host)
+            self.max_num_workers = c.max_num_workers
+        _say(f"serve: up to {c.max_num_workers} group(s) of {c.group_size} at once (--env.max_num_workers; "
+             f"the trainer's batch is {c.batch_size}), each cancelled after {c.worker_timeout:.0f} s "
+             "(--env.worker_timeout)")
+
+    def _turn_done(self, seconds: float) -> None:
+        """A model turn took ``seconds``: in serve mode, warn once if rollouts at this pace outlive
+        ``worker_timeout``."""
+        if not self._serve_mode:
+            return
+        self.pace.add(seconds)
+        c = self.config
+        warning = self.pace.warning(max_steps=c.agent_max_steps, worker_timeout=c.worker_timeout,
+                                    groups_running=max(1, len(self.running_items)), group_size=c.group_size,
+                                    max_workers=self.max_num_workers)
+        if warning:
+            _say(warning)
 
     async def _end_run(self) -> None:
         """The pool's last status, then the pool down, then the summary (with what the pool ran)."""
