@@ -25,6 +25,7 @@ pytest.importorskip("atroposlib")
 
 from test_write_an_environment import blocks  # the guide's own trainer
 
+from atropos.envs.serve_pace import TurnPace, default_max_workers
 from atropos.testing import FakeChatServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -229,6 +230,32 @@ def test_serve_warns_when_model_turns_cannot_finish_within_worker_timeout(tokeni
     assert re.search(r"with [12] group\(s\) of 2 at once, so a rollout of up to 20 turns \(agent_max_steps\) "
                      r"needs up to \d+ s, more than worker_timeout \(5 s\)", line), line
     assert "Lower --env.max_num_workers (now 2)" in line and err.count("warning: a model turn takes") == 1
+
+
+def test_the_default_groups_at_once_are_one_batch_capped_by_the_pool_and_atroposlib() -> None:
+    one = {"group_size": 2, "atroposlib_default": 8, "pool_slots": 64}
+    assert default_max_workers(batch_size=4, **one) == 2  # the guide: one batch of 4 is 2 groups of 2
+    assert default_max_workers(batch_size=5, **one) == 3  # a partial group still needs a worker
+    assert default_max_workers(batch_size=1024, **one) == 8  # a large batch: atroposlib's own default
+    assert default_max_workers(batch_size=1024, group_size=16, atroposlib_default=8, pool_slots=32) == 2  # slots
+    assert default_max_workers(batch_size=4, group_size=8, atroposlib_default=8, pool_slots=4) == 1  # never 0
+    assert default_max_workers(batch_size=-1, **one) == 8  # no batch size from the trainer: atroposlib's
+
+
+def test_the_pace_warning_needs_a_few_turns_and_is_said_once() -> None:
+    pace = TurnPace()
+    args = {"max_steps": 10, "worker_timeout": 600.0, "groups_running": 6, "group_size": 2, "max_workers": 8}
+    pace.add(100.0)
+    assert pace.warning(**args) is None  # one turn (a cold model server) proves nothing
+    pace.add(50.0)
+    assert pace.warning(**{**args, "worker_timeout": 0.0}) is None  # no timeout: nothing is cancelled
+    said = pace.warning(**args)  # median 75 s x 10 turns = 750 s > 600 s
+    assert said is not None and "needs up to 750 s, more than worker_timeout (600 s)" in said
+    assert pace.warning(**args) is None
+    fast = TurnPace()
+    for _ in range(5):
+        fast.add(59.0)
+    assert fast.warning(**args) is None  # 590 s: in time
 
 
 def _post_stale_groups(api: str, n: int) -> None:
