@@ -164,9 +164,10 @@ class SandboxEnv(AgentEnvBase):
             return
         if queued or step:
             _say(f"warning: run-api at {self.config.rollout_server_url} already holds {queued} group(s) and is at "
-                 f"step {step} before this env sent anything: left over from an earlier run (or sent by another "
-                 "env). A trainer gets those groups first. Start a fresh run-api for each run, or have the "
-                 "trainer GET /reset_data before it registers (docs/write-an-environment.md, section 5).")
+                 f"step {step} before this env sent anything: left over from an earlier run, unless another env "
+                 "sent them or the trainer resumed at that step. A trainer gets those groups first, and a step "
+                 "at total_steps ends this env at once. Start a fresh run-api for each run, or have the trainer "
+                 "GET /reset_data before it registers (docs/write-an-environment.md, section 5).")
 
     async def get_server_info(self) -> None:
         """BaseEnv's (the trainer's batch size), then ``max_num_workers`` when left at -1: the
