@@ -165,3 +165,49 @@ def test_serve_mode_against_a_real_run_api(model_url: str, tmp_path: Path) -> No
         api.wait(30)
         if env_log is not None:
             env_log.close()
+
+
+def test_the_guides_serve_recipe_delivers_with_the_real_model(model_url: str, tmp_path: Path) -> None:
+    """docs/write-an-environment.md section 5 as written (its env, its trainer, its run-api and serve
+    commands) against the project's model server instead of the fake one: the trainer receives a
+    batch (issue 28: with atroposlib's 8 groups at once nothing arrived in 13 minutes on 2 cores),
+    and the env stops by itself once the trainer has it. One step instead of the guide's two, to
+    keep CI short."""
+    from test_write_an_environment import blocks
+
+    model_port = re.search(r":(\d+)/v1$", model_url)
+    assert model_port is not None
+    ports = {"8090": model_port.group(1), "8000": str(free_port())}
+
+    def ported(text: str) -> str:
+        return re.sub(r"\b(8090|8000)\b", lambda m: ports[m.group(1)], text)
+
+    found = blocks()
+    for _lang, info, body in found:
+        if info in ("file=lines_env.py", "file=trainer.py"):
+            (tmp_path / info.removeprefix("file=")).write_text(ported(body))
+    start_api = next(body for lang, _, body in found if lang == "bash" and "run-api --host" in body)
+    serve = next(body for lang, _, body in found if lang == "bash" and "python trainer.py" in body)
+    assert "python trainer.py 2 " in serve and "--env.total_steps 2 " in serve
+    serve = serve.replace("python trainer.py 2 ", "python trainer.py 1 ").replace("--env.total_steps 2 ",
+                                                                                  "--env.total_steps 1 ")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(REPO),
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    env.pop("ATROPOS_MODEL_URL", None)
+    try:
+        for body in (start_api, serve):
+            t0 = time.monotonic()
+            proc = subprocess.run(["bash", "-euo", "pipefail", "-c", ported(body)], cwd=tmp_path, env=env,
+                                  capture_output=True, text=True, timeout=1500)
+            assert proc.returncode == 0, f"{body}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            print(f"{time.monotonic() - t0:6.1f}s  {body.splitlines()[0]}")
+    finally:
+        for name in ("trainer.pid", "env.pid", "run-api.pid"):
+            pid_file = tmp_path / name
+            if pid_file.exists():
+                subprocess.run(["kill", pid_file.read_text().strip()], capture_output=True)
+    trainer = (tmp_path / "trainer.log").read_text()
+    serve_log = (tmp_path / "serve.log").read_text()
+    assert re.search(r"^step 0: 2 groups, scores \[", trainer, re.M), trainer + serve_log[-4000:]
+    assert "the trainer has taken 1 batch(es) (total_steps): stopping" in serve_log, serve_log[-4000:]
+    assert "NoneType" not in serve_log and "Traceback" not in serve_log, serve_log[-4000:]

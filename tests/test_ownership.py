@@ -28,6 +28,7 @@ ALLOWED = {
     ("env_cli.py", "sys.argv"): "the command line BaseEnv.cli parses is the process's, not an object's",
     ("agent_env.py", "config.wandb_name"): "the env's own config (a pydantic settings record), defaulted",
     ("agent_env.py", "self.server.tool_parser"): "atroposlib's ServerManager has no setter; ManagedServer reads it",
+    ("agent_env.py", "self.config.max_num_workers"): "the env's own config, defaulted from the trainer's batch (serve)",
     ("env_cli.py", "base.rprint"): "atroposlib's config dump has no switch: quiet unless --show-config (issue 28)",
 }
 

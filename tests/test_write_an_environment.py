@@ -86,7 +86,7 @@ def test_every_block_of_the_doc_runs(tmp_path: Path) -> None:
     # section 5: the trainer took two batches of two groups each
     trainer = (tmp_path / "trainer.log").read_text()
     assert "step 0: 2 groups, scores [1.0, 1.0, 1.0, 1.0]" in trainer and "step 1: 2 groups" in trainer
-    # the env stopped by `kill` (SIGTERM) stopped its pool and printed its summary
+    # the env stopped by itself at total_steps, stopped its pool and printed its summary
     serve_log = (tmp_path / "serve.log").read_text()
     assert "[atropos-sandbox] pool: backend local" in serve_log and "mean score: 1.000" in serve_log, serve_log[-3000:]
     # section 6: evaluate printed and saved its metrics

@@ -48,6 +48,7 @@ from atropos.envs.env_base import ExecTool, Rollout, _new_stats
 from atropos.envs.env_rollout import RolloutRunner
 from atropos.envs.env_sandbox import EnvSandbox
 from atropos.envs.score_info import ERROR_KEY, INFO_KEY, error_shares, rollout_info
+from atropos.envs.serve_pace import ServeMode, TrainerDone, say
 from atropos.envs.verifier_check import VerifierCheck, VerifierCheckResult, append_to_html, run_checks, summary_lines
 from atropos.errors import ConfigError, InfrastructureError
 from atropos.progress import GroupProgress
@@ -90,6 +91,7 @@ class AgentEnv(BaseEnv):
         self.stats = _new_stats()
         self.eval_stats = _new_stats()  # kept apart: eval rollouts must not move training metrics
         self._process_mode = False
+        self.serve = ServeMode()  # what serve mode does differently (serve_pace.py)
         self._lost_in_a_row = 0
         self._grammars: dict[bool, str] = {}  # turn_grammar's two grammars, by allow_answer
         self.progress = GroupProgress()  # one stderr line per scored group (long runs show they move)
@@ -179,7 +181,14 @@ class AgentEnv(BaseEnv):
     async def chat(self, messages: list[dict[str, Any]], session: ManagedSession | None = None) -> ChatReply:
         """One model turn: through the rollout's ManagedServer session when there is one, else
         through atroposlib's ServerManager (OpenAI-compatible servers). A failure of the server is
-        raised as ``InferenceUnavailable`` (infrastructure: the rollout is retried, never scored)."""
+        raised as ``InferenceUnavailable`` (infrastructure: the rollout is retried, never scored).
+        Timed: serve mode warns when turns this slow make a rollout outlive ``worker_timeout``."""
+        t0 = time.monotonic()
+        reply = await self._model_turn(messages, session)
+        self.serve.turn_done(time.monotonic() - t0, self.config, len(self.running_items), self.max_num_workers)
+        return reply
+
+    async def _model_turn(self, messages: list[dict[str, Any]], session: ManagedSession | None) -> ChatReply:
         c = self.config
         kwargs: dict[str, Any] = {"max_tokens": c.agent_max_tokens, "temperature": c.agent_temperature}
         try:
@@ -269,11 +278,38 @@ class AgentEnv(BaseEnv):
                 score_info.append_to_html(report, Path(path))
 
     async def env_manager(self) -> Any:
-        """``serve`` mode: BaseEnv's loop, then the pool is stopped and the summary printed."""
+        """``serve`` mode: BaseEnv's loop until the trainer has taken ``total_steps`` batches; then
+        every running group is cancelled and waited for (its slots released) before the pool stops
+        and the summary is printed, also when the run is stopped by SIGTERM or Ctrl-C."""
+        self.serve.start()
         try:
             return await super().env_manager()
+        except TrainerDone:
+            say(f"the trainer has taken {self.config.total_steps} batch(es) (total_steps): stopping")
+            return None
         finally:
+            await self.serve.stop_rollouts()
             await self._end_run()
+
+    async def handle_env(self, item_uuid: str) -> Any:
+        """BaseEnv's worker for one group, tracked until it has ended (``ServeMode.tracked``)."""
+        return await self.serve.tracked(super().handle_env(item_uuid))
+
+    async def get_status(self) -> None:
+        """BaseEnv's, then the end of the run once the trainer has taken ``total_steps`` batches."""
+        await super().get_status()
+        if self.serve.trainer_done(self.status_dict, self.config.total_steps):
+            raise TrainerDone
+
+    async def register_env(self) -> None:
+        """BaseEnv's, then a warning if run-api already holds what an earlier run left."""
+        await super().register_env()
+        await self.serve.check_leftover(self.config.rollout_server_url)
+
+    async def get_server_info(self) -> None:
+        """BaseEnv's (the trainer's batch size), then ``max_num_workers`` when left at -1."""
+        await super().get_server_info()
+        self.config.max_num_workers = self.max_num_workers = self.serve.workers(self.config, len(self.server.servers))
 
     async def _end_run(self) -> None:
         """The pool's last status, then the pool down, then the summary (with what the pool ran)."""
@@ -392,11 +428,12 @@ class AgentEnv(BaseEnv):
         group_setup = self.has_group_setup()
         leases: list[Lease] = []
         template: PoolTemplate | None = None
+        pool = self.pool  # the finally releases into this pool even if the run is ending
         try:
             try:
-                leases = await self.pool.lease_many(ids, self.config.acquire_timeout_s,
-                                                    network=self.config.allow_network,
-                                                    colocate=True if group_setup else None)
+                leases = await pool.lease_many(ids, self.config.acquire_timeout_s,
+                                               network=self.config.allow_network,
+                                               colocate=True if group_setup else None)
                 if group_setup:
                     template = await self.rollouts.prepare_group(item, leases)
             except Exception as exc:
@@ -408,7 +445,7 @@ class AgentEnv(BaseEnv):
                 *(self.rollouts.with_retries(item, lease, template, self.stats) for lease in leases),
                 return_exceptions=True)
         finally:
-            await asyncio.gather(*(self.pool.release(lease) for lease in leases), return_exceptions=True)
+            await asyncio.gather(*(pool.release(lease) for lease in leases), return_exceptions=True)
             await self._drop_template(template, "group")
         rollouts, lost = self._split_results(results)
         if lost:
