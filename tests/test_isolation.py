@@ -731,19 +731,23 @@ async def test_r17_r18_no_host_env_token_or_lease_inside(canary_host: tuple[Runn
 
 
 async def test_r17_r18_container_env_token_not_inside(host: RunningHost) -> None:
-    """In a container the host token is in the container's environment (docker run -e), the canary."""
+    """A container host gets its token on its stdin (atropos/backends/docker.py): not in its
+    environment, and not readable from a slot either."""
     if not in_docker(host):
         pytest.skip("the local host is checked with a canary (test_r17_r18_no_host_env_token_or_lease_inside)")
-    await _no_secret_inside(host, host.token)
+    await _no_secret_inside(host, host.token, in_host_env=False)
 
 
-async def _no_secret_inside(running: RunningHost, canary: str) -> None:
+async def _no_secret_inside(running: RunningHost, canary: str, in_host_env: bool = True) -> None:
     try:
         host_env = Path(f"/proc/{running.proc.pid}/environ").read_bytes()
     except PermissionError:  # the host is non-dumpable: only root reads its environ
         host_env = None
     if host_env is not None:
-        assert canary.encode() in host_env, "premise: the canary is in the host process's environment"
+        if in_host_env:
+            assert canary.encode() in host_env, "premise: the canary is in the host process's environment"
+        else:
+            assert canary.encode() not in host_env, "the token is in the host process's environment"
     client = running.client()
     try:
         s = LeasedSlot(client, await client.lease("canary"))

@@ -4,8 +4,12 @@ Container options follow docs/isolation.md: nothing in the container runs as
 uid 0 or holds a capability, so ``systempaths=unconfined`` (needed for bwrap to mount a fresh
 /proc) opens nothing; the custom seccomp profile allows only the namespace and mount syscalls
 bwrap needs on top of Docker's usual set. The API port is published on 127.0.0.1 only and every
-request needs the host token, which is passed in the container's environment and never enters a
-slot (bwrap runs with an empty environment in its own PID namespace).
+request needs the host token, which reaches the host as one line on the container's stdin
+(``--token-stdin``, as a local or Ray host gets it: atropos/sandbox/contract/launch.py), written
+through an attach of the Engine API and closed at once. It is in no environment block (not in
+``docker inspect``'s Config.Env, nor in ``/proc/<pid>/environ`` of docker-init, tini or the host),
+on no command line and in no file; it never enters a slot (bwrap runs with an empty environment in
+its own PID namespace).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import time
 from collections.abc import Awaitable
 from importlib import resources
@@ -29,7 +34,7 @@ from atropos.backends.slot_caps import ContainerSlotCaps
 from atropos.errors import ConfigError, HostUnavailable, IsolationUnavailable
 from atropos.sandbox.contract import egress
 from atropos.sandbox.contract.egress import EgressSettings
-from atropos.sandbox.contract.launch import HOST_TOKEN_ENV, HostLaunch
+from atropos.sandbox.contract.launch import HostLaunch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -86,6 +91,30 @@ def remove_cgroup(host_id: str) -> None:
     cgroup = docker_cgroups.existing(host_id)
     if cgroup is not None:
         cgroup.remove()
+
+
+def send_line(attached: Any, line: str) -> None:
+    """Write ``line`` on a container's stdin through an attach socket of the docker SDK, then end
+    that input and close the socket.
+
+    The SDK hands back the socket's file object (over a unix socket or plain HTTP), the socket
+    itself (TLS) or a channel (ssh): each wraps something with ``sendall`` and ``shutdown``. The
+    half close ends the attach's input, on which the engine closes the container's stdin
+    (``stdin_once``); docker-init and tini pass their stdin on to the host, which reads one line
+    (atropos/sandbox/host/main.py, ``_read_token_from_stdin``) and then holds /dev/null."""
+    raw = getattr(attached, "_sock", attached)
+    try:
+        raw.sendall(line.encode() + b"\n")
+        with contextlib.suppress(OSError):  # the engine already ended the attach: nothing left to end
+            raw.shutdown(socket.SHUT_WR)
+    finally:
+        # the SDK's HTTP response first (it reads through the file object, and would trip over
+        # a file closed under it), then the file object and the socket, so the descriptor goes now
+        response = getattr(attached, "_response", None)
+        if response is not None:
+            response.close()
+        attached.close()
+        raw.close()
 
 
 def shipped_seccomp_profile() -> str:
@@ -192,21 +221,33 @@ class DockerBackend(Backend):
         c = self.cfg
         api = self.client.api
         cgroup, cgroup_args = self._slot_cgroup_args(host_id)
-        created = api.create_container(
+        config = api.create_container_config(
             c.image,
             # the image's entrypoint is `python3 -m atropos.sandbox`
             command=HostLaunch(host="0.0.0.0", port=CONTAINER_PORT, slots=c.slots_per_host, data_dir="/slots/data",
                                limits=c.slot_limits(), prewarm=False, egress=self.egress_settings(),
-                               **cgroup_args).args(),
-            name=host_id,
+                               token_stdin=True, **cgroup_args).args(),
             user=f"{SLOT_UID}:{SLOT_UID}",
-            environment={HOST_TOKEN_ENV: token},
+            # the token's way in: stdin (no terminal, which would echo it back)
+            stdin_open=True,
+            tty=False,
             labels={LABEL_POOL: c.pool_id, LABEL_OWNER: str(os.getpid()), LABEL_BOOT: boot_id(), LABEL_HOST: host_id},
             ports=[CONTAINER_PORT],
             host_config=self.host_config(cgroup),
             detach=True,
         )
-        api.start(created["Id"])
+        # ...closed by the engine when the one attach below ends (`docker run -i`; the SDK sets it
+        # only for a container it also attaches stdout and stderr to)
+        config["StdinOnce"] = True
+        created = api.create_container_from_config(config, host_id)
+        # attached before the start, as `docker run -i` does: nothing the host reads can be missed
+        stdin = api.attach_socket(created["Id"], params={"stdin": 1, "stream": 1})
+        try:
+            api.start(created["Id"])
+        except BaseException:
+            stdin.close()
+            raise
+        send_line(stdin, token)
         return self.client.containers.get(created["Id"])
 
     async def start_host(self) -> HostInfo:

@@ -8,7 +8,8 @@ process of the same user (on a Ray node: every task Ray runs there), even after 
 variable (the kernel shows the block the process was started with). A host this module starts
 (``start_host_process``) reads it as one line on a pipe that is its stdin (``--token-stdin``),
 then swaps stdin for /dev/null and marks itself non-dumpable, so no process of its user can read
-its memory or environ. Only a container (Docker, Nomad) still gets ``HOST_TOKEN_ENV`` from its
+its memory or environ. A Docker container's host gets the same line on the container's stdin
+(atropos/backends/docker.py). Only a Nomad task still gets ``HOST_TOKEN_ENV`` from its
 orchestrator: there the host is non-dumpable too and its slots run under other uids in their own
 pid namespaces (``tests/test_isolation.py``, rows 17-18).
 

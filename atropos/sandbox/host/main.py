@@ -1,7 +1,7 @@
 """``python -m atropos.sandbox``: run one sandbox host.
 
-The token comes from one line on stdin (``--token-stdin``: how the local and Ray backends pass it,
-``atropos/sandbox/contract/launch.py``), ``ATROPOS_SANDBOX_TOKEN`` (a container's orchestrator) or
+The token comes from one line on stdin (``--token-stdin``: how the local, Ray and Docker backends pass it,
+``atropos/sandbox/contract/launch.py``), ``ATROPOS_SANDBOX_TOKEN`` (a Nomad task, a container run by hand) or
 ``--token-file`` (never a flag: argv is visible to every process on the machine). The host makes
 itself non-dumpable first thing: no process of its user can read its environ or memory.
 Once started, the host prints one JSON line on stdout:
