@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -170,8 +171,9 @@ class LeasedSlot:
         return await self.ok("bash", command=command, **kw)
 
 
-@pytest.fixture
-async def slot(host: RunningHost) -> AsyncIterator[LeasedSlot]:
+@contextlib.asynccontextmanager
+async def leased_slot(host: RunningHost) -> AsyncIterator[LeasedSlot]:
+    """A slot of ``host`` leased on a client of its own; released (its client closed) on exit."""
     client = host.client()
     lease = await client.lease(f"test-{secrets.token_hex(4)}")
     leased = LeasedSlot(client, lease)
@@ -182,6 +184,12 @@ async def slot(host: RunningHost) -> AsyncIterator[LeasedSlot]:
             await client.release(lease.slot, leased.lease.lease)
         finally:
             await client.aclose()
+
+
+@pytest.fixture
+async def slot(host: RunningHost) -> AsyncIterator[LeasedSlot]:
+    async with leased_slot(host) as leased:
+        yield leased
 
 
 @pytest.fixture

@@ -91,18 +91,21 @@ print('built')
 # =====================================================================================================
 # Row 1: millions of empty files in /tmp, /dev/shm (and the workspace, the run dir): inode caps
 # =====================================================================================================
-FILL = r"""
-import errno, os, sys
-d = sys.argv[1]
-n, err = 0, None
-try:
-    while n < 2_000_000:
-        os.close(os.open(f'{d}/f{n}', os.O_WRONLY | os.O_CREAT, 0o600))
-        n += 1
-except OSError as exc:
-    err = errno.errorcode.get(exc.errno, exc.errno)
-print(n, err)
+# fill(d): empty files in d until a write fails; [how many, the errno's name]
+FILL_FN = r"""
+import errno, os
+
+def fill(d):
+    n, err = 0, None
+    try:
+        while n < 2_000_000:
+            os.close(os.open(f'{d}/f{n}', os.O_WRONLY | os.O_CREAT, 0o600))
+            n += 1
+    except OSError as exc:
+        err = errno.errorcode.get(exc.errno, exc.errno)
+    return [n, err]
 """
+FILL = FILL_FN + "\nimport sys\nprint(*fill(sys.argv[1]))\n"
 
 
 @pytest.mark.parametrize(("where", "cap"), [
@@ -121,18 +124,7 @@ async def test_c01_empty_files_meet_an_inode_cap(slot: LeasedSlot, where: str, c
     assert (await slot.sh(f"touch {where}/again && echo ok"))["stdout"] == "ok\n"
 
 
-VERIFY_FILL = r"""
-import errno, os
-
-def fill(d):
-    n, err = 0, None
-    try:
-        while n < 2_000_000:
-            os.close(os.open(f'{d}/f{n}', os.O_WRONLY | os.O_CREAT, 0o600))
-            n += 1
-    except OSError as exc:
-        err = errno.errorcode.get(exc.errno, exc.errno)
-    return [n, err]
+VERIFY_FILL = FILL_FN + r"""
 
 def verify(ws, secrets, args):
     return {"score": 0, "filled": {d: fill(d) for d in args}}

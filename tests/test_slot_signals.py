@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import HOST_WORKSPACE_BYTES, LeasedSlot, RunningHost, start_host, stop_host
+from conftest import HOST_WORKSPACE_BYTES, LeasedSlot, RunningHost, leased_slot, start_host, stop_host
 
 IGNORED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT)  # what `nohup cmd &` leaves ignored
 BLOCKED = (signal.SIGALRM, signal.SIGUSR2)  # the python_session interrupts with SIGALRM
@@ -50,16 +50,8 @@ def nohup_host() -> Iterator[RunningHost]:
 
 @pytest.fixture
 async def nslot(nohup_host: RunningHost) -> AsyncIterator[LeasedSlot]:
-    client = nohup_host.client()
-    lease = await client.lease(f"test-{secrets.token_hex(4)}")
-    leased = LeasedSlot(client, lease)
-    try:
+    async with leased_slot(nohup_host) as leased:
         yield leased
-    finally:
-        try:
-            await client.release(lease.slot, leased.lease.lease)
-        finally:
-            await client.aclose()
 
 
 async def test_bash_calls_start_clean_warm_or_not(nslot: LeasedSlot) -> None:

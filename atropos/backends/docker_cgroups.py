@@ -28,8 +28,10 @@ from atropos.sandbox.contract.cgroupfs import (
     CFS_PERIOD_US,
     V1_CONTROLLERS,
     V2_CONTROLLERS,
+    enable_controllers,
     mountinfo,
     rmdir_tree,
+    write_file,
 )
 
 CONTAINER_CGROUP_DIR = "/run/atropos/cgroup"
@@ -88,17 +90,17 @@ def prepare(host_id: str, *, memory_bytes: int, pids: int, cpus: float, uid: int
     try:
         if version == 2:
             root = roots[""]
-            _enable(root)
+            enable_controllers(root)
             (root / TOP).mkdir(exist_ok=True)
-            _enable(root / TOP)
+            enable_controllers(root / TOP)
             p = parents[""]
             p.mkdir()
-            _put(p / "memory.max", memory_bytes)
+            write_file(p / "memory.max", memory_bytes)
             if (p / "memory.swap.max").exists():
-                _put(p / "memory.swap.max", 0)
-            _put(p / "pids.max", pids)
-            _put(p / "cpu.max", f"{int(cpus * CFS_PERIOD_US)} {CFS_PERIOD_US}")
-            _enable(p)
+                write_file(p / "memory.swap.max", 0)
+            write_file(p / "pids.max", pids)
+            write_file(p / "cpu.max", f"{int(cpus * CFS_PERIOD_US)} {CFS_PERIOD_US}")
+            enable_controllers(p)
             (p / "slots").mkdir()
             # v2 moves a process only for a writer of the common ancestor's cgroup.procs: the
             # container's cgroup and the slots' subtree meet here. No process can live in this
@@ -110,12 +112,12 @@ def prepare(host_id: str, *, memory_bytes: int, pids: int, cpus: float, uid: int
             for p in parents.values():
                 p.mkdir(parents=True)
             mem, pid, cpu = parents["memory"], parents["pids"], parents["cpu"]
-            _put(mem / "memory.limit_in_bytes", memory_bytes)
+            write_file(mem / "memory.limit_in_bytes", memory_bytes)
             if (mem / "memory.memsw.limit_in_bytes").exists():
-                _put(mem / "memory.memsw.limit_in_bytes", memory_bytes)
-            _put(pid / "pids.max", pids)
-            _put(cpu / "cpu.cfs_period_us", CFS_PERIOD_US)
-            _put(cpu / "cpu.cfs_quota_us", int(cpus * CFS_PERIOD_US))
+                write_file(mem / "memory.memsw.limit_in_bytes", memory_bytes)
+            write_file(pid / "pids.max", pids)
+            write_file(cpu / "cpu.cfs_period_us", CFS_PERIOD_US)
+            write_file(cpu / "cpu.cfs_quota_us", int(cpus * CFS_PERIOD_US))
             for p in parents.values():
                 (p / "slots").mkdir()
                 for name in ("", "cgroup.procs", "tasks"):
@@ -148,15 +150,3 @@ def leftover_hosts(prefix: str) -> set[str]:
         if top.is_dir():
             names |= {d.name for d in top.iterdir() if d.is_dir() and d.name.startswith(prefix)}
     return names
-
-
-def _enable(d: Path) -> None:
-    enabled = set((d / "cgroup.subtree_control").read_text().split())
-    missing = [c for c in V2_CONTROLLERS if c not in enabled]
-    if missing:
-        _put(d / "cgroup.subtree_control", " ".join(f"+{c}" for c in missing))
-
-
-def _put(path: Path, value: object) -> None:
-    with open(path, "w") as fh:
-        fh.write(str(value))

@@ -33,6 +33,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from atropos.envs.verify_child import RUN_CHILD, passed_flags
 from atropos.slots.lease import Lease
 
 __all__ = ["CHILD", "PROGRAM", "hidden_test_ids", "run_hidden_tests"]
@@ -76,15 +77,8 @@ except BaseException:
 report(outcome)
 '''
 
-PROGRAM = r'''
-import json, os, secrets as tokens, signal, subprocess, sys, tempfile
-
-
-def kill_others():
-    try:
-        os.kill(-1, signal.SIGKILL)  # every process of this sandbox but us (and its init)
-    except OSError:
-        pass
+PROGRAM = RUN_CHILD + r'''
+import json, os, secrets as tokens, tempfile
 
 
 def verify(workspace, secrets, args):
@@ -97,22 +91,12 @@ def verify(workspace, secrets, args):
     for test_id in json.loads(secrets["ids"]):
         name, _, rest = test_id.partition("::")
         nonce = tokens.token_hex(16)
-        kill_others()
-        proc = subprocess.Popen([sys.executable, "-I", "-c", args["child"]], cwd=workspace, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
-        ok = False
-        try:
-            request = {"file": os.path.join(work, name), "name": rest, "nonce": nonce, "workspace": workspace}
-            out, _ = proc.communicate(json.dumps(request).encode(), timeout=args["timeout"])
-            lines = out.decode("utf-8", "replace").strip().splitlines()
-            ok = proc.returncode == 0 and len(lines) == 1 and json.loads(lines[0]) == {"nonce": nonce,
-                                                                                       "outcome": "passed"}
-        except Exception:
-            ok = False
-        finally:
-            kill_others()
-            proc.wait()
-        passed.append(ok)
+        request = {"file": os.path.join(work, name), "name": rest, "nonce": nonce, "workspace": workspace}
+
+        def judge(code, lines):
+            return code == 0 and len(lines) == 1 and json.loads(lines[0]) == {"nonce": nonce, "outcome": "passed"}
+
+        passed.append(run_child(args["child"], [], workspace, request, args["timeout"], judge))
     return {"score": sum(passed) / len(passed) if passed else 0.0, "passed": passed}
 '''
 
@@ -147,12 +131,9 @@ async def run_hidden_tests(lease: Lease, tests: Mapping[str, str], ids: Sequence
     total = len(chosen)
     result = await lease.verify(PROGRAM, secrets={"tests": json.dumps(dict(tests)), "ids": json.dumps(chosen)},
                                 args={"child": CHILD, "timeout": timeout_s}, timeout_s=15 + total * (timeout_s + 1))
-    if not result.ok or result.verdict is None:
-        why = result.error.code if result.error is not None else "no_verdict"
-        return 0.0, {"tests_passed": 0, "tests_total": total, "verifier_error": why}
-    passed = result.verdict.get("passed")
-    if not isinstance(passed, list) or len(passed) != total:
-        return 0.0, {"tests_passed": 0, "tests_total": total, "verifier_error": "wrong_shape"}
-    n = sum(1 for p in passed if p is True)
+    passed = passed_flags(result, total)
+    if isinstance(passed, str):
+        return 0.0, {"tests_passed": 0, "tests_total": total, "verifier_error": passed}
+    n = sum(passed)
     return n / total, {"tests_passed": n, "tests_total": total,
-                       "failed": [i for i, p in zip(chosen, passed, strict=True) if p is not True]}
+                       "failed": [i for i, p in zip(chosen, passed, strict=True) if not p]}

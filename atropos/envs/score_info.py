@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from atropos.envs.html_report import append_table
+
 __all__ = ["ERROR_KEY", "INFO_KEY", "append_to_html", "error_shares", "json_safe", "rollout_info"]
 
 # the key of a rollout's override dict that holds its info (atroposlib's `overrides` is one dict per
@@ -69,10 +71,6 @@ def append_to_html(path: Path, jsonl: Path) -> None:
                         "</pre></td></tr>")
     if not rows:
         return
-    section = ("<section id='score-info'><h2>Why each rollout scored what it did</h2><p>What the verifier "
-               "returned beside each score (verify_and_score_trajectory), and how the agent loop ended.</p>"
-               "<table border='1'><tr><th>group</th><th>rollout</th><th>score</th><th>finish</th>"
-               f"<th>verifier</th></tr>{''.join(rows)}</table></section>")
-    text = path.read_text()
-    text = text.replace("</body>", section + "</body>", 1) if "</body>" in text else text + section
-    path.write_text(text)
+    append_table(path, "score-info", "Why each rollout scored what it did",
+                 "What the verifier returned beside each score (verify_and_score_trajectory), and how the "
+                 "agent loop ended.", ["group", "rollout", "score", "finish", "verifier"], rows)

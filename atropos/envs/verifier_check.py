@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from atropos.agent.loop import AgentConfig, ChatReply, run_agent
+from atropos.envs.html_report import append_table
 from atropos.testing.scripted import Policy, answer, by_turn
 
 if TYPE_CHECKING:
@@ -111,16 +112,13 @@ def append_to_html(path: Path, results: list[VerifierCheckResult]) -> None:
     """Add the check's table (with what the verifier saw in each run) to the run's HTML report."""
     if not results or not path.exists():
         return
-    rows = "".join(
+    rows = [
         f"<tr><td>{html.escape(r.family)}</td><td>{r.reference_score:.3f}</td><td>{r.stub_score:.3f}</td>"
         f"<td>{'ok' if r.ok else 'UNEXPECTED'}</td>"
         f"<td><pre>{html.escape(json.dumps(r.reference_saw, indent=1, default=str)[:4000])}</pre></td>"
         f"<td><pre>{html.escape(json.dumps(r.stub_saw, indent=1, default=str)[:4000])}</pre></td></tr>"
-        for r in results)
-    section = ("<section id='verifier-check'><h2>Verifier check</h2><p>Each task family verified in a slot "
-               "after its reference solution (must score 1) and at its starting state (must score 0).</p>"
-               "<table border='1'><tr><th>family</th><th>reference</th><th>stub</th><th></th>"
-               f"<th>verifier saw (reference)</th><th>verifier saw (stub)</th></tr>{rows}</table></section>")
-    text = path.read_text()
-    text = text.replace("</body>", section + "</body>", 1) if "</body>" in text else text + section
-    path.write_text(text)
+        for r in results]
+    append_table(path, "verifier-check", "Verifier check",
+                 "Each task family verified in a slot after its reference solution (must score 1) and at its "
+                 "starting state (must score 0).",
+                 ["family", "reference", "stub", "", "verifier saw (reference)", "verifier saw (stub)"], rows)

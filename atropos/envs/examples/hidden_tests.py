@@ -13,7 +13,8 @@ to defend against is the solution itself, which the program has to run:
   an object whose ``__eq__`` always says True cannot cross; a child that exits early, hangs or
   crashes fails its case;
 * before and after each case every other process of the verification sandbox is killed
-  (``kill(-1)``: nothing a case forks can write into the next case's answer);
+  (``kill(-1)``, in ``atropos/envs/verify_child.py``: nothing a case forks can write into the next
+  case's answer);
 * the program compares with ``type(got) is type(want) and want == got`` (recursively; ``want``
   on the left, and both sides are plain JSON values);
 * the env takes the number of cases from the item, not from anything the program or the slot
@@ -25,6 +26,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from atropos.envs.verify_child import RUN_CHILD, passed_flags
 from atropos.slots.lease import Lease
 
 CHILD = r'''
@@ -42,8 +44,8 @@ except BaseException as exc:
 os.write(channel, (text + "\n").encode())
 '''
 
-PROGRAM = r'''
-import json, os, signal, subprocess, sys, tempfile
+PROGRAM = RUN_CHILD + r'''
+import json, os, tempfile
 
 
 def same(want, got):
@@ -54,13 +56,6 @@ def same(want, got):
     if type(want) is dict:
         return want.keys() == got.keys() and all(same(want[k], got[k]) for k in want)
     return want == got
-
-
-def kill_others():
-    try:
-        os.kill(-1, signal.SIGKILL)  # every process of this sandbox but us (and its init)
-    except OSError:
-        pass
 
 
 def verify(workspace, secrets, args):
@@ -74,22 +69,12 @@ def verify(workspace, secrets, args):
         fh.write(source)
     passed = []
     for case_args, want in cases:
-        kill_others()
-        ok = False
-        proc = subprocess.Popen([sys.executable, "-I", "-c", args["child"], args["fn"]], cwd=work,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
-        try:
-            out, _ = proc.communicate(json.dumps(case_args).encode(), timeout=args["timeout"])
-            lines = out.decode("utf-8", "replace").strip().splitlines()
+
+        def judge(code, lines):
             reply = json.loads(lines[-1]) if lines else {}
-            ok = proc.returncode == 0 and isinstance(reply, dict) and "got" in reply and same(want, reply["got"])
-        except Exception:
-            ok = False
-        finally:
-            kill_others()
-            proc.wait()
-        passed.append(ok)
+            return code == 0 and isinstance(reply, dict) and "got" in reply and same(want, reply["got"])
+
+        passed.append(run_child(args["child"], [args["fn"]], work, case_args, args["timeout"], judge))
     return {"score": sum(passed) / len(passed) if passed else 0.0, "passed": passed}
 '''
 
@@ -105,14 +90,11 @@ async def verify(lease: Lease, item: dict[str, Any], *, case_timeout_s: float = 
     result = await lease.verify(PROGRAM, secrets={"cases": json.dumps(cases)},
                                 args={"fn": item["name"], "timeout": case_timeout_s, "child": CHILD},
                                 timeout_s=15 + total * (case_timeout_s + 1))
-    if not result.ok or result.verdict is None:
-        why = result.error.code if result.error is not None else "no verdict"
-        return 0.0, {"hidden_passed": 0, "hidden_total": total, "verifier_error": why}
-    passed = result.verdict.get("passed")
-    if not isinstance(passed, list) or len(passed) != total:
-        return 0.0, {"hidden_passed": 0, "hidden_total": total, "verifier_error": "wrong_shape"}
-    n = sum(1 for p in passed if p is True)
+    passed = passed_flags(result, total)
+    if isinstance(passed, str):
+        return 0.0, {"hidden_passed": 0, "hidden_total": total, "verifier_error": passed}
+    n = sum(passed)
     meta: dict[str, Any] = {"hidden_passed": n, "hidden_total": total}
-    if result.verdict.get("error") == "no solution.py":  # PROGRAM's own word (the solution cannot reach it)
+    if (result.verdict or {}).get("error") == "no solution.py":  # PROGRAM's own word (the solution cannot reach it)
         meta["verifier_error"] = "no_solution"
     return (n / total if total else 0.0), meta

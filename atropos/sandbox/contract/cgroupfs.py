@@ -125,21 +125,37 @@ def v2_dir(mounts: list[Mountinfo], own: dict[str, str]) -> Path | None:
             rel = os.path.relpath(path, m.root) if m.root != "/" else path.lstrip("/")
             d = Path(m.mountpoint) / rel
             if not rel.startswith("..") and (d / "cgroup.controllers").exists():
-                controllers = set(_read(d / "cgroup.controllers").split())
-                if set(V2_CONTROLLERS) <= controllers or _read(d / "cgroup.subtree_control").strip():
+                controllers = set(read_file(d / "cgroup.controllers").split())
+                if set(V2_CONTROLLERS) <= controllers or read_file(d / "cgroup.subtree_control").strip():
                     return d
     return None
 
 
-def _read(path: Path) -> str:
+def read_file(path: Path) -> str:
+    """One cgroup (or /proc) file's text."""
     with open(path) as fh:
         return fh.read()
+
+
+def write_file(path: Path, value: object) -> None:
+    """Write ``value`` to a cgroup control file in one write(2) (the kernel takes a control file's
+    value from a single write; ``str`` of a number is its decimal text)."""
+    with open(path, "w") as fh:
+        fh.write(str(value))
+
+
+def enable_controllers(d: Path) -> None:
+    """Delegate the v2 controllers to ``d``'s children (only those not delegated yet)."""
+    enabled = set(read_file(d / "cgroup.subtree_control").split())
+    missing = [c for c in V2_CONTROLLERS if c not in enabled]
+    if missing:
+        write_file(d / "cgroup.subtree_control", " ".join(f"+{c}" for c in missing))
 
 
 def cgroup_pids(d: Path) -> list[int]:
     """The processes in the cgroup ``d`` (none if it is gone)."""
     try:
-        return [int(p) for p in _read(d / "cgroup.procs").split()]
+        return [int(p) for p in read_file(d / "cgroup.procs").split()]
     except FileNotFoundError:
         return []
 
@@ -152,8 +168,7 @@ def kill_cgroup(d: Path, deadline_s: float = 30.0) -> list[int]:
     slot quarantined for processes that were already dying). A true survivor (one the kernel
     cannot kill) still ends in quarantine, just later."""
     if (d / "cgroup.kill").exists():  # v2: one write kills the whole cgroup
-        with open(d / "cgroup.kill", "w") as fh:
-            fh.write("1")
+        write_file(d / "cgroup.kill", "1")
     deadline = time.monotonic() + deadline_s
     i = 0
     while True:

@@ -33,13 +33,16 @@ from atropos.sandbox.contract.cgroupfs import (
     V1_CONTROLLERS,
     V2_CONTROLLERS,
     cgroup_pids,
+    enable_controllers,
     kill_cgroup,
     mountinfo,
     own_cgroups,
+    read_file,
     remove_stale,
     rmdir_tree,
     v1_dir,
     v2_dir,
+    write_file,
 )
 from atropos.sandbox.contract.launch import SlotLimits
 
@@ -53,16 +56,6 @@ SH = "/bin/sh"
 _PLACE = ('for f do [ "$f" = -- ] && break; echo $$ >"$f" || exit 125; shift; done; shift; '
           'unset PWD OLDPWD; exec "$@"')
 PLACEMENT_FAILED = 125
-
-
-def _write(path: Path, value: str) -> None:
-    with open(path, "w") as fh:
-        fh.write(value)
-
-
-def _read(path: Path) -> str:
-    with open(path) as fh:
-        return fh.read()
 
 
 @dataclass
@@ -92,38 +85,38 @@ class SlotCgroup:
         if self.version == 2:
             d = self.dirs[""]
             if caps.memory_bytes:
-                _write(d / "memory.max", str(caps.memory_bytes))
+                write_file(d / "memory.max", str(caps.memory_bytes))
                 if (d / "memory.swap.max").exists():
-                    _write(d / "memory.swap.max", "0")
+                    write_file(d / "memory.swap.max", "0")
             if caps.pids:
-                _write(d / "pids.max", str(caps.pids))
-            _write(d / "cpu.max", f"{int(caps.cpus * CFS_PERIOD_US)} {CFS_PERIOD_US}" if caps.cpus else "max")
+                write_file(d / "pids.max", str(caps.pids))
+            write_file(d / "cpu.max", f"{int(caps.cpus * CFS_PERIOD_US)} {CFS_PERIOD_US}" if caps.cpus else "max")
             return
         mem, pids, cpu = self.dirs["memory"], self.dirs["pids"], self.dirs["cpu"]
         if caps.memory_bytes:
-            _write(mem / "memory.limit_in_bytes", str(caps.memory_bytes))
+            write_file(mem / "memory.limit_in_bytes", str(caps.memory_bytes))
             if (mem / "memory.memsw.limit_in_bytes").exists():  # swap accounted: no escape into swap
-                _write(mem / "memory.memsw.limit_in_bytes", str(caps.memory_bytes))
+                write_file(mem / "memory.memsw.limit_in_bytes", str(caps.memory_bytes))
         if caps.pids:
-            _write(pids / "pids.max", str(caps.pids))
-        _write(cpu / "cpu.cfs_period_us", str(CFS_PERIOD_US))
-        _write(cpu / "cpu.cfs_quota_us", str(int(caps.cpus * CFS_PERIOD_US)) if caps.cpus else "-1")
+            write_file(pids / "pids.max", str(caps.pids))
+        write_file(cpu / "cpu.cfs_period_us", str(CFS_PERIOD_US))
+        write_file(cpu / "cpu.cfs_quota_us", str(int(caps.cpus * CFS_PERIOD_US)) if caps.cpus else "-1")
 
     def caps_in_force(self) -> dict[str, str]:
         """The limits as the kernel reports them (for tests and status)."""
         if self.version == 2:
             d = self.dirs[""]
             names = {"memory": "memory.max", "pids": "pids.max", "cpu": "cpu.max"}
-            return {k: _read(d / f).strip() for k, f in names.items() if (d / f).exists()}
-        return {"memory": _read(self.dirs["memory"] / "memory.limit_in_bytes").strip(),
-                "pids": _read(self.dirs["pids"] / "pids.max").strip(),
-                "cpu": _read(self.dirs["cpu"] / "cpu.cfs_quota_us").strip()}
+            return {k: read_file(d / f).strip() for k, f in names.items() if (d / f).exists()}
+        return {"memory": read_file(self.dirs["memory"] / "memory.limit_in_bytes").strip(),
+                "pids": read_file(self.dirs["pids"] / "pids.max").strip(),
+                "cpu": read_file(self.dirs["cpu"] / "cpu.cfs_quota_us").strip()}
 
     def memory_bytes(self) -> int:
         """Memory charged to the slot now (RSS, page cache, tmpfs and memfd pages, kernel memory)."""
         if self.version == 2:
-            return int(_read(self.dirs[""] / "memory.current"))
-        return int(_read(self.dirs["memory"] / "memory.usage_in_bytes"))
+            return int(read_file(self.dirs[""] / "memory.current"))
+        return int(read_file(self.dirs["memory"] / "memory.usage_in_bytes"))
 
     def kill(self, deadline_s: float = 30.0) -> list[int]:
         """SIGKILL every process in the cgroup until it is empty; survivors (none, normally)."""
@@ -165,9 +158,9 @@ class SlotCgroups:
     @classmethod
     def _delegated(cls, d: Path, label: str) -> SlotCgroups:
         if (d / "cgroup.controllers").exists():
-            _enable_v2(d)
+            enable_controllers(d)
             (d / label).mkdir(exist_ok=True)
-            _enable_v2(d / label)
+            enable_controllers(d / label)
             return cls(2, {"": d / label}, owned=True)
         parents = {c: d / c for c in V1_CONTROLLERS}
         missing = [str(p) for p in parents.values() if not (p / "cgroup.procs").exists()]
@@ -208,25 +201,25 @@ class SlotCgroups:
         """v2 forbids processes in a cgroup that hands controllers to children: the host moves
         itself into a leaf of its own cgroup first, which works when nothing else lives there
         (a systemd service or scope with Delegate=yes, a container's own cgroup)."""
-        available = set(_read(base / "cgroup.controllers").split())
+        available = set(read_file(base / "cgroup.controllers").split())
         if not set(V2_CONTROLLERS) <= available:
             raise CgroupUnavailable(f"cgroup {base} does not offer {sorted(set(V2_CONTROLLERS) - available)} "
                                     f"to its children. {HINT}")
-        enabled = set(_read(base / "cgroup.subtree_control").split())
+        enabled = set(read_file(base / "cgroup.subtree_control").split())
         if not set(V2_CONTROLLERS) <= enabled:
-            others = [p for p in _read(base / "cgroup.procs").split() if _tgid(p) != os.getpid()]
+            others = [p for p in read_file(base / "cgroup.procs").split() if _tgid(p) != os.getpid()]
             if others:
                 raise CgroupUnavailable(
                     f"cgroup {base} holds other processes ({len(others)}) besides this host, so it cannot "
                     f"hand controllers to slot cgroups. {HINT}")
             leaf = base / f"{label}-host"
             leaf.mkdir(exist_ok=True)
-            _write(leaf / "cgroup.procs", str(os.getpid()))
-            _enable_v2(base)
+            write_file(leaf / "cgroup.procs", str(os.getpid()))
+            enable_controllers(base)
         remove_stale(base)
         parent = base / label
         parent.mkdir(exist_ok=True)
-        _enable_v2(parent)
+        enable_controllers(parent)
         return cls(2, {"": parent}, owned=True)
 
     def slot(self, name: str, caps: SlotLimits) -> SlotCgroup:
@@ -253,19 +246,12 @@ class SlotCgroups:
 
 def _tgid(pid: str) -> int:
     try:
-        for line in _read(Path(f"/proc/{pid}/status")).splitlines():
+        for line in read_file(Path(f"/proc/{pid}/status")).splitlines():
             if line.startswith("Tgid:"):
                 return int(line.split()[1])
     except OSError:
         pass
     return -1
-
-
-def _enable_v2(d: Path) -> None:
-    enabled = set(_read(d / "cgroup.subtree_control").split())
-    missing = [c for c in V2_CONTROLLERS if c not in enabled]
-    if missing:
-        _write(d / "cgroup.subtree_control", " ".join(f"+{c}" for c in missing))
 
 
 HINT = ("Slots need a cgroup each for their memory, process and CPU caps: run the host as root, in a "
