@@ -267,7 +267,7 @@ async def test_killed_pool_process_leaves_no_actors_and_a_restart_reaps(cluster:
 def host_slot_cgroups(pid: int) -> list[Path]:
     """Where a host nests its slots' cgroups (``atropos/sandbox/host/isolation/cgroups.py``): ``atropos-<pid>`` in
     its own cgroup of each v1 controller or of v2 (a v2 host sits in the leaf ``atropos-<pid>-host``)."""
-    from atropos.sandbox.host.isolation.cgroups import mountinfo, own_cgroups
+    from atropos.sandbox.contract.cgroupfs import mountinfo, own_cgroups
 
     found = []
     for controller, path in own_cgroups(str(pid)).items():
