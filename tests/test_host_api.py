@@ -769,7 +769,7 @@ async def test_local_backend_without_bwrap_is_isolation_unavailable(tmp_path: Pa
     launcher.write_text(
         "#!/bin/sh\n"
         f"exec {sys.executable} -c 'import functools, sys\n"
-        "from atropos.sandbox import __main__ as m\n"
+        "from atropos.sandbox.host import main as m\n"
         "m.HostConfig = functools.partial(m.HostConfig, bwrap=\"/nonexistent/bwrap\")\n"
         "m.main(sys.argv[3:])' \"$@\"\n"
     )

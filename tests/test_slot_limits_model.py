@@ -18,10 +18,10 @@ from pydantic import ValidationError
 
 from atropos.backends.config import BackendConfig
 from atropos.backends.slot_caps import SlotCaps, setting_name
-from atropos.sandbox import __main__ as host_main
 from atropos.sandbox.contract.egress import EgressSettings, parse_networks
 from atropos.sandbox.contract.launch import HOST_TOKEN_ENV, HostLaunch, SlotLimits
 from atropos.sandbox.contract.protocol import DEFAULT_MAX_TIMEOUT_S, MaxTimeoutS
+from atropos.sandbox.host import main as host_main
 from atropos.sandbox.host.config import HostConfig
 
 ROOT = Path(__file__).resolve().parent.parent
