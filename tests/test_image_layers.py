@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import json
 import os
 import shutil
 import stat
@@ -273,3 +274,57 @@ def test_an_image_the_engine_does_not_have_is_a_clear_error(tmp_path: Path) -> N
     docker_or_skip()
     with pytest.raises(ImageRejected, match="has no image"):
         import_from_docker(LayerStore(tmp_path / "store"), "atropos-no-such-image:never")
+
+
+# -- an OCI image layout (what `skopeo copy docker://REF oci:DIR:TAG` writes) ----------------------
+def oci_layout(root: Path, layers: list[bytes], *, diff_ids: list[str] | None = None) -> Path:
+    """An OCI layout with one image ``v1``: gzip layer blobs (their digest is not their DiffID)."""
+    blobs = root / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+
+    def put(data: bytes) -> dict[str, object]:
+        digest = hashlib.sha256(data).hexdigest()
+        (blobs / digest).write_bytes(data)
+        return {"digest": f"sha256:{digest}", "size": len(data)}
+
+    descs = [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", **put(gzip.compress(layer_tar))}
+             for layer_tar in layers]
+    config = {"rootfs": {"type": "layers", "diff_ids": diff_ids or [
+        "sha256:" + hashlib.sha256(t).hexdigest() for t in layers]},
+              "config": {"Env": ["PATH=/usr/bin:/bin", "TASK=oci"], "WorkingDir": "/testbed", "User": "1000"}}
+    manifest = {"schemaVersion": 2, "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                                               **put(json.dumps(config).encode())}, "layers": descs}
+    index = {"schemaVersion": 2, "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json",
+                                                **put(json.dumps(manifest).encode()),
+                                                "annotations": {"org.opencontainers.image.ref.name": "v1"}}]}
+    (root / "index.json").write_text(json.dumps(index))
+    (root / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    return root
+
+
+def test_an_oci_layout_image_is_imported_with_its_config_and_layers_by_diff_id(tmp_path: Path) -> None:
+    from atropos.sandbox.host.images.sources import import_oci_layout
+
+    base = layer(directory("etc"), entry("etc/motd", data=b"base\n"), entry("etc/gone", data=b"x"))
+    top = layer(directory("etc"), entry("etc/.wh.gone"), directory("testbed"), entry("testbed/a.py", data=b"1\n"))
+    store = LayerStore(tmp_path / "store")
+    image = import_oci_layout(store, oci_layout(tmp_path / "oci", [base, top]), "v1")
+    assert image.unpacked == 2 and len(image.layers) == 2
+    assert image.config.working_dir == "/testbed" and image.config.user == "1000"
+    assert "TASK=oci" in image.config.env
+    assert (Path(image.layers[1]) / "testbed/a.py").read_bytes() == b"1\n"
+    assert stat.S_ISCHR(os.lstat(Path(image.layers[1]) / "etc/gone").st_mode)  # the whiteout
+    assert import_oci_layout(store, tmp_path / "oci", "v1").unpacked == 0  # all on the host already
+    with pytest.raises(ImageRejected, match="expected one image named 'v2'"):
+        import_oci_layout(store, tmp_path / "oci", "v2")
+
+
+def test_an_oci_layer_that_is_not_what_its_config_says_is_refused(tmp_path: Path) -> None:
+    from atropos.sandbox.host.images.sources import import_oci_layout
+
+    good, other = layer(entry("a", data=b"1")), layer(entry("b", data=b"2"))
+    lying = oci_layout(tmp_path / "oci", [good], diff_ids=["sha256:" + hashlib.sha256(other).hexdigest()])
+    store = LayerStore(tmp_path / "store")
+    with pytest.raises(ImageRejected, match="hashes to"):
+        import_oci_layout(store, lying, "v1")
+    assert left_in_store(store) == []
