@@ -82,10 +82,6 @@ class _Hashing(io.RawIOBase):
         self.size += n
         return n
 
-    def drain(self) -> None:
-        while self.raw.read(1 << 20):
-            pass
-
 
 @contextlib.contextmanager
 def uncompressed(stream: IO[bytes]) -> Iterator[IO[bytes]]:

@@ -146,7 +146,6 @@ def import_from_docker(store: LayerStore, reference: str, *, socket_path: str = 
         with tempfile.NamedTemporaryFile(dir=store.root / "tmp", suffix=".tar") as spool:
             shutil.copyfileobj(resp, spool, 1 << 20)
             spool.flush()
-            conn.close()
             return import_docker_archive(store, Path(spool.name), reference)
     finally:
         conn.close()
