@@ -41,6 +41,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_for_http(url: str, proc: subprocess.Popen[Any] | None = None, timeout: float = 60.0) -> None:
+    """Block until ``url`` answers at all (any status): a server a test started (run-api, ...) is up.
+    Fails at once if ``proc`` (that server) exited, else after ``timeout`` seconds."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            httpx.get(url, timeout=2)
+            return
+        except httpx.HTTPError:
+            assert (proc is None or proc.poll() is None) and time.monotonic() < deadline, f"{url} did not answer"
+            time.sleep(0.2)
+
+
 MODEL_SERVER = Path(__file__).resolve().parent.parent / "scripts" / "model_server.py"
 
 

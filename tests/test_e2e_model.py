@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port
+from conftest import free_port, wait_for_http
 
 from atropos.agent.parsing import parse_hermes
 
@@ -120,14 +120,7 @@ def test_serve_mode_against_a_real_run_api(model_url: str, tmp_path: Path) -> No
     env_proc: subprocess.Popen[str] | None = None
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(base + "/", timeout=2)
-                break
-            except httpx.HTTPError:
-                assert time.monotonic() < deadline, "run-api did not start"
-                time.sleep(0.3)
+        wait_for_http(base + "/", api)
         # a minimal trainer: register, then fetch batches
         httpx.post(base + "/register", json={
             "wandb_group": "t", "wandb_project": "t", "batch_size": 2, "max_token_len": 8192,

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import free_port
+from conftest import free_port, wait_for_http
 
 pytest.importorskip("atroposlib")
 
@@ -43,14 +43,7 @@ def api(tmp_path: Path) -> Iterator[str]:
                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "run-api.log", "w"))
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(base + "/status", timeout=2)
-                break
-            except httpx.HTTPError:
-                assert proc.poll() is None and time.monotonic() < deadline, "run-api did not start"
-                time.sleep(0.2)
+        wait_for_http(base + "/status", proc)
         yield base
     finally:
         proc.terminate()
