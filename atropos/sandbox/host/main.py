@@ -50,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
     p.add_argument("--port", type=int, default=defaults.port, help="port; 0 picks a free one")
     p.add_argument("--slots", type=int, default=defaults.slots, help="number of slots (default %(default)s)")
     p.add_argument("--data-dir", type=Path, default=defaults.data_dir, help="where workspaces live")
+    p.add_argument("--image-store", type=Path, default=None,
+                   help=HostConfig.model_fields["image_store"].description)
     p.add_argument("--token-file", type=Path, help=f"file holding the bearer token (else ${TOKEN_ENV})")
     p.add_argument("--token-stdin", action="store_true",
                    help="read the bearer token as the first line of stdin (then stdin is /dev/null)")
@@ -115,7 +117,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
     except ValueError as exc:  # pydantic's ValidationError is one: the flag's bound, said as usage
         p.error(str(exc))
     cfg = HostConfig(
-        slots=args.slots, data_dir=args.data_dir, host=args.host, port=args.port, token=token,
+        slots=args.slots, data_dir=args.data_dir, image_store=args.image_store, host=args.host, port=args.port,
+        token=token,
         uid_base=args.uid_base, unsafe_no_isolation=args.unsafe_no_isolation, **host_settings(slot),
         limits=Limits(nproc=args.nproc, address_space_bytes=args.memory, workspace_bytes=slot.workspace_bytes,
                       workspace_inodes=args.workspace_inodes, tmp_inodes=args.tmp_inodes,

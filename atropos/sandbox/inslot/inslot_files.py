@@ -133,12 +133,15 @@ class SlotFiles:
         return os.path.normpath(os.path.join(root, rel))
 
     def _open(self, path: str, flags: int, mode: int = 0o644) -> int:
-        rel = self._rel(path)
+        return self._open_rel(self._rel(path), flags, mode, shown=path)
+
+    def _open_rel(self, rel: str, flags: int, mode: int = 0o644, shown: str | None = None) -> int:
+        """Open ``rel``, already relative to the workspace (see ``_rel``)."""
         root = self._root_fd()
         try:
             return _openat2(root, rel, flags, mode)
         except OSError as exc:
-            raise _os_failure(exc, path) from None
+            raise _os_failure(exc, rel if shown is None else shown) from None
         finally:
             os.close(root)
 
@@ -149,20 +152,21 @@ class SlotFiles:
         finally:
             os.close(fd)
 
-    def _make_parents(self, path: str) -> None:
-        parts = [p for p in path.split("/") if p not in ("", ".")][:-1]
+    def _make_parents(self, rel: str) -> None:
+        """Make the missing directories above ``rel`` (relative to the workspace, see ``_rel``)."""
+        parts = [p for p in rel.split("/") if p not in ("", ".")][:-1]
         prefix = ""
         for part in parts:
             prefix = f"{prefix}/{part}" if prefix else part
             try:
-                fd = self._open(prefix, os.O_PATH | os.O_DIRECTORY)
+                fd = self._open_rel(prefix, os.O_PATH | os.O_DIRECTORY)
                 os.close(fd)
                 continue
             except ToolFailure as exc:
                 if exc.code != "not_found":
                     raise
             parent = prefix.rsplit("/", 1)[0] if "/" in prefix else "."
-            pfd = self._open(parent, os.O_PATH | os.O_DIRECTORY)
+            pfd = self._open_rel(parent, os.O_PATH | os.O_DIRECTORY)
             try:
                 os.mkdir(part, 0o755, dir_fd=pfd)
             except FileExistsError:

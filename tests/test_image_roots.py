@@ -1,0 +1,269 @@
+"""Slots whose root is a task image (docs/task-images.md), on a real host, real bubblewrap and a
+real Docker engine: every image here is built locally from the project's base image, and what a
+slot shows is compared with ``docker run`` of the same image."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import secrets
+import shutil
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from atropos.sandbox.contract.protocol import VerifyRequest
+from tests.conftest import LeasedSlot, RunningHost, start_host, stop_host, wait_until
+
+BASE = "atropos-sandbox-base:bookworm"
+# Layers are content-addressed and checked against their DiffID at import: a store kept between
+# runs is as good as a fresh one, and saves importing the base image (~200 MB) every run.
+STORE = Path.home() / ".cache" / "atropos-sandbox" / "test-image-store"
+DOCKERFILE = f"""FROM {BASE}
+RUN mkdir -p /testbed/tests /opt/tool/bin && printf 'original\\n' > /testbed/a.txt \\
+ && printf 'def test_ok():\\n    assert True\\n' > /testbed/tests/test_x.py \\
+ && printf '#!/bin/sh\\necho tool-from-image\\n' > /opt/tool/bin/imgtool && chmod 755 /opt/tool/bin/imgtool \\
+ && rm /etc/issue.net
+ENV TASK_NAME=image-roots PATH=/opt/tool/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+WORKDIR /testbed
+"""
+
+
+def _docker_ok() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    return subprocess.run(["docker", "image", "inspect", BASE], capture_output=True).returncode == 0
+
+
+pytestmark = pytest.mark.skipif(not _docker_ok(), reason=f"needs the Docker engine with {BASE} "
+                                                          "(scripts/build_image.sh builds it)")
+
+
+def docker_run(image: str, command: str) -> tuple[int, str]:
+    """The reference: the same command in ``docker run`` of the same image."""
+    proc = subprocess.run(["docker", "run", "--rm", "--network", "none", image, "bash", "-c", command],
+                          capture_output=True, text=True, timeout=120)
+    return proc.returncode, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def task_image(tmp_path_factory: pytest.TempPathFactory) -> str:
+    tag = f"atropos-test/image-roots:{hashlib.sha256(DOCKERFILE.encode()).hexdigest()[:12]}"
+    if subprocess.run(["docker", "image", "inspect", tag], capture_output=True).returncode != 0:
+        ctx = tmp_path_factory.mktemp("ctx")
+        (ctx / "Dockerfile").write_text(DOCKERFILE)
+        subprocess.run(["docker", "build", "-q", "-t", tag, str(ctx)], check=True, capture_output=True, timeout=600)
+    return tag
+
+
+@pytest.fixture(scope="module")
+def image_host() -> Iterator[RunningHost]:
+    data = Path(f"/tmp/atropos-img-{os.getpid()}-{secrets.token_hex(3)}")
+    running = start_host(data, slots=4, extra=["--workspace-bytes", str(256 << 20), "--image-store", str(STORE)])
+    yield running
+    stop_host(running)
+
+
+@contextlib.asynccontextmanager
+async def image_slot(host: RunningHost, image: str) -> AsyncIterator[LeasedSlot]:
+    client = host.client()
+    lease = await client.lease(f"img-{secrets.token_hex(4)}")
+    try:
+        result = await client.reset(lease.slot, lease.lease, image=image)
+        assert result.ok, result.detail
+        assert result.lease is not None
+        assert "fresh root of image" in result.verified
+        lease = result.lease
+        yield LeasedSlot(client, lease)
+    finally:
+        try:
+            await client.release(lease.slot, lease.lease)
+        finally:
+            await client.aclose()
+
+
+def _cmdline(pid: str) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
+
+
+COMMANDS = [
+    "id",
+    "pwd",
+    'echo "$HOME|$PATH|$TASK_NAME"',
+    "cat /testbed/a.txt /etc/debian_version",
+    "ls /",
+    "stat -c '%U:%G %a %n' / /etc /etc/passwd /testbed /testbed/a.txt /opt/tool/bin/imgtool",
+    "imgtool; command -v imgtool",
+    "test -e /etc/issue.net; echo deleted=$?",
+    "python3 -c 'import sys; print(sys.version_info[:2], sys.prefix)'",
+    "umask; ulimit -c",
+    "touch /etc/new && rm /etc/passwd && echo root-may-write-anywhere",
+]
+
+
+async def test_tools_behave_as_in_docker_run(image_host: RunningHost, task_image: str) -> None:
+    async with image_slot(image_host, task_image) as slot:
+        for command in COMMANDS:
+            result = await slot.sh(command)
+            code, want = docker_run(task_image, command)
+            assert (result["exit_code"], result["stdout"]) == (code, want), command
+
+
+async def test_file_tools_see_the_same_root(image_host: RunningHost, task_image: str) -> None:
+    async with image_slot(image_host, task_image) as slot:
+        assert (await slot.ok("read_file", path="/testbed/a.txt"))["content"] == "original\n"
+        assert (await slot.ok("read_file", path="a.txt"))["content"] == "original\n"  # at WorkingDir
+        written = await slot.ok("write_file", path="rel/b.txt", content="from the file tool\n")
+        assert written["path"] == "/testbed/rel/b.txt"
+        assert (await slot.sh("cat /testbed/rel/b.txt"))["stdout"] == "from the file tool\n"
+        await slot.sh("printf 'from bash\\n' > /etc/motd")
+        assert (await slot.ok("read_file", path="/etc/motd"))["content"] == "from bash\n"
+        names = {e["name"] for e in (await slot.ok("list_dir", path="/"))["entries"]}
+        assert {"etc", "usr", "testbed"} <= names
+
+
+async def test_reset_restores_the_image_exactly(image_host: RunningHost, task_image: str) -> None:
+    client = image_host.client()
+    lease = await client.lease("img-reset")
+    try:
+        first = await client.reset(lease.slot, lease.lease, image=task_image)
+        assert first.ok and first.lease is not None
+        slot = LeasedSlot(client, first.lease)
+        before = (await slot.sh("find / -xdev -path /proc -prune -o -print 2>/dev/null | sort | md5sum"))["stdout"]
+        await slot.sh("rm -rf /testbed /usr/share/doc; echo x > /etc/planted; mkdir /newdir; "
+                      "chmod 700 /etc; ln -sfn / /opt/tool/bin/imgtool")
+        second = await client.reset(lease.slot, first.lease.lease, image=task_image)
+        assert second.ok and second.lease is not None, second.detail
+        slot = LeasedSlot(client, second.lease)
+        after = (await slot.sh("find / -xdev -path /proc -prune -o -print 2>/dev/null | sort | md5sum"))["stdout"]
+        assert after == before
+        assert (await slot.sh("cat /testbed/a.txt; stat -c %a /etc; imgtool"))["stdout"] == \
+            "original\n755\ntool-from-image\n"
+        lease = second.lease
+    finally:
+        await client.release(lease.slot, lease.lease)
+        await client.aclose()
+
+
+async def test_root_inside_is_an_unprivileged_uid_outside(image_host: RunningHost, task_image: str) -> None:
+    async with image_slot(image_host, task_image) as slot:
+        marker = f"4.{secrets.randbelow(10**6):06d}"
+        running = asyncio.create_task(slot.sh(f"id -u > /tmp/uid; sleep {marker}"))
+        pids: list[str] = []
+
+        def found() -> bool:
+            pids[:] = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p) == ["sleep", marker]]
+            return len(pids) == 1
+
+        await wait_until(found, timeout=30)
+        host_uids = {line.split()[1] for line in Path(f"/proc/{pids[0]}/status").read_text().splitlines()
+                     if line.startswith("Uid:")}
+        assert (await slot.sh("cat /tmp/uid"))["stdout"] == "0\n"  # root inside
+        assert "0" not in host_uids and len(host_uids) == 1, host_uids  # a slot uid outside
+        await running
+        # what the slot's root may not do: the helpers, the mount points, mounting, raising limits
+        for attempt in ("touch /.atropos/lib/x", "rm -rf /.atropos", "mv /.atropos /elsewhere", "rmdir /tmp",
+                        "mv /tmp /tmp2", "mount -t tmpfs none /mnt", "umount /tmp", "rm -rf /dev",
+                        "echo 1 > /proc/sys/kernel/ns_last_pid", "touch /.atropos/usr/bin/planted",
+                        "unshare -U true"):
+            result = await slot.sh(attempt + " 2>/dev/null")
+            assert result["exit_code"] != 0, attempt
+        # a later sandbox of the same slot (a python_session, a terminal) still starts
+        await slot.sh("ln -sfn /etc /run/planted; rm -rf /var/tmp; ln -s / /var/tmp")
+        out = await slot.ok("python_session", code="import os; print(os.getuid(), os.getcwd())")
+        assert out["stdout"].strip() == "0 /testbed"
+
+
+async def test_writes_are_capped(image_host: RunningHost, task_image: str) -> None:
+    async with image_slot(image_host, task_image) as slot:
+        result = await slot.sh("dd if=/dev/zero of=/big bs=1M count=400 2>&1; df -B1M / | tail -1")
+        assert "No space left on device" in result["stdout"]
+        assert (await slot.sh("rm /big && echo freed"))["stdout"] == "freed\n"
+
+
+async def test_terminal_runs_on_the_image(image_host: RunningHost, task_image: str) -> None:
+    async with image_slot(image_host, task_image) as slot:
+        out = await slot.ok("terminal", input="pwd; echo $TASK_NAME; imgtool", wait_ms=5000)
+        screen = str(out)
+        assert "/testbed" in screen and "image-roots" in screen and "tool-from-image" in screen
+
+
+VERIFIER = """
+def verify(workspace, secrets, args):
+    import os
+    def read(p):
+        try:
+            return "L:" + os.readlink(p) if os.path.islink(p) else open(p).read()
+        except OSError as exc:
+            return "missing:" + type(exc).__name__
+    return {"score": 1.0, "cwd": os.getcwd(), "workspace": workspace,
+            "files": {p: read(p) for p in args}}
+"""
+
+
+async def test_verify_restores_paths_from_the_image(image_host: RunningHost, task_image: str) -> None:
+    async with image_slot(image_host, task_image) as slot:
+        await slot.sh("printf 'def test_ok():\\n    assert False\\n' > tests/test_x.py; rm a.txt; "
+                      "printf 'import pytest\\n' > conftest.py; echo agent > /tmp/kept-out")
+        await slot.sh("mv tests tests.orig && mkdir /tmp/fake && ln -s /tmp/fake tests && echo x > /tmp/fake/new")
+        paths = ["/testbed/tests", "/testbed/a.txt", "/testbed/conftest.py"]
+        result = await slot.client.verify(slot.lease.slot, VerifyRequest(
+            lease=slot.lease.lease, program=VERIFIER, restore=paths,
+            args=["/testbed/tests/test_x.py", "/testbed/a.txt", "/testbed/conftest.py", "/testbed/tests/new"]))
+        assert result.ok, result.error
+        assert result.verdict is not None
+        assert result.verdict["cwd"] == "/testbed" and result.verdict["workspace"] == "/testbed"
+        assert result.verdict["files"] == {
+            "/testbed/tests/test_x.py": "def test_ok():\n    assert True\n",
+            "/testbed/a.txt": "original\n",
+            "/testbed/conftest.py": "missing:FileNotFoundError",
+            "/testbed/tests/new": "missing:FileNotFoundError",
+        }
+
+
+async def test_restore_refuses_a_slot_without_an_image(image_host: RunningHost) -> None:
+    client = image_host.client()
+    lease = await client.lease("no-image")
+    try:
+        result = await client.verify(lease.slot, VerifyRequest(lease=lease.lease, program=VERIFIER, args=[],
+                                                                 restore=["/workspace/x"]))
+        assert not result.ok and result.error is not None and "image" in result.error.message
+    finally:
+        await client.release(lease.slot, lease.lease)
+        await client.aclose()
+
+
+async def test_images_share_layers_and_are_listed(image_host: RunningHost, task_image: str) -> None:
+    client = image_host.client()
+    try:
+        base = await client.prepare_image(BASE)
+        task = await client.prepare_image(task_image)
+        assert task.layers == base.layers + 1  # the task image is the base plus its one RUN layer
+        held = {i.reference: i for i in await client.images()}
+        assert {BASE, task_image} <= set(held)
+        layers = sorted(p.name for p in (STORE / "layers").iterdir())
+        assert len(layers) == len(set(layers))  # the base layer once, whatever uses it
+    finally:
+        await client.aclose()
+
+
+async def test_an_unknown_image_is_a_clear_error_and_costs_the_lease_nothing(image_host: RunningHost) -> None:
+    client = image_host.client()
+    lease = await client.lease("unknown-image")
+    try:
+        with pytest.raises(Exception) as info:
+            await client.reset(lease.slot, lease.lease, image="atropos-test/no-such-image:never")
+        assert "no-such-image" in str(info.value)
+        # the lease is untouched: its token still works
+        slot = LeasedSlot(client, lease)
+        assert (await slot.sh("echo still"))["stdout"] == "still\n"
+    finally:
+        await client.release(lease.slot, lease.lease)
+        await client.aclose()
