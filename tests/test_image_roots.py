@@ -267,3 +267,15 @@ async def test_an_unknown_image_is_a_clear_error_and_costs_the_lease_nothing(ima
     finally:
         await client.release(lease.slot, lease.lease)
         await client.aclose()
+
+
+async def test_slots_of_one_image_share_its_layers_not_their_writes(image_host: RunningHost, task_image: str) -> None:
+    async with image_slot(image_host, task_image) as a, image_slot(image_host, task_image) as b:
+        await a.sh("echo from-a > /testbed/a.txt; touch /etc/only-in-a")
+        assert (await b.sh("cat /testbed/a.txt; test -e /etc/only-in-a; echo $?"))["stdout"] == "original\n1\n"
+        # each sees only its own processes, and not the other's files by any path
+        assert (await b.sh("ls /proc | grep -c '^[0-9]'"))["stdout"].strip() in {"1", "2", "3", "4"}
+        # the layers are the store's, once: both roots are overlays over the same lower dirs
+        infos = {s.slot: s for s in await a.client.slots()}
+        assert infos[a.lease.slot].image == infos[b.lease.slot].image == task_image
+        assert infos[a.lease.slot].workspace == "image"
