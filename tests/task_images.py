@@ -17,7 +17,8 @@ build context.
 - ``many-<i>`` (``build_many(n)``): n images sharing the base layer, one tiny unique layer each;
 - ``musl``: a musl root: musl's loader and libc (no glibc), a program linked against them.
 
-``python -m tests.task_images build [NAME ...] [--many N]`` builds them from the repository root.
+``.venv/bin/python -m tests.task_images build [NAME ...] [--many N]`` builds them from the repository
+root (``pyenv`` takes the pytest installed beside that interpreter).
 """
 
 from __future__ import annotations
@@ -484,8 +485,9 @@ def many_layer(i: int) -> bytes:
 
 def many_archive(refs: list[str], indices: list[int], key: str) -> bytes:
     """A ``docker save`` archive of the images ``refs[i]`` (i in ``indices``): each the base image's
-    config with one more layer. The base layer's file is not in the archive: ``docker load`` reads a
-    layer only when the engine lacks it, and the engine has the base (its image exists)."""
+    config with one more layer. The base layer's file is not in the archive: the engine's own
+    layer store (overlay2) reads a layer on ``docker load`` only when it lacks it, and it has the
+    base (its image exists). An engine on the containerd image store would want the blob too."""
     base = inspect_image(BASE_IMAGE)
     base_config = base["Config"]
     base_layers = base["RootFS"]["Layers"]  # type: ignore[index]
