@@ -13,11 +13,13 @@ import shutil
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from atropos.sandbox.contract.protocol import VerifyRequest
 from tests.conftest import LeasedSlot, RunningHost, start_host, stop_host, wait_until
+from tests.task_images import docker_run
 
 BASE = "atropos-sandbox-base:bookworm"
 # Layers are content-addressed and checked against their DiffID at import: a store kept between
@@ -43,15 +45,10 @@ pytestmark = pytest.mark.skipif(not _docker_ok(), reason=f"needs the Docker engi
                                                           "(scripts/build_image.sh builds it)")
 
 
-def docker_run(image: str, command: str) -> tuple[int, str]:
-    """The reference: the same command in ``docker run`` of the same image."""
-    proc = subprocess.run(["docker", "run", "--rm", "--network", "none", image, "bash", "-c", command],
-                          capture_output=True, text=True, timeout=120)
-    return proc.returncode, proc.stdout
 
 
 @pytest.fixture(scope="module")
-def task_image(tmp_path_factory: pytest.TempPathFactory) -> str:
+def roots_image(tmp_path_factory: pytest.TempPathFactory) -> str:
     tag = f"atropos-test/image-roots:{hashlib.sha256(DOCKERFILE.encode()).hexdigest()[:12]}"
     if subprocess.run(["docker", "image", "inspect", tag], capture_output=True).returncode != 0:
         ctx = tmp_path_factory.mktemp("ctx")
@@ -108,16 +105,16 @@ COMMANDS = [
 ]
 
 
-async def test_tools_behave_as_in_docker_run(image_host: RunningHost, task_image: str) -> None:
-    async with image_slot(image_host, task_image) as slot:
+async def test_tools_behave_as_in_docker_run(image_host: RunningHost, roots_image: str) -> None:
+    async with image_slot(image_host, roots_image) as slot:
         for command in COMMANDS:
             result = await slot.sh(command)
-            code, want = docker_run(task_image, command)
+            code, want, _ = docker_run(roots_image, command)
             assert (result["exit_code"], result["stdout"]) == (code, want), command
 
 
-async def test_file_tools_see_the_same_root(image_host: RunningHost, task_image: str) -> None:
-    async with image_slot(image_host, task_image) as slot:
+async def test_file_tools_see_the_same_root(image_host: RunningHost, roots_image: str) -> None:
+    async with image_slot(image_host, roots_image) as slot:
         assert (await slot.ok("read_file", path="/testbed/a.txt"))["content"] == "original\n"
         assert (await slot.ok("read_file", path="a.txt"))["content"] == "original\n"  # at WorkingDir
         written = await slot.ok("write_file", path="rel/b.txt", content="from the file tool\n")
@@ -129,17 +126,17 @@ async def test_file_tools_see_the_same_root(image_host: RunningHost, task_image:
         assert {"etc", "usr", "testbed"} <= names
 
 
-async def test_reset_restores_the_image_exactly(image_host: RunningHost, task_image: str) -> None:
+async def test_reset_restores_the_image_exactly(image_host: RunningHost, roots_image: str) -> None:
     client = image_host.client()
     lease = await client.lease("img-reset")
     try:
-        first = await client.reset(lease.slot, lease.lease, image=task_image)
+        first = await client.reset(lease.slot, lease.lease, image=roots_image)
         assert first.ok and first.lease is not None
         slot = LeasedSlot(client, first.lease)
         before = (await slot.sh("find / -xdev -path /proc -prune -o -print 2>/dev/null | sort | md5sum"))["stdout"]
         await slot.sh("rm -rf /testbed /usr/share/doc; echo x > /etc/planted; mkdir /newdir; "
                       "chmod 700 /etc; ln -sfn / /opt/tool/bin/imgtool")
-        second = await client.reset(lease.slot, first.lease.lease, image=task_image)
+        second = await client.reset(lease.slot, first.lease.lease, image=roots_image)
         assert second.ok and second.lease is not None, second.detail
         slot = LeasedSlot(client, second.lease)
         after = (await slot.sh("find / -xdev -path /proc -prune -o -print 2>/dev/null | sort | md5sum"))["stdout"]
@@ -152,8 +149,8 @@ async def test_reset_restores_the_image_exactly(image_host: RunningHost, task_im
         await client.aclose()
 
 
-async def test_root_inside_is_an_unprivileged_uid_outside(image_host: RunningHost, task_image: str) -> None:
-    async with image_slot(image_host, task_image) as slot:
+async def test_root_inside_is_an_unprivileged_uid_outside(image_host: RunningHost, roots_image: str) -> None:
+    async with image_slot(image_host, roots_image) as slot:
         marker = f"4.{secrets.randbelow(10**6):06d}"
         running = asyncio.create_task(slot.sh(f"id -u > /tmp/uid; sleep {marker}"))
         pids: list[str] = []
@@ -181,15 +178,15 @@ async def test_root_inside_is_an_unprivileged_uid_outside(image_host: RunningHos
         assert out["stdout"].strip() == "0 /testbed"
 
 
-async def test_writes_are_capped(image_host: RunningHost, task_image: str) -> None:
-    async with image_slot(image_host, task_image) as slot:
+async def test_writes_are_capped(image_host: RunningHost, roots_image: str) -> None:
+    async with image_slot(image_host, roots_image) as slot:
         result = await slot.sh("dd if=/dev/zero of=/big bs=1M count=400 2>&1; df -B1M / | tail -1")
         assert "No space left on device" in result["stdout"]
         assert (await slot.sh("rm /big && echo freed"))["stdout"] == "freed\n"
 
 
-async def test_terminal_runs_on_the_image(image_host: RunningHost, task_image: str) -> None:
-    async with image_slot(image_host, task_image) as slot:
+async def test_terminal_runs_on_the_image(image_host: RunningHost, roots_image: str) -> None:
+    async with image_slot(image_host, roots_image) as slot:
         out = await slot.ok("terminal", input="pwd; echo $TASK_NAME; imgtool", wait_ms=5000)
         screen = str(out)
         assert "/testbed" in screen and "image-roots" in screen and "tool-from-image" in screen
@@ -208,8 +205,8 @@ def verify(workspace, secrets, args):
 """
 
 
-async def test_verify_restores_paths_from_the_image(image_host: RunningHost, task_image: str) -> None:
-    async with image_slot(image_host, task_image) as slot:
+async def test_verify_restores_paths_from_the_image(image_host: RunningHost, roots_image: str) -> None:
+    async with image_slot(image_host, roots_image) as slot:
         await slot.sh("printf 'def test_ok():\\n    assert False\\n' > tests/test_x.py; rm a.txt; "
                       "printf 'import pytest\\n' > conftest.py; echo agent > /tmp/kept-out")
         await slot.sh("mv tests tests.orig && mkdir /tmp/fake && ln -s /tmp/fake tests && echo x > /tmp/fake/new")
@@ -240,14 +237,14 @@ async def test_restore_refuses_a_slot_without_an_image(image_host: RunningHost) 
         await client.aclose()
 
 
-async def test_images_share_layers_and_are_listed(image_host: RunningHost, task_image: str) -> None:
+async def test_images_share_layers_and_are_listed(image_host: RunningHost, roots_image: str) -> None:
     client = image_host.client()
     try:
         base = await client.prepare_image(BASE)
-        task = await client.prepare_image(task_image)
+        task = await client.prepare_image(roots_image)
         assert task.layers == base.layers + 1  # the task image is the base plus its one RUN layer
         held = {i.reference: i for i in await client.images()}
-        assert {BASE, task_image} <= set(held)
+        assert {BASE, roots_image} <= set(held)
         layers = sorted(p.name for p in (STORE / "layers").iterdir())
         assert len(layers) == len(set(layers))  # the base layer once, whatever uses it
     finally:
@@ -269,13 +266,40 @@ async def test_an_unknown_image_is_a_clear_error_and_costs_the_lease_nothing(ima
         await client.aclose()
 
 
-async def test_slots_of_one_image_share_its_layers_not_their_writes(image_host: RunningHost, task_image: str) -> None:
-    async with image_slot(image_host, task_image) as a, image_slot(image_host, task_image) as b:
+async def test_slots_of_one_image_share_its_layers_not_their_writes(image_host: RunningHost, roots_image: str) -> None:
+    async with image_slot(image_host, roots_image) as a, image_slot(image_host, roots_image) as b:
         await a.sh("echo from-a > /testbed/a.txt; touch /etc/only-in-a")
         assert (await b.sh("cat /testbed/a.txt; test -e /etc/only-in-a; echo $?"))["stdout"] == "original\n1\n"
-        # each sees only its own processes, and not the other's files by any path
-        assert (await b.sh("ls /proc | grep -c '^[0-9]'"))["stdout"].strip() in {"1", "2", "3", "4"}
         # the layers are the store's, once: both roots are overlays over the same lower dirs
         infos = {s.slot: s for s in await a.client.slots()}
-        assert infos[a.lease.slot].image == infos[b.lease.slot].image == task_image
+        assert infos[a.lease.slot].image == infos[b.lease.slot].image == roots_image
         assert infos[a.lease.slot].workspace == "image"
+
+
+# Each test image (tests/task_images.py) against docker run of it: what every image shows, and what
+# that image is for.
+# (`id -u; id -g`, not `id`: docker gives root the supplementary group 0, a slot none: an unprivileged
+# user namespace cannot set groups; docs/task-images.md lists the differences)
+COMMON = ["id -u; id -g; pwd; ls /", "env | sort | grep -v -e '^HOSTNAME=' -e '^_='", "echo hi > /made && cat /made"]
+PER_IMAGE = {
+    "pyenv": ["command -v python; python -c 'import sys; print(sys.prefix, sys.version_info[:2])'",
+              "stat -c '%U:%G %a %n' /testbed /testbed/.git; git -C /testbed log --oneline | wc -l",
+              "cd /testbed && python -m pytest -q -p no:cacheprovider 2>&1 | tail -1 | sed 's/ in .*//'"],
+    "syspkg": ["dpkg -l | tail -n +6 | wc -l; ls /usr/bin | md5sum"],
+    "nopython": ["command -v python3 python; echo $?", "busybox true && ls /bin | head -5"],
+    "layered": ["find /work | sort; cat /work/replaced/* 2>&1; test -e /etc/issue; echo $?"],
+    "musl": ["ls /lib; musl-hello"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(PER_IMAGE))
+async def test_each_test_image_behaves_as_in_docker_run(image_host: RunningHost, task_image: Any, name: str) -> None:
+    ref = task_image(name)
+    async with image_slot(image_host, ref) as slot:
+        for command in COMMON + PER_IMAGE[name]:
+            result = await slot.sh(command)
+            code, want, _ = docker_run(ref, command)
+            assert (result["exit_code"], result["stdout"]) == (code, want), (name, command)
+        # the file tools need nothing of the image (they run on the host's interpreter)
+        await slot.ok("write_file", path="/probe/file.txt", content="tools\n")
+        assert (await slot.ok("read_file", path="/probe/file.txt"))["content"] == "tools\n"
