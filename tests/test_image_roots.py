@@ -18,13 +18,11 @@ from typing import Any
 import pytest
 
 from atropos.sandbox.contract.protocol import VerifyRequest
-from tests.conftest import LeasedSlot, RunningHost, start_host, stop_host, wait_until
+from tests.conftest import IMAGE_STORE, LeasedSlot, RunningHost, start_host, stop_host, wait_until
 from tests.task_images import docker_run
 
 BASE = "atropos-sandbox-base:bookworm"
-# Layers are content-addressed and checked against their DiffID at import: a store kept between
-# runs is as good as a fresh one, and saves importing the base image (~200 MB) every run.
-STORE = Path.home() / ".cache" / "atropos-sandbox" / "test-image-store"
+STORE = IMAGE_STORE
 DOCKERFILE = f"""FROM {BASE}
 RUN mkdir -p /testbed/tests /opt/tool/bin && printf 'original\\n' > /testbed/a.txt \\
  && printf 'def test_ok():\\n    assert True\\n' > /testbed/tests/test_x.py \\

@@ -139,11 +139,24 @@ class SlotFiles:
         """Open ``rel``, already relative to the workspace (see ``_rel``)."""
         root = self._root_fd()
         try:
-            return _openat2(root, rel, flags, mode)
+            fd = _openat2(root, rel, flags, mode)
         except OSError as exc:
             raise _os_failure(exc, rel if shown is None else shown) from None
         finally:
             os.close(root)
+        if self.workspace == "/" and not flags & os.O_PATH:
+            # A workspace of "/" (an image root) reaches /proc, where "self" is this supervisor, not
+            # the tool's caller as it is for `cat /proc/self/...`: its memory, its descriptors.
+            # Nothing there is a file a file tool needs; bash reaches it as itself.
+            try:
+                real = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                real = ""
+            if real == "/proc" or real.startswith("/proc/"):
+                os.close(fd)
+                raise ToolFailure("not_regular", f"{rel if shown is None else shown}: /proc is not for the file "
+                                                 "tools (use bash)")
+        return fd
 
     def _resolve_dir(self, path: str) -> str:
         fd = self._open(path, os.O_PATH | os.O_DIRECTORY)
