@@ -42,7 +42,7 @@ pytestmark = pytest.mark.skipif(not _docker_ok(), reason="needs the Docker engin
 
 
 @pytest.fixture
-async def slot(host: RunningHost, roots_image: str) -> AsyncIterator[LeasedSlot]:
+async def slot(host: RunningHost, roots_image: str) -> AsyncIterator[LeasedSlot]:  # noqa: F811
     """A slot of the session host whose root is a task image (WorkingDir /testbed, where the
     catalogue's relative paths land), as the catalogue's ``slot``."""
     client = host.client()
