@@ -301,3 +301,41 @@ async def test_each_test_image_behaves_as_in_docker_run(image_host: RunningHost,
         # the file tools need nothing of the image (they run on the host's interpreter)
         await slot.ok("write_file", path="/probe/file.txt", content="tools\n")
         assert (await slot.ok("read_file", path="/probe/file.txt"))["content"] == "tools\n"
+
+
+HOSTILE = f"""FROM {BASE}
+RUN rm -rf /tmp && ln -s /etc /tmp && ln -s / /.atropos && ln -s /proc/1/root /p1 && ln -s / /escape \\
+ && mkdir -p /run && ln -s /etc/shadow /run/term \\
+ && cp /usr/bin/id /usr/local/bin/suid-id && chmod 4755 /usr/local/bin/suid-id
+"""
+
+
+@pytest.fixture(scope="module")
+def hostile_image(tmp_path_factory: pytest.TempPathFactory) -> str:
+    tag = f"atropos-test/image-roots-hostile:{hashlib.sha256(HOSTILE.encode()).hexdigest()[:12]}"
+    if subprocess.run(["docker", "image", "inspect", tag], capture_output=True).returncode != 0:
+        ctx = tmp_path_factory.mktemp("hostile")
+        (ctx / "Dockerfile").write_text(HOSTILE)
+        subprocess.run(["docker", "build", "-q", "-t", tag, str(ctx)], check=True, capture_output=True, timeout=600)
+    return tag
+
+
+async def test_a_hostile_image_gets_nothing(image_host: RunningHost, hostile_image: str) -> None:
+    """Symlinks where the sandbox mounts its own things (/tmp, /.atropos; /dev cannot be replaced in
+    a docker build, and takes the same path in the mount helper), links out of the
+    root and a setuid binary: the slot still gets its own capped /tmp, its own /dev and helpers,
+    every link resolves inside the slot, and setuid changes no uid outside."""
+    async with image_slot(image_host, hostile_image) as slot:
+        out = await slot.sh("stat -c '%F %a' /tmp /dev /.atropos; df -B1 --output=fstype /tmp | tail -1; "
+                            "ls /.atropos; test -c /dev/null && echo devnull")
+        assert out["stdout"] == "directory 1777\ndirectory 755\ndirectory 755\ntmpfs\nimage\nlib\nterm\nusr\ndevnull\n"
+        # links out of the root land in the slot's own root
+        both = (await slot.sh("ls -a /escape/ | md5sum; ls -a / | md5sum"))["stdout"].splitlines()
+        assert len(both) == 2 and both[0] == both[1]
+        assert (await slot.sh("cat /p1/etc/debian_version"))["stdout"] == \
+            (await slot.sh("cat /etc/debian_version"))["stdout"]
+        assert (await slot.ok("read_file", path="/escape/etc/debian_version"))["content"] == \
+            (await slot.sh("cat /etc/debian_version"))["stdout"]
+        # setuid: mounted nosuid, and root inside is the slot's uid outside anyway
+        assert (await slot.sh("stat -c %a /usr/local/bin/suid-id; suid-id -u"))["stdout"] == "4755\n0\n"
+        assert (await slot.sh("findmnt -no OPTIONS / | tr , '\\n' | grep -x nosuid"))["stdout"] == "nosuid\n"

@@ -23,6 +23,7 @@ else:  # run from the host's lib dir beside inslot_fs.py (see supervisor.py)
 
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_BENEATH = 0x08
+RESOLVE_IN_ROOT = 0x10
 SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}.get(os.uname().machine)
 MAX_OFFSET = (1 << 63) - 1  # off_t
 
@@ -43,7 +44,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
 
-def _openat2(dir_fd: int, path: str, flags: int, mode: int = 0o644) -> int:
+def _openat2(dir_fd: int, path: str, flags: int, mode: int = 0o644, resolve: int = RESOLVE_BENEATH) -> int:
     """Open ``path`` strictly beneath ``dir_fd``: an absolute path or symlink, or a ``..`` that
     climbs above ``dir_fd``, fails with EXDEV. Refusing (rather than re-rooting them at ``dir_fd``)
     keeps the file tools' view identical to the shell's: a path either names the same file bash
@@ -53,7 +54,7 @@ def _openat2(dir_fd: int, path: str, flags: int, mode: int = 0o644) -> int:
         raise ToolFailure("invalid_path", "path contains a NUL byte")
     if SYS_OPENAT2 is None:
         raise ToolFailure("unsupported", "openat2 is not available on this architecture")
-    how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
+    how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, resolve | RESOLVE_NO_MAGICLINKS)
     for _ in range(64):
         fd = _libc.syscall(SYS_OPENAT2, dir_fd, raw, ctypes.byref(how), ctypes.sizeof(how))
         if fd >= 0:
@@ -94,6 +95,9 @@ class SlotFiles:
 
     def __init__(self, workspace: str, cwd: str | None = None) -> None:
         self.workspace = workspace
+        # Beneath the workspace, an absolute symlink leaves it: refused. A workspace of "/" (an
+        # image root) is the whole root, where an absolute symlink means what it means to bash.
+        self.resolve = RESOLVE_IN_ROOT if workspace == "/" else RESOLVE_BENEATH
         # Where relative paths start (an image's WorkingDir, under a workspace of "/"); default:
         # the workspace itself.
         self.cwd = cwd
@@ -139,7 +143,7 @@ class SlotFiles:
         """Open ``rel``, already relative to the workspace (see ``_rel``)."""
         root = self._root_fd()
         try:
-            fd = _openat2(root, rel, flags, mode)
+            fd = _openat2(root, rel, flags, mode, self.resolve)
         except OSError as exc:
             raise _os_failure(exc, rel if shown is None else shown) from None
         finally:
@@ -283,7 +287,7 @@ class SlotFiles:
         try:
             try:
                 # opened for writing only to be refused a file we may not write, as in place editing was
-                fd = _openat2(root, rel_in, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY)
+                fd = _openat2(root, rel_in, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY, resolve=self.resolve)
             except OSError as exc:
                 raise _os_failure(exc, path) from None
             try:
@@ -300,7 +304,7 @@ class SlotFiles:
             if rel.startswith("..") or not name:
                 raise ToolFailure("path_escape", f"{path}: resolves outside the workspace")
             try:
-                dir_fd = _openat2(root, parent or ".", os.O_PATH | os.O_DIRECTORY)
+                dir_fd = _openat2(root, parent or ".", os.O_PATH | os.O_DIRECTORY, resolve=self.resolve)
                 tmp_name = f".{name[:200]}.edit-{os.getpid()}-{time.monotonic_ns()}"
                 tfd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                               0o600, dir_fd=dir_fd)
