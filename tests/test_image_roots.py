@@ -339,3 +339,39 @@ async def test_a_hostile_image_gets_nothing(image_host: RunningHost, hostile_ima
         # setuid: mounted nosuid, and root inside is the slot's uid outside anyway
         assert (await slot.sh("stat -c %a /usr/local/bin/suid-id; suid-id -u"))["stdout"] == "4755\n0\n"
         assert (await slot.sh("findmnt -no OPTIONS / | tr , '\\n' | grep -x nosuid"))["stdout"] == "nosuid\n"
+
+
+async def test_through_the_pool_prepare_lease_a_group_and_release(roots_image: str) -> None:
+    """pool.prepare_images, pool.leased(image=), a group on one image (colocated on the host that
+    holds it), and a release that gives the next lease the default root again."""
+    from atropos.backends.local import LocalBackend, LocalBackendConfig
+    from atropos.slots.config import PoolConfig
+    from atropos.slots.pool import SlotPool
+
+    data = Path(f"/tmp/atropos-img-pool-{os.getpid()}-{secrets.token_hex(3)}")  # slot uids traverse it
+    backend = LocalBackend(LocalBackendConfig(slots_per_host=3, data_root=data, pool_id="img",
+                                              prewarm=False, image_store=STORE))
+    try:
+        await _pool_walk(SlotPool(backend, PoolConfig(pool_id="img", min_hosts=2, max_hosts=2)), roots_image)
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
+
+
+async def _pool_walk(pool: Any, roots_image: str) -> None:
+    async with pool:
+        prepared = await pool.prepare_images([roots_image])
+        assert len(prepared) == 2 and all(infos[0].reference == roots_image for infos in prepared.values())
+        async with pool.leased("one", image=roots_image) as lease:
+            assert lease.image == roots_image
+            out = await lease.call("bash", {"command": "pwd; cat a.txt"})
+            assert out.result is not None and out.result["stdout"] == "/testbed\noriginal\n"
+        group = await pool.lease_many(["g0", "g1", "g2"], image=roots_image)
+        try:
+            assert len({lease.host.id for lease in group}) == 1  # colocated: one host holds them all
+            outs = await asyncio.gather(*(g.call("bash", {"command": "echo $TASK_NAME"}) for g in group))
+            assert [o.result["stdout"] for o in outs if o.result] == ["image-roots\n"] * 3
+        finally:
+            await asyncio.gather(*(pool.release(g) for g in group))
+        async with pool.leased("after") as lease:  # a released slot is back on the default root
+            out = await lease.call("bash", {"command": "pwd; test -e /testbed; echo $?"})
+            assert out.result is not None and out.result["stdout"] == "/workspace\n1\n"

@@ -110,6 +110,8 @@ class HostLaunch(BaseModel):
     unsafe_no_cgroups: bool = False
     egress: EgressSettings = Field(default_factory=EgressSettings, description="network slots' egress policy")
     log_level: str | None = None
+    image_store: str | None = Field(None, description="task images' layer store (default: images/ beside the "
+                                    "data dir)")
     token_stdin: bool = Field(False, description="the token arrives on stdin (start_host_process), not in the env")
     token_file: str | None = Field(None, description="the token is in this file, the host's own, mode 0400 "
                                    "(a Nomad task's secrets/token): read once at start, then removed")
@@ -137,6 +139,8 @@ class HostLaunch(BaseModel):
             args.append("--unsafe-no-isolation")
         if self.log_level:
             args += ["--log-level", self.log_level]
+        if self.image_store is not None:
+            args.append(f"--image-store={self.image_store}")
         if self.token_stdin:
             args.append("--token-stdin")
         if self.token_file is not None:
