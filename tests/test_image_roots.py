@@ -375,3 +375,32 @@ async def _pool_walk(pool: Any, roots_image: str) -> None:
         async with pool.leased("after") as lease:  # a released slot is back on the default root
             out = await lease.call("bash", {"command": "pwd; test -e /testbed; echo $?"})
             assert out.result is not None and out.result["stdout"] == "/workspace\n1\n"
+
+
+async def test_the_store_keeps_its_budget_and_never_evicts_an_image_in_use(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, task_image: Any) -> None:
+    """Two hosts share a store: past its budget, the least recently used image no host holds goes
+    (with the layers only it had); one a host holds stays; an evicted image is imported again."""
+    from atropos.sandbox.host.images.host_images import HostImages
+
+    small = task_image("nopython")  # a few MB: the test unpacks it into a store of its own
+    refs = []
+    for name in ("a", "b"):
+        ctx = tmp_path_factory.mktemp(f"budget-{name}")
+        (ctx / "f").write_text(name * 4096)
+        (ctx / "Dockerfile").write_text(f"FROM {small}\nCOPY f /{name}\n")
+        tag = f"atropos-test/budget-{name}:{hashlib.sha256((small + name).encode()).hexdigest()[:12]}"
+        subprocess.run(["docker", "build", "-q", "-t", tag, str(ctx)], check=True, capture_output=True, timeout=600)
+        refs.append(tag)
+    store = tmp_path / "store"
+    one, two = HostImages(store, budget_bytes=1 << 40), HostImages(store, budget_bytes=1)
+    a = await one.get(refs[0])  # host one holds a
+    b = await two.get(refs[1])  # host two imports b: over budget, but a is held and b is its own
+    assert all(p.is_dir() for p in (*a.lowers, *b.lowers))
+    a.last_used -= 10_000  # host one has not used a for a long while, and no slot is on it
+    one._drop_idle()
+    two.trim()
+    assert not a.lowers[-1].exists()  # a's own layer is gone
+    assert all(p.is_dir() for p in b.lowers)  # b is held by host two, with the base both share
+    again = await one.get(refs[0])
+    assert all(p.is_dir() for p in again.lowers)  # imported again on its next use

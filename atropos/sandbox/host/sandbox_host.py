@@ -295,7 +295,8 @@ class SandboxHost:
     @property
     def images(self) -> HostImages:
         if self._images is None:
-            self._images = HostImages(self.cfg.image_store or self.root.parent / "images")
+            self._images = HostImages(self.cfg.image_store or self.root.parent / "images",
+                                      budget_bytes=self.cfg.image_store_bytes)
         return self._images
 
     async def prepare_image(self, reference: str) -> ImageInfo:

@@ -5,20 +5,32 @@ An image is named by the reference the local Docker engine knows it by (``repo/t
 as an OCI layout on the host. The engine is asked for the image's id on every use (one small API
 call): a tag that moved to a rebuilt image is imported again, never served stale. What was
 imported is remembered under ``<store>/images/<id>.json``, so a restarted host re-imports nothing.
+
+**Disk budget.** The store is shared by the hosts of a machine and kept under ``budget_bytes``:
+after an import that leaves it over budget, the least recently used images are evicted with those
+of their layers no other image has. An image in use is never evicted, by any host: a host holds a
+shared ``flock`` on ``<store>/images/<id>.lock`` while the image is in its table (from its first use
+until it has been idle for ``IDLE_S`` with no slot on it), and eviction takes that lock exclusively
+without waiting: held anywhere, the image stays. A host that finds an image's layers gone imports it
+again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from atropos.errors import ImageRejected
-from atropos.sandbox.contract.hostdirs import owned_dir
+from atropos.sandbox.contract.hostdirs import owned_dir, remove_tree
 from atropos.sandbox.host.images.layer_store import LayerStore
 from atropos.sandbox.host.images.sources import (
     DOCKER_SOCKET,
@@ -27,6 +39,10 @@ from atropos.sandbox.host.images.sources import (
     import_from_docker,
     import_oci_layout,
 )
+
+log = logging.getLogger(__name__)
+IDLE_S = 600.0  # an image no slot used for this long leaves the host's table (and may be evicted)
+DEFAULT_BUDGET_BYTES = 64 << 30
 
 # What ``docker run`` puts in a process's environment when the image does not say (its default PATH).
 DOCKER_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -42,6 +58,7 @@ class ImageRoot:
     imported_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     users: set[int] = field(default_factory=set)  # slots whose root is this image now
+    pin_fd: int | None = None  # the shared lock that keeps other hosts from evicting it (see module doc)
 
     @property
     def reference(self) -> str:
@@ -67,30 +84,37 @@ class ImageRoot:
 class HostImages:
     """The host's image service: its layer store and the images imported into it."""
 
-    def __init__(self, root: Path, *, docker_socket: str = DOCKER_SOCKET) -> None:
+    def __init__(self, root: Path, *, docker_socket: str = DOCKER_SOCKET,
+                 budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
         self.root = root
+        self.budget_bytes = budget_bytes
         self.store = LayerStore(root)
         owned_dir(root / "images", 0o700)
         self.docker_socket = docker_socket
         self.images: dict[str, ImageRoot] = {}  # by image id
         self.refs: dict[str, str] = {}  # reference -> image id, as last seen
         self._locks: dict[str, asyncio.Lock] = {}
-        self._load()
 
     def _record(self, image_id: str) -> Path:
         return self.root / "images" / f"{hashlib.sha256(image_id.encode()).hexdigest()}.json"
 
-    def _load(self) -> None:
-        for path in (self.root / "images").glob("*.json"):
-            try:
-                raw = json.loads(path.read_text())
-                config = ImageConfig.model_validate(raw["config"])
-                root = ImageRoot(str(raw["id"]), config, tuple(self.store.path(d) for d in config.diff_ids))
-            except (OSError, ValueError, KeyError, ImageRejected):
-                continue
-            if all(p.is_dir() for p in root.lowers):
-                self.images[root.image_id] = root
-                self.refs[config.reference] = root.image_id
+    def _read_record(self, path: Path) -> ImageRoot | None:
+        try:
+            raw = json.loads(path.read_text())
+            config = ImageConfig.model_validate(raw["config"])
+            return ImageRoot(str(raw["id"]), config, tuple(self.store.path(d) for d in config.diff_ids))
+        except (OSError, ValueError, KeyError, ImageRejected):
+            return None
+
+    def _pin(self, image_id: str) -> int:
+        fd = os.open(self._record(image_id).with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while an eviction of this very image runs
+        return fd
+
+    def _unpin(self, root: ImageRoot) -> None:
+        if root.pin_fd is not None:
+            os.close(root.pin_fd)  # releases the flock
+            root.pin_fd = None
 
     async def get(self, reference: str) -> ImageRoot:
         """The image ``reference`` names, imported first when the store lacks it (one import per
@@ -102,11 +126,95 @@ class HostImages:
             image_id = await asyncio.to_thread(self._current_id, reference)
             root = self.images.get(image_id)
             if root is None:
-                root = await asyncio.to_thread(self._import, reference, image_id)
+                root = await asyncio.to_thread(self._load_or_import, reference, image_id)
                 self.images[image_id] = root
+            elif time.monotonic() - root.last_used > 60:
+                with contextlib.suppress(OSError):
+                    os.utime(self._record(image_id))  # (at most once a minute per image)
             self.refs[reference] = image_id
             root.last_used = time.monotonic()
+            self._drop_idle()
             return root
+
+    def _load_or_import(self, reference: str, image_id: str) -> ImageRoot:
+        """Pinned first (so no other host evicts it meanwhile), then from its record if its layers
+        are all there, else imported; the store is brought back under budget after an import."""
+        fd = self._pin(image_id)
+        try:
+            root = self._read_record(self._record(image_id))
+            if root is None or not all(p.is_dir() for p in root.lowers):
+                with self._store_lock(fcntl.LOCK_SH):  # no eviction while layers are being added
+                    root = self._import(reference, image_id)
+                self.trim()
+            with contextlib.suppress(OSError):
+                os.utime(self._record(image_id))  # its last use, for the least-recently-used order
+            root.pin_fd = fd
+            return root
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @contextlib.contextmanager
+    def _store_lock(self, how: int) -> Iterator[None]:
+        fd = os.open(self.root / "images" / "store.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, how)
+            yield
+        finally:
+            os.close(fd)
+
+    def _drop_idle(self) -> None:
+        now = time.monotonic()
+        for image_id, root in list(self.images.items()):
+            if not root.users and now - root.last_used > IDLE_S:
+                self._unpin(root)
+                del self.images[image_id]
+
+    def disk_bytes(self) -> int:
+        """Disk used by the store's layers (what the budget counts)."""
+        return sum(_tree_bytes(p) for p in (self.root / "layers").iterdir())
+
+    def trim(self) -> None:
+        """Bring the store back under budget (after every import; also for an operator)."""
+        with self._store_lock(fcntl.LOCK_EX):  # no import adds layers meanwhile: the records are complete
+            self._evict_over_budget()
+
+    def _evict_over_budget(self) -> None:
+        """Least recently used first (the record's mtime: touched by every host's use), images no
+        host holds (an exclusive lock taken without waiting), with their layers no other image has."""
+        used = self.disk_bytes()
+        if used <= self.budget_bytes:
+            return
+        records = sorted((self.root / "images").glob("*.json"), key=lambda p: p.stat().st_mtime)
+        for record in records:
+            if used <= self.budget_bytes:
+                break
+            victim = self._read_record(record)
+            if victim is None:
+                continue
+            fd = os.open(record.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # some host holds it: in use
+                record.unlink()
+                kept = {p for r in map(self._read_record, (self.root / "images").glob("*.json"))
+                        if r is not None for p in r.lowers}
+                for layer in victim.lowers:
+                    if layer not in kept and layer.is_dir():
+                        size = _tree_bytes(layer)
+                        gone = self.store.root / "tmp" / f"evicted-{layer.name}"
+                        with contextlib.suppress(OSError):
+                            os.rename(layer, gone)
+                            remove_tree(gone)
+                            used -= size
+                log.info("image store over budget: evicted %s (%s)", victim.reference, victim.image_id)
+            finally:
+                os.close(fd)
+        if used > self.budget_bytes:
+            log.warning("image store at %d bytes, over its budget of %d: every other image is in use",
+                        used, self.budget_bytes)
 
     def _current_id(self, reference: str) -> str:
         if reference.startswith("oci:"):
@@ -120,7 +228,7 @@ class HostImages:
         else:
             config = import_from_docker(self.store, reference, socket_path=self.docker_socket).config
         root = ImageRoot(image_id, config, tuple(self.store.path(d) for d in config.diff_ids))
-        tmp = self._record(image_id).with_suffix(".tmp")
+        tmp = self._record(image_id).with_suffix(".new")
         tmp.write_text(json.dumps({"id": image_id, "config": config.model_dump(mode="json")}))
         os.replace(tmp, self._record(image_id))
         return root
@@ -129,3 +237,19 @@ class HostImages:
         """What the host holds, for its status: every image and its layers."""
         return [{"reference": r.reference, "id": r.image_id, "layers": len(r.lowers), "slots": sorted(r.users)}
                 for r in self.images.values()]
+
+
+def _tree_bytes(path: Path) -> int:
+    """Disk blocks under ``path`` (hard links counted once), without following symlinks."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in (*dirnames, *filenames):
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
