@@ -72,8 +72,12 @@ async def image_slot(host: RunningHost, image: str) -> AsyncIterator[LeasedSlot]
         assert result.ok, result.detail
         assert result.lease is not None
         assert "fresh root of image" in result.verified
+        leased = LeasedSlot(client, result.lease)
         lease = result.lease
-        yield LeasedSlot(client, lease)
+        try:
+            yield leased
+        finally:
+            lease = leased.lease  # the test may have reset it to a new token
     finally:
         try:
             await client.release(lease.slot, lease.lease)
@@ -404,3 +408,27 @@ async def test_the_store_keeps_its_budget_and_never_evicts_an_image_in_use(
     assert all(p.is_dir() for p in b.lowers)  # b is held by host two, with the base both share
     again = await one.get(refs[0])
     assert all(p.is_dir() for p in again.lowers)  # imported again on its next use
+
+
+async def test_a_group_setup_becomes_an_image_every_rollout_starts_from(image_host: RunningHost,
+                                                                       roots_image: str) -> None:
+    """The setup's writes, deletions and renames (whiteouts, opaque and redirected dirs in the slot's
+    writable layer) become one more layer: a fresh slot on the derived image sees exactly the root
+    the setup left, owned as it was, and its reset goes back to that, not to the original image."""
+    async with image_slot(image_host, roots_image) as setup:
+        await setup.sh("echo setup > /testbed/setup.txt; rm /testbed/a.txt; mv /testbed/tests /testbed/t2; "
+                       "rm -rf /opt/tool && mkdir /opt/tool && echo new > /opt/tool/only; chmod 4711 /testbed/setup.txt")
+        listing = "find / -xdev \\( -path /proc -o -path /tmp -o -path /dev \\) -prune -o -printf '%p %u %m\\n' | sort | md5sum"
+        want = (await setup.sh(listing))["stdout"]
+        info = await setup.client.derive_image(setup.lease.slot, setup.lease.lease)
+        assert info.reference.startswith("derived:") and info.layers == 3
+        assert (await setup.sh(listing))["stdout"] == want  # the setup's own slot continues on it
+        async with image_slot(image_host, info.reference) as rollout:
+            assert (await rollout.sh(listing))["stdout"] == want
+            assert (await rollout.sh("cat /testbed/setup.txt; ls /opt/tool; test -e /testbed/a.txt; echo $?"))[
+                "stdout"] == "setup\nonly\n1\n"
+            await rollout.sh("rm -rf /testbed")
+            again = await rollout.client.reset(rollout.lease.slot, rollout.lease.lease, image=info.reference)
+            assert again.ok and again.lease is not None
+            rollout.lease = again.lease
+            assert (await rollout.sh(listing))["stdout"] == want

@@ -306,6 +306,19 @@ class SandboxHost:
         return ImageInfo(reference=image.reference, id=image.image_id, layers=len(image.lowers),
                          slots=sorted(image.users), duration_ms=round((time.perf_counter() - t0) * 1000, 3))
 
+    async def derive_image(self, index: int, lease: str) -> ImageInfo:
+        """A new image of a leased image-rooted slot's root as it is now (a group's setup done once):
+        its reference (``derived:...``) serves ``reset(image=...)`` on any host of this machine."""
+        t0 = time.perf_counter()
+        slot = self.slot(index)
+        self.check_lease(slot, lease)
+        async with slot.lock:
+            self.check_lease(slot, lease)
+            image = await slot.derive_image(self.images)
+        self._schedule_trash()
+        return ImageInfo(reference=image.reference, id=image.image_id, layers=len(image.lowers),
+                         slots=sorted(image.users), duration_ms=round((time.perf_counter() - t0) * 1000, 3))
+
     def held_images(self) -> list[ImageInfo]:
         if self._images is None:
             return []

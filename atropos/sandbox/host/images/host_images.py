@@ -24,6 +24,8 @@ import hashlib
 import json
 import logging
 import os
+import secrets
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -41,6 +43,7 @@ from atropos.sandbox.host.images.sources import (
 )
 
 log = logging.getLogger(__name__)
+DERIVED = "derived:"  # the reference of an image made on this machine from a slot (``derive``)
 IDLE_S = 600.0  # an image no slot used for this long leaves the host's table (and may be evicted)
 DEFAULT_BUDGET_BYTES = 64 << 30
 
@@ -143,6 +146,8 @@ class HostImages:
         try:
             root = self._read_record(self._record(image_id))
             if root is None or not all(p.is_dir() for p in root.lowers):
+                if image_id.startswith(DERIVED):
+                    raise ImageRejected(f"{reference}: no longer in the image store (evicted, or never made here)")
                 with self._store_lock(fcntl.LOCK_SH):  # no eviction while layers are being added
                     root = self._import(reference, image_id)
                 self.trim()
@@ -217,6 +222,8 @@ class HostImages:
                         used, self.budget_bytes)
 
     def _current_id(self, reference: str) -> str:
+        if reference.startswith(DERIVED):  # made here (``derive``): its own id
+            return reference
         if reference.startswith("oci:"):
             return "oci:" + hashlib.sha256(Path(reference[4:]).joinpath("index.json").read_bytes()).hexdigest()
         return docker_image_id(reference, socket_path=self.docker_socket)
@@ -231,6 +238,40 @@ class HostImages:
         tmp = self._record(image_id).with_suffix(".new")
         tmp.write_text(json.dumps({"id": image_id, "config": config.model_dump(mode="json")}))
         os.replace(tmp, self._record(image_id))
+        return root
+
+    def derive(self, parent: ImageRoot, upper: Path, owner: int | None, skip: frozenset[str]) -> ImageRoot:
+        """A new image: ``parent`` plus one layer, a copy of a slot's writable layer ``upper`` (a
+        group's setup, done once and then the root of every rollout of the group). The copy keeps
+        what overlayfs wrote there (its whiteouts, opaque and redirect xattrs: made by the kernel,
+        not the slot) and moves the slot's uid ``owner`` back to the image's 0, so the layer is
+        idmapped to any slot like the image's own. ``skip``: top-level names that are the mount
+        helper's mount points, not the slot's."""
+        hexid = secrets.token_hex(32)
+        tmp = self.store.root / "tmp" / f"derive-{hexid}"
+        tmp.mkdir(mode=0o700)
+        try:
+            entries = [str(upper / n) for n in sorted(os.listdir(upper)) if n not in skip]
+            if entries:
+                subprocess.run(["cp", "-a", "--", *entries, str(tmp)], check=True, capture_output=True, timeout=3600)
+            if owner is not None:
+                _shift_owner(tmp, owner, 0)
+            os.chmod(tmp, os.lstat(upper).st_mode & 0o7777)
+            with self._store_lock(fcntl.LOCK_SH):
+                os.rename(tmp, self.store.path(f"sha256:{hexid}"))
+        except BaseException:
+            remove_tree(tmp)
+            raise
+        reference = f"{DERIVED}{hexid}"
+        config = parent.config.model_copy(update={"reference": reference,
+                                                  "diff_ids": (*parent.config.diff_ids, f"sha256:{hexid}")})
+        record = self._record(reference)
+        record.with_suffix(".new").write_text(json.dumps({"id": reference, "config": config.model_dump(mode="json")}))
+        os.replace(record.with_suffix(".new"), record)
+        root = ImageRoot(reference, config, (*parent.lowers, self.store.path(f"sha256:{hexid}")))
+        root.pin_fd = self._pin(reference)
+        self.images[reference] = root
+        self.refs[reference] = reference
         return root
 
     def held(self) -> list[dict[str, object]]:
@@ -253,3 +294,20 @@ def _tree_bytes(path: Path) -> int:
                 seen.add((st.st_dev, st.st_ino))
                 total += st.st_blocks * 512
     return total
+
+
+def _shift_owner(tree: Path, old: int, new: int) -> None:
+    """Files of ``tree`` owned by ``old`` (uid and gid apart) become ``new``'s; each inode once, modes
+    kept (a chown clears setuid and setgid bits), symlinks not followed."""
+    seen: set[int] = set()
+    for dirpath, dirnames, filenames in os.walk(tree):
+        for name in (".", *dirnames, *filenames):
+            path = os.path.join(dirpath, name) if name != "." else dirpath
+            st = os.lstat(path)
+            if st.st_ino in seen or (st.st_uid != old and st.st_gid != old):
+                continue
+            seen.add(st.st_ino)
+            os.chown(path, new if st.st_uid == old else st.st_uid, new if st.st_gid == old else st.st_gid,
+                     follow_symlinks=False)
+            if not os.path.islink(path):
+                os.chmod(path, st.st_mode & 0o7777)
