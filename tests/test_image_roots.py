@@ -417,8 +417,10 @@ async def test_a_group_setup_becomes_an_image_every_rollout_starts_from(image_ho
     the setup left, owned as it was, and its reset goes back to that, not to the original image."""
     async with image_slot(image_host, roots_image) as setup:
         await setup.sh("echo setup > /testbed/setup.txt; rm /testbed/a.txt; mv /testbed/tests /testbed/t2; "
-                       "rm -rf /opt/tool && mkdir /opt/tool && echo new > /opt/tool/only; chmod 4711 /testbed/setup.txt")
-        listing = "find / -xdev \\( -path /proc -o -path /tmp -o -path /dev \\) -prune -o -printf '%p %u %m\\n' | sort | md5sum"
+                       "rm -rf /opt/tool && mkdir /opt/tool && echo new > /opt/tool/only; "
+                       "chmod 4711 /testbed/setup.txt")
+        listing = ("find / -xdev \\( -path /proc -o -path /tmp -o -path /dev \\) -prune -o -printf '%p %u %m\\n' "
+                   "| sort | md5sum")
         want = (await setup.sh(listing))["stdout"]
         info = await setup.client.derive_image(setup.lease.slot, setup.lease.lease)
         assert info.reference.startswith("derived:") and info.layers == 3
@@ -432,3 +434,60 @@ async def test_a_group_setup_becomes_an_image_every_rollout_starts_from(image_ho
             assert again.ok and again.lease is not None
             rollout.lease = again.lease
             assert (await rollout.sh(listing))["stdout"] == want
+
+
+async def test_agent_env_on_image_items_with_a_group_setup(roots_image: str) -> None:
+    """An AgentEnv whose items name an image: every rollout's slot is that image's root (relative
+    paths at its WorkingDir), the group's setup runs once and the others start from its derived
+    image, and verification runs on the same root."""
+    pytest.importorskip("atroposlib")
+    from atroposlib.envs.base import APIServerConfig
+
+    from atropos.agent.model import ensure_tokenizer_dir
+    from atropos.envs.agent_env import AgentEnv, AgentEnvConfig
+    from atropos.testing import by_turn, scripted_server, tool_call
+
+    item = {"image": roots_image}
+    Policy = scripted_server(by_turn(tool_call("bash", command="cat setup.txt > seen && echo $TASK_NAME >> seen"),
+                                     "Done."))
+
+    class ImageGroupEnv(AgentEnv):
+        server_cls = Policy
+        group_setups = 0
+
+        async def get_next_item(self) -> Any:
+            return item
+
+        def build_task(self, item: Any) -> str:
+            return "Copy setup.txt to seen."
+
+        async def setup_group_workspace(self, item: Any, *, trajectory_id: str, exec_tool: Any,
+                                        lease: Any) -> dict[str, Any]:
+            self.group_setups += 1
+            await lease.bash("echo once > /testbed/setup.txt && rm /testbed/a.txt")
+            return {}
+
+        async def verify_and_score_trajectory(self, item: Any, final_response: str, *, trajectory_id: str,
+                                              exec_tool: Any, lease: Any, agent_result: Any
+                                              ) -> tuple[float, dict[str, Any]]:
+            result = await lease.verify(
+                "import os\ndef verify(ws, secrets, args):\n"
+                "    return {'score': float(open('seen').read() == 'once\\nimage-roots\\n'"
+                " and not os.path.exists('a.txt') and os.getcwd() == '/testbed')}\n")
+            assert result.ok and result.verdict is not None, result
+            return float(result.verdict["score"]), {}
+
+    cfg = AgentEnvConfig(tokenizer_name=str(ensure_tokenizer_dir()), group_size=4, use_wandb=False, wandb_name="t",
+                         slots_per_host=4, max_hosts=1, agent_max_steps=3, enabled_toolsets=["shell", "files"],
+                         ensure_scores_are_not_same=False, tool_batch_window_ms=5)
+    servers = [APIServerConfig(model_name="s", base_url="http://127.0.0.1:9/v1", api_key="x", health_check=False)]
+    env = ImageGroupEnv(cfg, servers, slurm=False, testing=False)
+    env.index = 0
+    await env.setup_sandbox()
+    try:
+        group, backlog = await env.collect_trajectories(item)
+        assert backlog == [] and group is not None
+        assert group["scores"] == [1.0] * 4
+        assert env.group_setups == 1 and env.stats["group_setups"] == 1
+    finally:
+        await env.shutdown_sandbox()
