@@ -491,3 +491,28 @@ async def test_agent_env_on_image_items_with_a_group_setup(roots_image: str) -> 
         assert env.group_setups == 1 and env.stats["group_setups"] == 1
     finally:
         await env.shutdown_sandbox()
+
+
+USER_IMAGE = f"""FROM {BASE}
+RUN useradd -m -u 1234 -U agent && mkdir /work && chown agent:agent /work && echo mine > /work/f
+USER agent
+WORKDIR /work
+"""
+
+
+async def test_an_image_user_other_than_root(image_host: RunningHost, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``USER agent``: the slot runs as that uid and group inside (its files its own, root's not
+    writable), with its home, as docker run does; outside it is still the slot's uid. (Files of the
+    image's root show as nobody to it: one uid is mapped; docs/task-images.md.)"""
+    tag = f"atropos-test/image-roots-user:{hashlib.sha256(USER_IMAGE.encode()).hexdigest()[:12]}"
+    if subprocess.run(["docker", "image", "inspect", tag], capture_output=True).returncode != 0:
+        ctx = tmp_path_factory.mktemp("user")
+        (ctx / "Dockerfile").write_text(USER_IMAGE)
+        subprocess.run(["docker", "build", "-q", "-t", tag, str(ctx)], check=True, capture_output=True, timeout=600)
+    async with image_slot(image_host, tag) as slot:
+        for command in ["id -u; id -g; id -un; echo $HOME; pwd", "echo more >> /work/f && cat /work/f",
+                        "touch /etc/x 2>/dev/null; echo $?", "stat -c '%U %a' /work /home/agent",
+                        "cat /etc/shadow > /dev/null 2>&1; echo $?"]:
+            result = await slot.sh(command)
+            code, want, _ = docker_run(tag, command)
+            assert (result["exit_code"], result["stdout"]) == (code, want), command

@@ -213,7 +213,7 @@ class Slot:
             paths = dataclasses.replace(paths, tmp=tmp, shm=shm)
         argv = image_bwrap_argv(self.cfg.bwrap, self.ws.root, paths, self.cfg.limits,
                                 network=self.network and not verifier, seccomp_fd=-1, private_net=self.private_net,
-                                env=env, uid=0, verifier=verifier)
+                                env=env, uid=image.user_ids(), verifier=verifier)
         argv[argv.index("-1")] = "{seccomp_fd}"
         python = ["python3"] if script == "session.py" else list(host_program(self.cfg.python))
         return [*argv, *python, "-I", "-S", f"{IMAGE_LIB_DIR}/{script}", json.dumps(sup_cfg)]

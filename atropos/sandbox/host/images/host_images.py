@@ -25,9 +25,10 @@ import json
 import logging
 import os
 import secrets
+import stat
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,6 +63,7 @@ class ImageRoot:
     last_used: float = field(default_factory=time.monotonic)
     users: set[int] = field(default_factory=set)  # slots whose root is this image now
     pin_fd: int | None = None  # the shared lock that keeps other hosts from evicting it (see module doc)
+    _ids: tuple[int, int] | None = None
 
     @property
     def reference(self) -> str:
@@ -75,13 +77,25 @@ class ImageRoot:
             key, sep, value = item.partition("=")
             if sep and key:
                 env[key] = value
-        env.setdefault("HOME", "/root")
+        if "HOME" not in env:  # the user's home in the image's passwd, as docker run sets it
+            uid = self.user_ids()[0]
+            entry = _find(_image_file(self.lowers, "etc/passwd"), lambda f: f[2] == str(uid))
+            env["HOME"] = entry[5] if entry is not None and len(entry) > 5 and entry[5] else (
+                "/root" if uid == 0 else "/")
         return env
 
     @property
     def working_dir(self) -> str:
         wd = os.path.normpath(self.config.working_dir or "/")
         return wd if wd.startswith("/") else "/" + wd
+
+    def user_ids(self) -> tuple[int, int]:
+        """The image's ``User`` as ``docker run`` resolves it: ``uid``, ``uid:gid``, ``name`` or
+        ``name:group``, names from the image's own ``/etc/passwd`` and ``/etc/group``; a uid
+        without a passwd entry gets gid 0. Cached: an image never changes."""
+        if self._ids is None:
+            self._ids = _resolve_user(self.config.user, lambda path: _image_file(self.lowers, path))
+        return self._ids
 
 
 class HostImages:
@@ -311,3 +325,67 @@ def _shift_owner(tree: Path, old: int, new: int) -> None:
                      follow_symlinks=False)
             if not os.path.islink(path):
                 os.chmod(path, st.st_mode & 0o7777)
+
+
+def _resolve_user(user: str, read: Callable[[str], bytes | None]) -> tuple[int, int]:
+    name, _, group = (user or "").partition(":")
+    if not name or name == "root":
+        uid, gid = 0, 0
+    elif name.isdigit():
+        uid = int(name)
+        entry = _find(read("etc/passwd"), lambda f: f[2] == name)
+        gid = int(entry[3]) if entry is not None and entry[3].isdigit() else 0
+    else:
+        entry = _find(read("etc/passwd"), lambda f: f[0] == name)
+        if entry is None or not entry[2].isdigit() or not entry[3].isdigit():
+            raise ImageRejected(f"the image's User {user!r} is not in its /etc/passwd")
+        uid, gid = int(entry[2]), int(entry[3])
+    if group:
+        if group.isdigit():
+            gid = int(group)
+        else:
+            found = _find(read("etc/group"), lambda f: f[0] == group)
+            if found is None or not found[2].isdigit():
+                raise ImageRejected(f"the image's User {user!r}: no group {group!r} in its /etc/group")
+            gid = int(found[2])
+    if uid >= 1 << 31 or gid >= 1 << 31:
+        raise ImageRejected(f"the image's User {user!r} is out of range")
+    return uid, gid
+
+
+def _find(data: bytes | None, match: Callable[[list[str]], bool]) -> list[str] | None:
+    for line in (data or b"").decode("utf-8", "replace").splitlines():
+        fields = line.split(":")
+        if len(fields) >= 4 and match(fields):
+            return fields
+    return None
+
+
+def _image_file(lowers: tuple[Path, ...], path: str, limit: int = 1 << 20) -> bytes | None:
+    """A small regular file of the image as its layers stack it (top layer first; a whiteout ends
+    the search), read with no symlink followed: an image's ``/etc/passwd`` may be a link anywhere."""
+    for layer in reversed(lowers):
+        fd = -1
+        try:
+            fd = os.open(layer, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            parts = path.split("/")
+            for part in parts[:-1]:
+                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+            st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISCHR(st.st_mode):
+                return None  # a whiteout: deleted in this layer
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            f = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            try:
+                return os.read(f, limit)
+            finally:
+                os.close(f)
+        except OSError:
+            continue  # not in this layer (or not reachable without following a link)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+    return None
