@@ -461,6 +461,9 @@ async def test_agent_env_on_image_items_with_a_group_setup(roots_image: str) -> 
         def build_task(self, item: Any) -> str:
             return "Copy setup.txt to seen."
 
+        def images_to_prepare(self) -> list[str]:
+            return [roots_image]
+
         async def setup_group_workspace(self, item: Any, *, trajectory_id: str, exec_tool: Any,
                                         lease: Any) -> dict[str, Any]:
             self.group_setups += 1
@@ -485,6 +488,8 @@ async def test_agent_env_on_image_items_with_a_group_setup(roots_image: str) -> 
     env.index = 0
     await env.setup_sandbox()
     try:
+        assert env.pool is not None
+        assert [h.images for h in env.pool.status().hosts] == [[roots_image]]  # prepared at the start
         group, backlog = await env.collect_trajectories(item)
         assert backlog == [] and group is not None
         assert group["scores"] == [1.0] * 4

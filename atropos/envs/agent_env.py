@@ -245,8 +245,20 @@ class AgentEnv(BaseEnv):
         return self.sandbox.executor
 
     async def setup_sandbox(self) -> None:
-        """Start the slot pool and the tool executor (once; later calls do nothing)."""
+        """Start the slot pool and the tool executor (once; later calls do nothing), then import
+        the task images ``images_to_prepare`` names into every host (a first rollout of each then
+        starts without waiting for it; docs/task-images.md)."""
+        started = self.pool is None
         await self.sandbox.start(self.build_backend, self.build_backend_pool_id(), self.config, self.tools)
+        images = self.images_to_prepare() if started else []
+        if images and self.pool is not None:
+            await self.pool.prepare_images(images)
+
+    def images_to_prepare(self) -> list[str]:
+        """Task images the env's dataset names, imported into the hosts when the pool starts.
+        Default: none (each is imported on its first lease); an env with a known set of task
+        images returns them (e.g. ``sorted({row["image"] for row in self.dataset})``)."""
+        return []
 
     async def shutdown_sandbox(self) -> None:
         """Stop the executor and the pool (every sandbox host goes). Safe to call twice."""

@@ -250,6 +250,7 @@ class SlotPool:
                 quarantined=h.quarantined, healthy=h.leasable and h.failures == 0,
                 health_ms=None if h.last_health_ms is None else round(h.last_health_ms, 2),
                 oldest_lease_s=round(max(ages), 1) if ages else None, node=h.info.labels.get("node"),
+                images=sorted(h.images),
             ))
         recent = [t for t in self._call_times if now - t <= 10.0]
         return PoolStatus(

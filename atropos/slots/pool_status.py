@@ -17,6 +17,8 @@ class HostStatus(BaseModel):
     oldest_lease_s: float | None
     node: str | None = Field(None, description="the cluster node the host runs on, for backends that place "
                                                "hosts on nodes (ray: the Ray node id)")
+    images: list[str] = Field(default_factory=list, description="task images the host holds in its layer store "
+                                                                "(prepared or leased through this pool)")
 
 
 class PoolStatus(BaseModel):
