@@ -30,7 +30,7 @@ from pathlib import Path
 import uvicorn
 
 from atropos.asgi import listening_socket
-from atropos.errors import AtroposSandboxError
+from atropos.errors import AtroposSandboxError, ConfigError
 from atropos.logs import configure
 from atropos.request_deadline import server_config
 from atropos.sandbox.contract import egress
@@ -115,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
     elif args.token_file:
         try:
             token = read_token_file(args.token_file)
-        except TokenFileRefused as exc:
+        except ConfigError as exc:
             p.error(str(exc))
     if not token:
         p.error(f"a token is required: --token-stdin, ${TOKEN_ENV} or --token-file")
@@ -159,10 +159,6 @@ def _read_token_from_stdin() -> str:
     return line.decode(errors="replace").strip()
 
 
-class TokenFileRefused(ValueError):
-    """A token file the host will not take (said as a usage error at start)."""
-
-
 def read_token_file(path: Path) -> str:
     """The token in ``path``, then the file removed (when its directory lets us), so code that later
     reaches this filesystem finds nothing. Refused unless it is a regular file of ours that no
@@ -173,23 +169,23 @@ def read_token_file(path: Path) -> str:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         why = "a symbolic link" if exc.errno == errno.ELOOP else f"cannot open it ({exc.strerror})"
-        raise TokenFileRefused(f"--token-file {path}: {why}") from None
+        raise ConfigError(f"--token-file {path}: {why}") from None
     try:
         st = os.fstat(fd)  # what we read, not what the path names a moment later
         if not stat.S_ISREG(st.st_mode):
-            raise TokenFileRefused(f"--token-file {path}: not a regular file")
+            raise ConfigError(f"--token-file {path}: not a regular file")
         if st.st_uid != os.geteuid():
-            raise TokenFileRefused(f"--token-file {path}: owned by uid {st.st_uid}, not by this host's uid "
+            raise ConfigError(f"--token-file {path}: owned by uid {st.st_uid}, not by this host's uid "
                                    f"{os.geteuid()}; a token file must be the host's own (Nomad: the template's uid)")
         if st.st_mode & 0o077:
-            raise TokenFileRefused(f"--token-file {path}: mode {stat.S_IMODE(st.st_mode):04o} gives group or others "
+            raise ConfigError(f"--token-file {path}: mode {stat.S_IMODE(st.st_mode):04o} gives group or others "
                                    "access; a token file must be 0400 or 0600 (Nomad: the template's perms)")
         data = os.read(fd, TOKEN_FILE_MAX + 1)
     finally:
         os.close(fd)
     token = data.decode(errors="replace").strip()
     if not token or len(data) > TOKEN_FILE_MAX:
-        raise TokenFileRefused(f"--token-file {path}: " + ("empty" if not token else f"over {TOKEN_FILE_MAX} bytes"))
+        raise ConfigError(f"--token-file {path}: " + ("empty" if not token else f"over {TOKEN_FILE_MAX} bytes"))
     # Only the file we read: never one put in its place since. A directory that does not let us
     # (read-only, not ours) keeps it; it stays readable by our uid alone.
     with contextlib.suppress(OSError):
