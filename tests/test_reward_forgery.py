@@ -21,6 +21,7 @@ import hashlib
 import json
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -700,3 +701,123 @@ async def test_hidden_test_files_score_the_honest_solution_one(pool: SlotPool) -
 @pytest.mark.parametrize("row", sorted(PYTEST_ROWS))
 async def test_hidden_test_files_score_a_forgery_zero(pool: SlotPool, row: str) -> None:
     assert await pytest_rollout(pool, PYTEST_ROWS[row]) == 0.0
+
+
+# -- the SWE-style example (atropos/envs/examples/swe.py): a task image's own root --------------------
+# Each row is what a policy could do with bash in the task's image (uid 0 there, the whole root
+# writable) instead of fixing the code; the verification restores the tests, the test settings and
+# everything outside the repository as the image has them (atropos/envs/repo_tests.py). Rows are
+# bash scripts run at /testbed, so the same row runs through a slot's bash tool and through
+# `docker exec` of the task image (tests/test_swe_env.py, which also shows each row wins against a
+# verifier that runs `pytest` in the agent's root as it is).
+# A pytest plugin that reports every test passed: what the rows plant wherever pytest may load it.
+SWE_FORGE_PLUGIN = '''import pytest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    report.outcome = "passed"
+    report.longrepr = None
+'''
+SWE_FAKE_PYTEST = "#!/bin/sh\necho '============ 9 passed in 0.01s ============'\nexit 0\n"
+SWE_SITE = "SP=$(python -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])')\n"
+
+
+def _put(path: str, text: str, mode: str = "") -> str:
+    """A bash line writing ``text`` to ``path`` (parents made)."""
+    tag = "EOF_" + secrets.token_hex(4)
+    chmod = f" && chmod {mode} {path}" if mode else ""
+    return f"mkdir -p \"$(dirname {path})\" && cat > {path} <<'{tag}'{chmod}\n{text}{tag}\n"
+
+
+def _swe_edit_tests(task: Any) -> str:
+    """Make the failing tests' assertions true (the tests say what is right)."""
+    files = " ".join(sorted(task.tests.test_files))
+    return f"sed -i -E 's/^( *)assert /\\1assert True or /' {files}\n"
+
+
+def _swe_conftest(task: Any) -> str:
+    """conftest.py reporting every test passed: above the repository, at its root and beside every
+    test file (appended to the repository's own where it has one)."""
+    dirs = sorted({f"/testbed/{f.rsplit('/', 1)[0]}" if "/" in f else "/testbed" for f in task.tests.test_files})
+    script = _put("/conftest.py", SWE_FORGE_PLUGIN) + _put("/testbed/conftest.py", SWE_FORGE_PLUGIN)
+    for d in dirs:
+        script += f"cat >> {d}/conftest.py <<'EOF'\n\n{SWE_FORGE_PLUGIN}EOF\n"
+    return script
+
+
+def _swe_pth_plugin(task: Any) -> str:
+    """A .pth in the task env's site-packages that names the plugin in PYTEST_PLUGINS at start-up
+    (which plugin autoloading's switch does not cover)."""
+    return (SWE_SITE + _put("$SP/forge_plugin.py", SWE_FORGE_PLUGIN)
+            + "echo 'import os; os.environ[\"PYTEST_PLUGINS\"] = \"forge_plugin\"' > $SP/zz_forge.pth\n")
+
+
+def _swe_entry_point(task: Any) -> str:
+    """The plugin installed as a distribution with a pytest11 entry point (pytest autoloads it)."""
+    return (SWE_SITE + _put("$SP/forge_plugin.py", SWE_FORGE_PLUGIN)
+            + _put("$SP/forge_plugin-1.0.dist-info/METADATA",
+                   "Metadata-Version: 2.1\nName: forge-plugin\nVersion: 1.0\n")
+            + _put("$SP/forge_plugin-1.0.dist-info/entry_points.txt", "[pytest11]\nforge = forge_plugin\n"))
+
+
+def _swe_sitecustomize(task: Any) -> str:
+    """sitecustomize in the image's standard library (Debian's is a link into /etc) and in the
+    env's site-packages, loading the plugin through PYTEST_PLUGINS."""
+    hook = 'import os\nos.environ["PYTEST_PLUGINS"] = "forge_plugin"\n'
+    return (SWE_SITE + _put("$SP/forge_plugin.py", SWE_FORGE_PLUGIN) + _put("$SP/sitecustomize.py", hook)
+            + _put("/usr/lib/python3.11/forge_plugin.py", SWE_FORGE_PLUGIN)
+            + _put("/etc/python3.11/sitecustomize.py", hook) + _put("/usr/lib/python3.11/usercustomize.py", hook))
+
+
+def _swe_fake_pytest(task: Any) -> str:
+    """A `pytest` that says everything passed, wherever PATH may look first."""
+    return "".join(_put(p, SWE_FAKE_PYTEST, "755") for p in (
+        "/opt/miniconda3/envs/testbed/bin/pytest", "/usr/local/bin/pytest", "/testbed/.venv/bin/pytest"))
+
+
+def _swe_fake_interpreter(task: Any) -> str:
+    """The task env's interpreter itself replaced by a script that says everything passed."""
+    return "".join(_put(f"/opt/miniconda3/envs/testbed/bin/{name}", SWE_FAKE_PYTEST, "755")
+                   for name in ("python", "python3", "python3.11"))
+
+
+def _swe_addopts(task: Any) -> str:
+    """Test settings that deselect the failing tests: the repository's own settings file and a
+    pytest.ini at its root and beside the tests (pytest looks there first; its ids are relative to
+    the directory of the file it took)."""
+    opts = " ".join(f"--deselect {i}" for i in task.tests.fail_to_pass)
+    inner = " ".join(f"--deselect {i.removeprefix('tests/')}" for i in task.tests.fail_to_pass)
+    config = task.tests.pytest_config
+    section = {"pyproject.toml": "[tool.pytest.ini_options]\naddopts = '%s'\n",
+               "setup.cfg": "[tool:pytest]\naddopts = %s\n"}.get(config, "[pytest]\naddopts = %s\n") % opts
+    return (_put(f"/testbed/{config}", section) + _put("/testbed/pytest.ini", f"[pytest]\naddopts = {opts}\n")
+            + _put("/testbed/tests/pytest.ini", f"[pytest]\naddopts = {inner}\n"))
+
+
+def _swe_symlink_test(task: Any) -> str:
+    """Each test file a symlink to a copy whose assertions always hold."""
+    script = ""
+    for f in task.tests.test_files:
+        forged = f"/testbed/.forged/{f}"
+        script += (f"mkdir -p \"$(dirname {forged})\" && sed -E 's/^( *)assert /\\1assert True or /' /testbed/{f} "
+                   f"> {forged} && rm /testbed/{f} && ln -s {forged} /testbed/{f}\n")
+    return script
+
+
+SWE_ROWS: dict[str, Callable[[Any], str]] = {
+    "edit_tests": _swe_edit_tests, "conftest_everywhere": _swe_conftest, "pth_plugin": _swe_pth_plugin,
+    "entry_point_plugin": _swe_entry_point, "sitecustomize": _swe_sitecustomize, "fake_pytest": _swe_fake_pytest,
+    "fake_interpreter": _swe_fake_interpreter, "addopts_deselect": _swe_addopts, "symlink_test_file": _swe_symlink_test,
+}
+
+
+def swe_gold_script(task: Any) -> str:
+    """The reference fix applied with bash (the scripted policy applies it with edit_file)."""
+    edits = json.dumps([e.model_dump() for e in task.gold])
+    return ("python3 - <<'EOF'\nimport json, pathlib\n"
+            f"for e in json.loads({edits!r}):\n"
+            "    p = pathlib.Path('/testbed', e['path'])\n    s = p.read_text()\n"
+            "    assert s.count(e['old']) == 1, e\n    p.write_text(s.replace(e['old'], e['new']))\nEOF\n")
