@@ -93,6 +93,8 @@ class InvokeResponse(BaseModel):
 class SlotLeaseRequest(BaseModel):
     trajectory_id: str = Field(min_length=1, max_length=256)
     network: bool = False
+    image: str | None = Field(None, min_length=1, max_length=512,
+                              description="the slot's / is a fresh root of this task image (docs/task-images.md)")
     timeout_s: float | None = Field(None, gt=0, le=3600, description="how long to wait for a free slot")
 
 
@@ -210,7 +212,7 @@ class _ToolServer:
             with metrics.LEASE_WAIT_SECONDS.time():
                 # A client that gave up while queued stops waiting: no slot is ever leased to nobody.
                 lease = await unless_disconnected(
-                    request, self.pool.lease(req.trajectory_id, req.timeout_s, network=req.network),
+                    request, self.pool.lease(req.trajectory_id, req.timeout_s, network=req.network, image=req.image),
                     undo=self.pool.release)
         except ClientGone:
             log.info("lease request abandoned by its client", extra=call_fields(trajectory_id=req.trajectory_id))

@@ -46,7 +46,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
             return _exec_in_pool(http, args, call_args)
     if asked:  # a pool named by flag, env or config that is not up: never silently run elsewhere
         raise InfrastructureError(f"no pool {pool_id!r} is up (start one with `atropos-sandbox pool up`)")
-    return asyncio.run(_exec_ephemeral(args.tool, call_args, args.timeout, args.network))
+    return asyncio.run(_exec_ephemeral(args.tool, call_args, args.timeout, args.network, args.image))
 
 
 def _exec_in_pool(http: PoolHttp, args: argparse.Namespace, call_args: dict[str, Any]) -> int:
@@ -54,7 +54,8 @@ def _exec_in_pool(http: PoolHttp, args: argparse.Namespace, call_args: dict[str,
         body = http.request("POST", f"/v1/tools/{args.tool}/invoke", json={"args": call_args})
         return print_call(str(body.get("content", "")), None, bool(body.get("ok")))
     lease = http.request("POST", "/v1/slots", json={"trajectory_id": f"cli-exec-{secrets.token_hex(4)}",
-                                                    "network": args.network, "timeout_s": args.lease_timeout})
+                                                    "network": args.network, "timeout_s": args.lease_timeout,
+                                                    **({"image": args.image} if args.image else {})})
     lease_id = str(lease["lease_id"])
     try:
         out = http.request("POST", f"/v1/slots/{lease_id}/call",
@@ -67,7 +68,8 @@ def _exec_in_pool(http: PoolHttp, args: argparse.Namespace, call_args: dict[str,
     return print_call(str(out.get("content", "")), out.get("result"), bool(out.get("ok")))
 
 
-async def _exec_ephemeral(tool: str, call_args: dict[str, Any], timeout: float | None, network: bool) -> int:
+async def _exec_ephemeral(tool: str, call_args: dict[str, Any], timeout: float | None, network: bool,
+                          image: str | None = None) -> int:
     from atropos.backends.local import LocalBackend, LocalBackendConfig
     from atropos.slots.config import PoolConfig
     from atropos.slots.pool import SlotPool
@@ -75,7 +77,7 @@ async def _exec_ephemeral(tool: str, call_args: dict[str, Any], timeout: float |
 
     async with SlotPool(LocalBackend(LocalBackendConfig(slots_per_host=1, pool_id="exec", prewarm=False)),
                         PoolConfig(pool_id="exec", min_hosts=1, max_hosts=1)) as pool:
-        async with pool.leased("cli-exec", network=network) as lease:
+        async with pool.leased("cli-exec", network=network, image=image) as lease:
             result = await lease.call(tool, call_args, timeout_s=timeout)
     ok, text = format_result(tool, result)
     return print_call(text, result.result, ok)

@@ -133,6 +133,7 @@ def _add_exec(sub: Any) -> None:
                   "Run one tool call in a fresh lease: in the background pool if it is up, else in an "
                   "ephemeral local one. For bash, the exit status is the command's own.",
                   "examples:\n  atropos-sandbox exec -- 'python3 -V'\n"
+                  "  atropos-sandbox exec --image repo/task:tag -- 'cd /testbed && git status'\n"
                   "  atropos-sandbox exec --tool read_file --args '{\"path\": \"a.txt\"}'\n"
                   "  atropos-sandbox exec --tool web_search --args '{\"query\": \"tar\"}'   (needs a pool)")
     ex.add_argument("--tool", default="bash", help="tool name (default bash)")
@@ -141,6 +142,8 @@ def _add_exec(sub: Any) -> None:
     ex.add_argument("--lease-timeout", dest="lease_timeout", type=float, default=60.0,
                     help="pool: seconds to wait for a free slot (default 60)")
     ex.add_argument("--network", action="store_true", help="let the call reach the network")
+    ex.add_argument("--image", help="run in a slot whose / is this task image (a Docker engine reference, "
+                                    "or oci:PATH; docs/task-images.md)")
     add_pool_flags(ex)
     ex.add_argument("command", nargs="*", help="the bash command")
     ex.set_defaults(func=cmd_exec)

@@ -129,6 +129,13 @@ class AgentEnv(BaseEnv):
         ``setup_trajectory_workspace`` still runs afterwards in each rollout's own slot."""
         return {}
 
+    def item_image(self, item: Any) -> str | None:
+        """The task image a rollout of ``item`` runs on (its slot's ``/``; docs/task-images.md):
+        the item's ``image`` key by default (a Docker engine reference, or ``oci:PATH``); None: the
+        default root. Override for datasets that name it otherwise."""
+        image = item.get("image") if isinstance(item, dict) else getattr(item, "image", None)
+        return image if isinstance(image, str) and image else None
+
     def has_group_setup(self) -> bool:
         """Whether the subclass overrides ``setup_group_workspace`` (then groups fork a template)."""
         return type(self).setup_group_workspace is not AgentEnv.setup_group_workspace
@@ -426,6 +433,10 @@ class AgentEnv(BaseEnv):
         group_id = uuid.uuid4().hex[:10]
         ids = [f"{group_id}-{i}" for i in range(self.config.group_size)]
         group_setup = self.has_group_setup()
+        image = self.item_image(item)
+        if group_setup and image is not None:
+            raise ValueError("setup_group_workspace forks a template of /workspace, which an image-rooted slot "
+                             "does not have: put the group's setup in the image or in setup_trajectory_workspace")
         leases: list[Lease] = []
         template: PoolTemplate | None = None
         pool = self.pool  # the finally releases into this pool even if the run is ending
@@ -433,7 +444,7 @@ class AgentEnv(BaseEnv):
             try:
                 leases = await pool.lease_many(ids, self.config.acquire_timeout_s,
                                                network=self.config.allow_network,
-                                               colocate=True if group_setup else None)
+                                               colocate=True if group_setup else None, image=image)
                 if group_setup:
                     template = await self.rollouts.prepare_group(item, leases)
             except Exception as exc:
@@ -556,7 +567,7 @@ class AgentEnv(BaseEnv):
         (its template also serves a retry on a fresh slot)."""
         assert self.pool is not None
         lease = await self.pool.lease(f"eval-{uuid.uuid4().hex[:8]}-{i}", self.config.acquire_timeout_s,
-                                      network=self.config.allow_network)
+                                      network=self.config.allow_network, image=self.item_image(item))
         template: PoolTemplate | None = None
         try:
             if self.has_group_setup():

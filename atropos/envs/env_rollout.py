@@ -87,7 +87,8 @@ class RolloutRunner:
                         await self.env.pool.release(current)
                     current = await self.env.pool.lease(f"{lease.trajectory_id}-r{attempt + 1}",
                                                         self.env.config.acquire_timeout_s,
-                                                        network=self.env.config.allow_network, template=template)
+                                                        network=self.env.config.allow_network, template=template,
+                                                        image=self.env.item_image(item))
             raise AssertionError("unreachable")
         finally:
             if current is not lease:

@@ -44,6 +44,7 @@ class PoolHost:
         self.quarantined = 0
         self.idle_since: float | None = time.monotonic()
         self.last_health_ms: float | None = None
+        self.images: set[str] = set()  # task images this host holds in its layer store (as far as we know)
 
     @property
     def id(self) -> str:
@@ -176,6 +177,7 @@ class Lease:
         self.lost: str | None = None
         self.calls = 0
         self.template: PoolTemplate | None = None  # the template the workspace is a fork of
+        self.image: str | None = None  # the task image the slot's root is (docs/task-images.md)
         self.sealed = False  # in the verification phase (see ``seal``) until the next reset
 
     def __repr__(self) -> str:
@@ -338,15 +340,18 @@ class Lease:
             self.pool.suspect(self.host)
             raise
 
-    async def reset(self, template: PoolTemplate | None = None, *, network: bool | None = None) -> ResetResult:
-        """Restart this lease's workspace, keeping the lease: empty, or a fresh copy-on-write
-        fork of ``template`` (shipped to this host first if it was made elsewhere). Every
+    async def reset(self, template: PoolTemplate | None = None, *, network: bool | None = None,
+                    image: str | None = None) -> ResetResult:
+        """Restart this lease's workspace, keeping the lease: empty, a fresh copy-on-write fork of
+        ``template`` (shipped to this host first if it was made elsewhere), or a fresh root of the
+        task image ``image`` (imported into the host's layer store first if need be). Every
         process of the slot is killed. A failed reset loses the lease (ResetFailed)."""
         self.check()
         template_id = None if template is None else await self.pool.template_on(template, self.host)
         try:
             result = await self.host.guard(self.host.client.reset(
-                self.slot, self.token, trajectory_id=self.trajectory_id, network=network, template=template_id))
+                self.slot, self.token, trajectory_id=self.trajectory_id, network=network, template=template_id,
+                image=image))
         except HostUnavailable:
             self.pool.suspect(self.host)
             raise
@@ -360,6 +365,9 @@ class Lease:
         if network is not None:
             self.network = network
         self.template = template
+        self.image = image
+        if image is not None:
+            self.host.images.add(image)
         return result
 
     async def release(self) -> None:

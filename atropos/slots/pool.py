@@ -19,6 +19,7 @@ from typing import Any
 
 from atropos.backends.base import Backend
 from atropos.errors import GroupTooLarge, HostUnavailable, LeaseError, SlotUnavailable
+from atropos.sandbox.contract.protocol import ImageInfo
 from atropos.slots.audit import LeaseAudit
 from atropos.slots.background import Background
 from atropos.slots.config import PoolConfig
@@ -105,21 +106,26 @@ class SlotPool:
         return None if per_host is None else per_host * self.cfg.max_hosts
 
     async def lease(self, trajectory_id: str, timeout: float | None = None, *, network: bool = False,
-                    template: PoolTemplate | None = None) -> Lease:
+                    template: PoolTemplate | None = None, image: str | None = None) -> Lease:
         """Lease one slot for a trajectory, waiting FIFO up to ``timeout`` seconds; with
-        ``template`` the slot starts as a copy-on-write fork of it."""
-        return (await self.lease_many([trajectory_id], timeout, network=network, template=template))[0]
+        ``template`` the slot starts as a copy-on-write fork of it; with ``image`` its ``/`` is a
+        fresh root of that task image (docs/task-images.md)."""
+        return (await self.lease_many([trajectory_id], timeout, network=network, template=template,
+                                      image=image))[0]
 
     async def lease_many(self, trajectory_ids: Sequence[str], timeout: float | None = None, *,
                          network: bool = False, template: PoolTemplate | None = None,
-                         colocate: bool | None = None) -> list[Lease]:
+                         colocate: bool | None = None, image: str | None = None) -> list[Lease]:
         """Lease one slot per id, all or nothing (a GRPO group starts together).
 
-        ``template``: every slot starts as a fresh copy-on-write fork of it. ``colocate``
-        (default: when a template is given) puts the group on as few hosts as possible,
-        preferring hosts that already hold the template."""
+        ``template``: every slot starts as a fresh copy-on-write fork of it. ``image``: every
+        slot's root is a fresh root of that task image (a Docker engine reference, or ``oci:PATH``).
+        ``colocate`` (default: when a template or image is given) puts the group on as few hosts as
+        possible, preferring hosts that already hold the template or image."""
         if not self.background.running:
             raise SlotUnavailable("the pool is not running")
+        if template is not None and image is not None:
+            raise ValueError("a slot's root is a task image or its workspace a template fork, not both")
         ids = list(trajectory_ids)
         # A single slot always fits (max_hosts >= 1, hosts have >= 1 slot): skip the walk over hosts.
         most = self.max_slots() if len(ids) > 1 else None
@@ -127,15 +133,18 @@ class SlotPool:
             raise GroupTooLarge(
                 f"a group of {len(ids)} can never be leased: the pool holds at most {most} slots "
                 f"(max_hosts {self.cfg.max_hosts} x {most // self.cfg.max_hosts} slots per host)")
-        colocate = template is not None if colocate is None else colocate
+        colocate = (template is not None or image is not None) if colocate is None else colocate
         prefer = frozenset(template.copies) if template is not None else frozenset()
+        if image is not None:
+            prefer = frozenset(h.id for h in self.hosts.values() if image in h.images)
         if self.queue.can_take_now(len(ids)):
             leases = self.queue._take_group(ids, network, colocate, prefer)
         else:
             leases = await self.queue._wait(ids, network, self.cfg.acquire_timeout_s if timeout is None else timeout,
                                       colocate, prefer)
-        if template is not None:
-            await self._prepare_or_release(leases, lambda lease: lease.reset(template, network=network or None))
+        if template is not None or image is not None:
+            await self._prepare_or_release(
+                leases, lambda lease: lease.reset(template, network=network or None, image=image))
         elif network:
             await self._prepare_or_release(leases, self._enable_network)
         return leases
@@ -212,10 +221,11 @@ class SlotPool:
 
     @contextlib.asynccontextmanager
     async def leased(self, trajectory_id: str, timeout: float | None = None, *,
-                     network: bool = False, template: PoolTemplate | None = None) -> AsyncIterator[Lease]:
+                     network: bool = False, template: PoolTemplate | None = None,
+                     image: str | None = None) -> AsyncIterator[Lease]:
         """``async with pool.leased(tid) as lease:``: ``lease`` for the block, released after it
         (also on error or cancellation)."""
-        lease = await self.lease(trajectory_id, timeout, network=network, template=template)
+        lease = await self.lease(trajectory_id, timeout, network=network, template=template, image=image)
         try:
             yield lease
         finally:
@@ -263,6 +273,21 @@ class SlotPool:
     def suspect(self, host: PoolHost) -> None:
         """A call saw a transport error: probe ``host`` now, lease nothing from it until a probe passes."""
         self.fleet.suspect(host)
+
+    async def prepare_images(self, references: Sequence[str]) -> dict[str, list[ImageInfo]]:
+        """Import task images into every running host's layer store now, so a later lease of them
+        starts without waiting for the import (docs/task-images.md). Per host id: what it holds."""
+        hosts = [h for h in self.hosts.values() if h.leasable]
+
+        async def prepare(host: PoolHost) -> list[ImageInfo]:
+            infos = []
+            for ref in references:
+                infos.append(await host.guard(host.client.prepare_image(ref)))
+                host.images.add(ref)
+            return infos
+
+        done = await asyncio.gather(*(prepare(h) for h in hosts))
+        return {h.id: infos for h, infos in zip(hosts, done, strict=True)}
 
     async def template_from_lease(self, lease: Lease, name: str = "") -> PoolTemplate:
         """Snapshot a leased slot's workspace as a template (see ``TemplateShipper.template_from_lease``)."""

@@ -33,6 +33,7 @@ from atropos.sandbox.contract.protocol import (
     CallResult,
     CallTimeouts,
     HealthInfo,
+    ImageInfo,
     LeaseInfo,
     MaxTimeoutS,
     PrewarmResult,
@@ -145,12 +146,16 @@ class HostClient:
         return LeaseInfo.model_validate_json(resp.content)
 
     async def reset(self, slot: int, lease: str, *, trajectory_id: str | None = None,
-                    network: bool | None = None, template: str | None = None) -> ResetResult:
-        """Reset a leased slot (kept leased under a new token): to empty, or to a fresh fork of ``template``."""
+                    network: bool | None = None, template: str | None = None,
+                    image: str | None = None) -> ResetResult:
+        """Reset a leased slot (kept leased under a new token): to empty, to a fresh fork of ``template``,
+        or to a fresh root of the task image ``image`` (imported on the host first if need be)."""
         body: dict[str, Any] = {"lease": lease, "trajectory_id": trajectory_id, "network": network}
         if template is not None:
             body["template"] = template
-        resp = await self._send("POST", f"/v1/slots/{slot}/reset", json=body, timeout=120)
+        if image is not None:
+            body["image"] = image
+        resp = await self._send("POST", f"/v1/slots/{slot}/reset", json=body, timeout=900 if image else 120)
         return ResetResult.model_validate_json(resp.content)
 
     async def seal(self, slot: int, lease: str) -> SealResult:
@@ -163,6 +168,16 @@ class HostClient:
         resp = await self._send("POST", f"/v1/slots/{slot}/verify", content=req.model_dump_json().encode(),
                                 headers={"Content-Type": "application/json"}, timeout=req.timeout_s + 120)
         return VerifyResult.model_validate_json(resp.content)
+
+    # -- task images -----------------------------------------------------------------------
+    async def prepare_image(self, reference: str, *, timeout: float = 900) -> ImageInfo:
+        """Import a task image into the host's layer store now (docs/task-images.md)."""
+        resp = await self._send("POST", "/v1/images", json={"reference": reference}, timeout=timeout)
+        return ImageInfo.model_validate_json(resp.content)
+
+    async def images(self) -> list[ImageInfo]:
+        resp = await self._send("GET", "/v1/images")
+        return [ImageInfo.model_validate(i) for i in resp.json()]
 
     # -- templates -------------------------------------------------------------------------
     async def create_template(self, source: str, *, name: str = "", timeout: float = 3600,

@@ -14,7 +14,7 @@ API_VERSION = "v1"
 LEASE_HEADER = "X-Atropos-Lease"
 
 SlotState = Literal["free", "leased", "resetting", "quarantined"]
-WorkspaceKind = Literal["plain", "overlay", "copy"]
+WorkspaceKind = Literal["plain", "overlay", "copy", "image"]
 
 
 class Wire(BaseModel):
@@ -75,6 +75,9 @@ class ResetRequest(LeaseRef):
     network: bool | None = None
     template: str | None = Field(None, max_length=64,
                                  description="reset to a fork of this template instead of an empty workspace")
+    image: str | None = Field(None, min_length=1, max_length=512,
+                              description="reset to a fresh root of this task image (a Docker engine reference, or "
+                                          "oci:PATH of an OCI layout on the host): see docs/task-images.md")
 
 
 class ResetResult(Wire):
@@ -104,6 +107,10 @@ class VerifyRequest(LeaseRef):
                                                 "process, in memory (never a file, argv or environment)")
     args: Any = Field(None, description="any JSON value, passed to verify() as `args`")
     timeout_s: float = Field(60.0, gt=0, le=3600)
+    restore: list[str] = Field(default_factory=list, max_length=4096,
+                               description="on an image root: absolute paths (files or directories) put back exactly "
+                                           "as the image has them before the program runs (test files, their "
+                                           "configuration: the agent's edits there do not count)")
 
     def secrets_size(self) -> int:
         return sum(len(k) + len(v.encode()) for k, v in self.secrets.items())
@@ -163,7 +170,8 @@ class SlotInfo(Wire):
     session_running: bool = Field(False, description="a python_session interpreter is alive in the slot")
     detail: str = ""
     template: str | None = Field(None, description="the template this workspace is a fork of")
-    workspace: WorkspaceKind = Field("plain", description="plain dir | overlay fork | copy of a template")
+    image: str | None = Field(None, description="the task image the slot's root is (docs/task-images.md)")
+    workspace: WorkspaceKind = Field("plain", description="plain dir | overlay fork | copy of a template | image root")
     sealed: bool = Field(False, description="in its verification phase: nothing runs in it until its reset")
 
 
@@ -213,6 +221,21 @@ class TemplateRequest(Wire):
     url: str | None = Field(None, max_length=4096, description="source=git: repository URL (or allowed local path)")
     ref: str | None = Field(None, max_length=256, description="source=git: branch, tag or commit to check out")
     depth: int | None = Field(None, ge=1, description="source=git: shallow clone depth")
+
+
+class ImageRequest(Wire):
+    reference: str = Field(min_length=1, max_length=512,
+                           description="a Docker engine reference (repo/task:tag), or oci:PATH of an OCI layout")
+
+
+class ImageInfo(Wire):
+    """A task image a host holds in its layer store (docs/task-images.md)."""
+
+    reference: str
+    id: str = Field(description="the image's id (the engine's, or the OCI index's digest)")
+    layers: int
+    slots: list[int] = Field(default_factory=list, description="slots whose root is this image now")
+    duration_ms: float = Field(0.0, description="of the request that imported (or found) it")
 
 
 class TemplateInfo(Wire):

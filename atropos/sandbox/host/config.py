@@ -63,6 +63,9 @@ class HostConfig(BaseModel):
 
     slots: int = Field(4, ge=1, le=1024)
     data_dir: Path = Field(default_factory=default_data_dir)
+    image_store: Path | None = Field(
+        None, description="task images' layer store (docs/task-images.md); default: images/ beside the data dir, "
+                          "shared by the hosts of one machine")
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port (printed on start)")
     token: str = Field("", repr=False, description="bearer token every request must carry")

@@ -17,13 +17,22 @@ from importlib import resources
 from typing import Any, TypeVar
 
 from atropos import __version__, metrics
-from atropos.errors import IsolationUnavailable, LeaseError, PathEscapeError, SlotSealed, SlotUnavailable, ToolError
+from atropos.errors import (
+    ImageRejected,
+    IsolationUnavailable,
+    LeaseError,
+    PathEscapeError,
+    SlotSealed,
+    SlotUnavailable,
+    ToolError,
+)
 from atropos.sandbox.contract.hostdirs import ISOLATION_FAILED, owned_dir
 from atropos.sandbox.contract.protocol import (
     MAX_VERIFY_SECRETS,
     CallResult,
     ErrorInfo,
     HealthInfo,
+    ImageInfo,
     LeaseInfo,
     LeaseRequest,
     PrewarmResult,
@@ -46,6 +55,7 @@ from atropos.sandbox.host.host_setup import (
     resolve_network_isolation,
     setup_cgroups,
 )
+from atropos.sandbox.host.images.host_images import HostImages
 from atropos.sandbox.host.isolation import seccomp
 from atropos.sandbox.host.isolation.cgroups import SlotCgroups
 from atropos.sandbox.host.isolation.network import DNS as SLIRP_DNS
@@ -93,6 +103,7 @@ class SandboxHost:
         self.total_calls = 0
         self.stopping = False
         self.workspaces: Workspaces | None = None
+        self._images: HostImages | None = None  # made on first use: most hosts never see an image
         self.private_net = False  # resolved from cfg.network_isolation by start()
         self.killer = UidKiller()
         self.cgroups: SlotCgroups | None = None  # one cgroup per slot: its memory, process and CPU caps
@@ -281,11 +292,35 @@ class SandboxHost:
                  req.trajectory_id, req.template)
         return info
 
+    @property
+    def images(self) -> HostImages:
+        if self._images is None:
+            self._images = HostImages(self.cfg.image_store or self.root.parent / "images")
+        return self._images
+
+    async def prepare_image(self, reference: str) -> ImageInfo:
+        """Import ``reference`` into the layer store now (a later lease of it starts without waiting)."""
+        t0 = time.perf_counter()
+        image = await self.images.get(reference)
+        return ImageInfo(reference=image.reference, id=image.image_id, layers=len(image.lowers),
+                         slots=sorted(image.users), duration_ms=round((time.perf_counter() - t0) * 1000, 3))
+
+    def held_images(self) -> list[ImageInfo]:
+        if self._images is None:
+            return []
+        return [ImageInfo(reference=r.reference, id=r.image_id, layers=len(r.lowers), slots=sorted(r.users))
+                for r in self._images.images.values()]
+
     async def reset(self, index: int, req: ResetRequest, *, keep: bool) -> ResetResult:
         """Reset a leased slot; ``keep`` leaves it leased (to a fresh token), else it is freed."""
         slot = self.slot(index)
         self.check_lease(slot, req.lease)
         template = None if req.template is None else self.template(req.template)  # 404 before any harm
+        if req.image is not None and template is not None:
+            raise ImageRejected("a slot's root is an image or its workspace a template fork, not both")
+        # imported first if need be (seconds, once per host): before any harm to the lease
+        image = None if req.image is None else await self.images.get(req.image)
+        self.check_lease(slot, req.lease)
         trajectory = req.trajectory_id or slot.trajectory_id or "?"
         network = slot.network if req.network is None else req.network
         t0 = time.perf_counter()
@@ -294,7 +329,7 @@ class SandboxHost:
         slot.revoke()
         await slot.stop_sandboxes()
         async with self._resetting(), slot.lock:
-            ok, detail = await slot.reset(template)
+            ok, detail = await slot.reset(template, image)
         self._schedule_trash()
         metrics.HOST_RESETS.labels("ok" if ok else "quarantined").inc()
         result = ResetResult(slot=index, ok=ok, quarantined=not ok, detail=detail,

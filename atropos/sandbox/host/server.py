@@ -23,6 +23,8 @@ from atropos.sandbox.contract.protocol import (
     CallBatch,
     CallResult,
     HealthInfo,
+    ImageInfo,
+    ImageRequest,
     LeaseInfo,
     LeaseRef,
     LeaseRequest,
@@ -76,6 +78,7 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
     deps = [Depends(auth)]
     _slot_routes(app, host, deps)
     _template_routes(app, host, deps)
+    _image_routes(app, host, deps)
     _file_routes(app, host, deps)
     return app
 
@@ -210,6 +213,18 @@ def _template_routes(app: FastAPI, host: SandboxHost, deps: list[Any]) -> None:
     async def template_archive(template_id: str) -> StreamingResponse:
         """The template as a POSIX tar stream: upload it to another host to use it there."""
         return StreamingResponse(host.template_archive(template_id), media_type="application/x-tar")
+
+
+def _image_routes(app: FastAPI, host: SandboxHost, deps: list[Any]) -> None:
+    """Task images (docs/task-images.md): imported into the host's layer store ahead of use, listed."""
+
+    @app.post("/v1/images", response_model=ImageInfo, dependencies=deps)
+    async def prepare_image(req: ImageRequest) -> ImageInfo:
+        return await host.prepare_image(req.reference)
+
+    @app.get("/v1/images", response_model=list[ImageInfo], dependencies=deps)
+    async def images() -> list[ImageInfo]:
+        return host.held_images()
 
 
 def _file_routes(app: FastAPI, host: SandboxHost, deps: list[Any]) -> None:

@@ -24,13 +24,19 @@ from atropos.sandbox.contract.protocol import (
     VerifyResult,
 )
 from atropos.sandbox.host.config import HostConfig
+from atropos.sandbox.host.images.host_images import ImageRoot
 from atropos.sandbox.host.isolation.bwrap import (
+    IMAGE_LIB_DIR,
+    IMAGE_PRISTINE,
+    IMAGE_RUN_DIR,
     LIB_DIR,
     RUN_DIR,
     SANDBOX_ENV,
     WORKSPACE,
     SandboxPaths,
     bwrap_argv,
+    host_program,
+    image_bwrap_argv,
 )
 from atropos.sandbox.host.isolation.cgroups import SlotCgroup
 from atropos.sandbox.host.isolation.network import SlirpHandshake
@@ -44,6 +50,7 @@ from atropos.sandbox.host.workspace.trees import copy_tree
 from atropos.sandbox.host.workspace.workspaces import Workspaces
 
 CHOOM = "/usr/bin/choom"  # util-linux: on every Debian/Ubuntu
+TMUX = "/usr/bin/tmux"
 SETPRIV = "/usr/bin/setpriv"  # util-linux too
 HAVE_CHOOM = os.path.exists(CHOOM)
 SANDBOX_OOM_SCORE_ADJ = 1000  # under memory pressure the sandbox dies, never the host
@@ -165,11 +172,14 @@ class Slot:
             sandbox_running=self.sandbox is not None and self.sandbox.alive,
             session_running=self.session is not None and self.session.alive,
             template=None if self.ws.template is None else self.ws.template.id, workspace=self.ws.ws_kind,
+            image=None if self.ws.image is None else self.ws.image.reference,
             sealed=self.sealed,
         )
 
     # -- sandboxes -------------------------------------------------------------------------
     def _argv(self, extra: dict[str, Any], script: str, verifier: bool = False) -> list[str]:
+        if self.ws.image is not None:
+            return self._image_argv(self.ws.image, extra, script, verifier)
         sup_cfg = {"limits": self.cfg.limits.rlimits(), "env": VERIFIER_ENV if verifier else SANDBOX_ENV, **extra}
         if self.cfg.unsafe_no_isolation:
             sup_cfg.update(workspace=str(self.paths.workspace), run_dir=str(self.paths.run_dir),
@@ -189,10 +199,29 @@ class Slot:
             argv = verifier_bwrap(argv, self.paths)
         return [*argv, self.cfg.python, "-I", "-S", f"{LIB_DIR}/{script}", json.dumps(sup_cfg)]
 
+    def _image_argv(self, image: ImageRoot, extra: dict[str, Any], script: str, verifier: bool) -> list[str]:
+        """A sandbox on the slot's image root (docs/task-images.md): the image's environment and
+        WorkingDir; the helpers run on the host's interpreter (``host_program``), whatever the image
+        holds, except the python_session driver, which runs the agent's code and so is the image's
+        own ``python3``."""
+        env = image.env()
+        sup_cfg = {"limits": self.cfg.limits.rlimits(), "env": env, "workspace": "/", "cwd": image.working_dir,
+                   "run_dir": IMAGE_RUN_DIR, **extra}
+        paths = self.paths
+        if self.ws.scratch:
+            tmp, shm = self.ws.scratch_dirs()
+            paths = dataclasses.replace(paths, tmp=tmp, shm=shm)
+        argv = image_bwrap_argv(self.cfg.bwrap, self.ws.root, paths, self.cfg.limits,
+                                network=self.network and not verifier, seccomp_fd=-1, private_net=self.private_net,
+                                env=env, uid=0, verifier=verifier)
+        argv[argv.index("-1")] = "{seccomp_fd}"
+        python = ["python3"] if script == "session.py" else list(host_program(self.cfg.python))
+        return [*argv, *python, "-I", "-S", f"{IMAGE_LIB_DIR}/{script}", json.dumps(sup_cfg)]
+
     async def _start(self, extra: dict[str, Any], label: str, protocol: bool = True,
                      script: str = "supervisor.py", verifier: bool = False) -> SandboxProcess:
         argv, uid = self._argv(extra, script, verifier), self.uid
-        if self.ws.ws_kind == "overlay" or self.ws.capped or self.ws.scratch:
+        if self.ws.ws_kind in ("overlay", "image") or self.ws.capped or self.ws.scratch:
             # The fork's overlay and the capped tmpfs mounts exist only in the workspace mount
             # namespace: start bwrap in it (nsenter drops to the slot's uid itself on a root host).
             argv, uid = [*self.ws.ns().launcher(self.uid), *argv], None
@@ -232,10 +261,17 @@ class Slot:
             self.terminal = None
         run_dir = RUN_DIR if not self.cfg.unsafe_no_isolation else str(self.paths.run_dir)
         lib_dir = LIB_DIR if not self.cfg.unsafe_no_isolation else str(self.paths.lib_dir)
+        tmux: list[str] = ["tmux"]
+        extra: dict[str, Any] = {}
+        if self.ws.image is not None:  # the host's tmux (an image rarely has one), on the image's bash
+            run_dir, lib_dir, tmux = IMAGE_RUN_DIR, IMAGE_LIB_DIR, list(host_program(TMUX))
+            extra["env"] = {**self.ws.image.env(), "SHELL": "/bin/bash", "TERM": SANDBOX_ENV["TERM"],
+                            "PS1": SANDBOX_ENV["PS1"], "TERMINFO_DIRS": "/.atropos/usr/share/terminfo:/lib/terminfo"}
         if os.path.lexists(sock):  # noqa: ASYNC240 - one lstat; whatever the slot left there goes
             await asyncio.to_thread(remove_tree, sock)
-        exec_argv = ["tmux", "-D", "-S", f"{run_dir}/tmux.sock", "-f", f"{lib_dir}/tmux.conf"]
-        self.terminal = await self._start({"exec": exec_argv}, f"slot {self.index} terminal", protocol=False)
+        exec_argv = [*tmux, "-D", "-S", f"{run_dir}/tmux.sock", "-f", f"{lib_dir}/tmux.conf"]
+        self.terminal = await self._start({"exec": exec_argv, **extra}, f"slot {self.index} terminal",
+                                          protocol=False)
         # generous: a dead tmux is noticed at once (``alive``), so the deadline only bounds a slow
         # start, and on a starved machine tmux took over 5 s (the soak's "did not start" errors)
         deadline = time.monotonic() + 30.0
@@ -297,7 +333,7 @@ class Slot:
                 await proc.kill()
 
     # -- reset ---------------------------------------------------------------------------
-    async def reset(self, template: Template | None = None) -> tuple[bool, str]:
+    async def reset(self, template: Template | None = None, image: ImageRoot | None = None) -> tuple[bool, str]:
         """Kill everything of the lease, rebuild the workspace (empty, or a fresh fork of
         ``template``) and check the result before the slot can be leased again."""
         self.state = "resetting"
@@ -306,7 +342,7 @@ class Slot:
             await self._kill_cgroup()
             # The uid sweep (a /proc scan) and the workspace's renewal run side by side: the slot is
             # not leasable until both are done, and a survivor quarantines it all the same.
-            outcomes = await asyncio.gather(self._kill_uid(), self.ws.renew(template),
+            outcomes = await asyncio.gather(self._kill_uid(), self.ws.renew(template, image),
                                             return_exceptions=True)
             for outcome in outcomes:
                 if isinstance(outcome, BaseException):
@@ -346,13 +382,22 @@ class Slot:
         t0 = time.monotonic()
         result = VerifyResult(slot=self.index, ok=False, separation=separation)
         workspace = str(self.paths.workspace) if self.cfg.unsafe_no_isolation else WORKSPACE
+        image_fields: dict[str, Any] = {}
+        if self.ws.image is not None:
+            workspace = self.ws.image.working_dir
+            image_fields = {"restore": req.restore, "pristine": IMAGE_PRISTINE}
+        elif req.restore:
+            result.error = ErrorInfo(code="invalid_request", status=VERIFIER_FAILED,
+                                     message="restore needs a slot whose root is a task image")
+            return result
         proc: SandboxProcess | None = None
         try:
             if self.ws.scratch:
                 await self.ws.renew_scratch()
             proc = await self._start({}, f"slot {self.index} verifier", script="verifier.py", verifier=True)
             frame = await proc.request({"op": "verify", "program": req.program, "secrets": req.secrets,
-                                        "args": req.args, "timeout": req.timeout_s, "workspace": workspace},
+                                        "args": req.args, "timeout": req.timeout_s, "workspace": workspace,
+                                        **image_fields},
                                        req.timeout_s + VERIFY_GRACE_S)
         except SandboxDied as exc:
             late = time.monotonic() - t0 >= req.timeout_s

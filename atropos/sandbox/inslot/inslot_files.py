@@ -92,8 +92,11 @@ _CONTROL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f]")
 class SlotFiles:
     """File tools on the workspace at ``workspace`` (the path the slot's processes see it at)."""
 
-    def __init__(self, workspace: str) -> None:
+    def __init__(self, workspace: str, cwd: str | None = None) -> None:
         self.workspace = workspace
+        # Where relative paths start (an image's WorkingDir, under a workspace of "/"); default:
+        # the workspace itself.
+        self.cwd = cwd
 
     def _root_fd(self) -> int:
         return os.open(self.workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -105,13 +108,16 @@ class SlotFiles:
         if not isinstance(path, str) or not path:
             raise ToolFailure("invalid_path", "path must be a non-empty string")
         if not path.startswith("/"):
-            return path
+            if self.cwd is None:
+                return path
+            path = f"{self.cwd}/{path}"
         root = self.workspace.rstrip("/") or "/"
         norm = re.sub("/+", "/", path)
         if norm == root or norm == root + "/":
             return "."
-        if norm.startswith(root + "/"):
-            return norm[len(root) + 1:]
+        inside = root if root.endswith("/") else root + "/"
+        if norm.startswith(inside):
+            return norm[len(inside):]
         raise ToolFailure("path_escape", f"{path}: outside the workspace; file tools reach only {root} and "
                                          f"what is under it (give a path relative to {root}, or {root}/...)")
 

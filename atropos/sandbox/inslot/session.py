@@ -273,7 +273,10 @@ def _setup_python(workspace: str) -> None:
     site.ENABLE_USER_SITE = True  # -I turned it off for the driver's own start-up
     site.main()
     sys.path.insert(0, "")
-    os.chdir(workspace)
+    try:
+        os.chdir(workspace)
+    except OSError:  # an image's WorkingDir the slot's root user removed: start at / (see supervisor)
+        os.chdir("/")
     # stdout is a pipe, so block-buffered: a print would show up after the output of an
     # os.system that ran after it. Line buffering keeps them in order.
     for stream in (sys.stdout, sys.stderr):
@@ -294,7 +297,7 @@ def main() -> None:
     apply_limits(cfg.get("limits", {}))
     os.environ.clear()  # children of the code (os.system) get the sandbox's environment, nothing else
     os.environ.update({str(k): str(v) for k, v in (cfg.get("env") or {}).items()})
-    _setup_python(cfg.get("workspace", "/workspace"))
+    _setup_python(cfg.get("cwd") or cfg.get("workspace", "/workspace"))
     session = Session(cfg)
     sys.modules["__main__"] = session.module
     serve(rfd, wfd, functools.partial(_handle, session))

@@ -79,7 +79,10 @@ class Supervisor:
         self.run_dir = cfg.get("run_dir", "/run/term")
         self.env = dict(cfg.get("env", {}))
         self.isolated = bool(cfg.get("isolated", True))
-        self.files = SlotFiles(self.workspace)
+        cwd = cfg.get("cwd")  # an image's WorkingDir (the workspace is then "/")
+        if cwd is not None and not os.path.isdir(cwd):
+            cwd = "/"  # removed by the slot's root user: calls start at / (docker exec would refuse)
+        self.files = SlotFiles(self.workspace, cwd)
         self.warm: dict[str, WarmInterpreter] = {}
         # A bash is always kept warm (cheap, and most calls). A python only while the slot's last
         # exec call was python: every exec call's kill(-1) takes the waiting interpreters with it, so
@@ -387,6 +390,11 @@ def main() -> None:
     if cfg.get("exec"):  # the terminal's tmux: Python's own ignores would outlive the exec
         for sig in (signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(sig, signal.SIG_DFL)
+        if cfg.get("cwd"):  # an image's WorkingDir: where the terminal's shell starts
+            try:
+                os.chdir(cfg["cwd"])
+            except OSError:
+                pass
         os.execvpe(cfg["exec"][0], cfg["exec"], dict(cfg.get("env", {})))
     cloexec_all()  # what bwrap handed us stays here: interpreters are spawned without a close-all
     sup = Supervisor(cfg)

@@ -122,8 +122,65 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, allow_nan=False))
 
 
+def restore_from_image(pristine: str, paths: list[str]) -> list[str]:
+    """Put every absolute path of ``paths`` back exactly as the image has it (``pristine`` is the
+    image's read-only view): whatever the agent made of it (an edit, a deletion, a symlink or a
+    file in its place, new files inside a restored directory) is removed first, and a path the image
+    does not have is removed. The parents on the way become what the image has there too (a
+    directory the agent swapped for a symlink would otherwise carry the restored files elsewhere).
+    Runs inside the verifier's sandbox, so a symlink can only lead to the slot's own files."""
+    import shutil
+
+    done = []
+    for path in paths:
+        norm = os.path.normpath(str(path))
+        if not norm.startswith("/") or norm == "/" or norm.startswith("//") or "\0" in norm:
+            raise ValueError(f"restore: not an absolute path below /: {path!r}")
+        if norm == pristine or norm.startswith(pristine + "/"):
+            raise ValueError(f"restore: {path!r} is the image's own view")
+        parts = norm.strip("/").split("/")
+        here = "/"
+        for i, part in enumerate(parts):
+            target, source = os.path.join(here, part), os.path.join(pristine, *parts[: i + 1])
+            last = i == len(parts) - 1
+            if not last and os.path.isdir(source) and not os.path.islink(source):
+                if not (os.path.isdir(target) and not os.path.islink(target)):
+                    _remove(target)
+                    os.mkdir(target, os.lstat(source).st_mode & 0o7777)
+                here = target
+                continue
+            _remove(target)
+            if os.path.islink(source):
+                os.symlink(os.readlink(source), target)
+            elif os.path.isdir(source):
+                shutil.copytree(source, target, symlinks=True)
+            elif os.path.lexists(source):
+                shutil.copy2(source, target, follow_symlinks=False)
+            break  # the image has a file or nothing here: what lies beyond is gone with it
+        done.append(norm)
+    return done
+
+
+def _remove(path: str) -> None:
+    import shutil
+
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
 def run_program(req: dict[str, Any]) -> dict[str, Any]:
     secrets = {str(k): str(v) for k, v in (req.get("secrets") or {}).items()}
+    restore = [str(p) for p in req.get("restore") or []]
+    if restore:
+        pristine = req.get("pristine")
+        if not pristine:
+            return {"error": {"code": "bad_program", "message": "restore needs a slot whose root is an image"}}
+        try:
+            restore_from_image(str(pristine), restore)
+        except (OSError, ValueError) as exc:
+            return {"error": {"code": "restore_failed", "message": f"{type(exc).__name__}: {exc}"}}
     workspace = str(req.get("workspace", "/workspace"))
     namespace: dict[str, Any] = {
         "__name__": "__verifier__", "__builtins__": __builtins__,

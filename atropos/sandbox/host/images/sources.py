@@ -132,6 +132,27 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
+def docker_image_id(reference: str, *, socket_path: str = DOCKER_SOCKET, timeout: float = 30.0) -> str:
+    """The id the local Docker engine gives ``reference`` now (Engine API ``GET /images/{name}/json``)."""
+    conn = _UnixHTTPConnection(socket_path, timeout)
+    try:
+        try:
+            conn.request("GET", f"/images/{quote(reference, safe='')}/json")
+            resp = conn.getresponse()
+            body = resp.read(MAX_JSON + 1)
+        except OSError as exc:
+            raise ImageRejected(f"cannot ask the Docker engine for {reference!r}: {exc}") from None
+        if resp.status != 200:
+            raise ImageRejected(f"the Docker engine has no image {reference!r} ({resp.status}: "
+                                f"{body[:300].decode('utf-8', 'replace').strip()})")
+        image_id = _json(body, "the engine's image record").get("Id")
+        if not isinstance(image_id, str) or not image_id:
+            raise ImageRejected(f"the Docker engine gave no id for {reference!r}")
+        return image_id
+    finally:
+        conn.close()
+
+
 def import_from_docker(store: LayerStore, reference: str, *, socket_path: str = DOCKER_SOCKET,
                        timeout: float = 600.0) -> ImportedImage:
     """The image ``reference`` as the local Docker engine holds it (Engine API ``GET /images/{name}/get``,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,3 +99,96 @@ def bwrap_argv(bwrap: str, paths: SandboxPaths, limits: Limits, *, network: bool
         argv += ["--setenv", key, value]
     argv.append("--")
     return argv
+
+
+# -- slots whose root is a task image (docs/task-images.md) -----------------------------------
+# What a slot on an image root holds of ours, all under one directory the mount helper made a
+# read-only mount point (see mounthelper.image_mount_points): the helpers, the host's /usr (the
+# helpers' interpreter and tmux, run through the host's own loader: the image may have no python3,
+# an old one, or a musl libc), the slot's run dir and the image as it was (the verifier restores
+# test files from it).
+IMAGE_HELPERS = "/.atropos"
+IMAGE_LIB_DIR = f"{IMAGE_HELPERS}/lib"
+IMAGE_HOST_USR = f"{IMAGE_HELPERS}/usr"
+IMAGE_RUN_DIR = f"{IMAGE_HELPERS}/term"
+IMAGE_PRISTINE = f"{IMAGE_HELPERS}/image"
+
+
+def image_bwrap_argv(bwrap: str, root: Path, paths: SandboxPaths, limits: Limits, *, network: bool,
+                     seccomp_fd: int, private_net: bool, env: dict[str, str], uid: int,
+                     verifier: bool) -> list[str]:
+    """The sandbox of a slot whose ``/`` is an image root (mounted with its mount points by the mount
+    helper): the same namespaces, seccomp filter, capped ``/tmp`` and ``/dev/shm``, read-only
+    ``/proc`` and ``/dev`` as ``bwrap_argv``; the root itself is the slot's writable overlay,
+    capped in size and inodes. ``uid`` is the image's user inside the sandbox's user namespace
+    (0 for the usual root image), which maps to the slot's own unprivileged uid outside.
+
+    The verifier's variant has no run dir (an empty tmpfs hides it) and is PID 1 (see
+    ``verification.verifier_bwrap`` for why)."""
+    argv = [
+        bwrap,
+        *(["--as-pid-1"] if verifier else []),
+        "--unshare-all", "--unshare-user", "--disable-userns",
+        "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+        "--bind", str(root), "/",
+        "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
+        "--dev", "/dev",
+        *(["--bind", str(paths.shm), "/dev/shm"] if paths.shm is not None else
+          ["--size", str(limits.shm_bytes), "--perms", "1777", "--tmpfs", "/dev/shm"]),
+        *(["--bind", str(paths.tmp), "/tmp"] if paths.tmp is not None else
+          ["--size", str(limits.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"]),
+        *(["--size", "4096", "--tmpfs", IMAGE_RUN_DIR] if verifier else []),
+        # "/": the image's WorkingDir is the supervisor's to enter (the slot's root user may have
+        # removed it; a start must not fail for that)
+        "--chdir", "/",
+        "--clearenv",
+        "--uid", str(uid), "--gid", str(uid), "--hostname", "sandbox",
+        "--seccomp", str(seccomp_fd),
+    ]
+    # No bind onto the image's own /etc (a path the slot's root user controls, which bubblewrap would
+    # follow): a network slot keeps the image's resolv.conf.
+    if network and private_net and not verifier:
+        argv += ["--info-fd", "{info_fd}", "--block-fd", "{block_fd}"]
+    elif network and not verifier:
+        argv[argv.index("--unshare-all") + 1 : argv.index("--unshare-all") + 1] = ["--share-net"]
+    argv += ["--remount-ro", "/proc", "--remount-ro", "/dev"]
+    for key, value in env.items():
+        argv += ["--setenv", key, value]
+    argv.append("--")
+    return argv
+
+
+def _elf_interpreter(path: str) -> str:
+    """The program interpreter (PT_INTERP) an ELF64 executable names: its dynamic loader."""
+    with open(path, "rb") as fh:
+        head = fh.read(64)
+        if head[:5] != b"\x7fELF\x02":
+            raise OSError(f"{path}: not an ELF64 executable")
+        phoff, = struct.unpack_from("<Q", head, 0x20)
+        phentsize, phnum = struct.unpack_from("<HH", head, 0x36)
+        for i in range(phnum):
+            fh.seek(phoff + i * phentsize)
+            ptype, _, offset, _, _, filesz = struct.unpack("<IIQQQQ", fh.read(40))
+            if ptype == 3:  # PT_INTERP
+                fh.seek(offset)
+                return fh.read(filesz).rstrip(b"\0").decode()
+    raise OSError(f"{path}: a static executable names no loader")
+
+
+@functools.lru_cache(maxsize=8)
+def host_program(path: str) -> tuple[str, ...]:
+    """The argv prefix that runs the host's ``path`` (a program of its ``/usr``) inside an image
+    root: through the host's own loader and libraries (at ``IMAGE_HOST_USR``), never the image's (a
+    musl image has no glibc loader; an old one, an older glibc). ``--library-path`` holds for this
+    process only: nothing it starts inherits it."""
+    real = os.path.realpath(path)
+    loader = os.path.realpath(_elf_interpreter(real))
+    libdirs = [os.path.dirname(loader), "/usr/lib"]
+    for p in (real, loader, *libdirs):
+        if not p.startswith("/usr/"):
+            raise OSError(f"{p} is not under /usr: an image slot cannot bring it from the host")
+
+    def inside(p: str) -> str:
+        return IMAGE_HOST_USR + p.removeprefix("/usr")
+
+    return (inside(loader), "--library-path", ":".join(map(inside, libdirs)), inside(real))

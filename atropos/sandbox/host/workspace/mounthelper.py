@@ -35,7 +35,8 @@ from typing import Any
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
-MS_NOSUID, MS_NODEV, MS_MOVE, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x2000, 0x4000, 0x40000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND = 0x1, 0x2, 0x4, 0x20, 0x1000
+MS_MOVE, MS_REC, MS_PRIVATE = 0x2000, 0x4000, 0x40000
 MNT_DETACH = 0x2
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
 # Unmounts waiting for the background thread before a renew unmounts in place (each one holds
@@ -271,6 +272,8 @@ class Helper:
             return {}
         if op == "probe":
             return self.probe(req["dir"], req.get("idmap"), req.get("quota"))
+        if op == "image_root":
+            return self.image_root(req)
         raise ValueError(f"unknown op {op!r}")
 
     def fork(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -297,6 +300,90 @@ class Helper:
                 self.umount(layers)
             raise
         return {}
+
+    def image_root(self, req: dict[str, Any]) -> dict[str, Any]:
+        """A slot's root from a task image (docs/task-images.md).
+
+        A capped tmpfs on ``layers`` holds the upper and work dirs and one read-only clone of every
+        image layer (as root: idmapped, image uid -> slot uid); the overlay of them all goes on
+        ``target``, and a read-only overlay of the layers alone (the image as it was) on
+        ``layers/pristine``. ``lowers`` are the store's layer dirs, top first; the overlays get short
+        relative names (from inside ``layers``): many layers would overflow mount(2)'s one-page
+        option string.
+
+        Then every place a sandbox mounts something of its own in that root becomes a mount point
+        here, made with no symlink followed (an image, and later the slot's root user, could put a
+        symlink at ``/tmp`` that bubblewrap would follow out of the root while it sets up): ``/tmp``,
+        ``/dev`` and ``/proc`` get an empty read-only tmpfs for bubblewrap to mount over, and
+        ``/.atropos`` a read-only tmpfs holding the helpers (``binds``: the host's lib dir, its
+        ``/usr`` for their interpreter, the slot's run dir) and the pristine image. A mount point
+        cannot be removed or renamed from inside the slot (EBUSY)."""
+        layers, target = str(req["layers"]), str(req["target"])
+        lowers, quota, idmap = list(req["lowers"]), req["quota"], req.get("idmap")
+        self.mount_tmpfs(layers, quota)
+        try:
+            for name in ("upper", "work", "pristine"):
+                os.mkdir(os.path.join(layers, name), 0o700)
+            owner = quota.get("uid")
+            if owner is not None:
+                os.chown(os.path.join(layers, "upper"), int(owner), int(owner))
+            os.chmod(os.path.join(layers, "upper"), 0o755)  # the root dir of the slot's /
+            names = []
+            for i, tree in enumerate(lowers):
+                names.append(f"l{i}")
+                os.mkdir(os.path.join(layers, names[-1]), 0o700)
+                self.clone_lower(tree, os.path.join(layers, names[-1]), idmap)
+            opts = f"lowerdir={':'.join(names)},upperdir=upper,workdir=work,volatile"
+            opts += ",userxattr" if self.mode == "userns" else ",redirect_dir=on,metacopy=off,index=off"
+            here = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.chdir(layers)
+                _check(_libc.mount(b"overlay", target.encode(), b"overlay", MS_NOSUID | MS_NODEV, opts.encode()),
+                       f"mount image overlay on {target}")
+                pristine = os.path.join(layers, "pristine")
+                if len(names) > 1:  # an overlay without upper needs two lowers at least
+                    ro = f"lowerdir={':'.join(names)}" + (",userxattr" if self.mode == "userns" else "")
+                    _check(_libc.mount(b"overlay", pristine.encode(), b"overlay",
+                                       MS_NOSUID | MS_NODEV | MS_RDONLY, ro.encode()), "mount the pristine image")
+                else:
+                    self.bind(os.path.join(layers, names[0]), pristine, True)
+            finally:
+                os.fchdir(here)
+                os.close(here)
+            self.image_mount_points(target, owner, list(req.get("binds", [])), pristine)
+        except OSError:
+            self.umount(target)
+            self.umount(layers)
+            raise
+        return {}
+
+    def image_mount_points(self, root: str, owner: int | None, binds: list[dict[str, Any]], pristine: str) -> None:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            for name in ("tmp", "dev", "proc", ".atropos"):
+                _real_dir(fd, name)
+        finally:
+            os.close(fd)
+        placeholder = {"bytes": 64 << 10, "inodes": 64, "mode": 0o755, "uid": owner}
+        for name in ("tmp", "dev", "proc"):
+            self.mount_tmpfs(os.path.join(root, name), placeholder)
+            self.remount_ro(os.path.join(root, name))
+        helpers = os.path.join(root, ".atropos")
+        self.mount_tmpfs(helpers, placeholder)
+        for item in [*binds, {"source": pristine, "dest": "image", "ro": True}]:
+            dest = os.path.join(helpers, str(item["dest"]))
+            os.mkdir(dest, 0o755)
+            self.bind(str(item["source"]), dest, bool(item.get("ro", True)))
+        self.remount_ro(helpers)
+
+    def bind(self, source: str, target: str, ro: bool) -> None:
+        _check(_libc.mount(source.encode(), target.encode(), None, MS_BIND, None), f"bind {source} on {target}")
+        if ro:
+            self.remount_ro(target, bind=True)
+
+    def remount_ro(self, target: str, bind: bool = False) -> None:
+        flags = MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | (MS_BIND if bind else 0)
+        _check(_libc.mount(None, target.encode(), None, flags, None), f"remount {target} read-only")
 
     def probe(self, base: str, idmap: list[int] | None, quota: dict[str, Any] | None = None) -> dict[str, Any]:
         """Fork a tiny template and check copy-up, whiteouts and opaque directories work (with
@@ -337,6 +424,19 @@ class Helper:
         finally:
             shutil.rmtree(base, ignore_errors=True)
         return {"fork_ms": round(ms, 3)}
+
+
+def _real_dir(dir_fd: int, name: str) -> None:
+    """``name`` in ``dir_fd`` is a real directory afterwards: whatever else is there (a symlink, a
+    file) is removed first; nothing is followed."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        os.mkdir(name, 0o755, dir_fd=dir_fd)
+        return
+    if (st.st_mode & 0o170000) != 0o040000:
+        os.unlink(name, dir_fd=dir_fd)
+        os.mkdir(name, 0o755, dir_fd=dir_fd)
 
 
 def _used_bytes(path: str) -> int:

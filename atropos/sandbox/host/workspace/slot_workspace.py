@@ -14,6 +14,7 @@ from typing import Any
 
 from atropos.sandbox.contract.protocol import WorkspaceKind
 from atropos.sandbox.host.config import HostConfig
+from atropos.sandbox.host.images.host_images import ImageRoot
 from atropos.sandbox.host.isolation.bwrap import SandboxPaths
 from atropos.sandbox.host.isolation.cgroups import SlotCgroup
 from atropos.sandbox.host.workspace import WorkspaceError
@@ -43,6 +44,12 @@ class SlotWorkspace:
         self.capped = False  # the workspace (a fork's layers) is a capped tmpfs mount
         self.scratch = False  # run dir, /tmp and /dev/shm are capped tmpfs mounts (size and inodes)
         self.last_verified = ""
+        self.image: ImageRoot | None = None  # the task image the slot's root is built from
+
+    @property
+    def root(self) -> Path:
+        """Mount point of an image-rooted slot's ``/`` (the overlay of the image's layers)."""
+        return self.dir / "root"
 
     @property
     def ov(self) -> Path:
@@ -63,7 +70,7 @@ class SlotWorkspace:
     def view(self, p: Path) -> Path:
         """Where the host reaches ``p`` as the slot sees it: through the mount namespace when
         ``p`` (or what holds it) is mounted there, else the path itself."""
-        if not self.capped and not self.scratch and self.ws_kind != "overlay":
+        if not self.capped and not self.scratch and self.ws_kind not in ("overlay", "image"):
             return p
         return Path(self.ns().proc_path(Path(self._real(p))))
 
@@ -85,8 +92,10 @@ class SlotWorkspace:
         targets = []
         if self.ws_kind == "overlay":
             targets += [self.paths.workspace, self.ov / "lower"]
+        if self.ws_kind == "image":
+            targets.append(self.root)  # its overlay first, then the tmpfs holding its layers (below)
         if self.capped:
-            targets.append(self.ov if self.ws_kind == "overlay" else self.paths.workspace)
+            targets.append(self.ov if self.ws_kind in ("overlay", "image") else self.paths.workspace)
         if self.scratch:
             targets += [self.paths.run_dir, *self.scratch_dirs()]
         if targets:
@@ -99,9 +108,12 @@ class SlotWorkspace:
         if self.template is not None:
             self.template.users.discard(self.index)
             self.template = None
+        if self.image is not None:
+            self.image.users.discard(self.index)
+            self.image = None
         self.ws_kind = "plain"
         self.capped = self.scratch = False
-        for d in (self.paths.workspace, self.ov, self.paths.run_dir, *self.scratch_dirs()):
+        for d in (self.paths.workspace, self.ov, self.root, self.paths.run_dir, *self.scratch_dirs()):
             if d.exists() or d.is_symlink():
                 self.discard(d)
 
@@ -134,18 +146,18 @@ class SlotWorkspace:
         assert self.workspaces is not None
         return self.workspaces.mount_trash
 
-    async def renew(self, template: Template | None) -> None:
+    async def renew(self, template: Template | None, image: ImageRoot | None = None) -> None:
         """Back to a fresh workspace. The common case, an empty workspace after an empty one whose
         dirs are all capped tmpfs mounts, is one round trip to the mount helper: the old mounts
         move aside (their pages go with a background unmount) and fresh ones take their place on
         the same (never slot-visible) mount points."""
         mgr = self.workspaces
-        renewable = (template is None and self.ws_kind == "plain" and mgr is not None and mgr.ns is not None
-                     and self.scratch == mgr.scratch_capped and self.capped == mgr.capped
+        renewable = (template is None and image is None and self.ws_kind == "plain" and mgr is not None
+                     and mgr.ns is not None and self.scratch == mgr.scratch_capped and self.capped == mgr.capped
                      and (self.scratch or self.capped))
         if not renewable:
             await self.drop()
-            await self.build(template)
+            await self.build(template, image)
             return
         mounts = self._scratch_mounts() if self.scratch else []
         ws = self.paths.workspace
@@ -157,7 +169,7 @@ class SlotWorkspace:
         await self.ns().call({"op": "renew", "detach": [m["target"] for m in mounts], "tmpfs": mounts,
                                "trash": str(self._mount_trash())})
 
-    async def build(self, template: Template | None) -> None:
+    async def build(self, template: Template | None, image: ImageRoot | None = None) -> None:
         ws, mgr = self.paths.workspace, self.workspaces
         quota = self.cfg.limits.workspace_quota(self.uid) if mgr is not None and mgr.capped else None
         self._fresh_dir(self.paths.run_dir)
@@ -165,6 +177,9 @@ class SlotWorkspace:
             for d in self.scratch_dirs():
                 self._fresh_dir(d)
             await self._mount_scratch()
+        if image is not None:
+            await self._build_image(image)
+            return
         if template is None:
             self._fresh_dir(ws)
             if quota is not None:
@@ -208,6 +223,25 @@ class SlotWorkspace:
             raise WorkspaceError(f"copy of template {template.id} differs from it "
                                  f"({summary.tree_hash[:12]} != {template.summary.tree_hash[:12]})")
 
+    async def _build_image(self, image: ImageRoot) -> None:
+        """The slot's ``/`` as ``image`` (see mounthelper.image_root): its layers shared read-only
+        (idmapped on a root host: the image's root is the slot's uid, which is uid 0 inside the
+        slot's user namespace), the slot's writes in a capped tmpfs, dropped by the reset."""
+        ns = self.ns()
+        for d in (self.root, self.ov):
+            d.mkdir(mode=0o700)
+        image.users.add(self.index)  # before any await: a store eviction now sees it in use
+        self.image = image
+        self.ws_kind = "image"
+        self.capped = True  # before the await: a half-done mount is still unmounted by a drop
+        quota = self.cfg.limits.workspace_quota(self.uid) or {"bytes": IMAGE_UPPER_BYTES,
+                                                               "inodes": IMAGE_UPPER_INODES, "uid": self.uid}
+        binds = [{"source": self._real(self.paths.lib_dir), "dest": "lib"}, {"source": "/usr", "dest": "usr"},
+                 {"source": self._real(self.paths.run_dir), "dest": "term", "ro": False}]
+        await ns.call({"op": "image_root", "layers": self._real(self.ov), "target": self._real(self.root),
+                       "lowers": [str(p) for p in reversed(image.lowers)], "quota": quota, "binds": binds,
+                       "idmap": [0, self.uid] if ns.mode == "root" and self.uid is not None else None})
+
     def verify(self) -> str:
         """What a finished reset must show (see docs/templates.md, "What a reset verifies")."""
         dirs = [self.paths.run_dir] + ([self.paths.workspace] if self.ws_kind == "plain" else [])
@@ -235,6 +269,10 @@ class SlotWorkspace:
                 return "the copied workspace is not a directory owned by the slot"
             self.last_verified = (f"fresh copy of template {self.template.id}: manifest hash "
                                   f"{self.template.summary.tree_hash[:12]} matches")
+        elif self.ws_kind == "image":
+            problem = self._verify_image()
+            if problem:
+                return problem
         else:
             problem = self._verify_overlay()
             if problem:
@@ -249,8 +287,11 @@ class SlotWorkspace:
             for d, quota in zip((self.paths.run_dir, *self.scratch_dirs()), lim.scratch_quotas(self.uid), strict=True):
                 capped[self._real(d)] = (int(quota["bytes"]), int(quota["inodes"]))
         if self.capped:
-            ws_or_layers = self.ov if self.ws_kind == "overlay" else self.paths.workspace
-            capped[self._real(ws_or_layers)] = (lim.workspace_bytes, lim.workspace_inodes)
+            ws_or_layers = self.ov if self.ws_kind in ("overlay", "image") else self.paths.workspace
+            if lim.workspace_bytes:
+                capped[self._real(ws_or_layers)] = (lim.workspace_bytes, lim.workspace_inodes)
+            else:  # an image root's layers live in a tmpfs even on a host whose workspaces are uncapped
+                capped[self._real(ws_or_layers)] = (IMAGE_UPPER_BYTES, IMAGE_UPPER_INODES)
         mounts = self.ns().mounts(self._mounts_prefix())
         for path, (size, inodes) in capped.items():
             at = [m for m in mounts if m.mountpoint == path]
@@ -294,6 +335,31 @@ class SlotWorkspace:
                               f"empty upper layer, read-only template layer; {self.processes_checked()}")
         return ""
 
+    def _verify_image(self) -> str:
+        """A fresh root of the image: one overlay on the root mount point over exactly the image's
+        layers, its upper layer in the fresh capped tmpfs checked above and empty but for the
+        mount points the mount helper made."""
+        assert self.image is not None
+        mounts = self.ns().mounts(self._mounts_prefix())
+        root = self._real(self.root)
+        at_root = [m for m in mounts if m.mountpoint == root]
+        if len(at_root) != 1 or at_root[0].fstype != "overlay":
+            return f"expected exactly one overlay on {root}, found {[(m.mount_id, m.fstype) for m in at_root]}"
+        lowers = (at_root[0].super_option("lowerdir") or "").split(":")
+        if len(lowers) != len(self.image.lowers):
+            return f"the root overlay has {len(lowers)} lower layers, the image {len(self.image.lowers)}"
+        upper = self.view(self.ov / "upper")
+        st = os.lstat(upper)
+        if not stat.S_ISDIR(st.st_mode) or (self.uid is not None and st.st_uid != self.uid):
+            return "the root's upper layer is not a directory owned by the slot"
+        extra = set(os.listdir(upper)) - IMAGE_MOUNT_POINTS
+        if extra:
+            return f"the root's upper layer holds {sorted(extra)[:5]} after reset"
+        self.last_verified = (f"fresh root of image {self.image.reference} (mount {at_root[0].mount_id}, none "
+                              f"before it): {len(lowers)} read-only layers, empty upper layer; "
+                              f"{self.processes_checked()}")
+        return ""
+
     def processes_checked(self) -> str:
         """What the reset established about the old lease's processes, and no more than that."""
         if self.cgroup is not None:
@@ -304,6 +370,13 @@ class SlotWorkspace:
         # Without a per-slot uid (a non-root host) there is nothing to sweep by: what holds is that
         # the slot's sandboxes were killed, and with them their PID namespaces.
         return "the slot's sandboxes killed (no per-slot uid on a non-root host, so no uid sweep)"
+
+
+# An image root's writable layer on a host whose workspaces are uncapped (it is a tmpfs all the same).
+IMAGE_UPPER_BYTES = 4 << 30
+IMAGE_UPPER_INODES = 1 << 20
+# What the mount helper makes in a fresh image root's upper layer (see mounthelper.image_mount_points).
+IMAGE_MOUNT_POINTS = frozenset({"tmp", "dev", "proc", ".atropos"})
 
 
 def _page_round(n: int) -> int:
