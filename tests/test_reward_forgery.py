@@ -821,3 +821,57 @@ def swe_gold_script(task: Any) -> str:
             f"for e in json.loads({edits!r}):\n"
             "    p = pathlib.Path('/testbed', e['path'])\n    s = p.read_text()\n"
             "    assert s.count(e['old']) == 1, e\n    p.write_text(s.replace(e['old'], e['new']))\nEOF\n")
+
+
+@pytest.fixture(scope="module")
+def swe_tasks() -> list[Any]:
+    from atropos.envs.examples.swe_tasks import task_images
+    from tests.pool_backends import require_docker
+
+    require_docker()
+    return task_images()
+
+
+async def swe_rollout(pool: SlotPool, task: Any, script: str, *, gold: bool = False) -> tuple[float, dict[str, Any]]:
+    """A rollout on the task's image root: the gold fix with ``edit_file`` when asked, then
+    ``script`` with bash (uid 0, the image's env), then the seal and the env's verification."""
+    from atropos.envs.repo_tests import run_repo_tests
+
+    async with pool.leased(f"forgery-swe-{secrets.token_hex(3)}", image=task.image) as lease:
+        if gold:
+            for e in task.gold:
+                await lease.ok("edit_file", {"path": f"/testbed/{e.path}", "old_string": e.old, "new_string": e.new})
+        if script:
+            done = await lease.bash(script, timeout_s=60)
+            assert done.exit_code == 0, done.stderr
+        await lease.seal()
+        return await run_repo_tests(lease, task.tests, timeout_s=60)
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("instance", ["strkit-1", "datewise-1", "inikit-1"])
+async def test_swe_gold_patch_scores_one_and_no_patch_zero(pool: SlotPool, swe_tasks: list[Any], instance: str) -> None:
+    task = next(t for t in swe_tasks if t.instance_id == instance)
+    score, info = await swe_rollout(pool, task, "", gold=True)
+    assert score == 1.0 and info["tests_passed"] == len(task.tests.ids), info
+    score, info = await swe_rollout(pool, task, "")
+    assert score == 0.0 and info["fail_to_pass_failed"] == task.tests.fail_to_pass, info
+    assert info["pass_to_pass_failed"] == [] and "verifier_error" not in info, info
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("row", sorted(SWE_ROWS))
+async def test_a_swe_forgery_scores_zero(pool: SlotPool, swe_tasks: list[Any], row: str) -> None:
+    task = swe_tasks[0]
+    score, info = await swe_rollout(pool, task, SWE_ROWS[row](task))
+    assert score == 0.0, info
+
+
+@pytest.mark.docker
+async def test_the_swe_gold_patch_still_scores_one_beside_every_forgery(pool: SlotPool, swe_tasks: list[Any]) -> None:
+    """The restore takes back every forgery, not the fix (which is outside what it restores)."""
+    task = swe_tasks[0]
+    last = "fake_interpreter"  # the other rows ask the env's python where its site-packages are
+    script = "".join(SWE_ROWS[row](task) for row in [*sorted(set(SWE_ROWS) - {last}), last])
+    score, info = await swe_rollout(pool, task, script, gold=True)
+    assert score == 1.0, info

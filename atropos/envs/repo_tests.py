@@ -5,9 +5,10 @@ image's own interpreter and pytest, and the score is 1 only if every one passes.
 Only the agent's changes to the repository's code count. Before the verifier program runs, the
 host puts back, exactly as the image has them (``RepoTests.restore_paths``):
 
-* every top-level directory of the image but the repository (``/usr``, ``/etc``, ``/opt`` with the
-  task's interpreter env, ``/root``, ...): a planted ``.pth``, ``sitecustomize.py``, entry-point
-  plugin, ``/etc/ld.so.preload``, a fake ``pytest`` or ``python`` anywhere is gone;
+* the task env's interpreter and what it reads before the repository's code runs (the env's
+  directory with its site-packages, the standard library, the loader's configuration and the
+  interpreter's shared libraries; ``system_paths``): a planted ``.pth``, ``sitecustomize.py``,
+  entry-point plugin, fake ``pytest`` or ``python``, ``/etc/ld.so.preload`` is gone;
 * in the repository, the test files, and in every directory from the repository's root down to each
   test file: ``conftest.py``, ``__init__.py``, ``pytest.ini``, ``tox.ini``, ``setup.cfg`` and
   ``pyproject.toml`` (one the image did not have is removed): edited tests, a planted conftest,
@@ -53,7 +54,9 @@ class RepoTests(BaseModel):
     test_files: list[str]  # relative to repo_dir: restored before the run
     fail_to_pass: list[str]  # pytest node ids relative to repo_dir
     pass_to_pass: list[str]
-    system_paths: list[str]  # the image's top-level entries but the repository (absolute)
+    # outside the repository: the env and what its interpreter reads at start-up (absolute; the
+    # image's whole root would be surer, but the host restores by copying, hundreds of MB a rollout)
+    system_paths: list[str]
 
     @property
     def ids(self) -> list[str]:
@@ -106,8 +109,10 @@ outcomes, why = {}, {}
 
 
 def last_line(report):
-    lines = [line for line in (getattr(report, "longreprtext", "") or "").splitlines() if line.strip()]
-    return lines[-1].strip()[:MAX_WHY_CHARS] if lines else ""
+    crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)  # "AssertionError: assert 1 == 2"
+    text = getattr(crash, "message", None) or getattr(report, "longreprtext", "") or ""
+    lines = [line for line in str(text).splitlines() if line.strip()]
+    return (lines[0] if crash is not None and lines else lines[-1] if lines else "").strip()[:MAX_WHY_CHARS]
 
 
 class Record:
@@ -181,8 +186,10 @@ async def run_repo_tests(lease: Lease, tests: RepoTests, *, timeout_s: float = 1
     args = {"child": CHILD, "argv": tests.pytest_argv(), "ids": ids, "cwd": tests.repo_dir, "python": tests.python,
             "env": tests.child_env(), "timeout": timeout_s, "must_be_real": tests.must_be_real()}
     result = await lease.verify(PROGRAM, args=args, timeout_s=timeout_s + 30, restore=tests.restore_paths())
-    return score_verdict(tests, result.verdict if result.ok else None,
-                         passed_flags(result, len(ids)))
+    score, info = score_verdict(tests, result.verdict if result.ok else None, passed_flags(result, len(ids)))
+    if result.error is not None:  # the host's words (restore_failed, timed_out, ...) for the log
+        info["verifier_message"] = result.error.message[:MAX_WHY_CHARS]
+    return score, info
 
 
 def score_verdict(tests: RepoTests, verdict: dict[str, Any] | None,
