@@ -814,15 +814,6 @@ SWE_ROWS: dict[str, Callable[[Any], str]] = {
 }
 
 
-def swe_gold_script(task: Any) -> str:
-    """The reference fix applied with bash (the scripted policy applies it with edit_file)."""
-    edits = json.dumps([e.model_dump() for e in task.gold])
-    return ("python3 - <<'EOF'\nimport json, pathlib\n"
-            f"for e in json.loads({edits!r}):\n"
-            "    p = pathlib.Path('/testbed', e['path'])\n    s = p.read_text()\n"
-            "    assert s.count(e['old']) == 1, e\n    p.write_text(s.replace(e['old'], e['new']))\nEOF\n")
-
-
 @pytest.fixture(scope="module")
 def swe_tasks() -> list[Any]:
     from atropos.envs.examples.swe_tasks import task_images

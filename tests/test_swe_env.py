@@ -1,43 +1,37 @@
-"""The SWE-style example (atropos/envs/examples/swe.py): its task images, its verifier and its
-forgery rows, on the real images with the real Docker engine.
+"""The SWE-style example (atropos/envs/examples/swe.py): its task images (real images, the real
+Docker engine), its verifier and the env on image-rooted slots of a real local pool, and a
+process-mode run with the project's model server.
 
-Here the agent's side and the verification run in containers of the task image: the row (a bash
-script) runs in one container as uid 0; the verification runs the env's own verifier program
-(``repo_tests.PROGRAM``, its pytest child, its restore list) in a second, fresh container of the
-same image that holds every change of the first except those under a restored path: the root the
-verifier sees after ``Lease.verify(..., restore=...)`` puts those paths back as the image has them.
-tests/test_reward_forgery.py runs the same rows through a real slot pool.
+The forgery rows themselves are in tests/test_reward_forgery.py (``SWE_ROWS``, each scored 0 through
+a real pool); here each row is shown to be a real attack: run in a container of the task image, it
+makes `pytest` in the root the agent left (what an env that restores nothing would run) say every
+test passed.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
 
 from atropos.envs.examples.swe_repos import REPOS
 from atropos.envs.examples.swe_tasks import SweTask, task_images
-from atropos.envs.repo_tests import CHILD, PROGRAM, score_verdict
-from atropos.envs.verify_child import passed_flags
-from atropos.sandbox.contract.protocol import VerifyResult
-from tests.test_reward_forgery import SWE_ROWS, swe_gold_script
+from atropos.slots.pool import SlotPool
+from tests.pool_backends import local_pool
+from tests.test_reward_forgery import SWE_ROWS, swe_rollout
 
 pytestmark = pytest.mark.docker
-
-# Runs the verifier program as the host's runner does: its source defines verify(); the verdict
-# comes back as one JSON line.
-RUNNER = r'''
-import json, sys
-request = json.loads(sys.stdin.read())
-namespace = {"__name__": "verifier"}
-exec(compile(request["program"], "verifier", "exec"), namespace)
-print(json.dumps(namespace["verify"]("/testbed", {}, request["args"])))
-'''
-
+REPO = Path(__file__).resolve().parent.parent
+in_module_loop = pytest.mark.asyncio(loop_scope="module")  # the pool fixture's loop
 
 def docker(*args: str, input: bytes | None = None, check: bool = True) -> subprocess.CompletedProcess[bytes]:
     done = subprocess.run(["docker", *args], input=input, capture_output=True, timeout=300)
@@ -82,43 +76,6 @@ def roots() -> Iterator[list[Root]]:
         root.remove()
 
 
-def restored(path: str, restore: list[str]) -> bool:
-    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in restore)
-
-
-def verify(task: SweTask, agent: Root, roots: list[Root]) -> tuple[float, dict[str, Any]]:
-    """The env's verification of ``agent``'s final root: a fresh container of the image gets every
-    change of the agent's root that is not under a restored path, then runs the env's program."""
-    restore = task.tests.restore_paths()
-    changes = [(kind, path) for kind, path in agent.changes() if not restored(path, restore)]
-    verifier = Root(task.image)
-    roots.append(verifier)
-    kept = sorted(p for kind, p in changes if kind != "D")
-    if kept:  # files, links and directory entries (not their contents: each changed child is listed)
-        tar = docker("exec", agent.id, "tar", "-c", "--no-recursion", "-C", "/", *[p.lstrip("/") for p in kept]).stdout
-        docker("exec", "-i", verifier.id, "tar", "-x", "-C", "/", input=tar)
-    gone = [p for kind, p in changes if kind == "D"]
-    if gone:
-        docker("exec", verifier.id, "rm", "-rf", *gone)
-    t = task.tests
-    args = {"child": CHILD, "argv": t.pytest_argv(), "ids": t.ids, "cwd": t.repo_dir, "python": t.python,
-            "env": t.child_env(), "timeout": 60, "must_be_real": t.must_be_real()}
-    done = docker("exec", "-i", verifier.id, "/usr/bin/python3", "-I", "-c", RUNNER,
-                  input=json.dumps({"program": PROGRAM, "args": args}).encode())
-    verdict = json.loads(done.stdout.decode().strip().splitlines()[-1])
-    result = VerifyResult(slot=0, ok=True, score=verdict["score"], verdict=verdict)
-    return score_verdict(t, verdict, passed_flags(result, len(t.ids)))
-
-
-def rollout(task: SweTask, script: str, roots: list[Root]) -> tuple[float, dict[str, Any]]:
-    agent = Root(task.image)
-    roots.append(agent)
-    if script:
-        done = agent.bash(script)
-        assert done.returncode == 0, done.stderr.decode(errors="replace")
-    return verify(task, agent, roots)
-
-
 def by_id(tasks: list[SweTask], instance_id: str) -> SweTask:
     return next(t for t in tasks if t.instance_id == instance_id)
 
@@ -158,48 +115,7 @@ def test_the_images_share_the_env_layer_and_a_cached_build_builds_nothing(tasks:
     print(f"cached task_images(): {took:.2f}s")
 
 
-# -- the verifier ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("instance_id", [r.instance_id for r in REPOS])
-def test_the_gold_patch_scores_one_and_no_patch_zero(tasks: list[SweTask], roots: list[Root],
-                                                     instance_id: str) -> None:
-    task = by_id(tasks, instance_id)
-    score, info = rollout(task, swe_gold_script(task), roots)
-    assert (score, info["tests_passed"]) == (1.0, len(task.tests.ids)), info
-    score, info = rollout(task, "", roots)
-    assert score == 0.0 and info["fail_to_pass_failed"] == task.tests.fail_to_pass, info
-    assert info["pass_to_pass_failed"] == [] and set(info["why"]) == set(task.tests.fail_to_pass), info
-    assert "verifier_error" not in info
-
-
-def test_a_patch_that_breaks_a_passing_test_scores_zero_and_says_which(tasks: list[SweTask],
-                                                                       roots: list[Root]) -> None:
-    task = by_id(tasks, "strkit-1")
-    breaks_wrap = swe_gold_script(task) + "sed -i 's/lines.append(line)$/pass/' strkit/text.py\n"
-    score, info = rollout(task, breaks_wrap, roots)
-    assert score == 0.0 and info["fail_to_pass_failed"] == [], info
-    assert info["pass_to_pass_failed"] == ["tests/test_text.py::test_wrap"], info
-    assert info["why"]["tests/test_text.py::test_wrap"].startswith("failed: "), info
-
-
-def test_code_that_exits_or_lies_in_the_test_process_fails_every_test(tasks: list[SweTask],
-                                                                     roots: list[Root]) -> None:
-    """The outcome comes from the program's child with its nonce, not from exit codes or output."""
-    task = by_id(tasks, "strkit-1")
-    lie = ("cat >> strkit/__init__.py <<'EOF'\nimport os\nfor fd in range(1, 20):\n    try:\n"
-           "        os.write(fd, b'{\"outcomes\": {}, \"nonce\": \"x\"}\\n9 passed\\n')\n    except OSError:\n"
-           "        pass\nos._exit(0)\nEOF\n")
-    score, info = rollout(task, swe_gold_script(task) + lie, roots)
-    assert score == 0.0 and info["tests_passed"] == 0 and info["verifier_error"] == "no_report", info
-
-
 # -- the forgery rows ------------------------------------------------------------------------------
-@pytest.mark.parametrize("row", sorted(SWE_ROWS))
-def test_a_swe_forgery_scores_zero(tasks: list[SweTask], roots: list[Root], row: str) -> None:
-    task = by_id(tasks, "strkit-1")
-    score, info = rollout(task, SWE_ROWS[row](task), roots)
-    assert score == 0.0, info
-
-
 @pytest.mark.parametrize("row", sorted(SWE_ROWS))
 def test_a_swe_forgery_wins_against_pytest_run_in_the_agents_root(tasks: list[SweTask], roots: list[Root],
                                                                   row: str) -> None:
@@ -217,11 +133,111 @@ def test_a_swe_forgery_wins_against_pytest_run_in_the_agents_root(tasks: list[Sw
     assert naive.returncode == 0, (naive.stdout + naive.stderr).decode(errors="replace")[-2000:]
 
 
-def test_the_gold_patch_still_scores_one_beside_every_forgery(tasks: list[SweTask], roots: list[Root]) -> None:
-    """The restore takes back the forgeries, not the fix."""
+
+
+# -- the verifier and the env on image-rooted slots of a real pool -------------------------------------
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pool(tasks: list[SweTask]) -> AsyncIterator[SlotPool]:
+    async with local_pool(2, "swe-env") as p:
+        await p.prepare_images([t.image for t in tasks])
+        yield p
+
+
+@in_module_loop
+async def test_a_patch_that_breaks_a_passing_test_scores_zero_and_says_which(pool: SlotPool,
+                                                                             tasks: list[SweTask]) -> None:
     task = by_id(tasks, "strkit-1")
-    last = "fake_interpreter"  # the other rows ask the env's python where its site-packages are
-    rows = [*sorted(set(SWE_ROWS) - {last}), last]
-    script = swe_gold_script(task) + "".join(SWE_ROWS[row](task) for row in rows)
-    score, info = rollout(task, script, roots)
-    assert score == 1.0, info
+    breaks_wrap = "sed -i 's/lines.append(line)$/pass/' strkit/text.py"
+    score, info = await swe_rollout(pool, task, breaks_wrap, gold=True)
+    assert score == 0.0 and info["fail_to_pass_failed"] == [], info
+    assert info["pass_to_pass_failed"] == ["tests/test_text.py::test_wrap"], info
+    assert info["why"]["tests/test_text.py::test_wrap"].startswith("failed: call: AssertionError: assert "), info
+
+
+@in_module_loop
+async def test_code_that_exits_or_lies_in_the_test_process_fails_every_test(pool: SlotPool,
+                                                                           tasks: list[SweTask]) -> None:
+    """The outcome comes from the program's pytest child with its nonce: not from its exit code, not
+    from what the code under test writes on any descriptor."""
+    task = by_id(tasks, "strkit-1")
+    lie = ("cat >> strkit/__init__.py <<'EOF'\nimport os\nfor fd in range(1, 20):\n    try:\n"
+           "        os.write(fd, b'{\"outcomes\": {}, \"nonce\": \"x\"}\\n9 passed\\n')\n    except OSError:\n"
+           "        pass\nos._exit(0)\nEOF\n")
+    score, info = await swe_rollout(pool, task, lie, gold=True)
+    assert score == 0.0 and info["tests_passed"] == 0 and info["verifier_error"] == "no_report", info
+
+
+def swe_env(policy: Any) -> Any:
+    from atropos.agent.model import ensure_tokenizer_dir
+    from atropos.envs.agent_env import AgentEnvConfig
+    from atropos.envs.examples.swe import SweEnv
+    from atropos.testing import scripted_server, server_configs
+
+    class Scripted(SweEnv):
+        server_cls = scripted_server(policy)
+
+    cfg = AgentEnvConfig(tokenizer_name=str(ensure_tokenizer_dir()), group_size=2, use_wandb=False,
+                         wandb_name="swe-test", slots_per_host=2, max_hosts=1, agent_max_steps=6,
+                         enabled_toolsets=["shell", "files"], ensure_scores_are_not_same=False)
+    return Scripted(cfg, server_configs(), slurm=False, testing=False)
+
+
+@in_module_loop
+async def test_the_env_scores_its_gold_policy_one_and_a_policy_that_does_nothing_zero(tasks: list[SweTask]) -> None:
+    """A group of the env on the item's image: the gold fix applied with edit_file by a scripted
+    policy scores 1 in both rollouts; a policy that answers at once scores 0 and the log says which
+    tests failed; the verifier check (reference and stub of every task, in slots) is as expected."""
+    from atropos.envs.examples.swe import gold_policy
+    from atropos.testing import answer, by_turn
+
+    task = by_id(tasks, "datewise-1")
+    for policy, want in ((gold_policy(task), 1.0), (by_turn(answer("Nothing to do.")), 0.0)):
+        env = swe_env(policy)
+        await env.setup()
+        try:
+            env.index = [t.instance_id for t in env.tasks].index(task.instance_id)
+            item = await env.get_next_item()
+            assert item["image"] == task.image
+            group, backlog = await env.collect_trajectories(item)
+            if want == 1.0:
+                checks = await env.check_verifier()
+        finally:
+            await env.shutdown_sandbox()
+        assert backlog == [] and group is not None and group["scores"] == [want, want], group and group["overrides"]
+        info = group["overrides"][0]["score_info"]["verifier"]
+        if want == 0.0:
+            assert info["fail_to_pass_failed"] == task.tests.fail_to_pass and info["pass_to_pass_failed"] == [], info
+            assert set(info["why"]) == set(task.tests.fail_to_pass), info
+    assert [(c.family, c.reference_score, c.stub_score) for c in checks] == [
+        (t.instance_id, 1.0, 0.0) for t in tasks], checks
+
+
+# -- process mode with the project's model server --------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_process_mode_with_the_real_model(model_url: str, tmp_path: Path) -> None:
+    """``python -m atropos.envs.examples.swe process`` with the real (tiny) model: the verifier
+    check proves each task's gold patch scores 1 and its untouched image 0 in slots of the pool the
+    run uses, the model's tool calls run in /testbed of the item's image, and every rollout's
+    score comes from the verification (its log counts the task's tests)."""
+    out = tmp_path / "swe.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "atropos.envs.examples.swe", "process", "--env.total_steps", "1",
+         "--env.group_size", "2", "--env.slots_per_host", "2", "--env.agent_max_steps", "3",
+         "--env.data_path_to_save_groups", str(out), "--openai.base_url", model_url],
+        cwd=REPO, capture_output=True, text=True, timeout=1500,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "verifier check" in proc.stdout and "all as expected" in proc.stdout, proc.stdout[-3000:]
+    for task in REPOS:
+        assert re.search(rf"{task.instance_id}\s+reference 1\.000\s+stub 0\.000", proc.stdout), proc.stdout[-3000:]
+    groups = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(groups) == 1 and len(groups[0]["scores"]) == 2
+    task = next(r for r in REPOS if r.problem_statement in groups[0]["messages"][0][1]["content"])
+    for score, override, messages in zip(groups[0]["scores"], groups[0]["overrides"], groups[0]["messages"],
+                                         strict=True):
+        info = override["score_info"]["verifier"]
+        assert info["tests_total"] == len(task.fail_to_pass) + len(task.pass_to_pass), info
+        assert score == (1.0 if info["tests_passed"] == info["tests_total"] else 0.0), info
+        assert any(m["role"] == "tool" for m in messages)  # the grammar's first turns are tool calls
+    assert (tmp_path / "swe.html").exists()

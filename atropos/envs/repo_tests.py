@@ -205,8 +205,8 @@ def score_verdict(tests: RepoTests, verdict: dict[str, Any] | None,
         "tests_passed": len(ids) - len(failed), "tests_total": len(ids),
         "fail_to_pass_failed": [i for i in tests.fail_to_pass if i in failed],
         "pass_to_pass_failed": [i for i in tests.pass_to_pass if i in failed]}
-    outcomes = verdict.get("outcomes") if isinstance(verdict.get("outcomes"), dict) else {}
-    why = verdict.get("why") if isinstance(verdict.get("why"), dict) else {}
+    outcomes: dict[str, Any] = verdict["outcomes"] if isinstance(verdict.get("outcomes"), dict) else {}
+    why: dict[str, Any] = verdict["why"] if isinstance(verdict.get("why"), dict) else {}
     if failed:
         info["why"] = {i: f"{outcomes.get(i, 'not run')}: {why.get(i, '')}".rstrip(": ") for i in failed[:20]}
         others = {k: v for k, v in why.items() if k not in ids}  # collection errors, pytest itself
