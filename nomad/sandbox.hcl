@@ -171,6 +171,8 @@ job "atropos-sandbox" {
           # per-slot cgroups: the runtime (atropos-runc) sees this flag and delegates a cgroup subtree,
           # nested in the container's own limits, mounted here (nomad/README.md)
           "--cgroup-dir=/run/atropos/cgroup",
+          # the host token: a file in this task's secrets dir (the template below), read once and removed
+          "--token-file=${NOMAD_SECRETS_DIR}/token",
           # the host sees only the container's addresses: network slots must not reach the node's
           # either (egress policy, docs/containment.md); Nomad fills in the node's address
           "--egress-machine-address=${attr.unique.network.ip-address}",
@@ -220,13 +222,17 @@ job "atropos-sandbox" {
       }
 
       # The host token: the Nomad variable nomad/jobs/<job ID> (keep it in step with the job's name),
-      # which only this job's tasks can read (workload identity), rendered into the server's
-      # environment. The server pops ATROPOS_SANDBOX_TOKEN at start and runs every slot with an empty
-      # environment in its own PID namespace, so no slot sees it. No variable, no start.
+      # which only this job's tasks can read (workload identity), rendered into a file in the task's
+      # secrets dir (per task, tmpfs, mounted into no other task): mode 0400 and the task's uid (Nomad
+      # writes templates as its agent's user otherwise). Never into the environment: any process of
+      # the same uid can read /proc/<pid>/environ. The server refuses a token file others can read,
+      # reads it once and removes it; slots never see /secrets. No variable, no start.
       template {
-        data        = "{{ with nomadVar \"nomad/jobs/atropos-sandbox\" }}ATROPOS_SANDBOX_TOKEN={{ .token }}{{ end }}\n"
-        destination = "secrets/host.env"
-        env         = true
+        data        = "{{ with nomadVar \"nomad/jobs/atropos-sandbox\" }}{{ .token }}{{ end }}\n"
+        destination = "secrets/token"
+        perms       = "0400"
+        uid         = 1000
+        gid         = 1000
         change_mode = "noop"
       }
 

@@ -158,10 +158,17 @@ def stop_host(host: RunningHost) -> None:
         host.proc.wait()
 
 
+# Task images' layer store of the tests' hosts: layers are content-addressed and checked against their
+# DiffID at import, so a store kept between runs is as good as a fresh one (and saves importing the
+# ~200 MB base image every run).
+IMAGE_STORE = Path.home() / ".cache" / "atropos-sandbox" / "test-image-store"
+
+
 @pytest.fixture(scope="session")
 def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningHost]:
     data = Path(f"/tmp/atropos-test-{os.getpid()}-{secrets.token_hex(3)}")
-    running = start_host(data, slots=8, extra=["--workspace-bytes", str(HOST_WORKSPACE_BYTES)])
+    running = start_host(data, slots=8, extra=["--workspace-bytes", str(HOST_WORKSPACE_BYTES),
+                                               "--image-store", str(IMAGE_STORE)])
     yield running
     stop_host(running)
 
@@ -218,3 +225,49 @@ async def slot_pair(host: RunningHost) -> AsyncIterator[tuple[LeasedSlot, Leased
         for s in (a, b):
             await client.release(s.lease.slot, s.lease.lease)
         await client.aclose()
+
+
+def _task_images_or_skip(pytestconfig: pytest.Config, build: Callable[[], Any], what: str) -> Any:
+    """Build (or find) task images (tests/task_images.py) with the build's progress on the terminal
+    (a cold build takes seconds to a minute). Skipped only where the Docker engine is missing, or
+    (outside CI) where this machine cannot build the image (the reason says why)."""
+    from tests import task_images
+
+    problem = task_images.engine_problem()
+    if problem is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"Docker tests must run in CI: {problem}")
+        pytest.skip(f"Docker unavailable on this machine: {problem}")
+    capman = pytestconfig.pluginmanager.getplugin("capturemanager")
+    try:
+        with capman.global_and_fixture_disabled() if capman else contextlib.nullcontext():
+            return build()
+    except task_images.TaskImageUnavailable as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"task image {what} cannot be built: {exc}")
+        pytest.skip(f"task image {what} cannot be built on this machine: {exc}")
+
+
+@pytest.fixture(scope="session")
+def task_image(pytestconfig: pytest.Config) -> Callable[[str], str]:
+    """``task_image("pyenv")``: the reference (``atropos-test/pyenv:<recipe key>``) of a task image
+    of tests/task_images.py, built on first use in the session and cached by the engine across
+    sessions (a changed recipe builds anew)."""
+    from tests import task_images
+
+    refs: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in refs:
+            refs[name] = _task_images_or_skip(pytestconfig, lambda: task_images.ensure(name).reference, name)
+        return refs[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def many_images(pytestconfig: pytest.Config) -> Callable[[int], list[str]]:
+    """``many_images(n)``: n distinct task images sharing the base layer (tests/task_images.py build_many)."""
+    from tests import task_images
+
+    return lambda n: _task_images_or_skip(pytestconfig, lambda: task_images.build_many(n), f"many-<i> (n={n})")

@@ -94,8 +94,9 @@ _SHARED_FAKE: Any = None
 
 
 def sandbox_host_argv(data_root: Path) -> Callable[[Any], list[str]]:
-    """ProcessDriver argv for a fake Nomad allocation: the job's own docker ``args`` (slots, timeout)
-    run as ``python -m atropos.sandbox``, on the allocation's host port, with a local data dir."""
+    """ProcessDriver argv for a fake Nomad allocation: the job's own docker ``args`` (slots, timeout,
+    the token file in the task's secrets dir, as Nomad interpolated them) run as
+    ``python -m atropos.sandbox``, on the allocation's host port, with a local data dir."""
 
     def argv(alloc: Any) -> list[str]:
         # the fake has no atropos-runc to delegate /run/atropos/cgroup: the host nests its slot
@@ -123,9 +124,10 @@ def nomad_data_dir(name: str) -> Path:
 
 
 def nomad_test_overrides(address: str) -> dict[str, Any]:
-    """Nomad settings for the fake: the token in the job's Env (the fake has no variables API), short waits."""
-    return {"address": address, "token_delivery": "env", "start_timeout_s": 60, "watch_wait_s": 5,
-            "connect_timeout_s": 2, "request_timeout_s": 5}
+    """Nomad settings for the fake: the default token delivery (a Nomad variable rendered into the task's
+    secrets/token, which the host reads with --token-file), short waits."""
+    return {"address": address, "start_timeout_s": 60, "watch_wait_s": 5, "connect_timeout_s": 2,
+            "request_timeout_s": 5}
 
 
 def nomad_test_config(address: str, *, slots: int, **kw: Any) -> Any:

@@ -112,13 +112,14 @@ def test_every_backend_launches_the_same_host_command_line() -> None:
     args = render_job(nomad)["TaskGroups"][0]["Tasks"][0]["Config"]["args"]
     limits = SlotLimits(max_timeout_s=9, workspace_bytes=nomad.slot_workspace_bytes,
                         memory_bytes=nomad.slot_memory_bytes, pids=nomad.slot_pids, cpus=nomad.slot_cpus)
+    # the token: a file in the task's secrets dir, wherever Nomad mounts it
     launch = HostLaunch(host="0.0.0.0", port=8080, slots=7, data_dir="/slots/data", limits=limits,
-                        cgroup_dir="/run/atropos/cgroup")
+                        cgroup_dir="/run/atropos/cgroup", token_file="${NOMAD_SECRETS_DIR}/token")
     assert args == [*launch.args(), NODE_ADDRESS_ARG]  # the node's address: Nomad fills it in
     assert "--slots=7" in args and "--max-timeout=9" in args
     assert HostLaunch(slots=1, data_dir="/d").argv()[:3] == [
         sys.executable, "-m", "atropos.sandbox"]
-    assert HOST_TOKEN_ENV == "ATROPOS_SANDBOX_TOKEN"  # what sandbox_image and nomad/sandbox.hcl deliver
+    assert HOST_TOKEN_ENV == "ATROPOS_SANDBOX_TOKEN"  # what a host run by hand takes (sandbox_image/README.md)
 
 
 @pytest.mark.timeout(300)

@@ -288,7 +288,7 @@ def test_serve_starts_answers_and_stops_on_sigterm(cache: dict[str, str]) -> Non
     assert token not in err
 
 
-@pytest.mark.parametrize("delivery", ["env", "variable"])
+@pytest.mark.parametrize("delivery", ["job", "variable"])
 def test_nomad_render_is_what_serve_registers(delivery: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from atropos.backends.nomad import NomadBackend
 
@@ -306,9 +306,10 @@ def test_nomad_render_is_what_serve_registers(delivery: str, tmp_path: Path, mon
     registered = backend.render_job(0)
     registered.pop("Meta")  # the owner record (pid, boot id) exists per running pool
     task = registered["TaskGroups"][0]["Tasks"][0]
-    if delivery == "env":
-        assert task["Env"]["ATROPOS_SANDBOX_TOKEN"] == backend._token
-        task["Env"]["ATROPOS_SANDBOX_TOKEN"] = "<generated per pool>"  # never a live secret in rendered output
+    [template] = task["Templates"]
+    if delivery == "job":
+        assert template["EmbeddedTmpl"] == f"{backend._token}\n"
+        template["EmbeddedTmpl"] = "<generated per pool>\n"  # never a live secret in rendered output
     assert backend._token not in out.stdout
     assert rendered == registered
     assert rendered["ID"] == "atropos-render1" and "--slots=5" in task["Config"]["args"]

@@ -46,7 +46,7 @@ from atropos.errors import ConfigError, HostUnavailable
 from atropos.slots.audit import double_leases
 from atropos.slots.config import PoolConfig
 from atropos.slots.pool import SlotPool
-from tests.pool_backends import kill_host, nomad_test_config, start_nomad_fake
+from tests.pool_backends import kill_host, nomad_host_pid, nomad_test_config, start_nomad_fake
 
 ROOT = Path(__file__).resolve().parent.parent
 HCL = ROOT / "nomad" / "sandbox.hcl"
@@ -410,7 +410,7 @@ async def test_acl_denied_is_a_clear_config_error() -> None:
 
 async def test_nomad_unreachable_at_start_fails_fast_and_clearly() -> None:
     with socket_closed_port() as port:
-        backend = NomadBackend(NomadBackendConfig(address=f"http://127.0.0.1:{port}", token_delivery="env"))
+        backend = NomadBackend(NomadBackendConfig(address=f"http://127.0.0.1:{port}", token_delivery="job"))
         t0 = time.monotonic()
         try:
             with pytest.raises(HostUnavailable) as err:
@@ -467,24 +467,107 @@ async def assert_token_never_in_a_slot(lease: Any) -> None:
     assert token not in out["stderr"]
 
 
+def host_environ_and_cmdline(alloc_id: str) -> bytes:
+    """What any process of the host's uid can read of it: its environment block and command line."""
+    pid = nomad_host_pid(alloc_id)
+    assert pid is not None, f"no sandbox host process for allocation {alloc_id}"
+    return Path(f"/proc/{pid}/environ").read_bytes() + b"\0" + Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
 async def test_pool_with_the_token_in_a_nomad_variable(fake: FakeNomad) -> None:
-    """The default delivery end to end: the variable nomad/jobs/<job>, a template with env = true
-    renders it into the host's environment, the host pops it, and no slot ever sees it."""
-    backend = backend_on(fake, slots=2, token_delivery="variable")
+    """The default delivery end to end: the variable nomad/jobs/<job>, a template renders it into the
+    task's secrets/token (0400, the task's uid), the host reads that file with --token-file and removes
+    it; the token is in no environment block or command line, the host answers only with it, and no
+    slot ever sees it."""
+    backend = backend_on(fake, slots=2)
+    assert backend.cfg.token_delivery == "variable"  # the default
     job_id = backend.cfg.job_id
     async with SlotPool(backend, pool_cfg()) as pool:
         job = httpx.get(f"{fake.address}/v1/job/{job_id}").json()
         task = job["TaskGroups"][0]["Tasks"][0]
-        assert not (task["Env"] or {}).get("ATROPOS_SANDBOX_TOKEN")  # not in the job: readable by job readers
-        [tmpl] = task["Templates"]
-        assert tmpl["Envvars"] is True and f'nomadVar "nomad/jobs/{job_id}"' in tmpl["EmbeddedTmpl"]
         lease = await pool.lease("t")
+        token = lease.host.info.token
+        assert token not in json.dumps(job)  # not in the job: readable by every ACL token that can read it
+        [tmpl] = task["Templates"]
+        assert f'nomadVar "nomad/jobs/{job_id}"' in tmpl["EmbeddedTmpl"] and not tmpl.get("Envvars")
+        # readable by the task's user alone (Nomad writes templates as its agent's user unless told)
+        assert (tmpl["DestPath"], tmpl["Perms"]) == ("secrets/token", "0400")
+        assert f"{tmpl['Uid']}:{tmpl['Gid']}" == task["User"]
+        assert "--token-file=${NOMAD_SECRETS_DIR}/token" in task["Config"]["args"]
         variable = fake.variable(f"nomad/jobs/{job_id}")
-        assert variable is not None and variable["Items"] == {"token": lease.host.info.token}
-        assert (await lease.bash("echo via-variable"))["stdout"] == "via-variable\n"  # the host took that token
+        assert variable is not None and variable["Items"] == {"token": token}
+
+        # The host took that token: it serves with it, and refuses without it or with another.
+        assert (await lease.bash("echo via-variable"))["stdout"] == "via-variable\n"
+        async with httpx.AsyncClient(base_url=lease.host.info.address) as h:
+            assert (await h.get("/v1/health", headers={"Authorization": f"Bearer {token}"})).status_code == 200
+            assert (await h.get("/v1/health")).status_code == 401
+            assert (await h.get("/v1/health", headers={"Authorization": "Bearer x" + token})).status_code == 401
+        # Not in the host's environment (/proc/<pid>/environ: any process of its uid reads it), nor argv.
+        seen = host_environ_and_cmdline(lease.host.id)
+        assert token.encode() not in seen and b"ATROPOS_SANDBOX_TOKEN" not in seen
+        # The file was read once and removed: code that later reaches the task's filesystem finds nothing.
+        secrets_dir = Path(fake.data_dir) / "alloc" / lease.host.id / "host" / "secrets"
+        assert secrets_dir.is_dir() and list(secrets_dir.iterdir()) == []
         await assert_token_never_in_a_slot(lease)
         await lease.release()
     assert fake.variable(f"nomad/jobs/{job_id}") is None  # close() removes it with the job
+
+
+async def test_a_process_beside_a_nomad_host_cannot_find_the_host_token(fake: FakeNomad) -> None:
+    """A process of the host's uid that is no part of the pool (tests/token_theft.py) scans every
+    /proc/*/environ and cmdline, the client's task directories and the hosts' data dirs, and calls the
+    host API with every token-shaped string it found: none is accepted."""
+    async with SlotPool(backend_on(fake, slots=1), pool_cfg()) as pool:
+        host = next(iter(pool.hosts.values()))
+        roots = [fake.data_dir, fake.driver.log_dir]  # type: ignore[attr-defined]
+        thief = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "tests.token_theft", host.info.address, *roots],
+            capture_output=True, text=True, timeout=300, cwd=ROOT, env={})
+        report = json.loads(thief.stdout)
+        assert report["read"]["environ"] > 0 and report["read"]["files"] > 0, report["read"]
+        assert report["accepted"] == [] and host.info.token not in report["candidates"], report["accepted"]
+        async with pool.leased("still-serves") as lease:
+            assert (await lease.bash("echo ok"))["stdout"] == "ok\n"
+
+
+async def test_token_in_the_job_spec_reaches_the_host_as_a_file_too(fake: FakeNomad) -> None:
+    """token_delivery="job" (the weaker choice, for job IDs no variable path takes): the token is in
+    the job spec, but the host still gets it as its 0400 file, never in its environment; "env", the
+    old name, means the same and says so."""
+    with pytest.warns(FutureWarning, match="token_delivery='env' is deprecated, use 'job'"):
+        assert NomadBackendConfig(token_delivery="env").token_delivery == "job"
+    backend = backend_on(fake, slots=1, token_delivery="job", job_id=f"atropos-t.{secrets.token_hex(3)}")
+    async with SlotPool(backend, pool_cfg()) as pool:
+        lease = await pool.lease("t")
+        token = lease.host.info.token
+        task = httpx.get(f"{fake.address}/v1/job/{backend.cfg.job_id}").json()["TaskGroups"][0]["Tasks"][0]
+        assert not task.get("Env") and task["Templates"][0]["EmbeddedTmpl"] == f"{token}\n"
+        assert (await lease.bash("echo via-job"))["stdout"] == "via-job\n"
+        seen = host_environ_and_cmdline(lease.host.id)
+        assert token.encode() not in seen and b"ATROPOS_SANDBOX_TOKEN" not in seen
+        await lease.release()
+
+
+async def test_a_token_file_others_can_read_is_refused_at_start(fake: FakeNomad) -> None:
+    """A template rendered 0644 (a job edited by hand, say): the host refuses to start, says why in
+    its log, and never serves."""
+    cfg = nomad_test_config(fake.address, slots=1, token_delivery="job")
+    job = render_job(cfg, 1, token="t0ken-" + secrets.token_hex(8))
+    job["TaskGroups"][0]["Tasks"][0]["Templates"][0]["Perms"] = "0644"
+    _register(fake, job)
+    try:
+        def failed() -> dict[str, Any] | None:
+            return next((a for a in fake.allocations(cfg.job_id) if a["ClientStatus"] == "failed"), None)
+
+        alloc = fake.wait_for(failed, timeout=60, message="the allocation to fail")
+        _out, err = fake.driver.log_paths(alloc["ID"], "host")  # type: ignore[attr-defined]
+        log = Path(err).read_text()
+        assert re.search(r"error: --token-file \S+/secrets/token: mode 0644 gives group or others access; "
+                         r"a token file must be 0400 or 0600", log), log
+        assert "ready" not in Path(_out).read_text()  # it never announced itself
+    finally:
+        httpx.delete(f"{fake.address}/v1/job/{cfg.job_id}", params={"purge": "true"})
 
 
 def make_tls(tmp: Path) -> tuple[str, str, str]:
@@ -564,7 +647,7 @@ def ssl_context(ca: str) -> Any:
 def test_variable_delivery_needs_a_job_id_nomad_accepts_as_a_variable_path() -> None:
     with pytest.raises(ValueError, match="cannot name the Nomad variable"):
         NomadBackendConfig(job_id="sandbox.v2")  # "." is legal in a job ID, not in a variable path
-    assert NomadBackendConfig(job_id="sandbox.v2", token_delivery="env").job_id == "sandbox.v2"
+    assert NomadBackendConfig(job_id="sandbox.v2", token_delivery="job").job_id == "sandbox.v2"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -690,7 +773,7 @@ async def test_nomad_that_never_answers_fails_start_within_the_request_timeout()
         silent.bind(("127.0.0.1", 0))
         silent.listen(16)
         address = f"http://127.0.0.1:{silent.getsockname()[1]}"
-        backend = NomadBackend(NomadBackendConfig(address=address, token_delivery="env", request_timeout_s=1,
+        backend = NomadBackend(NomadBackendConfig(address=address, token_delivery="job", request_timeout_s=1,
                                                   connect_timeout_s=1))
         t0 = time.monotonic()
         try:
@@ -768,7 +851,7 @@ async def test_registered_job_keeps_the_container_options(bare: FakeNomad) -> No
     task = job["TaskGroups"][0]["Tasks"][0]
     sent = backend.render_job()["TaskGroups"][0]["Tasks"][0]
     assert task["Config"] == sent["Config"]  # Nomad stores the driver config untouched
-    assert task["User"] == "1000:1000" and task["Env"] == sent["Env"]
+    assert task["User"] == "1000:1000" and not task.get("Env") and task["Templates"] == sent["Templates"]
     assert job["TaskGroups"][0]["Count"] == 0 and job["Meta"] == backend.owner_meta()
 
 
@@ -865,7 +948,8 @@ def hcl_to_api(path: Path, overrides: dict[str, Any]) -> tuple[dict[str, Any], d
 
     def template(b: dict[str, Any]) -> dict[str, Any]:
         return _take(b, {"data": ("EmbeddedTmpl", _ident), "destination": ("DestPath", _ident),
-                         "env": ("Envvars", _ident), "change_mode": ("ChangeMode", _ident)})
+                         "env": ("Envvars", _ident), "change_mode": ("ChangeMode", _ident),
+                         "perms": ("Perms", _ident), "uid": ("Uid", _ident), "gid": ("Gid", _ident)})
 
     def task(block: dict[str, Any]) -> dict[str, Any]:
         [(name, t)] = block.items()
@@ -1186,7 +1270,7 @@ def test_hosts_deny_network_slots_the_nodes_own_address() -> None:
 
     seen = _ConfigSeen()
     with FakeNomad(driver=seen, time_scale=0.02, node_ip="192.0.2.77") as fake:
-        cfg = nomad_test_config(fake.address, slots=1)
+        cfg = nomad_test_config(fake.address, slots=1, token_delivery="job")  # no variable to wait for
         _register(fake, render_job(cfg, 1, token="t"))
         fake.wait_for(lambda: seen.configs, message="the task started")
     args = [str(a) for a in seen.configs[0]["args"]]

@@ -864,6 +864,49 @@ def test_template_waits_for_its_variable_then_renders_into_the_env(tmp_path: Pat
         assert fake.monitor_errors == []
 
 
+def test_templates_render_into_the_task_directory_with_their_perms_and_owner() -> None:
+    """As a Nomad client: secrets/ and local/ per task (mode 0777, so the task may remove what is
+    rendered there), NOMAD_SECRETS_DIR/NOMAD_TASK_DIR naming them and interpolated into the driver
+    config, each template written with its Perms and Uid/Gid; a destination outside the task
+    directory fails the task."""
+    with FakeNomad(driver=NullDriver(), time_scale=0.05) as fake:
+        spec = job_spec(count=1)
+        task = spec["Job"]["TaskGroups"][0]["Tasks"][0]
+        task["User"] = "1000:1000"
+        task["Config"]["args"] = ["--token-file=${NOMAD_SECRETS_DIR}/token"]
+        task["Templates"] = [
+            # owned by the task's own user: in the fake, whose tasks run as its own user, that is ours
+            {"EmbeddedTmpl": "s3cret\n", "DestPath": "secrets/token", "Perms": "0400", "Uid": 1000, "Gid": 1000},
+            {"EmbeddedTmpl": "plain\n", "DestPath": "local/app.conf"},  # Nomad's defaults: 644, the agent's user
+        ]
+        httpx.post(f"{fake.address}/v1/jobs", json=spec).raise_for_status()
+        [alloc] = fake.wait_running(JOB, 1)
+        tdir = Path(fake.data_dir) / "alloc" / alloc["ID"] / "sandbox"
+        token, conf = tdir / "secrets" / "token", tdir / "local" / "app.conf"
+        assert token.read_text() == "s3cret\n" and conf.read_text() == "plain\n"
+        assert oct(token.stat().st_mode & 0o7777) == "0o400" and oct(conf.stat().st_mode & 0o7777) == "0o644"
+        assert (token.stat().st_uid, conf.stat().st_uid) == (os.geteuid(), os.geteuid())
+        assert oct((tdir / "secrets").stat().st_mode & 0o777) == "0o777"
+        handle = fake.cluster.allocs[alloc["ID"]].tasks["sandbox"].handle
+        assert handle.env["NOMAD_SECRETS_DIR"] == str(tdir / "secrets") and handle.task_dir == str(tdir)
+        assert handle.config["args"] == [f"--token-file={tdir / 'secrets'}/token"]
+
+        escaping = job_spec(count=1, job_id="escape")
+        escaping["Job"]["TaskGroups"][0]["Tasks"][0]["Templates"] = [
+            {"EmbeddedTmpl": "x", "DestPath": "../../../escaped"}]
+        httpx.post(f"{fake.address}/v1/jobs", json=escaping).raise_for_status()
+
+        def template_failed() -> str | None:
+            allocs = fake.allocations("escape")
+            events = allocs[0]["TaskStates"]["sandbox"]["Events"] if allocs else []
+            return next((e["DisplayMessage"] for e in events if e["Type"] == "Template"), None)
+
+        message = fake.wait_for(template_failed, message="the Template event")
+        assert message == "Template failed: template destination '../../../escaped' escapes the task directory"
+        assert not (Path(fake.data_dir) / "escaped").exists()
+        assert fake.monitor_errors == []
+
+
 def test_template_rendering_subset() -> None:
     from nomad_fake.templates import MissingVariable, TemplateError, parse_env, render
 

@@ -75,18 +75,25 @@ def test_what_a_backend_configures_is_what_its_host_runs_with(config_class: type
     assert host.timeouts().max_timeout_s == ODD.max_timeout_s  # what it declares to the pool
 
 
-def test_the_launch_flags_round_trip_every_field(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every HostLaunch field, set away from its default, arrives in the host as it was sent."""
+@pytest.mark.parametrize("token_source", [{"token_stdin": True}, {"token_file": "/secrets/token"}],
+                         ids=["stdin", "file"])
+def test_the_launch_flags_round_trip_every_field(monkeypatch: pytest.MonkeyPatch, token_source: dict[str, Any]) -> None:
+    """Every HostLaunch field, set away from its default, arrives in the host as it was sent (the two
+    token sources exclude each other: one launch each)."""
     launch = HostLaunch(host="127.0.0.2", port=4567, slots=3, data_dir="/srv/d", limits=ODD, prewarm=False,
                         parent_pid=4321, unsafe_no_isolation=True, cgroup_dir="/sys/fs/cgroup/x",
-                        unsafe_no_cgroups=True, log_level="DEBUG", token_stdin=True,
+                        unsafe_no_cgroups=True, log_level="DEBUG", **token_source,
                         egress=EgressSettings(deny=tuple(parse_networks(["203.0.113.0/24"]))))
+    read: list[str] = []
+    monkeypatch.setattr(host_main, "read_token_file", lambda path: read.append(str(path)) or "t0ken")
     cfg, args = host_of(launch.args(), monkeypatch)
+    assert read == ([launch.token_file] if launch.token_file else [])  # the file the launch named, read once
     arrived = {
         "host": cfg.host, "port": cfg.port, "slots": cfg.slots, "data_dir": str(cfg.data_dir),
         "limits": cfg.slot_limits(), "prewarm": not args.no_prewarm, "parent_pid": args.parent_pid,
         "unsafe_no_isolation": cfg.unsafe_no_isolation, "unsafe_no_cgroups": cfg.unsafe_no_cgroups,
         "cgroup_dir": str(cfg.cgroup_dir), "log_level": args.log_level, "token_stdin": args.token_stdin,
+        "token_file": str(args.token_file) if args.token_file else None,
         "egress": launch.egress if cfg.egress == launch.egress.policy() else cfg.egress,
     }
     assert set(arrived) == set(HostLaunch.model_fields), "a HostLaunch field this test does not follow"

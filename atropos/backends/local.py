@@ -42,6 +42,8 @@ class LocalBackendConfig(SlotCaps):
     unsafe_no_isolation: bool = Field(False, description="DEVELOPMENT ONLY: no bubblewrap")
     unsafe_no_cgroups: bool = Field(False, description="DEVELOPMENT ONLY: no per-slot cgroup (no slot-wide caps)")
     python: str = Field(default_factory=lambda: sys.executable, description="interpreter running the hosts")
+    image_store: Path | None = Field(None, description="task images' layer store, shared by this machine's hosts "
+                                     "(docs/task-images.md); default: images/ under data_root")
 
     def build(self) -> LocalBackend:
         return LocalBackend(self)
@@ -71,7 +73,8 @@ class LocalBackend(Backend):
         launch = HostLaunch(port=self.cfg.port, slots=self.cfg.slots_per_host, data_dir=str(data_dir),
                             limits=self.cfg.slot_limits(), prewarm=False,  # the pool asks (Backend.prewarm)
                             parent_pid=os.getpid(), unsafe_no_isolation=self.cfg.unsafe_no_isolation,
-                            unsafe_no_cgroups=self.cfg.unsafe_no_cgroups)
+                            unsafe_no_cgroups=self.cfg.unsafe_no_cgroups,
+                            image_store=str(self.cfg.image_store or self.cfg.data_root / "images"))
         log_path = self.root / f"{host_id}.log"
         with open(log_path, "ab") as log_file:  # noqa: ASYNC230 - a local file, opened once per host
             proc = await start_host_process(launch, token, log_file, self.cfg.python)

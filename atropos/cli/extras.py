@@ -29,7 +29,7 @@ def cmd_image_build(args: argparse.Namespace) -> int:
 
 def render_nomad_job(s: ServeSettings) -> dict[str, Any]:
     """What ``serve --backend nomad`` registers for these settings, minus what exists only per
-    running pool: the owner ``Meta`` (pid, boot id) and, with ``token_delivery=env``, the token
+    running pool: the owner ``Meta`` (pid, boot id) and, with ``token_delivery=job``, the token
     (a placeholder here: a rendered file must never carry a live secret)."""
     from atropos.backends.nomad import render_job
 

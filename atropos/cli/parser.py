@@ -61,7 +61,7 @@ environment:
   {TOKEN_ENV:<28} bearer token `serve` requires of clients (`pool up` makes one
                                and keeps it in a 0600 file in the state dir)
   NOMAD_ADDR, NOMAD_TOKEN, ... the nomad backend's cluster (and ATROPOS_NOMAD_<FIELD>, e.g.
-                               ATROPOS_NOMAD_TOKEN_DELIVERY=env); see nomad/README.md
+                               ATROPOS_NOMAD_TOKEN_DELIVERY=job); see nomad/README.md
   DOCKER_HOST, ...             the docker backend's engine, as for the docker CLI
   RAY_ADDRESS                  the ray backend's cluster (and ATROPOS_RAY_<FIELD>, e.g.
                                ATROPOS_RAY_NUM_CPUS=2); see docs/ray.md
@@ -166,8 +166,8 @@ def _add_nomad(sub: Any, settings_epilog: str) -> None:
         nomad_sub, "render", "print the job JSON the backend registers",
         "Print the job JSON ({\"Job\": ...}, for the HTTP API or `nomad job run -json`) that `serve --backend "
         "nomad` registers with the same settings: the job id is atropos-<pool_id>; NOMAD_* and "
-        "ATROPOS_NOMAD_<FIELD> (e.g. ATROPOS_NOMAD_TOKEN_DELIVERY=env) apply. The owner Meta and, with "
-        "token_delivery=env, the host token exist per running pool and are not printed.", settings_epilog)
+        "ATROPOS_NOMAD_<FIELD> (e.g. ATROPOS_NOMAD_TOKEN_DELIVERY=job) apply. The owner Meta and, with "
+        "token_delivery=job, the host token exist per running pool and are not printed.", settings_epilog)
     setting_flag(render, "config", f"YAML or JSON settings file (default ${CONFIG_ENV})")
     setting_flag(render, "image", "sandbox image (default atropos-sandbox:dev)")
     setting_flag(render, "slots_per_host", "slots per host (default 16)", type=int)

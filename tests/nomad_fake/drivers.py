@@ -66,6 +66,9 @@ class AllocHandle:
     """The job version this allocation runs."""
     files: dict[str, str] = field(default_factory=dict)
     """Rendered templates: destination (e.g. ``secrets/app.env``) -> content."""
+    task_dir: str = ""
+    """The task directory on disk (``local/``, ``secrets/``, ``tmp/``; templates rendered there), once
+    built before the first start; ``""`` for a fake without a data dir."""
     driver_state: dict[str, Any] = field(default_factory=dict)
     """Scratch space owned by the driver (e.g. the ``subprocess.Popen``)."""
     exit_code: int | None = None

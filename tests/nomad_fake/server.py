@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -71,8 +73,13 @@ class FakeNomad:
         port: int = 0,
         tls: tuple[str, str] | None = None,
         node_ip: str = "127.0.0.1",
+        data_dir: str | None = None,
     ) -> None:
         self.driver: TaskDriver = driver if driver is not None else NullDriver()
+        # the client's data dir (task directories, rendered templates): a temporary one unless given,
+        # removed by stop()
+        self._own_data_dir = data_dir is None
+        self.data_dir = data_dir if data_dir is not None else tempfile.mkdtemp(prefix="fake-nomad-data-")
         self.cluster = Cluster(
             nodes=nodes,
             region=region,
@@ -81,6 +88,7 @@ class FakeNomad:
             start_delay=start_delay,
             max_allocs_per_node=max_allocs_per_node,
             node_ip=node_ip,
+            data_dir=self.data_dir,
         )
         self.faults = Faults()
         self.acl = Acl(self.cluster, acl_enabled)
@@ -155,6 +163,8 @@ class FakeNomad:
             self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self._own_data_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
 
     def __enter__(self) -> FakeNomad:
         return self.start()

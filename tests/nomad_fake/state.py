@@ -44,8 +44,10 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from . import taskdir
 from .drivers import AllocHandle, RecoverableDriverError
 from .encode import env_key, interpolate, interpolate_tree, omit_empty, rfc3339nano
 from .spec import destructive_change, find_group, go_duration, spec_changed
@@ -320,8 +322,11 @@ class Cluster:
         start_delay: float = 0.0,
         max_allocs_per_node: int | None = None,
         node_ip: str = "127.0.0.1",
+        data_dir: str | None = None,
     ) -> None:
         self.lock = threading.RLock()
+        # the client's data dir: task directories and rendered templates (taskdir.py); None: none on disk
+        self.data_dir = Path(data_dir) if data_dir is not None else None
         self.clock = Clock(time_scale)
         self.region = region
         self.datacenter = datacenter
@@ -1455,6 +1460,8 @@ class Cluster:
         }
         if res.get("MemoryMaxMB"):
             env["NOMAD_MEMORY_MAX_LIMIT"] = str(res["MemoryMaxMB"])
+        if self.data_dir is not None:
+            env.update(taskdir.task_env(self.data_dir, a.id, task["Name"]))
         for p in a.ports:
             label = env_key(p["Label"])
             host_port = str(p["Value"])
@@ -1582,9 +1589,11 @@ class Cluster:
 
     def _render_templates(self, a: Alloc, tr: TaskRun) -> bool:
         """Render the task's templates before a (re)start; False while one waits for a variable
-        (or failed the task). ``env = true`` output goes into the task's environment."""
+        (or failed the task). ``env = true`` output goes into the task's environment; every output is
+        written into the task directory (taskdir.py) once all have rendered."""
         env: dict[str, str] = {}
         files: dict[str, str] = {}
+        rendered: list[tuple[dict[str, Any], str]] = []
         for t in tr.spec.get("Templates") or []:
             try:
                 text = render(str(t.get("EmbeddedTmpl") or ""), lambda path: self._template_var(a, path))
@@ -1602,6 +1611,18 @@ class Cluster:
                 self._not_restarting(a, tr, "Error was unrecoverable")
                 return False
             files[str(t.get("DestPath") or "")] = text
+            rendered.append((t, text))
+        if self.data_dir is not None:
+            try:
+                tdir = taskdir.build(self.data_dir, a.id, tr.name)
+                for t, text in rendered:
+                    taskdir.write_template(tdir, t, text, tr.spec)
+            except taskdir.TaskDirError as e:
+                msg = f"Template failed: {e}"
+                self._append_event(a, tr, _task_event("Template", self.wall(), DisplayMessage=msg, FailsTask=True))
+                self._not_restarting(a, tr, "Error was unrecoverable")
+                return False
+            tr.handle.task_dir = str(tdir)
         tr.template_missing = ""
         tr.handle.env.update(env)
         tr.handle.files.update(files)

@@ -37,14 +37,15 @@ How the pool's calls map onto Nomad:
 * ``reap_orphans()`` purges a job with the same ID left by a crashed pool, only when the owner
   recorded in the job's ``Meta`` (host name, boot id, pid) is gone; ``close()`` purges the job.
 
-The host token is generated per pool and never reaches a slot: by default it is written to the Nomad
-variable ``nomad/jobs/<job_id>`` (readable only by the job's own tasks through workload identity and
-by ACL tokens with variable read) right after the job registers with ``EnforceIndex`` (so the ID is
-ours; the job starts at count 0, so nothing renders before), and rendered by a template into the task
-environment (``ATROPOS_SANDBOX_TOKEN``); the sandbox server pops it from its environment at start and
-runs every slot with an empty environment in its own PID namespace. ``token_delivery="env"`` puts it
-in the job's ``Env`` instead (visible to every ACL token that can read the job; for clusters without
-variables).
+The host token is generated per pool and never reaches a slot nor any process's environment: by
+default it is written to the Nomad variable ``nomad/jobs/<job_id>`` (readable only by the job's own
+tasks through workload identity and by ACL tokens with variable read) right after the job registers
+with ``EnforceIndex`` (so the ID is ours; the job starts at count 0, so nothing renders before), and a
+template renders it into the task's ``secrets/token`` (mode 0400, the task's uid; the secrets
+directory is per task and tmpfs-backed); the host reads that file once (``--token-file``) and removes
+it. ``token_delivery="job"`` puts the token in the job spec itself, rendered into the same file
+(weaker: every ACL token that can read the job sees it; for job IDs no variable path takes and ACL
+tokens without variable write).
 
 The package: ``config.py`` (settings), ``job.py`` (the job spec), ``api.py`` (the HTTP client),
 ``allocs.py`` (reading allocation JSON), ``ledger.py`` (``AllocationLedger``: which allocation is what

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from atropos.backends.slot_caps import ContainerSlotCaps, ContainerWorkspaceBytes
 
@@ -51,8 +52,11 @@ class NomadBackendConfig(ContainerSlotCaps):
     seccomp_profile: str = Field("/etc/atropos-sandbox/seccomp.json",
                                  description="outer seccomp profile, a path on every Nomad client")
     runtime: str = Field("atropos-runc", description="OCI runtime: runc with /proc unmasked (nomad/README.md)")
-    token_delivery: Literal["variable", "env"] = Field(
-        "variable", description="variable: Nomad variable + template (default); env: the job's Env")
+    token_delivery: Literal["variable", "job"] = Field(
+        "variable", description="where Nomad keeps the host token, which a template renders into the task's "
+        "secrets/token (0400) either way: variable: the Nomad variable nomad/jobs/<job_id> (default); job: the "
+        "job spec itself, readable by every ACL token that can read the job (weaker; for job IDs no variable "
+        "path takes and ACL tokens without variable write)")
     # -- behaviour ----------------------------------------------------------------------------
     start_timeout_s: float = Field(120.0, gt=0, description="placement + image pull + health, per host")
     connect_timeout_s: float = Field(5.0, gt=0)
@@ -82,6 +86,18 @@ class NomadBackendConfig(ContainerSlotCaps):
 
         return NomadBackend(self)
 
+    @field_validator("token_delivery", mode="before")
+    @classmethod
+    def _env_is_job(cls, v: Any) -> Any:
+        # "env" put the token in the job's Env, hence in the host's environment; no delivery does
+        # that any more, and what was left of it (the token in the job spec) is "job".
+        if v == "env":
+            warnings.warn("NomadBackendConfig: token_delivery='env' is deprecated, use 'job' (the token stays in "
+                          "the job spec, and reaches the host as a file, never in its environment)",
+                          FutureWarning, stacklevel=2)
+            return "job"
+        return v
+
     @model_validator(mode="after")
     def _slot_fits(self) -> NomadBackendConfig:
         if self.slot_workspace_bytes > self.workspace_bytes:
@@ -97,5 +113,5 @@ class NomadBackendConfig(ContainerSlotCaps):
         if self.token_delivery == "variable" and not VARIABLE_PATH.fullmatch(path):
             raise ValueError(f"job_id {self.job_id!r} cannot name the Nomad variable {path!r} the token is "
                              "delivered through (letters, digits, '-', '_', '~' only; at most 117 characters); "
-                             "rename the job or set token_delivery='env'")
+                             "rename the job or set token_delivery='job'")
         return self

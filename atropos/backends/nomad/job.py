@@ -9,11 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 from atropos.backends.nomad.config import NomadBackendConfig
-from atropos.sandbox.contract.launch import HOST_TOKEN_ENV, HostLaunch
+from atropos.sandbox.contract.launch import HostLaunch
 
 # What the package re-exports (atropos/backends/nomad/__init__.py takes this list as it is).
 __all__ = ["GROUP", "META_BOOT", "META_INSTANCE", "META_MANAGED", "META_OWNER_HOST", "META_OWNER_PID",
-           "META_OWNER_START", "META_VERSION", "TASK", "TOKEN_ENV", "render_job", "token_template"]
+           "META_OWNER_START", "META_VERSION", "TASK", "TOKEN_FILE", "TOKEN_PERMS", "render_job",
+           "token_template"]
 
 NS = 1_000_000_000  # Nomad durations are int64 nanoseconds
 GROUP = "hosts"
@@ -22,7 +23,13 @@ PORT_LABEL = "http"
 CONTAINER_PORT = 8080
 SLOT_UID = 1000
 SLOT_CGROUP_DIR = "/run/atropos/cgroup"  # nomad/atropos-runc mounts the delegated subtree here
-TOKEN_ENV = HOST_TOKEN_ENV
+# The host token: rendered into the task's own secrets directory (per task, tmpfs, mounted into no
+# other task), readable by the task's uid alone; the host reads it once and removes it. Never in the
+# task's environment: /proc/<pid>/environ is readable by every process of the same uid.
+TOKEN_FILE = "secrets/token"  # relative to the task directory, where templates render
+TOKEN_PERMS = "0400"
+TOKEN_FILE_IN_TASK = "${NOMAD_SECRETS_DIR}/token"  # the same file where the task sees it (/secrets): Nomad fills it in
+TOKEN_PLACEHOLDER = "<generated per pool>"
 TMP_BYTES = 64 << 20
 TMPFS_MODE = 0o1777  # HCL has no octal literals: nomad/sandbox.hcl writes 1023
 MIN_NOMAD_VERSION = "2.0.4"
@@ -41,14 +48,14 @@ META_VERSION = "atropos_version"
 
 
 def token_template(job_id: str) -> str:
-    """The template that renders the token variable into the task environment."""
-    return f'{{{{ with nomadVar "nomad/jobs/{job_id}" }}}}{TOKEN_ENV}={{{{ .token }}}}{{{{ end }}}}\n'
+    """The template that renders the token variable into the token file."""
+    return f'{{{{ with nomadVar "nomad/jobs/{job_id}" }}}}{{{{ .token }}}}{{{{ end }}}}\n'
 
 
 def render_job(cfg: NomadBackendConfig, count: int = 0, *, token: str | None = None,
                meta: dict[str, str] | None = None) -> dict[str, Any]:
     """The sandbox job as the HTTP API takes it (``{"Job": render_job(cfg)}``): ``nomad/sandbox.hcl``
-    in JSON. ``token`` matters only with ``token_delivery="env"``; ``meta`` is the owner record."""
+    in JSON. ``token`` matters only with ``token_delivery="job"``; ``meta`` is the owner record."""
     c = cfg
     job: dict[str, Any] = {
         "ID": c.job_id,
@@ -92,11 +99,12 @@ def _task(c: NomadBackendConfig, token: str | None) -> dict[str, Any]:
         "Resources": {"CPU": c.cpu, "MemoryMB": c.memory},
         "KillTimeout": 10 * NS,
     }
-    if c.token_delivery == "variable":
-        task["Templates"] = [{"EmbeddedTmpl": token_template(c.job_id), "DestPath": "secrets/host.env",
-                              "Envvars": True, "ChangeMode": "noop"}]
-    else:
-        task["Env"] = {TOKEN_ENV: token or "<generated per pool>"}
+    # "job": the token itself is the template (in the job spec, readable by whoever can read the job)
+    data = token_template(c.job_id) if c.token_delivery == "variable" else f"{token or TOKEN_PLACEHOLDER}\n"
+    # uid/gid: Nomad writes templates as its agent's user (root) by default; the task runs as SLOT_UID.
+    # noop: a new token means a new pool, hence new allocations; the host read the file once anyway.
+    task["Templates"] = [{"EmbeddedTmpl": data, "DestPath": TOKEN_FILE, "Perms": TOKEN_PERMS,
+                          "Uid": SLOT_UID, "Gid": SLOT_UID, "ChangeMode": "noop"}]
     return task
 
 
@@ -116,7 +124,8 @@ def _docker_config(c: NomadBackendConfig) -> dict[str, Any]:
         # reservation (cpu_hard_limit), not taking a starting neighbour's; the pool's prewarm request
         # (Backend.prewarm) then finds nothing left to start.
         "args": [*HostLaunch(host="0.0.0.0", port=CONTAINER_PORT, slots=c.slots_per_host, data_dir="/slots/data",
-                             limits=c.slot_limits(), cgroup_dir=SLOT_CGROUP_DIR).args(), NODE_ADDRESS_ARG],
+                             limits=c.slot_limits(), cgroup_dir=SLOT_CGROUP_DIR,
+                             token_file=TOKEN_FILE_IN_TASK).args(), NODE_ADDRESS_ARG],
         "init": True,
         # resources.cpu is only a share (CPU weight) by default; the hard limit turns it into a CFS
         # quota, so a busy host cannot take more than it reserved (isolation.md: a hard CPU cap).

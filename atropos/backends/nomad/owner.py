@@ -149,7 +149,7 @@ class JobOwner:
         resp = await self.api.request("PUT", self.api.var_path, json=body)
         if resp.status_code == 404:
             raise ConfigError(f"Nomad at {c.address} has no variables API (Nomad >= 1.4 needed; this backend "
-                              "wants >= 2.0.4); or set token_delivery='env'")
+                              "wants >= 2.0.4); or set token_delivery='job'")
         if resp.status_code != 200:
             raise NomadAPIError("PUT", self.api.var_path, resp.status_code, resp.text)
 

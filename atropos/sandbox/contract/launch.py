@@ -9,9 +9,10 @@ variable (the kernel shows the block the process was started with). A host this 
 (``start_host_process``) reads it as one line on a pipe that is its stdin (``--token-stdin``),
 then swaps stdin for /dev/null and marks itself non-dumpable, so no process of its user can read
 its memory or environ. A Docker container's host gets the same line on the container's stdin
-(atropos/backends/docker.py). Only a Nomad task still gets ``HOST_TOKEN_ENV`` from its
-orchestrator: there the host is non-dumpable too and its slots run under other uids in their own
-pid namespaces (``tests/test_isolation.py``, rows 17-18).
+(atropos/backends/docker.py). A Nomad task has no stdin to write to: Nomad renders the token into
+the task's own secrets directory, mode 0400 and the task's uid, and the host reads that file once
+and removes it (``token_file``, ``--token-file``; atropos/backends/nomad/job.py). No backend puts
+``HOST_TOKEN_ENV`` in a host's environment; the host still takes it from there when run by hand.
 
 Valued flags whose value is a number are written ``--flag=value``: ``nomad/sandbox.hcl`` spells
 them that way (an HCL string that is only ``${var.x}`` would keep the number type) and the test
@@ -27,7 +28,7 @@ import sys
 from collections.abc import Mapping
 from typing import IO, Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from atropos.sandbox.contract.egress import EgressSettings
 from atropos.sandbox.contract.protocol import DEFAULT_MAX_TIMEOUT_S, MaxTimeoutS
@@ -109,7 +110,17 @@ class HostLaunch(BaseModel):
     unsafe_no_cgroups: bool = False
     egress: EgressSettings = Field(default_factory=EgressSettings, description="network slots' egress policy")
     log_level: str | None = None
+    image_store: str | None = Field(None, description="task images' layer store (default: images/ beside the "
+                                    "data dir)")
     token_stdin: bool = Field(False, description="the token arrives on stdin (start_host_process), not in the env")
+    token_file: str | None = Field(None, description="the token is in this file, the host's own, mode 0400 "
+                                   "(a Nomad task's secrets/token): read once at start, then removed")
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> HostLaunch:
+        if self.token_stdin and self.token_file is not None:
+            raise ValueError("a host takes its token from stdin or from a file, not both")
+        return self
 
     def args(self) -> list[str]:
         """The flags after ``python -m atropos.sandbox`` (a container's command)."""
@@ -128,8 +139,12 @@ class HostLaunch(BaseModel):
             args.append("--unsafe-no-isolation")
         if self.log_level:
             args += ["--log-level", self.log_level]
+        if self.image_store is not None:
+            args.append(f"--image-store={self.image_store}")
         if self.token_stdin:
             args.append("--token-stdin")
+        if self.token_file is not None:
+            args.append(f"--token-file={self.token_file}")
         return args
 
     def argv(self, python: str | None = None) -> list[str]:

@@ -1,8 +1,9 @@
 """``python -m atropos.sandbox``: run one sandbox host.
 
 The token comes from one line on stdin (``--token-stdin``: how the local, Ray and Docker backends pass it,
-``atropos/sandbox/contract/launch.py``), ``ATROPOS_SANDBOX_TOKEN`` (a Nomad task, a container run by hand) or
-``--token-file`` (never a flag: argv is visible to every process on the machine). The host makes
+``atropos/sandbox/contract/launch.py``), a file only we can read (``--token-file``: how a Nomad task gets
+it, rendered into its secrets directory; read once, then removed) or ``ATROPOS_SANDBOX_TOKEN`` (a
+container run by hand); never a flag: argv is visible to every process on the machine. The host makes
 itself non-dumpable first thing: no process of its user can read its environ or memory.
 Once started, the host prints one JSON line on stdout:
 ``{"event": "ready", "port": N, ...}`` so a parent can find a port picked with ``--port 0``.
@@ -12,12 +13,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
+import errno
 import functools
 import json
 import os
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -40,6 +44,7 @@ from atropos.sandbox.host.server import create_app, wrap
 from atropos.sandbox.inslot.inslot_common import make_undumpable
 
 SHUTDOWN_GRACE_S = 5.0  # after SIGTERM: then whatever still runs of this host is killed
+TOKEN_FILE_MAX = 4096  # a token is one short line; a bigger file is not a token file
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Namespace]:
@@ -50,9 +55,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
     p.add_argument("--port", type=int, default=defaults.port, help="port; 0 picks a free one")
     p.add_argument("--slots", type=int, default=defaults.slots, help="number of slots (default %(default)s)")
     p.add_argument("--data-dir", type=Path, default=defaults.data_dir, help="where workspaces live")
-    p.add_argument("--token-file", type=Path, help=f"file holding the bearer token (else ${TOKEN_ENV})")
-    p.add_argument("--token-stdin", action="store_true",
-                   help="read the bearer token as the first line of stdin (then stdin is /dev/null)")
+    p.add_argument("--image-store", type=Path, default=None,
+                   help=HostConfig.model_fields["image_store"].description)
+    token_source = p.add_mutually_exclusive_group()
+    token_source.add_argument("--token-file", type=Path, help="file holding the bearer token: ours, mode 0400 or "
+                              "0600; read at start, then removed")
+    token_source.add_argument("--token-stdin", action="store_true",
+                              help="read the bearer token as the first line of stdin (then stdin is /dev/null)")
     p.add_argument("--uid-base", type=int, help="first per-slot uid when running as root")
     for name, field in SlotLimits.model_fields.items():  # one flag per slot limit, as declared there
         number = int if field.annotation is int else float
@@ -102,7 +111,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
     if args.token_stdin:
         token = _read_token_from_stdin()
     elif args.token_file:
-        token = args.token_file.read_text().strip()
+        try:
+            token = read_token_file(args.token_file)
+        except TokenFileRefused as exc:
+            p.error(str(exc))
     if not token:
         p.error(f"a token is required: --token-stdin, ${TOKEN_ENV} or --token-file")
     try:
@@ -115,7 +127,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
     except ValueError as exc:  # pydantic's ValidationError is one: the flag's bound, said as usage
         p.error(str(exc))
     cfg = HostConfig(
-        slots=args.slots, data_dir=args.data_dir, host=args.host, port=args.port, token=token,
+        slots=args.slots, data_dir=args.data_dir, image_store=args.image_store, host=args.host, port=args.port,
+        token=token,
         uid_base=args.uid_base, unsafe_no_isolation=args.unsafe_no_isolation, **host_settings(slot),
         limits=Limits(nproc=args.nproc, address_space_bytes=args.memory, workspace_bytes=slot.workspace_bytes,
                       workspace_inodes=args.workspace_inodes, tmp_inodes=args.tmp_inodes,
@@ -141,6 +154,46 @@ def _read_token_from_stdin() -> str:
     os.dup2(devnull, 0)
     os.close(devnull)
     return line.decode(errors="replace").strip()
+
+
+class TokenFileRefused(ValueError):
+    """A token file the host will not take (said as a usage error at start)."""
+
+
+def read_token_file(path: Path) -> str:
+    """The token in ``path``, then the file removed (when its directory lets us), so code that later
+    reaches this filesystem finds nothing. Refused unless it is a regular file of ours that no
+    group or other user can read: a token others could read is no secret (Nomad renders it with
+    ``perms = "0400"`` and the task's uid, nomad/sandbox.hcl)."""
+    try:
+        # O_NOFOLLOW: a link planted in its place is refused; O_NONBLOCK: a FIFO cannot stall the start
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        why = "a symbolic link" if exc.errno == errno.ELOOP else f"cannot open it ({exc.strerror})"
+        raise TokenFileRefused(f"--token-file {path}: {why}") from None
+    try:
+        st = os.fstat(fd)  # what we read, not what the path names a moment later
+        if not stat.S_ISREG(st.st_mode):
+            raise TokenFileRefused(f"--token-file {path}: not a regular file")
+        if st.st_uid != os.geteuid():
+            raise TokenFileRefused(f"--token-file {path}: owned by uid {st.st_uid}, not by this host's uid "
+                                   f"{os.geteuid()}; a token file must be the host's own (Nomad: the template's uid)")
+        if st.st_mode & 0o077:
+            raise TokenFileRefused(f"--token-file {path}: mode {stat.S_IMODE(st.st_mode):04o} gives group or others "
+                                   "access; a token file must be 0400 or 0600 (Nomad: the template's perms)")
+        data = os.read(fd, TOKEN_FILE_MAX + 1)
+    finally:
+        os.close(fd)
+    token = data.decode(errors="replace").strip()
+    if not token or len(data) > TOKEN_FILE_MAX:
+        raise TokenFileRefused(f"--token-file {path}: " + ("empty" if not token else f"over {TOKEN_FILE_MAX} bytes"))
+    # Only the file we read: never one put in its place since. A directory that does not let us
+    # (read-only, not ours) keeps it; it stays readable by our uid alone.
+    with contextlib.suppress(OSError):
+        now = os.stat(path, follow_symlinks=False)
+        if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+            os.unlink(path)
+    return token
 
 
 def _die_with_parent(parent: int) -> None:

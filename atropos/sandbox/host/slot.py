@@ -206,7 +206,7 @@ class Slot:
         own ``python3``."""
         env = image.env()
         sup_cfg = {"limits": self.cfg.limits.rlimits(), "env": env, "workspace": "/", "cwd": image.working_dir,
-                   "run_dir": IMAGE_RUN_DIR, **extra}
+                   "run_dir": IMAGE_RUN_DIR, "tmux": list(host_program(TMUX)), "terminal_shell": ["bash"], **extra}
         paths = self.paths
         if self.ws.scratch:
             tmp, shm = self.ws.scratch_dirs()
@@ -385,7 +385,7 @@ class Slot:
         image_fields: dict[str, Any] = {}
         if self.ws.image is not None:
             workspace = self.ws.image.working_dir
-            image_fields = {"restore": req.restore, "pristine": IMAGE_PRISTINE}
+            image_fields = {"restore": req.restore, "pristine": IMAGE_PRISTINE, "cwd": workspace}
         elif req.restore:
             result.error = ErrorInfo(code="invalid_request", status=VERIFIER_FAILED,
                                      message="restore needs a slot whose root is a task image")

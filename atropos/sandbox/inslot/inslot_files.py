@@ -23,6 +23,7 @@ else:  # run from the host's lib dir beside inslot_fs.py (see supervisor.py)
 
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_BENEATH = 0x08
+RESOLVE_IN_ROOT = 0x10
 SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}.get(os.uname().machine)
 MAX_OFFSET = (1 << 63) - 1  # off_t
 
@@ -43,7 +44,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
 
-def _openat2(dir_fd: int, path: str, flags: int, mode: int = 0o644) -> int:
+def _openat2(dir_fd: int, path: str, flags: int, mode: int = 0o644, resolve: int = RESOLVE_BENEATH) -> int:
     """Open ``path`` strictly beneath ``dir_fd``: an absolute path or symlink, or a ``..`` that
     climbs above ``dir_fd``, fails with EXDEV. Refusing (rather than re-rooting them at ``dir_fd``)
     keeps the file tools' view identical to the shell's: a path either names the same file bash
@@ -53,7 +54,7 @@ def _openat2(dir_fd: int, path: str, flags: int, mode: int = 0o644) -> int:
         raise ToolFailure("invalid_path", "path contains a NUL byte")
     if SYS_OPENAT2 is None:
         raise ToolFailure("unsupported", "openat2 is not available on this architecture")
-    how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
+    how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, resolve | RESOLVE_NO_MAGICLINKS)
     for _ in range(64):
         fd = _libc.syscall(SYS_OPENAT2, dir_fd, raw, ctypes.byref(how), ctypes.sizeof(how))
         if fd >= 0:
@@ -94,6 +95,9 @@ class SlotFiles:
 
     def __init__(self, workspace: str, cwd: str | None = None) -> None:
         self.workspace = workspace
+        # Beneath the workspace, an absolute symlink leaves it: refused. A workspace of "/" (an
+        # image root) is the whole root, where an absolute symlink means what it means to bash.
+        self.resolve = RESOLVE_IN_ROOT if workspace == "/" else RESOLVE_BENEATH
         # Where relative paths start (an image's WorkingDir, under a workspace of "/"); default:
         # the workspace itself.
         self.cwd = cwd
@@ -133,14 +137,30 @@ class SlotFiles:
         return os.path.normpath(os.path.join(root, rel))
 
     def _open(self, path: str, flags: int, mode: int = 0o644) -> int:
-        rel = self._rel(path)
+        return self._open_rel(self._rel(path), flags, mode, shown=path)
+
+    def _open_rel(self, rel: str, flags: int, mode: int = 0o644, shown: str | None = None) -> int:
+        """Open ``rel``, already relative to the workspace (see ``_rel``)."""
         root = self._root_fd()
         try:
-            return _openat2(root, rel, flags, mode)
+            fd = _openat2(root, rel, flags, mode, self.resolve)
         except OSError as exc:
-            raise _os_failure(exc, path) from None
+            raise _os_failure(exc, rel if shown is None else shown) from None
         finally:
             os.close(root)
+        if self.workspace == "/" and not flags & os.O_PATH:
+            # A workspace of "/" (an image root) reaches /proc, where "self" is this supervisor, not
+            # the tool's caller as it is for `cat /proc/self/...`: its memory, its descriptors.
+            # Nothing there is a file a file tool needs; bash reaches it as itself.
+            try:
+                real = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                real = ""
+            if real == "/proc" or real.startswith("/proc/"):
+                os.close(fd)
+                raise ToolFailure("not_regular", f"{rel if shown is None else shown}: /proc is not for the file "
+                                                 "tools (use bash)")
+        return fd
 
     def _resolve_dir(self, path: str) -> str:
         fd = self._open(path, os.O_PATH | os.O_DIRECTORY)
@@ -149,20 +169,21 @@ class SlotFiles:
         finally:
             os.close(fd)
 
-    def _make_parents(self, path: str) -> None:
-        parts = [p for p in path.split("/") if p not in ("", ".")][:-1]
+    def _make_parents(self, rel: str) -> None:
+        """Make the missing directories above ``rel`` (relative to the workspace, see ``_rel``)."""
+        parts = [p for p in rel.split("/") if p not in ("", ".")][:-1]
         prefix = ""
         for part in parts:
             prefix = f"{prefix}/{part}" if prefix else part
             try:
-                fd = self._open(prefix, os.O_PATH | os.O_DIRECTORY)
+                fd = self._open_rel(prefix, os.O_PATH | os.O_DIRECTORY)
                 os.close(fd)
                 continue
             except ToolFailure as exc:
                 if exc.code != "not_found":
                     raise
             parent = prefix.rsplit("/", 1)[0] if "/" in prefix else "."
-            pfd = self._open(parent, os.O_PATH | os.O_DIRECTORY)
+            pfd = self._open_rel(parent, os.O_PATH | os.O_DIRECTORY)
             try:
                 os.mkdir(part, 0o755, dir_fd=pfd)
             except FileExistsError:
@@ -266,7 +287,7 @@ class SlotFiles:
         try:
             try:
                 # opened for writing only to be refused a file we may not write, as in place editing was
-                fd = _openat2(root, rel_in, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY)
+                fd = _openat2(root, rel_in, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY, resolve=self.resolve)
             except OSError as exc:
                 raise _os_failure(exc, path) from None
             try:
@@ -283,7 +304,7 @@ class SlotFiles:
             if rel.startswith("..") or not name:
                 raise ToolFailure("path_escape", f"{path}: resolves outside the workspace")
             try:
-                dir_fd = _openat2(root, parent or ".", os.O_PATH | os.O_DIRECTORY)
+                dir_fd = _openat2(root, parent or ".", os.O_PATH | os.O_DIRECTORY, resolve=self.resolve)
                 tmp_name = f".{name[:200]}.edit-{os.getpid()}-{time.monotonic_ns()}"
                 tfd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                               0o600, dir_fd=dir_fd)

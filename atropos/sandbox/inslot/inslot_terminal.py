@@ -34,12 +34,15 @@ def strip_ansi(text: str) -> str:
 
 
 
-def run_terminal(req: dict[str, Any], workspace: str, run_dir: str, env: dict[str, str]) -> dict[str, Any]:
+def run_terminal(req: dict[str, Any], workspace: str, run_dir: str, env: dict[str, str],
+                 tmux_cmd: list[str] | None = None, shell: list[str] | None = None) -> dict[str, Any]:
     """Send the request's keys/input to the slot's tmux session (started on first use) and return
-    what the terminal printed since ``req['offset']``."""
+    what the terminal printed since ``req['offset']``. ``tmux_cmd``: how to run tmux (on an image
+    root, the host's, through its own loader); ``shell``: the session's command instead of tmux's
+    default login shell (an image's terminal is ``docker exec -it bash``: its environment as is)."""
     sock = os.path.join(run_dir, "tmux.sock")
     log = os.path.join(run_dir, "terminal.log")
-    tmux = ["tmux", "-S", sock]
+    tmux = [*(tmux_cmd or ["tmux"]), "-S", sock]
     env = dict(env)
 
     def tmux_run(*args: str) -> subprocess.CompletedProcess[bytes]:
@@ -60,7 +63,7 @@ def run_terminal(req: dict[str, Any], workspace: str, run_dir: str, env: dict[st
                                                   "inside the slot); the next terminal call starts a new one")
     if tmux_run("has-session", "-t", "main").returncode != 0:
         created = tmux_run("new-session", "-d", "-s", "main", "-x", str(req.get("cols", 200)),
-                           "-y", str(req.get("rows", 50)), "-c", workspace)
+                           "-y", str(req.get("rows", 50)), "-c", workspace, *(shell or []))
         if created.returncode != 0:
             raise ToolFailure("terminal_unavailable",
                               "cannot start the terminal: " + created.stderr.decode(errors="replace"))

@@ -309,7 +309,8 @@ class Supervisor:
         # ours, and counting can go on from the last one (new interpreters start when idle).
         self.clean_slate()
         try:
-            return run_terminal(req, self.workspace, self.run_dir, self.env)
+            return run_terminal(req, self.files.cwd or self.workspace, self.run_dir, self.env,
+                                self.cfg.get("tmux"), self.cfg.get("terminal_shell"))
         finally:
             if self.isolated:
                 self.mark = ns_last_pid()

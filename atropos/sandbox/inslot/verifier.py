@@ -181,6 +181,11 @@ def run_program(req: dict[str, Any]) -> dict[str, Any]:
             restore_from_image(str(pristine), restore)
         except (OSError, ValueError) as exc:
             return {"error": {"code": "restore_failed", "message": f"{type(exc).__name__}: {exc}"}}
+    if req.get("cwd"):  # an image's WorkingDir: where its tests expect to run
+        try:
+            os.chdir(str(req["cwd"]))
+        except OSError:
+            pass
     workspace = str(req.get("workspace", "/workspace"))
     namespace: dict[str, Any] = {
         "__name__": "__verifier__", "__builtins__": __builtins__,

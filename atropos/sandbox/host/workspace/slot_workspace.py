@@ -376,7 +376,7 @@ class SlotWorkspace:
 IMAGE_UPPER_BYTES = 4 << 30
 IMAGE_UPPER_INODES = 1 << 20
 # What the mount helper makes in a fresh image root's upper layer (see mounthelper.image_mount_points).
-IMAGE_MOUNT_POINTS = frozenset({"tmp", "dev", "proc", ".atropos"})
+IMAGE_MOUNT_POINTS = frozenset({"tmp", "dev", "proc", ".atropos", "sys"})
 
 
 def _page_round(n: int) -> int:

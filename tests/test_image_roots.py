@@ -1,0 +1,377 @@
+"""Slots whose root is a task image (docs/task-images.md), on a real host, real bubblewrap and a
+real Docker engine: every image here is built locally from the project's base image, and what a
+slot shows is compared with ``docker run`` of the same image."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import secrets
+import shutil
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from atropos.sandbox.contract.protocol import VerifyRequest
+from tests.conftest import IMAGE_STORE, LeasedSlot, RunningHost, start_host, stop_host, wait_until
+from tests.task_images import docker_run
+
+BASE = "atropos-sandbox-base:bookworm"
+STORE = IMAGE_STORE
+DOCKERFILE = f"""FROM {BASE}
+RUN mkdir -p /testbed/tests /opt/tool/bin && printf 'original\\n' > /testbed/a.txt \\
+ && printf 'def test_ok():\\n    assert True\\n' > /testbed/tests/test_x.py \\
+ && printf '#!/bin/sh\\necho tool-from-image\\n' > /opt/tool/bin/imgtool && chmod 755 /opt/tool/bin/imgtool \\
+ && rm /etc/issue.net
+ENV TASK_NAME=image-roots PATH=/opt/tool/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+WORKDIR /testbed
+"""
+
+
+def _docker_ok() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    return subprocess.run(["docker", "image", "inspect", BASE], capture_output=True).returncode == 0
+
+
+pytestmark = pytest.mark.skipif(not _docker_ok(), reason=f"needs the Docker engine with {BASE} "
+                                                          "(scripts/build_image.sh builds it)")
+
+
+
+
+@pytest.fixture(scope="module")
+def roots_image(tmp_path_factory: pytest.TempPathFactory) -> str:
+    tag = f"atropos-test/image-roots:{hashlib.sha256(DOCKERFILE.encode()).hexdigest()[:12]}"
+    if subprocess.run(["docker", "image", "inspect", tag], capture_output=True).returncode != 0:
+        ctx = tmp_path_factory.mktemp("ctx")
+        (ctx / "Dockerfile").write_text(DOCKERFILE)
+        subprocess.run(["docker", "build", "-q", "-t", tag, str(ctx)], check=True, capture_output=True, timeout=600)
+    return tag
+
+
+@pytest.fixture(scope="module")
+def image_host() -> Iterator[RunningHost]:
+    data = Path(f"/tmp/atropos-img-{os.getpid()}-{secrets.token_hex(3)}")
+    running = start_host(data, slots=4, extra=["--workspace-bytes", str(256 << 20), "--image-store", str(STORE)])
+    yield running
+    stop_host(running)
+
+
+@contextlib.asynccontextmanager
+async def image_slot(host: RunningHost, image: str) -> AsyncIterator[LeasedSlot]:
+    client = host.client()
+    lease = await client.lease(f"img-{secrets.token_hex(4)}")
+    try:
+        result = await client.reset(lease.slot, lease.lease, image=image)
+        assert result.ok, result.detail
+        assert result.lease is not None
+        assert "fresh root of image" in result.verified
+        lease = result.lease
+        yield LeasedSlot(client, lease)
+    finally:
+        try:
+            await client.release(lease.slot, lease.lease)
+        finally:
+            await client.aclose()
+
+
+def _cmdline(pid: str) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
+
+
+COMMANDS = [
+    "id",
+    "pwd",
+    'echo "$HOME|$PATH|$TASK_NAME"',
+    "cat /testbed/a.txt /etc/debian_version",
+    "ls /",
+    "stat -c '%U:%G %a %n' / /etc /etc/passwd /testbed /testbed/a.txt /opt/tool/bin/imgtool",
+    "imgtool; command -v imgtool",
+    "test -e /etc/issue.net; echo deleted=$?",
+    "python3 -c 'import sys; print(sys.version_info[:2], sys.prefix)'",
+    "umask; ulimit -c",
+    "touch /etc/new && rm /etc/passwd && echo root-may-write-anywhere",
+]
+
+
+async def test_tools_behave_as_in_docker_run(image_host: RunningHost, roots_image: str) -> None:
+    async with image_slot(image_host, roots_image) as slot:
+        for command in COMMANDS:
+            result = await slot.sh(command)
+            code, want, _ = docker_run(roots_image, command)
+            assert (result["exit_code"], result["stdout"]) == (code, want), command
+
+
+async def test_file_tools_see_the_same_root(image_host: RunningHost, roots_image: str) -> None:
+    async with image_slot(image_host, roots_image) as slot:
+        assert (await slot.ok("read_file", path="/testbed/a.txt"))["content"] == "original\n"
+        assert (await slot.ok("read_file", path="a.txt"))["content"] == "original\n"  # at WorkingDir
+        written = await slot.ok("write_file", path="rel/b.txt", content="from the file tool\n")
+        assert written["path"] == "/testbed/rel/b.txt"
+        assert (await slot.sh("cat /testbed/rel/b.txt"))["stdout"] == "from the file tool\n"
+        await slot.sh("printf 'from bash\\n' > /etc/motd")
+        assert (await slot.ok("read_file", path="/etc/motd"))["content"] == "from bash\n"
+        names = {e["name"] for e in (await slot.ok("list_dir", path="/"))["entries"]}
+        assert {"etc", "usr", "testbed"} <= names
+
+
+async def test_reset_restores_the_image_exactly(image_host: RunningHost, roots_image: str) -> None:
+    client = image_host.client()
+    lease = await client.lease("img-reset")
+    try:
+        first = await client.reset(lease.slot, lease.lease, image=roots_image)
+        assert first.ok and first.lease is not None
+        slot = LeasedSlot(client, first.lease)
+        before = (await slot.sh("find / -xdev -path /proc -prune -o -print 2>/dev/null | sort | md5sum"))["stdout"]
+        await slot.sh("rm -rf /testbed /usr/share/doc; echo x > /etc/planted; mkdir /newdir; "
+                      "chmod 700 /etc; ln -sfn / /opt/tool/bin/imgtool")
+        second = await client.reset(lease.slot, first.lease.lease, image=roots_image)
+        assert second.ok and second.lease is not None, second.detail
+        slot = LeasedSlot(client, second.lease)
+        after = (await slot.sh("find / -xdev -path /proc -prune -o -print 2>/dev/null | sort | md5sum"))["stdout"]
+        assert after == before
+        assert (await slot.sh("cat /testbed/a.txt; stat -c %a /etc; imgtool"))["stdout"] == \
+            "original\n755\ntool-from-image\n"
+        lease = second.lease
+    finally:
+        await client.release(lease.slot, lease.lease)
+        await client.aclose()
+
+
+async def test_root_inside_is_an_unprivileged_uid_outside(image_host: RunningHost, roots_image: str) -> None:
+    async with image_slot(image_host, roots_image) as slot:
+        marker = f"4.{secrets.randbelow(10**6):06d}"
+        running = asyncio.create_task(slot.sh(f"id -u > /tmp/uid; sleep {marker}"))
+        pids: list[str] = []
+
+        def found() -> bool:
+            pids[:] = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p) == ["sleep", marker]]
+            return len(pids) == 1
+
+        await wait_until(found, timeout=30)
+        host_uids = {line.split()[1] for line in Path(f"/proc/{pids[0]}/status").read_text().splitlines()
+                     if line.startswith("Uid:")}
+        assert (await slot.sh("cat /tmp/uid"))["stdout"] == "0\n"  # root inside
+        assert "0" not in host_uids and len(host_uids) == 1, host_uids  # a slot uid outside
+        await running
+        # what the slot's root may not do: the helpers, the mount points, mounting, raising limits
+        for attempt in ("touch /.atropos/lib/x", "rm -rf /.atropos", "mv /.atropos /elsewhere", "rmdir /tmp",
+                        "mv /tmp /tmp2", "mount -t tmpfs none /mnt", "umount /tmp", "rm -rf /dev",
+                        "echo 1 > /proc/sys/kernel/ns_last_pid", "touch /.atropos/usr/bin/planted",
+                        "unshare -U true"):
+            result = await slot.sh(attempt + " 2>/dev/null")
+            assert result["exit_code"] != 0, attempt
+        # a later sandbox of the same slot (a python_session, a terminal) still starts
+        await slot.sh("ln -sfn /etc /run/planted; rm -rf /var/tmp; ln -s / /var/tmp")
+        out = await slot.ok("python_session", code="import os; print(os.getuid(), os.getcwd())")
+        assert out["stdout"].strip() == "0 /testbed"
+
+
+async def test_writes_are_capped(image_host: RunningHost, roots_image: str) -> None:
+    async with image_slot(image_host, roots_image) as slot:
+        result = await slot.sh("dd if=/dev/zero of=/big bs=1M count=400 2>&1; df -B1M / | tail -1")
+        assert "No space left on device" in result["stdout"]
+        assert (await slot.sh("rm /big && echo freed"))["stdout"] == "freed\n"
+
+
+async def test_terminal_runs_on_the_image(image_host: RunningHost, roots_image: str) -> None:
+    async with image_slot(image_host, roots_image) as slot:
+        out = await slot.ok("terminal", input="pwd; echo $TASK_NAME; imgtool", wait_ms=5000)
+        screen = str(out)
+        assert "/testbed" in screen and "image-roots" in screen and "tool-from-image" in screen
+
+
+VERIFIER = """
+def verify(workspace, secrets, args):
+    import os
+    def read(p):
+        try:
+            return "L:" + os.readlink(p) if os.path.islink(p) else open(p).read()
+        except OSError as exc:
+            return "missing:" + type(exc).__name__
+    return {"score": 1.0, "cwd": os.getcwd(), "workspace": workspace,
+            "files": {p: read(p) for p in args}}
+"""
+
+
+async def test_verify_restores_paths_from_the_image(image_host: RunningHost, roots_image: str) -> None:
+    async with image_slot(image_host, roots_image) as slot:
+        await slot.sh("printf 'def test_ok():\\n    assert False\\n' > tests/test_x.py; rm a.txt; "
+                      "printf 'import pytest\\n' > conftest.py; echo agent > /tmp/kept-out")
+        await slot.sh("mv tests tests.orig && mkdir /tmp/fake && ln -s /tmp/fake tests && echo x > /tmp/fake/new")
+        paths = ["/testbed/tests", "/testbed/a.txt", "/testbed/conftest.py"]
+        result = await slot.client.verify(slot.lease.slot, VerifyRequest(
+            lease=slot.lease.lease, program=VERIFIER, restore=paths,
+            args=["/testbed/tests/test_x.py", "/testbed/a.txt", "/testbed/conftest.py", "/testbed/tests/new"]))
+        assert result.ok, result.error
+        assert result.verdict is not None
+        assert result.verdict["cwd"] == "/testbed" and result.verdict["workspace"] == "/testbed"
+        assert result.verdict["files"] == {
+            "/testbed/tests/test_x.py": "def test_ok():\n    assert True\n",
+            "/testbed/a.txt": "original\n",
+            "/testbed/conftest.py": "missing:FileNotFoundError",
+            "/testbed/tests/new": "missing:FileNotFoundError",
+        }
+
+
+async def test_restore_refuses_a_slot_without_an_image(image_host: RunningHost) -> None:
+    client = image_host.client()
+    lease = await client.lease("no-image")
+    try:
+        result = await client.verify(lease.slot, VerifyRequest(lease=lease.lease, program=VERIFIER, args=[],
+                                                                 restore=["/workspace/x"]))
+        assert not result.ok and result.error is not None and "image" in result.error.message
+    finally:
+        await client.release(lease.slot, lease.lease)
+        await client.aclose()
+
+
+async def test_images_share_layers_and_are_listed(image_host: RunningHost, roots_image: str) -> None:
+    client = image_host.client()
+    try:
+        base = await client.prepare_image(BASE)
+        task = await client.prepare_image(roots_image)
+        assert task.layers == base.layers + 1  # the task image is the base plus its one RUN layer
+        held = {i.reference: i for i in await client.images()}
+        assert {BASE, roots_image} <= set(held)
+        layers = sorted(p.name for p in (STORE / "layers").iterdir())
+        assert len(layers) == len(set(layers))  # the base layer once, whatever uses it
+    finally:
+        await client.aclose()
+
+
+async def test_an_unknown_image_is_a_clear_error_and_costs_the_lease_nothing(image_host: RunningHost) -> None:
+    client = image_host.client()
+    lease = await client.lease("unknown-image")
+    try:
+        with pytest.raises(Exception) as info:
+            await client.reset(lease.slot, lease.lease, image="atropos-test/no-such-image:never")
+        assert "no-such-image" in str(info.value)
+        # the lease is untouched: its token still works
+        slot = LeasedSlot(client, lease)
+        assert (await slot.sh("echo still"))["stdout"] == "still\n"
+    finally:
+        await client.release(lease.slot, lease.lease)
+        await client.aclose()
+
+
+async def test_slots_of_one_image_share_its_layers_not_their_writes(image_host: RunningHost, roots_image: str) -> None:
+    async with image_slot(image_host, roots_image) as a, image_slot(image_host, roots_image) as b:
+        await a.sh("echo from-a > /testbed/a.txt; touch /etc/only-in-a")
+        assert (await b.sh("cat /testbed/a.txt; test -e /etc/only-in-a; echo $?"))["stdout"] == "original\n1\n"
+        # the layers are the store's, once: both roots are overlays over the same lower dirs
+        infos = {s.slot: s for s in await a.client.slots()}
+        assert infos[a.lease.slot].image == infos[b.lease.slot].image == roots_image
+        assert infos[a.lease.slot].workspace == "image"
+
+
+# Each test image (tests/task_images.py) against docker run of it: what every image shows, and what
+# that image is for.
+# (`id -u; id -g`, not `id`: docker gives root the supplementary group 0, a slot none: an unprivileged
+# user namespace cannot set groups; docs/task-images.md lists the differences)
+COMMON = ["id -u; id -g; pwd; ls /", "env | sort | grep -v -e '^HOSTNAME=' -e '^_='", "echo hi > /made && cat /made"]
+PER_IMAGE = {
+    "pyenv": ["command -v python; python -c 'import sys; print(sys.prefix, sys.version_info[:2])'",
+              "stat -c '%U:%G %a %n' /testbed /testbed/.git; git -C /testbed log --oneline | wc -l",
+              "cd /testbed && python -m pytest -q -p no:cacheprovider 2>&1 | tail -1 | sed 's/ in .*//'"],
+    "syspkg": ["dpkg -l | tail -n +6 | wc -l; ls /usr/bin | md5sum"],
+    "nopython": ["command -v python3 python; echo $?", "busybox true && ls /bin | head -5"],
+    "layered": ["find /work | sort; cat /work/replaced/* 2>&1; test -e /etc/issue; echo $?"],
+    "musl": ["ls /lib; musl-hello"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(PER_IMAGE))
+async def test_each_test_image_behaves_as_in_docker_run(image_host: RunningHost, task_image: Any, name: str) -> None:
+    ref = task_image(name)
+    async with image_slot(image_host, ref) as slot:
+        for command in COMMON + PER_IMAGE[name]:
+            result = await slot.sh(command)
+            code, want, _ = docker_run(ref, command)
+            assert (result["exit_code"], result["stdout"]) == (code, want), (name, command)
+        # the file tools need nothing of the image (they run on the host's interpreter)
+        await slot.ok("write_file", path="/probe/file.txt", content="tools\n")
+        assert (await slot.ok("read_file", path="/probe/file.txt"))["content"] == "tools\n"
+
+
+HOSTILE = f"""FROM {BASE}
+RUN rm -rf /tmp && ln -s /etc /tmp && ln -s / /.atropos && ln -s /proc/1/root /p1 && ln -s / /escape \\
+ && mkdir -p /run && ln -s /etc/shadow /run/term \\
+ && cp /usr/bin/id /usr/local/bin/suid-id && chmod 4755 /usr/local/bin/suid-id
+"""
+
+
+@pytest.fixture(scope="module")
+def hostile_image(tmp_path_factory: pytest.TempPathFactory) -> str:
+    tag = f"atropos-test/image-roots-hostile:{hashlib.sha256(HOSTILE.encode()).hexdigest()[:12]}"
+    if subprocess.run(["docker", "image", "inspect", tag], capture_output=True).returncode != 0:
+        ctx = tmp_path_factory.mktemp("hostile")
+        (ctx / "Dockerfile").write_text(HOSTILE)
+        subprocess.run(["docker", "build", "-q", "-t", tag, str(ctx)], check=True, capture_output=True, timeout=600)
+    return tag
+
+
+async def test_a_hostile_image_gets_nothing(image_host: RunningHost, hostile_image: str) -> None:
+    """Symlinks where the sandbox mounts its own things (/tmp, /.atropos; /dev cannot be replaced in
+    a docker build, and takes the same path in the mount helper), links out of the
+    root and a setuid binary: the slot still gets its own capped /tmp, its own /dev and helpers,
+    every link resolves inside the slot, and setuid changes no uid outside."""
+    async with image_slot(image_host, hostile_image) as slot:
+        out = await slot.sh("stat -c '%F %a' /tmp /dev /.atropos; df -B1 --output=fstype /tmp | tail -1; "
+                            "ls /.atropos; test -c /dev/null && echo devnull")
+        assert out["stdout"] == "directory 1777\ndirectory 755\ndirectory 755\ntmpfs\nimage\nlib\nterm\nusr\ndevnull\n"
+        # links out of the root land in the slot's own root
+        both = (await slot.sh("ls -a /escape/ | md5sum; ls -a / | md5sum"))["stdout"].splitlines()
+        assert len(both) == 2 and both[0] == both[1]
+        assert (await slot.sh("cat /p1/etc/debian_version"))["stdout"] == \
+            (await slot.sh("cat /etc/debian_version"))["stdout"]
+        assert (await slot.ok("read_file", path="/escape/etc/debian_version"))["content"] == \
+            (await slot.sh("cat /etc/debian_version"))["stdout"]
+        # setuid: mounted nosuid, and root inside is the slot's uid outside anyway
+        assert (await slot.sh("stat -c %a /usr/local/bin/suid-id; suid-id -u"))["stdout"] == "4755\n0\n"
+        assert (await slot.sh("findmnt -no OPTIONS / | tr , '\\n' | grep -x nosuid"))["stdout"] == "nosuid\n"
+
+
+async def test_through_the_pool_prepare_lease_a_group_and_release(roots_image: str) -> None:
+    """pool.prepare_images, pool.leased(image=), a group on one image (colocated on the host that
+    holds it), and a release that gives the next lease the default root again."""
+    from atropos.backends.local import LocalBackend, LocalBackendConfig
+    from atropos.slots.config import PoolConfig
+    from atropos.slots.pool import SlotPool
+
+    data = Path(f"/tmp/atropos-img-pool-{os.getpid()}-{secrets.token_hex(3)}")  # slot uids traverse it
+    backend = LocalBackend(LocalBackendConfig(slots_per_host=3, data_root=data, pool_id="img",
+                                              prewarm=False, image_store=STORE))
+    try:
+        await _pool_walk(SlotPool(backend, PoolConfig(pool_id="img", min_hosts=2, max_hosts=2)), roots_image)
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
+
+
+async def _pool_walk(pool: Any, roots_image: str) -> None:
+    async with pool:
+        prepared = await pool.prepare_images([roots_image])
+        assert len(prepared) == 2 and all(infos[0].reference == roots_image for infos in prepared.values())
+        async with pool.leased("one", image=roots_image) as lease:
+            assert lease.image == roots_image
+            out = await lease.call("bash", {"command": "pwd; cat a.txt"})
+            assert out.result is not None and out.result["stdout"] == "/testbed\noriginal\n"
+        group = await pool.lease_many(["g0", "g1", "g2"], image=roots_image)
+        try:
+            assert len({lease.host.id for lease in group}) == 1  # colocated: one host holds them all
+            outs = await asyncio.gather(*(g.call("bash", {"command": "echo $TASK_NAME"}) for g in group))
+            assert [o.result["stdout"] for o in outs if o.result] == ["image-roots\n"] * 3
+        finally:
+            await asyncio.gather(*(pool.release(g) for g in group))
+        async with pool.leased("after") as lease:  # a released slot is back on the default root
+            out = await lease.call("bash", {"command": "pwd; test -e /testbed; echo $?"})
+            assert out.result is not None and out.result["stdout"] == "/workspace\n1\n"
