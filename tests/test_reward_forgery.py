@@ -866,3 +866,15 @@ async def test_the_swe_gold_patch_still_scores_one_beside_every_forgery(pool: Sl
     script = "".join(SWE_ROWS[row](task) for row in [*sorted(set(SWE_ROWS) - {last}), last])
     score, info = await swe_rollout(pool, task, script, gold=True)
     assert score == 1.0, info
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("row", ["conftest_everywhere", "edit_tests", "pth_plugin", "sitecustomize"])
+async def test_without_the_restore_these_swe_rows_win(pool: SlotPool, swe_tasks: list[Any], row: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The restore is what stops them: the same verifier with nothing restored scores them 1."""
+    from atropos.envs.repo_tests import RepoTests
+
+    monkeypatch.setattr(RepoTests, "restore_paths", lambda self: [])
+    score, info = await swe_rollout(pool, swe_tasks[0], SWE_ROWS[row](swe_tasks[0]))
+    assert score == 1.0, info
