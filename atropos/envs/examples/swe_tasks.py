@@ -120,7 +120,11 @@ def _test_distribution_files() -> dict[str, bytes]:
     byte code left out: the env gets its own ``pytest`` script, and compiles what it imports)."""
     files: dict[str, bytes] = {}
     for name in TEST_DISTRIBUTIONS:
-        dist = metadata.distribution(name)
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError as exc:
+            raise ConfigError(f"the SWE example's task env gets {name} from this interpreter, which has none: "
+                              "install the project's dev dependencies (scripts/setup.sh --dev)") from exc
         for rel in dist.files or []:
             parts = PurePosixPath(str(rel)).parts
             if parts[0] == ".." or "__pycache__" in parts or str(rel).endswith(".pyc"):
