@@ -72,8 +72,12 @@ async def image_slot(host: RunningHost, image: str) -> AsyncIterator[LeasedSlot]
         assert result.ok, result.detail
         assert result.lease is not None
         assert "fresh root of image" in result.verified
+        leased = LeasedSlot(client, result.lease)
         lease = result.lease
-        yield LeasedSlot(client, lease)
+        try:
+            yield leased
+        finally:
+            lease = leased.lease  # the test may have reset it to a new token
     finally:
         try:
             await client.release(lease.slot, lease.lease)
@@ -375,3 +379,140 @@ async def _pool_walk(pool: Any, roots_image: str) -> None:
         async with pool.leased("after") as lease:  # a released slot is back on the default root
             out = await lease.call("bash", {"command": "pwd; test -e /testbed; echo $?"})
             assert out.result is not None and out.result["stdout"] == "/workspace\n1\n"
+
+
+async def test_the_store_keeps_its_budget_and_never_evicts_an_image_in_use(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, task_image: Any) -> None:
+    """Two hosts share a store: past its budget, the least recently used image no host holds goes
+    (with the layers only it had); one a host holds stays; an evicted image is imported again."""
+    from atropos.sandbox.host.images.host_images import HostImages
+
+    small = task_image("nopython")  # a few MB: the test unpacks it into a store of its own
+    refs = []
+    for name in ("a", "b"):
+        ctx = tmp_path_factory.mktemp(f"budget-{name}")
+        (ctx / "f").write_text(name * 4096)
+        (ctx / "Dockerfile").write_text(f"FROM {small}\nCOPY f /{name}\n")
+        tag = f"atropos-test/budget-{name}:{hashlib.sha256((small + name).encode()).hexdigest()[:12]}"
+        subprocess.run(["docker", "build", "-q", "-t", tag, str(ctx)], check=True, capture_output=True, timeout=600)
+        refs.append(tag)
+    store = tmp_path / "store"
+    one, two = HostImages(store, budget_bytes=1 << 40), HostImages(store, budget_bytes=1)
+    a = await one.get(refs[0])  # host one holds a
+    b = await two.get(refs[1])  # host two imports b: over budget, but a is held and b is its own
+    assert all(p.is_dir() for p in (*a.lowers, *b.lowers))
+    a.last_used -= 10_000  # host one has not used a for a long while, and no slot is on it
+    one._drop_idle()
+    two.trim()
+    assert not a.lowers[-1].exists()  # a's own layer is gone
+    assert all(p.is_dir() for p in b.lowers)  # b is held by host two, with the base both share
+    again = await one.get(refs[0])
+    assert all(p.is_dir() for p in again.lowers)  # imported again on its next use
+
+
+async def test_a_group_setup_becomes_an_image_every_rollout_starts_from(image_host: RunningHost,
+                                                                       roots_image: str) -> None:
+    """The setup's writes, deletions and renames (whiteouts, opaque and redirected dirs in the slot's
+    writable layer) become one more layer: a fresh slot on the derived image sees exactly the root
+    the setup left, owned as it was, and its reset goes back to that, not to the original image."""
+    async with image_slot(image_host, roots_image) as setup:
+        await setup.sh("echo setup > /testbed/setup.txt; rm /testbed/a.txt; mv /testbed/tests /testbed/t2; "
+                       "rm -rf /opt/tool && mkdir /opt/tool && echo new > /opt/tool/only; "
+                       "chmod 4711 /testbed/setup.txt")
+        listing = ("find / -xdev \\( -path /proc -o -path /tmp -o -path /dev \\) -prune -o -printf '%p %u %m\\n' "
+                   "| sort | md5sum")
+        want = (await setup.sh(listing))["stdout"]
+        info = await setup.client.derive_image(setup.lease.slot, setup.lease.lease)
+        assert info.reference.startswith("derived:") and info.layers == 3
+        assert (await setup.sh(listing))["stdout"] == want  # the setup's own slot continues on it
+        async with image_slot(image_host, info.reference) as rollout:
+            assert (await rollout.sh(listing))["stdout"] == want
+            assert (await rollout.sh("cat /testbed/setup.txt; ls /opt/tool; test -e /testbed/a.txt; echo $?"))[
+                "stdout"] == "setup\nonly\n1\n"
+            await rollout.sh("rm -rf /testbed")
+            again = await rollout.client.reset(rollout.lease.slot, rollout.lease.lease, image=info.reference)
+            assert again.ok and again.lease is not None
+            rollout.lease = again.lease
+            assert (await rollout.sh(listing))["stdout"] == want
+
+
+async def test_agent_env_on_image_items_with_a_group_setup(roots_image: str) -> None:
+    """An AgentEnv whose items name an image: every rollout's slot is that image's root (relative
+    paths at its WorkingDir), the group's setup runs once and the others start from its derived
+    image, and verification runs on the same root."""
+    pytest.importorskip("atroposlib")
+    from atroposlib.envs.base import APIServerConfig
+
+    from atropos.agent.model import ensure_tokenizer_dir
+    from atropos.envs.agent_env import AgentEnv, AgentEnvConfig
+    from atropos.testing import by_turn, scripted_server, tool_call
+
+    item = {"image": roots_image}
+    Policy = scripted_server(by_turn(tool_call("bash", command="cat setup.txt > seen && echo $TASK_NAME >> seen"),
+                                     "Done."))
+
+    class ImageGroupEnv(AgentEnv):
+        server_cls = Policy
+        group_setups = 0
+
+        async def get_next_item(self) -> Any:
+            return item
+
+        def build_task(self, item: Any) -> str:
+            return "Copy setup.txt to seen."
+
+        async def setup_group_workspace(self, item: Any, *, trajectory_id: str, exec_tool: Any,
+                                        lease: Any) -> dict[str, Any]:
+            self.group_setups += 1
+            await lease.bash("echo once > /testbed/setup.txt && rm /testbed/a.txt")
+            return {}
+
+        async def verify_and_score_trajectory(self, item: Any, final_response: str, *, trajectory_id: str,
+                                              exec_tool: Any, lease: Any, agent_result: Any
+                                              ) -> tuple[float, dict[str, Any]]:
+            result = await lease.verify(
+                "import os\ndef verify(ws, secrets, args):\n"
+                "    return {'score': float(open('seen').read() == 'once\\nimage-roots\\n'"
+                " and not os.path.exists('a.txt') and os.getcwd() == '/testbed')}\n")
+            assert result.ok and result.verdict is not None, result
+            return float(result.verdict["score"]), {}
+
+    cfg = AgentEnvConfig(tokenizer_name=str(ensure_tokenizer_dir()), group_size=4, use_wandb=False, wandb_name="t",
+                         slots_per_host=4, max_hosts=1, agent_max_steps=3, enabled_toolsets=["shell", "files"],
+                         ensure_scores_are_not_same=False, tool_batch_window_ms=5)
+    servers = [APIServerConfig(model_name="s", base_url="http://127.0.0.1:9/v1", api_key="x", health_check=False)]
+    env = ImageGroupEnv(cfg, servers, slurm=False, testing=False)
+    env.index = 0
+    await env.setup_sandbox()
+    try:
+        group, backlog = await env.collect_trajectories(item)
+        assert backlog == [] and group is not None
+        assert group["scores"] == [1.0] * 4
+        assert env.group_setups == 1 and env.stats["group_setups"] == 1
+    finally:
+        await env.shutdown_sandbox()
+
+
+USER_IMAGE = f"""FROM {BASE}
+RUN useradd -m -u 1234 -U agent && mkdir /work && chown agent:agent /work && echo mine > /work/f
+USER agent
+WORKDIR /work
+"""
+
+
+async def test_an_image_user_other_than_root(image_host: RunningHost, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``USER agent``: the slot runs as that uid and group inside (its files its own, root's not
+    writable), with its home, as docker run does; outside it is still the slot's uid. (Files of the
+    image's root show as nobody to it: one uid is mapped; docs/task-images.md.)"""
+    tag = f"atropos-test/image-roots-user:{hashlib.sha256(USER_IMAGE.encode()).hexdigest()[:12]}"
+    if subprocess.run(["docker", "image", "inspect", tag], capture_output=True).returncode != 0:
+        ctx = tmp_path_factory.mktemp("user")
+        (ctx / "Dockerfile").write_text(USER_IMAGE)
+        subprocess.run(["docker", "build", "-q", "-t", tag, str(ctx)], check=True, capture_output=True, timeout=600)
+    async with image_slot(image_host, tag) as slot:
+        for command in ["id -u; id -g; id -un; echo $HOME; pwd", "echo more >> /work/f && cat /work/f",
+                        "touch /etc/x 2>/dev/null; echo $?", "stat -c '%U %a' /work /home/agent",
+                        "cat /etc/shadow > /dev/null 2>&1; echo $?"]:
+            result = await slot.sh(command)
+            code, want, _ = docker_run(tag, command)
+            assert (result["exit_code"], result["stdout"]) == (code, want), command

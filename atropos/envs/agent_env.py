@@ -434,11 +434,8 @@ class AgentEnv(BaseEnv):
         ids = [f"{group_id}-{i}" for i in range(self.config.group_size)]
         group_setup = self.has_group_setup()
         image = self.item_image(item)
-        if group_setup and image is not None:
-            raise ValueError("setup_group_workspace forks a template of /workspace, which an image-rooted slot "
-                             "does not have: put the group's setup in the image or in setup_trajectory_workspace")
         leases: list[Lease] = []
-        template: PoolTemplate | None = None
+        template: PoolTemplate | str | None = None  # str: an image derived from the group's setup
         pool = self.pool  # the finally releases into this pool even if the run is ending
         try:
             try:
@@ -464,9 +461,10 @@ class AgentEnv(BaseEnv):
                                        f"retries ({type(lost[-1]).__name__}: {lost[-1]})")
         return self._scored_group(rollouts), []
 
-    async def _drop_template(self, template: PoolTemplate | None, what: str) -> None:
-        """Delete a group's template after its slots are released (a template in use cannot go)."""
-        if template is None or self.pool is None:
+    async def _drop_template(self, template: PoolTemplate | str | None, what: str) -> None:
+        """Delete a group's template after its slots are released (a template in use cannot go).
+        A derived image (str) stays in the image store until its disk budget evicts it."""
+        if template is None or isinstance(template, str) or self.pool is None:
             return
         try:
             await self.pool.delete_template(template)
@@ -568,7 +566,7 @@ class AgentEnv(BaseEnv):
         assert self.pool is not None
         lease = await self.pool.lease(f"eval-{uuid.uuid4().hex[:8]}-{i}", self.config.acquire_timeout_s,
                                       network=self.config.allow_network, image=self.item_image(item))
-        template: PoolTemplate | None = None
+        template: PoolTemplate | str | None = None
         try:
             if self.has_group_setup():
                 template = await self.rollouts.prepare_group(item, [lease], self.eval_stats)

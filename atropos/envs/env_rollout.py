@@ -39,9 +39,11 @@ class RolloutRunner:
         self.env = env
 
     async def prepare_group(self, item: Any, leases: list[Lease],
-                            stats: dict[str, float] | None = None) -> PoolTemplate:
+                            stats: dict[str, float] | None = None) -> PoolTemplate | str:
         """Run ``setup_group_workspace`` in the group's first slot, make a template of it (that slot
-        continues as a fork of it) and fork the other slots from it."""
+        continues as a fork of it) and fork the other slots from it. On an image root the whole
+        root is the group's start: an image derived from the first slot (a reference, str), the
+        root of the others."""
         assert self.env.pool is not None and self.env.executor is not None
         executor, setup = self.env.executor, leases[0]
         tid = setup.trajectory_id
@@ -54,6 +56,15 @@ class RolloutRunner:
             await self.env.setup_group_workspace(item, trajectory_id=tid, exec_tool=exec_tool, lease=setup)
         finally:
             executor.unbind(tid)
+        if setup.image is not None:
+            derived = await setup.derive_image()
+            try:
+                await asyncio.gather(*(lease.reset(image=derived) for lease in leases[1:]))
+            except BaseException:
+                await asyncio.gather(*(self.env.pool.release(lease) for lease in leases), return_exceptions=True)
+                raise
+            self._count_group(stats, t0)
+            return derived
         template = await self.env.pool.template_from_lease(setup, name=f"group-{tid.rsplit('-', 1)[0]}")
         try:
             await asyncio.gather(*(self.env.pool.fork(lease, template) for lease in leases[1:]))
@@ -61,13 +72,16 @@ class RolloutRunner:
             await asyncio.gather(*(self.env.pool.release(lease) for lease in leases), return_exceptions=True)
             await self.env.pool.delete_template(template)
             raise
-        stats = self.env.stats if stats is None else stats
-        stats["group_setups"] += 1
-        stats["group_setup_seconds"] += time.perf_counter() - t0
+        self._count_group(stats, t0)
         log.debug("group %s: setup + template + %d forks in %.2fs", tid, len(leases) - 1, time.perf_counter() - t0)
         return template
 
-    async def with_retries(self, item: Any, lease: Lease, template: PoolTemplate | None,
+    def _count_group(self, stats: dict[str, float] | None, t0: float) -> None:
+        stats = self.env.stats if stats is None else stats
+        stats["group_setups"] += 1
+        stats["group_setup_seconds"] += time.perf_counter() - t0
+
+    async def with_retries(self, item: Any, lease: Lease, template: PoolTemplate | str | None,
                           stats: dict[str, float]) -> Rollout:
         """``rollout`` in ``lease``; after an infrastructure failure again from scratch in a fresh slot
         (the old one's workspace is half-done or gone), up to ``infra_retries`` times."""
@@ -87,8 +101,10 @@ class RolloutRunner:
                         await self.env.pool.release(current)
                     current = await self.env.pool.lease(f"{lease.trajectory_id}-r{attempt + 1}",
                                                         self.env.config.acquire_timeout_s,
-                                                        network=self.env.config.allow_network, template=template,
-                                                        image=self.env.item_image(item))
+                                                        network=self.env.config.allow_network,
+                                                        template=None if isinstance(template, str) else template,
+                                                        image=template if isinstance(template, str)
+                                                        else self.env.item_image(item))
             raise AssertionError("unreachable")
         finally:
             if current is not lease:

@@ -375,6 +375,16 @@ class Lease:
             self.host.images.add(image)
         return result
 
+    async def derive_image(self) -> str:
+        """Make this image-rooted slot's root, as it is now, an image of its own (a group's setup,
+        done once); returns its reference for ``reset(image=...)``/``pool.lease(image=...)`` on
+        hosts of the same machine. This slot continues as a fresh root of it."""
+        self.check()
+        info = await self._host_op(self.host.client.derive_image(self.slot, self.token))
+        self.image = info.reference
+        self.host.images.add(info.reference)
+        return info.reference
+
     async def release(self) -> None:
         """Give the slot back (its workspace is wiped before anyone else gets it); idempotent."""
         await self.pool.release(self)

@@ -175,6 +175,11 @@ class HostClient:
         resp = await self._send("POST", "/v1/images", json={"reference": reference}, timeout=timeout)
         return ImageInfo.model_validate_json(resp.content)
 
+    async def derive_image(self, slot: int, lease: str, *, timeout: float = 900) -> ImageInfo:
+        """A new image of a leased image-rooted slot's root as it is now; the slot continues on it."""
+        resp = await self._send("POST", f"/v1/slots/{slot}/image", json={"lease": lease}, timeout=timeout)
+        return ImageInfo.model_validate_json(resp.content)
+
     async def images(self) -> list[ImageInfo]:
         resp = await self._send("GET", "/v1/images")
         return [ImageInfo.model_validate(i) for i in resp.json()]

@@ -66,6 +66,8 @@ class HostConfig(BaseModel):
     image_store: Path | None = Field(
         None, description="task images' layer store (docs/task-images.md); default: images/ beside the data dir, "
                           "shared by the hosts of one machine")
+    image_store_bytes: int = Field(64 << 30, ge=0, description="disk budget of the image store: least recently "
+                                   "used images no host is using are evicted past it")
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port (printed on start)")
     token: str = Field("", repr=False, description="bearer token every request must carry")

@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
     p.add_argument("--data-dir", type=Path, default=defaults.data_dir, help="where workspaces live")
     p.add_argument("--image-store", type=Path, default=None,
                    help=HostConfig.model_fields["image_store"].description)
+    p.add_argument("--image-store-bytes", type=int, default=HostConfig.model_fields["image_store_bytes"].default,
+                   help=HostConfig.model_fields["image_store_bytes"].description)
     token_source = p.add_mutually_exclusive_group()
     token_source.add_argument("--token-file", type=Path, help="file holding the bearer token: ours, mode 0400 or "
                               "0600; read at start, then removed")
@@ -127,7 +129,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
     except ValueError as exc:  # pydantic's ValidationError is one: the flag's bound, said as usage
         p.error(str(exc))
     cfg = HostConfig(
-        slots=args.slots, data_dir=args.data_dir, image_store=args.image_store, host=args.host, port=args.port,
+        slots=args.slots, data_dir=args.data_dir, image_store=args.image_store,
+        image_store_bytes=args.image_store_bytes, host=args.host, port=args.port,
         token=token,
         uid_base=args.uid_base, unsafe_no_isolation=args.unsafe_no_isolation, **host_settings(slot),
         limits=Limits(nproc=args.nproc, address_space_bytes=args.memory, workspace_bytes=slot.workspace_bytes,

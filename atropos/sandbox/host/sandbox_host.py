@@ -295,13 +295,27 @@ class SandboxHost:
     @property
     def images(self) -> HostImages:
         if self._images is None:
-            self._images = HostImages(self.cfg.image_store or self.root.parent / "images")
+            self._images = HostImages(self.cfg.image_store or self.root.parent / "images",
+                                      budget_bytes=self.cfg.image_store_bytes)
         return self._images
 
     async def prepare_image(self, reference: str) -> ImageInfo:
         """Import ``reference`` into the layer store now (a later lease of it starts without waiting)."""
         t0 = time.perf_counter()
         image = await self.images.get(reference)
+        return ImageInfo(reference=image.reference, id=image.image_id, layers=len(image.lowers),
+                         slots=sorted(image.users), duration_ms=round((time.perf_counter() - t0) * 1000, 3))
+
+    async def derive_image(self, index: int, lease: str) -> ImageInfo:
+        """A new image of a leased image-rooted slot's root as it is now (a group's setup done once):
+        its reference (``derived:...``) serves ``reset(image=...)`` on any host of this machine."""
+        t0 = time.perf_counter()
+        slot = self.slot(index)
+        self.check_lease(slot, lease)
+        async with slot.lock:
+            self.check_lease(slot, lease)
+            image = await slot.derive_image(self.images)
+        self._schedule_trash()
         return ImageInfo(reference=image.reference, id=image.image_id, layers=len(image.lowers),
                          slots=sorted(image.users), duration_ms=round((time.perf_counter() - t0) * 1000, 3))
 

@@ -222,6 +222,12 @@ def _image_routes(app: FastAPI, host: SandboxHost, deps: list[Any]) -> None:
     async def prepare_image(req: ImageRequest) -> ImageInfo:
         return await host.prepare_image(req.reference)
 
+    @app.post("/v1/slots/{slot}/image", response_model=ImageInfo, dependencies=deps)
+    async def derive_image(slot: int, req: LeaseRef) -> ImageInfo:
+        """A new image of the leased slot's root as it is now (after a group's setup); the slot
+        continues as a fresh root of it. Its reference serves any lease on this machine's hosts."""
+        return await host.derive_image(slot, req.lease)
+
     @app.get("/v1/images", response_model=list[ImageInfo], dependencies=deps)
     async def images() -> list[ImageInfo]:
         return host.held_images()

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from atropos.errors import ToolError
+from atropos.errors import ImageRejected, ToolError
 from atropos.sandbox.contract.hostdirs import remove_tree
 from atropos.sandbox.contract.protocol import (
     ErrorInfo,
@@ -24,7 +24,7 @@ from atropos.sandbox.contract.protocol import (
     VerifyResult,
 )
 from atropos.sandbox.host.config import HostConfig
-from atropos.sandbox.host.images.host_images import ImageRoot
+from atropos.sandbox.host.images.host_images import HostImages, ImageRoot
 from atropos.sandbox.host.isolation.bwrap import (
     IMAGE_LIB_DIR,
     IMAGE_PRISTINE,
@@ -44,7 +44,7 @@ from atropos.sandbox.host.isolation.sandbox_process import SandboxDied, SandboxP
 from atropos.sandbox.host.isolation.uidkill import UidKiller, _kill_uid
 from atropos.sandbox.host.isolation.verification import VERIFIER_ENV, verifier_bwrap
 from atropos.sandbox.host.workspace import WorkspaceError
-from atropos.sandbox.host.workspace.slot_workspace import SlotWorkspace
+from atropos.sandbox.host.workspace.slot_workspace import IMAGE_MOUNT_POINTS, SlotWorkspace
 from atropos.sandbox.host.workspace.templates import Template
 from atropos.sandbox.host.workspace.trees import copy_tree
 from atropos.sandbox.host.workspace.workspaces import Workspaces
@@ -213,7 +213,7 @@ class Slot:
             paths = dataclasses.replace(paths, tmp=tmp, shm=shm)
         argv = image_bwrap_argv(self.cfg.bwrap, self.ws.root, paths, self.cfg.limits,
                                 network=self.network and not verifier, seccomp_fd=-1, private_net=self.private_net,
-                                env=env, uid=0, verifier=verifier)
+                                env=env, uid=image.user_ids(), verifier=verifier)
         argv[argv.index("-1")] = "{seccomp_fd}"
         python = ["python3"] if script == "session.py" else list(host_program(self.cfg.python))
         return [*argv, *python, "-I", "-S", f"{IMAGE_LIB_DIR}/{script}", json.dumps(sup_cfg)]
@@ -483,6 +483,28 @@ class Slot:
             self.quarantine(f"re-fork after snapshot failed: {self._failure(exc, 're-forking after a snapshot')}")
             raise WorkspaceError(self.detail) from exc
         return template
+
+    async def derive_image(self, images: HostImages) -> ImageRoot:
+        """A new image of this (leased, image-rooted) slot's root as it is now (see
+        ``HostImages.derive``); the slot continues as a fresh root of it under the same lease.
+        Every process of the slot is stopped first, as for a snapshot."""
+        parent = self.ws.image
+        if parent is None:
+            raise ImageRejected("only a slot whose root is an image can be made an image")
+        await self.stop_sandboxes()
+        await self._kill_all()
+        upper = self.ws.view(self.ws.ov / "upper")
+        derived = await asyncio.to_thread(images.derive, parent, upper, self.uid, IMAGE_MOUNT_POINTS)
+        try:
+            await self.ws.drop()
+            await self.ws.build(None, derived)
+            problem = self.ws.verify()
+            if problem:
+                raise RuntimeError(problem)
+        except Exception as exc:  # the slot's root is gone all the same: never leave it leased
+            self.quarantine(f"re-rooting after a derived image failed: {self._failure(exc, 're-rooting')}")
+            raise WorkspaceError(self.detail) from exc
+        return derived
 
     def _failure(self, exc: Exception, doing: str) -> str:
         """Why a reset or re-fork failed, for the quarantine; a surprise (not an OS, runtime or

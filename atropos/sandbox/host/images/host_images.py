@@ -5,20 +5,35 @@ An image is named by the reference the local Docker engine knows it by (``repo/t
 as an OCI layout on the host. The engine is asked for the image's id on every use (one small API
 call): a tag that moved to a rebuilt image is imported again, never served stale. What was
 imported is remembered under ``<store>/images/<id>.json``, so a restarted host re-imports nothing.
+
+**Disk budget.** The store is shared by the hosts of a machine and kept under ``budget_bytes``:
+after an import that leaves it over budget, the least recently used images are evicted with those
+of their layers no other image has. An image in use is never evicted, by any host: a host holds a
+shared ``flock`` on ``<store>/images/<id>.lock`` while the image is in its table (from its first use
+until it has been idle for ``IDLE_S`` with no slot on it), and eviction takes that lock exclusively
+without waiting: held anywhere, the image stays. A host that finds an image's layers gone imports it
+again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import hashlib
 import json
+import logging
 import os
+import secrets
+import stat
+import subprocess
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from atropos.errors import ImageRejected
-from atropos.sandbox.contract.hostdirs import owned_dir
+from atropos.sandbox.contract.hostdirs import owned_dir, remove_tree
 from atropos.sandbox.host.images.layer_store import LayerStore
 from atropos.sandbox.host.images.sources import (
     DOCKER_SOCKET,
@@ -27,6 +42,11 @@ from atropos.sandbox.host.images.sources import (
     import_from_docker,
     import_oci_layout,
 )
+
+log = logging.getLogger(__name__)
+DERIVED = "derived:"  # the reference of an image made on this machine from a slot (``derive``)
+IDLE_S = 600.0  # an image no slot used for this long leaves the host's table (and may be evicted)
+DEFAULT_BUDGET_BYTES = 64 << 30
 
 # What ``docker run`` puts in a process's environment when the image does not say (its default PATH).
 DOCKER_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -42,6 +62,8 @@ class ImageRoot:
     imported_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     users: set[int] = field(default_factory=set)  # slots whose root is this image now
+    pin_fd: int | None = None  # the shared lock that keeps other hosts from evicting it (see module doc)
+    _ids: tuple[int, int] | None = None
 
     @property
     def reference(self) -> str:
@@ -55,7 +77,11 @@ class ImageRoot:
             key, sep, value = item.partition("=")
             if sep and key:
                 env[key] = value
-        env.setdefault("HOME", "/root")
+        if "HOME" not in env:  # the user's home in the image's passwd, as docker run sets it
+            uid = self.user_ids()[0]
+            entry = _find(_image_file(self.lowers, "etc/passwd"), lambda f: f[2] == str(uid))
+            env["HOME"] = entry[5] if entry is not None and len(entry) > 5 and entry[5] else (
+                "/root" if uid == 0 else "/")
         return env
 
     @property
@@ -63,34 +89,49 @@ class ImageRoot:
         wd = os.path.normpath(self.config.working_dir or "/")
         return wd if wd.startswith("/") else "/" + wd
 
+    def user_ids(self) -> tuple[int, int]:
+        """The image's ``User`` as ``docker run`` resolves it: ``uid``, ``uid:gid``, ``name`` or
+        ``name:group``, names from the image's own ``/etc/passwd`` and ``/etc/group``; a uid
+        without a passwd entry gets gid 0. Cached: an image never changes."""
+        if self._ids is None:
+            self._ids = _resolve_user(self.config.user, lambda path: _image_file(self.lowers, path))
+        return self._ids
+
 
 class HostImages:
     """The host's image service: its layer store and the images imported into it."""
 
-    def __init__(self, root: Path, *, docker_socket: str = DOCKER_SOCKET) -> None:
+    def __init__(self, root: Path, *, docker_socket: str = DOCKER_SOCKET,
+                 budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
         self.root = root
+        self.budget_bytes = budget_bytes
         self.store = LayerStore(root)
         owned_dir(root / "images", 0o700)
         self.docker_socket = docker_socket
         self.images: dict[str, ImageRoot] = {}  # by image id
         self.refs: dict[str, str] = {}  # reference -> image id, as last seen
         self._locks: dict[str, asyncio.Lock] = {}
-        self._load()
 
     def _record(self, image_id: str) -> Path:
         return self.root / "images" / f"{hashlib.sha256(image_id.encode()).hexdigest()}.json"
 
-    def _load(self) -> None:
-        for path in (self.root / "images").glob("*.json"):
-            try:
-                raw = json.loads(path.read_text())
-                config = ImageConfig.model_validate(raw["config"])
-                root = ImageRoot(str(raw["id"]), config, tuple(self.store.path(d) for d in config.diff_ids))
-            except (OSError, ValueError, KeyError, ImageRejected):
-                continue
-            if all(p.is_dir() for p in root.lowers):
-                self.images[root.image_id] = root
-                self.refs[config.reference] = root.image_id
+    def _read_record(self, path: Path) -> ImageRoot | None:
+        try:
+            raw = json.loads(path.read_text())
+            config = ImageConfig.model_validate(raw["config"])
+            return ImageRoot(str(raw["id"]), config, tuple(self.store.path(d) for d in config.diff_ids))
+        except (OSError, ValueError, KeyError, ImageRejected):
+            return None
+
+    def _pin(self, image_id: str) -> int:
+        fd = os.open(self._record(image_id).with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while an eviction of this very image runs
+        return fd
+
+    def _unpin(self, root: ImageRoot) -> None:
+        if root.pin_fd is not None:
+            os.close(root.pin_fd)  # releases the flock
+            root.pin_fd = None
 
     async def get(self, reference: str) -> ImageRoot:
         """The image ``reference`` names, imported first when the store lacks it (one import per
@@ -102,13 +143,101 @@ class HostImages:
             image_id = await asyncio.to_thread(self._current_id, reference)
             root = self.images.get(image_id)
             if root is None:
-                root = await asyncio.to_thread(self._import, reference, image_id)
+                root = await asyncio.to_thread(self._load_or_import, reference, image_id)
                 self.images[image_id] = root
+            elif time.monotonic() - root.last_used > 60:
+                with contextlib.suppress(OSError):
+                    os.utime(self._record(image_id))  # (at most once a minute per image)
             self.refs[reference] = image_id
             root.last_used = time.monotonic()
+            self._drop_idle()
             return root
 
+    def _load_or_import(self, reference: str, image_id: str) -> ImageRoot:
+        """Pinned first (so no other host evicts it meanwhile), then from its record if its layers
+        are all there, else imported; the store is brought back under budget after an import."""
+        fd = self._pin(image_id)
+        try:
+            root = self._read_record(self._record(image_id))
+            if root is None or not all(p.is_dir() for p in root.lowers):
+                if image_id.startswith(DERIVED):
+                    raise ImageRejected(f"{reference}: no longer in the image store (evicted, or never made here)")
+                with self._store_lock(fcntl.LOCK_SH):  # no eviction while layers are being added
+                    root = self._import(reference, image_id)
+                self.trim()
+            with contextlib.suppress(OSError):
+                os.utime(self._record(image_id))  # its last use, for the least-recently-used order
+            root.pin_fd = fd
+            return root
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @contextlib.contextmanager
+    def _store_lock(self, how: int) -> Iterator[None]:
+        fd = os.open(self.root / "images" / "store.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, how)
+            yield
+        finally:
+            os.close(fd)
+
+    def _drop_idle(self) -> None:
+        now = time.monotonic()
+        for image_id, root in list(self.images.items()):
+            if not root.users and now - root.last_used > IDLE_S:
+                self._unpin(root)
+                del self.images[image_id]
+
+    def disk_bytes(self) -> int:
+        """Disk used by the store's layers (what the budget counts)."""
+        return sum(_tree_bytes(p) for p in (self.root / "layers").iterdir())
+
+    def trim(self) -> None:
+        """Bring the store back under budget (after every import; also for an operator)."""
+        with self._store_lock(fcntl.LOCK_EX):  # no import adds layers meanwhile: the records are complete
+            self._evict_over_budget()
+
+    def _evict_over_budget(self) -> None:
+        """Least recently used first (the record's mtime: touched by every host's use), images no
+        host holds (an exclusive lock taken without waiting), with their layers no other image has."""
+        used = self.disk_bytes()
+        if used <= self.budget_bytes:
+            return
+        records = sorted((self.root / "images").glob("*.json"), key=lambda p: p.stat().st_mtime)
+        for record in records:
+            if used <= self.budget_bytes:
+                break
+            victim = self._read_record(record)
+            if victim is None:
+                continue
+            fd = os.open(record.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # some host holds it: in use
+                record.unlink()
+                kept = {p for r in map(self._read_record, (self.root / "images").glob("*.json"))
+                        if r is not None for p in r.lowers}
+                for layer in victim.lowers:
+                    if layer not in kept and layer.is_dir():
+                        size = _tree_bytes(layer)
+                        gone = self.store.root / "tmp" / f"evicted-{layer.name}"
+                        with contextlib.suppress(OSError):
+                            os.rename(layer, gone)
+                            remove_tree(gone)
+                            used -= size
+                log.info("image store over budget: evicted %s (%s)", victim.reference, victim.image_id)
+            finally:
+                os.close(fd)
+        if used > self.budget_bytes:
+            log.warning("image store at %d bytes, over its budget of %d: every other image is in use",
+                        used, self.budget_bytes)
+
     def _current_id(self, reference: str) -> str:
+        if reference.startswith(DERIVED):  # made here (``derive``): its own id
+            return reference
         if reference.startswith("oci:"):
             return "oci:" + hashlib.sha256(Path(reference[4:]).joinpath("index.json").read_bytes()).hexdigest()
         return docker_image_id(reference, socket_path=self.docker_socket)
@@ -120,12 +249,143 @@ class HostImages:
         else:
             config = import_from_docker(self.store, reference, socket_path=self.docker_socket).config
         root = ImageRoot(image_id, config, tuple(self.store.path(d) for d in config.diff_ids))
-        tmp = self._record(image_id).with_suffix(".tmp")
+        tmp = self._record(image_id).with_suffix(".new")
         tmp.write_text(json.dumps({"id": image_id, "config": config.model_dump(mode="json")}))
         os.replace(tmp, self._record(image_id))
+        return root
+
+    def derive(self, parent: ImageRoot, upper: Path, owner: int | None, skip: frozenset[str]) -> ImageRoot:
+        """A new image: ``parent`` plus one layer, a copy of a slot's writable layer ``upper`` (a
+        group's setup, done once and then the root of every rollout of the group). The copy keeps
+        what overlayfs wrote there (its whiteouts, opaque and redirect xattrs: made by the kernel,
+        not the slot) and moves the slot's uid ``owner`` back to the image's 0, so the layer is
+        idmapped to any slot like the image's own. ``skip``: top-level names that are the mount
+        helper's mount points, not the slot's."""
+        hexid = secrets.token_hex(32)
+        tmp = self.store.root / "tmp" / f"derive-{hexid}"
+        tmp.mkdir(mode=0o700)
+        try:
+            entries = [str(upper / n) for n in sorted(os.listdir(upper)) if n not in skip]
+            if entries:
+                subprocess.run(["cp", "-a", "--", *entries, str(tmp)], check=True, capture_output=True, timeout=3600)
+            if owner is not None:
+                _shift_owner(tmp, owner, 0)
+            os.chmod(tmp, os.lstat(upper).st_mode & 0o7777)
+            with self._store_lock(fcntl.LOCK_SH):
+                os.rename(tmp, self.store.path(f"sha256:{hexid}"))
+        except BaseException:
+            remove_tree(tmp)
+            raise
+        reference = f"{DERIVED}{hexid}"
+        config = parent.config.model_copy(update={"reference": reference,
+                                                  "diff_ids": (*parent.config.diff_ids, f"sha256:{hexid}")})
+        record = self._record(reference)
+        record.with_suffix(".new").write_text(json.dumps({"id": reference, "config": config.model_dump(mode="json")}))
+        os.replace(record.with_suffix(".new"), record)
+        root = ImageRoot(reference, config, (*parent.lowers, self.store.path(f"sha256:{hexid}")))
+        root.pin_fd = self._pin(reference)
+        self.images[reference] = root
+        self.refs[reference] = reference
         return root
 
     def held(self) -> list[dict[str, object]]:
         """What the host holds, for its status: every image and its layers."""
         return [{"reference": r.reference, "id": r.image_id, "layers": len(r.lowers), "slots": sorted(r.users)}
                 for r in self.images.values()]
+
+
+def _tree_bytes(path: Path) -> int:
+    """Disk blocks under ``path`` (hard links counted once), without following symlinks."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in (*dirnames, *filenames):
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+def _shift_owner(tree: Path, old: int, new: int) -> None:
+    """Files of ``tree`` owned by ``old`` (uid and gid apart) become ``new``'s; each inode once, modes
+    kept (a chown clears setuid and setgid bits), symlinks not followed."""
+    seen: set[int] = set()
+    for dirpath, dirnames, filenames in os.walk(tree):
+        for name in (".", *dirnames, *filenames):
+            path = os.path.join(dirpath, name) if name != "." else dirpath
+            st = os.lstat(path)
+            if st.st_ino in seen or (st.st_uid != old and st.st_gid != old):
+                continue
+            seen.add(st.st_ino)
+            os.chown(path, new if st.st_uid == old else st.st_uid, new if st.st_gid == old else st.st_gid,
+                     follow_symlinks=False)
+            if not os.path.islink(path):
+                os.chmod(path, st.st_mode & 0o7777)
+
+
+def _resolve_user(user: str, read: Callable[[str], bytes | None]) -> tuple[int, int]:
+    name, _, group = (user or "").partition(":")
+    if not name or name == "root":
+        uid, gid = 0, 0
+    elif name.isdigit():
+        uid = int(name)
+        entry = _find(read("etc/passwd"), lambda f: f[2] == name)
+        gid = int(entry[3]) if entry is not None and entry[3].isdigit() else 0
+    else:
+        entry = _find(read("etc/passwd"), lambda f: f[0] == name)
+        if entry is None or not entry[2].isdigit() or not entry[3].isdigit():
+            raise ImageRejected(f"the image's User {user!r} is not in its /etc/passwd")
+        uid, gid = int(entry[2]), int(entry[3])
+    if group:
+        if group.isdigit():
+            gid = int(group)
+        else:
+            found = _find(read("etc/group"), lambda f: f[0] == group)
+            if found is None or not found[2].isdigit():
+                raise ImageRejected(f"the image's User {user!r}: no group {group!r} in its /etc/group")
+            gid = int(found[2])
+    if uid >= 1 << 31 or gid >= 1 << 31:
+        raise ImageRejected(f"the image's User {user!r} is out of range")
+    return uid, gid
+
+
+def _find(data: bytes | None, match: Callable[[list[str]], bool]) -> list[str] | None:
+    for line in (data or b"").decode("utf-8", "replace").splitlines():
+        fields = line.split(":")
+        if len(fields) >= 4 and match(fields):
+            return fields
+    return None
+
+
+def _image_file(lowers: tuple[Path, ...], path: str, limit: int = 1 << 20) -> bytes | None:
+    """A small regular file of the image as its layers stack it (top layer first; a whiteout ends
+    the search), read with no symlink followed: an image's ``/etc/passwd`` may be a link anywhere."""
+    for layer in reversed(lowers):
+        fd = -1
+        try:
+            fd = os.open(layer, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            parts = path.split("/")
+            for part in parts[:-1]:
+                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+            st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISCHR(st.st_mode):
+                return None  # a whiteout: deleted in this layer
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            f = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            try:
+                return os.read(f, limit)
+            finally:
+                os.close(f)
+        except OSError:
+            continue  # not in this layer (or not reachable without following a link)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+    return None

@@ -115,13 +115,13 @@ IMAGE_PRISTINE = f"{IMAGE_HELPERS}/image"
 
 
 def image_bwrap_argv(bwrap: str, root: Path, paths: SandboxPaths, limits: Limits, *, network: bool,
-                     seccomp_fd: int, private_net: bool, env: dict[str, str], uid: int,
+                     seccomp_fd: int, private_net: bool, env: dict[str, str], uid: tuple[int, int],
                      verifier: bool) -> list[str]:
     """The sandbox of a slot whose ``/`` is an image root (mounted with its mount points by the mount
     helper): the same namespaces, seccomp filter, capped ``/tmp`` and ``/dev/shm``, read-only
     ``/proc`` and ``/dev`` as ``bwrap_argv``; the root itself is the slot's writable overlay,
-    capped in size and inodes. ``uid`` is the image's user inside the sandbox's user namespace
-    (0 for the usual root image), which maps to the slot's own unprivileged uid outside.
+    capped in size and inodes. ``uid`` is the image's user and group inside the sandbox's user
+    namespace ((0, 0) for the usual root image), which map to the slot's own unprivileged uid outside.
 
     The verifier's variant has no run dir (an empty tmpfs hides it) and is PID 1 (see
     ``verification.verifier_bwrap`` for why)."""
@@ -142,7 +142,7 @@ def image_bwrap_argv(bwrap: str, root: Path, paths: SandboxPaths, limits: Limits
         # removed it; a start must not fail for that)
         "--chdir", "/",
         "--clearenv",
-        "--uid", str(uid), "--gid", str(uid), "--hostname", "sandbox",
+        "--uid", str(uid[0]), "--gid", str(uid[1]), "--hostname", "sandbox",
         "--seccomp", str(seccomp_fd),
     ]
     # No bind onto the image's own /etc (a path the slot's root user controls, which bubblewrap would

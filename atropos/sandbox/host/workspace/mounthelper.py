@@ -75,7 +75,7 @@ def _check(ret: int, what: str) -> int:
 class Helper:
     def __init__(self, mode: str) -> None:
         self.mode = mode
-        self.userns_fds: dict[tuple[int, int], int] = {}
+        self.userns_fds: dict[tuple[int, int, int], int] = {}
         # Unmounting waits for an RCU grace period (tens to hundreds of ms on a loaded machine),
         # moving a mount does not: a renew moves the old mounts aside and this thread unmounts
         # them (ctypes drops the GIL, so requests go on meanwhile).
@@ -105,9 +105,11 @@ class Helper:
         # only now: unshare() refuses a process that has more than one thread
         threading.Thread(target=self._unmount_deferred, daemon=True).start()
 
-    def idmap_userns(self, owner: int, uid: int) -> int:
-        """A user namespace mapping ``owner`` -> ``uid`` (uids and gids), for idmapped mounts."""
-        key = (owner, uid)
+    def idmap_userns(self, owner: int, uid: int, group: int | None = None) -> int:
+        """A user namespace mapping ``owner`` -> ``uid`` (uids; gids too, or ``group`` -> ``uid``),
+        for idmapped mounts."""
+        group = owner if group is None else group
+        key = (owner, uid, group)
         if key in self.userns_fds:
             return self.userns_fds[key]
         rfd, wfd = os.pipe()
@@ -129,7 +131,7 @@ class Helper:
                     raise OSError(errno.ETIMEDOUT, "idmap user namespace did not appear")
                 time.sleep(0.0002)
             _write(f"/proc/{pid}/uid_map", f"{owner} {uid} 1\n")
-            _write(f"/proc/{pid}/gid_map", f"{owner} {uid} 1\n")
+            _write(f"/proc/{pid}/gid_map", f"{group} {uid} 1\n")
             fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
         finally:
             os.close(wfd)
@@ -146,7 +148,8 @@ class Helper:
             attr = _MountAttr(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, 0, 0, 0)
             if idmap is not None:
                 attr.attr_set |= MOUNT_ATTR_IDMAP
-                attr.userns_fd = self.idmap_userns(int(idmap[0]), int(idmap[1]))
+                attr.userns_fd = self.idmap_userns(int(idmap[0]), int(idmap[1]),
+                                                   int(idmap[2]) if len(idmap) > 2 else None)
             _check(_libc.syscall(SYS_MOUNT_SETATTR, fd, b"", AT_EMPTY_PATH | AT_RECURSIVE, ctypes.byref(attr),
                                  ctypes.sizeof(attr)), "mount_setattr")
             _check(_libc.syscall(SYS_MOVE_MOUNT, fd, b"", AT_FDCWD, lower.encode(), MOVE_MOUNT_F_EMPTY_PATH),

@@ -228,6 +228,7 @@ class SlotWorkspace:
         (idmapped on a root host: the image's root is the slot's uid, which is uid 0 inside the
         slot's user namespace), the slot's writes in a capped tmpfs, dropped by the reset."""
         ns = self.ns()
+        uid, gid = await asyncio.to_thread(image.user_ids)  # before anything: a bad User refuses the lease
         for d in (self.root, self.ov):
             d.mkdir(mode=0o700)
         image.users.add(self.index)  # before any await: a store eviction now sees it in use
@@ -240,7 +241,7 @@ class SlotWorkspace:
                  {"source": self._real(self.paths.run_dir), "dest": "term", "ro": False}]
         await ns.call({"op": "image_root", "layers": self._real(self.ov), "target": self._real(self.root),
                        "lowers": [str(p) for p in reversed(image.lowers)], "quota": quota, "binds": binds,
-                       "idmap": [0, self.uid] if ns.mode == "root" and self.uid is not None else None})
+                       "idmap": [uid, self.uid, gid] if ns.mode == "root" and self.uid is not None else None})
 
     def verify(self) -> str:
         """What a finished reset must show (see docs/templates.md, "What a reset verifies")."""
