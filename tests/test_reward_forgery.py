@@ -21,6 +21,7 @@ import hashlib
 import json
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -700,3 +701,180 @@ async def test_hidden_test_files_score_the_honest_solution_one(pool: SlotPool) -
 @pytest.mark.parametrize("row", sorted(PYTEST_ROWS))
 async def test_hidden_test_files_score_a_forgery_zero(pool: SlotPool, row: str) -> None:
     assert await pytest_rollout(pool, PYTEST_ROWS[row]) == 0.0
+
+
+# -- the SWE-style example (atropos/envs/examples/swe.py): a task image's own root --------------------
+# Each row is what a policy could do with bash in the task's image (uid 0 there, the whole root
+# writable) instead of fixing the code; the verification restores the tests, the test settings and
+# everything outside the repository as the image has them (atropos/envs/repo_tests.py). Rows are
+# bash scripts run at /testbed, so the same row runs through a slot's bash tool and through
+# `docker exec` of the task image (tests/test_swe_env.py, which also shows each row wins against a
+# verifier that runs `pytest` in the agent's root as it is).
+# A pytest plugin that reports every test passed: what the rows plant wherever pytest may load it.
+SWE_FORGE_PLUGIN = '''import pytest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    report.outcome = "passed"
+    report.longrepr = None
+'''
+SWE_FAKE_PYTEST = "#!/bin/sh\necho '============ 9 passed in 0.01s ============'\nexit 0\n"
+SWE_SITE = "SP=$(python -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])')\n"
+
+
+def _put(path: str, text: str, mode: str = "") -> str:
+    """A bash line writing ``text`` to ``path`` (parents made)."""
+    tag = "EOF_" + secrets.token_hex(4)
+    chmod = f" && chmod {mode} {path}" if mode else ""
+    return f"mkdir -p \"$(dirname {path})\" && cat > {path} <<'{tag}'{chmod}\n{text}{tag}\n"
+
+
+def _swe_edit_tests(task: Any) -> str:
+    """Make the failing tests' assertions true (the tests say what is right)."""
+    files = " ".join(sorted(task.tests.test_files))
+    return f"sed -i -E 's/^( *)assert /\\1assert True or /' {files}\n"
+
+
+def _swe_conftest(task: Any) -> str:
+    """conftest.py reporting every test passed: above the repository, at its root and beside every
+    test file (appended to the repository's own where it has one)."""
+    dirs = sorted({f"/testbed/{f.rsplit('/', 1)[0]}" if "/" in f else "/testbed" for f in task.tests.test_files})
+    script = _put("/conftest.py", SWE_FORGE_PLUGIN) + _put("/testbed/conftest.py", SWE_FORGE_PLUGIN)
+    for d in dirs:
+        script += f"cat >> {d}/conftest.py <<'EOF'\n\n{SWE_FORGE_PLUGIN}EOF\n"
+    return script
+
+
+def _swe_pth_plugin(task: Any) -> str:
+    """A .pth in the task env's site-packages that names the plugin in PYTEST_PLUGINS at start-up
+    (which plugin autoloading's switch does not cover)."""
+    return (SWE_SITE + _put("$SP/forge_plugin.py", SWE_FORGE_PLUGIN)
+            + "echo 'import os; os.environ[\"PYTEST_PLUGINS\"] = \"forge_plugin\"' > $SP/zz_forge.pth\n")
+
+
+def _swe_entry_point(task: Any) -> str:
+    """The plugin installed as a distribution with a pytest11 entry point (pytest autoloads it)."""
+    return (SWE_SITE + _put("$SP/forge_plugin.py", SWE_FORGE_PLUGIN)
+            + _put("$SP/forge_plugin-1.0.dist-info/METADATA",
+                   "Metadata-Version: 2.1\nName: forge-plugin\nVersion: 1.0\n")
+            + _put("$SP/forge_plugin-1.0.dist-info/entry_points.txt", "[pytest11]\nforge = forge_plugin\n"))
+
+
+def _swe_sitecustomize(task: Any) -> str:
+    """sitecustomize in the image's standard library (Debian's is a link into /etc) and in the
+    env's site-packages, loading the plugin through PYTEST_PLUGINS."""
+    hook = 'import os\nos.environ["PYTEST_PLUGINS"] = "forge_plugin"\n'
+    return (SWE_SITE + _put("$SP/forge_plugin.py", SWE_FORGE_PLUGIN) + _put("$SP/sitecustomize.py", hook)
+            + _put("/usr/lib/python3.11/forge_plugin.py", SWE_FORGE_PLUGIN)
+            + _put("/etc/python3.11/sitecustomize.py", hook) + _put("/usr/lib/python3.11/usercustomize.py", hook))
+
+
+def _swe_fake_pytest(task: Any) -> str:
+    """A `pytest` that says everything passed, wherever PATH may look first."""
+    return "".join(_put(p, SWE_FAKE_PYTEST, "755") for p in (
+        "/opt/miniconda3/envs/testbed/bin/pytest", "/usr/local/bin/pytest", "/testbed/.venv/bin/pytest"))
+
+
+def _swe_fake_interpreter(task: Any) -> str:
+    """The task env's interpreter itself replaced by a script that says everything passed."""
+    return "".join(_put(f"/opt/miniconda3/envs/testbed/bin/{name}", SWE_FAKE_PYTEST, "755")
+                   for name in ("python", "python3", "python3.11"))
+
+
+def _swe_addopts(task: Any) -> str:
+    """Test settings that deselect the failing tests: the repository's own settings file and a
+    pytest.ini at its root and beside the tests (pytest looks there first; its ids are relative to
+    the directory of the file it took)."""
+    opts = " ".join(f"--deselect {i}" for i in task.tests.fail_to_pass)
+    inner = " ".join(f"--deselect {i.removeprefix('tests/')}" for i in task.tests.fail_to_pass)
+    config = task.tests.pytest_config
+    section = {"pyproject.toml": "[tool.pytest.ini_options]\naddopts = '%s'\n",
+               "setup.cfg": "[tool:pytest]\naddopts = %s\n"}.get(config, "[pytest]\naddopts = %s\n") % opts
+    return (_put(f"/testbed/{config}", section) + _put("/testbed/pytest.ini", f"[pytest]\naddopts = {opts}\n")
+            + _put("/testbed/tests/pytest.ini", f"[pytest]\naddopts = {inner}\n"))
+
+
+def _swe_symlink_test(task: Any) -> str:
+    """Each test file a symlink to a copy whose assertions always hold."""
+    script = ""
+    for f in task.tests.test_files:
+        forged = f"/testbed/.forged/{f}"
+        script += (f"mkdir -p \"$(dirname {forged})\" && sed -E 's/^( *)assert /\\1assert True or /' /testbed/{f} "
+                   f"> {forged} && rm /testbed/{f} && ln -s {forged} /testbed/{f}\n")
+    return script
+
+
+SWE_ROWS: dict[str, Callable[[Any], str]] = {
+    "edit_tests": _swe_edit_tests, "conftest_everywhere": _swe_conftest, "pth_plugin": _swe_pth_plugin,
+    "entry_point_plugin": _swe_entry_point, "sitecustomize": _swe_sitecustomize, "fake_pytest": _swe_fake_pytest,
+    "fake_interpreter": _swe_fake_interpreter, "addopts_deselect": _swe_addopts, "symlink_test_file": _swe_symlink_test,
+}
+
+
+@pytest.fixture(scope="module")
+def swe_tasks() -> list[Any]:
+    from atropos.envs.examples.swe_tasks import task_images
+    from tests.pool_backends import require_docker
+
+    require_docker()
+    return task_images()
+
+
+async def swe_rollout(pool: SlotPool, task: Any, script: str, *, gold: bool = False) -> tuple[float, dict[str, Any]]:
+    """A rollout on the task's image root: the gold fix with ``edit_file`` when asked, then
+    ``script`` with bash (uid 0, the image's env), then the seal and the env's verification."""
+    from atropos.envs.repo_tests import run_repo_tests
+
+    async with pool.leased(f"forgery-swe-{secrets.token_hex(3)}", image=task.image) as lease:
+        if gold:
+            for e in task.gold:
+                await lease.ok("edit_file", {"path": f"/testbed/{e.path}", "old_string": e.old, "new_string": e.new})
+        if script:
+            done = await lease.bash(script, timeout_s=60)
+            assert done.exit_code == 0, done.stderr
+        await lease.seal()
+        return await run_repo_tests(lease, task.tests, timeout_s=60)
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("instance", ["strkit-1", "datewise-1", "inikit-1"])
+async def test_swe_gold_patch_scores_one_and_no_patch_zero(pool: SlotPool, swe_tasks: list[Any], instance: str) -> None:
+    task = next(t for t in swe_tasks if t.instance_id == instance)
+    score, info = await swe_rollout(pool, task, "", gold=True)
+    assert score == 1.0 and info["tests_passed"] == len(task.tests.ids), info
+    score, info = await swe_rollout(pool, task, "")
+    assert score == 0.0 and info["fail_to_pass_failed"] == task.tests.fail_to_pass, info
+    assert info["pass_to_pass_failed"] == [] and "verifier_error" not in info, info
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("row", sorted(SWE_ROWS))
+async def test_a_swe_forgery_scores_zero(pool: SlotPool, swe_tasks: list[Any], row: str) -> None:
+    task = swe_tasks[0]
+    score, info = await swe_rollout(pool, task, SWE_ROWS[row](task))
+    assert score == 0.0, info
+
+
+@pytest.mark.docker
+async def test_the_swe_gold_patch_still_scores_one_beside_every_forgery(pool: SlotPool, swe_tasks: list[Any]) -> None:
+    """The restore takes back every forgery, not the fix (which is outside what it restores)."""
+    task = swe_tasks[0]
+    last = "fake_interpreter"  # the other rows ask the env's python where its site-packages are
+    script = "".join(SWE_ROWS[row](task) for row in [*sorted(set(SWE_ROWS) - {last}), last])
+    score, info = await swe_rollout(pool, task, script, gold=True)
+    assert score == 1.0, info
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("row", ["conftest_everywhere", "edit_tests", "pth_plugin", "sitecustomize"])
+async def test_without_the_restore_these_swe_rows_win(pool: SlotPool, swe_tasks: list[Any], row: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The restore is what stops them: the same verifier with nothing restored scores them 1."""
+    from atropos.envs.repo_tests import RepoTests
+
+    monkeypatch.setattr(RepoTests, "restore_paths", lambda self: [])
+    score, info = await swe_rollout(pool, swe_tasks[0], SWE_ROWS[row](swe_tasks[0]))
+    assert score == 1.0, info

@@ -56,7 +56,8 @@ async def _scripted_rollout(env: AgentEnv, item: Any, policy: Policy, tag: str) 
     assert env.pool is not None and env.executor is not None
     executor = env.executor
     tid = f"verifier-check-{tag}-{uuid.uuid4().hex[:6]}"
-    async with env.pool.leased(tid, env.config.acquire_timeout_s, network=env.config.allow_network) as lease:
+    async with env.pool.leased(tid, env.config.acquire_timeout_s, network=env.config.allow_network,
+                               image=env.item_image(item)) as lease:
         executor.bind(tid, lease)
         try:
             async def exec_tool(call: Any) -> Any:

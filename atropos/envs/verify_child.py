@@ -7,13 +7,15 @@ verification sandbox:
 
 * ``kill_others()``: SIGKILL every process of the sandbox but the program (and its init), so
   nothing a child forked survives into the next child's answer;
-* ``run_child(child, argv, cwd, request, timeout, judge)``: kill the others, start ``child`` (Python
-  source) as ``python3 -I -c child *argv`` in its own session with ``request`` as JSON on its stdin
-  (stderr discarded), and return ``judge(exit code, the lines it wrote on stdout)``; a hang past
-  ``timeout``, a crash of the start or any exception of ``judge`` (a reply that is not JSON, one
-  nested too deep to parse) is ``False``; the others are killed again, and the child reaped, before
-  it returns. What counts as passed (one line with a nonce, the last line's value) is the caller's
-  ``judge``: the child's stdout is written by the agent's code too.
+* ``run_child(child, argv, cwd, request, timeout, judge, python=None, env=None)``: kill the others,
+  start ``child`` (Python source) as ``python -I -c child *argv`` (``python`` an absolute path, by
+  default the runner's own interpreter; ``env`` the child's whole environment, by default the
+  runner's) in its own session with ``request`` as JSON on its stdin (stderr discarded), and
+  return ``judge(exit code, the lines it wrote on stdout)``; a hang past ``timeout``, a crash of
+  the start or any exception of ``judge`` (a reply that is not JSON, one nested too deep to parse)
+  is ``False``; the others are killed again, and the child reaped, before it returns. What counts
+  as passed (one line with a nonce, the last line's value) is the caller's ``judge``: the child's
+  stdout is written by the agent's code too.
 
 Such a program answers ``{"score", "passed": [one bool a test or case]}``; ``passed_flags`` reads
 that answer on the env's side.
@@ -36,10 +38,11 @@ def kill_others():
         pass
 
 
-def run_child(child, argv, cwd, request, timeout, judge):
+def run_child(child, argv, cwd, request, timeout, judge, python=None, env=None):
     kill_others()
-    proc = subprocess.Popen([sys.executable, "-I", "-c", child, *argv], cwd=cwd, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen([python or sys.executable, "-I", "-c", child, *argv], cwd=cwd, env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     try:
         out, _ = proc.communicate(json.dumps(request).encode(), timeout=timeout)
         return bool(judge(proc.returncode, out.decode("utf-8", "replace").strip().splitlines()))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -318,7 +318,7 @@ class Lease:
         return result
 
     async def verify(self, program: str, *, secrets: dict[str, str] | None = None, args: Any = None,
-                     timeout_s: float = 60.0) -> VerifyResult:
+                     timeout_s: float = 60.0, restore: Sequence[str] = ()) -> VerifyResult:
         """Run a verifier program against the slot's final workspace and return its verdict.
 
         ``program`` is Python source defining ``verify(workspace, secrets, args)`` that returns a
@@ -326,9 +326,14 @@ class Lease:
         sandbox of the slot with the workspace read-only, in a non-dumpable process that alone
         holds ``secrets`` (in memory); the verdict comes back through the host's protocol. A
         program that fails, times out or is killed by the code it checks gives ``ok=False`` (score
-        it 0); only a host failure raises. See docs/verification.md."""
+        it 0); only a host failure raises. See docs/verification.md.
+
+        On a slot whose root is a task image, ``restore`` names absolute paths (files or whole
+        directories) put back exactly as the image has them before the program runs: what the
+        agent made of them is undone, and a path the image does not have is removed."""
         self.check()
-        req = VerifyRequest(lease=self.token, program=program, secrets=secrets or {}, args=args, timeout_s=timeout_s)
+        req = VerifyRequest(lease=self.token, program=program, secrets=secrets or {}, args=args, timeout_s=timeout_s,
+                            restore=list(restore))
         result = await self._host_op(self.host.client.verify(self.slot, req))
         self.sealed = True
         return result
