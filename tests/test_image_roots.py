@@ -521,3 +521,20 @@ async def test_an_image_user_other_than_root(image_host: RunningHost, tmp_path_f
             result = await slot.sh(command)
             code, want, _ = docker_run(tag, command)
             assert (result["exit_code"], result["stdout"]) == (code, want), command
+
+
+async def test_restore_of_whole_system_dirs_keeps_what_is_untouched(image_host: RunningHost, roots_image: str) -> None:
+    """/etc and /usr/bin hold files of groups the slot does not map (shadow): the slot cannot
+    change them, and a restore of the whole directory leaves them be while undoing every change."""
+    async with image_slot(image_host, roots_image) as slot:
+        await slot.sh("echo forged > /etc/motd; printf '#!/bin/sh\\necho fake\\n' > /usr/bin/pytest; "
+                      "chmod 755 /usr/bin/pytest; rm /usr/bin/yes")
+        program = ("import os, hashlib\ndef verify(ws, secrets, args):\n"
+                   "    return {'score': 1.0, 'motd': open('/etc/motd').read()[:40], "
+                   "'pytest': os.path.exists('/usr/bin/pytest'), 'yes': os.path.exists('/usr/bin/yes')}\n")
+        result = await slot.client.verify(slot.lease.slot, VerifyRequest(
+            lease=slot.lease.lease, program=program, restore=["/etc", "/usr/bin"]))
+        assert result.ok, result.error
+        assert result.verdict is not None
+        _, motd, _ = docker_run(roots_image, "head -c 40 /etc/motd")
+        assert result.verdict == {"score": 1.0, "motd": motd, "pytest": False, "yes": True}

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import signal
+import stat
 import sys
 import threading
 import traceback
@@ -128,9 +129,11 @@ def restore_from_image(pristine: str, paths: list[str]) -> list[str]:
     file in its place, new files inside a restored directory) is removed first, and a path the image
     does not have is removed. The parents on the way become what the image has there too (a
     directory the agent swapped for a symlink would otherwise carry the restored files elsewhere).
-    Runs inside the verifier's sandbox, so a symlink can only lead to the slot's own files."""
-    import shutil
+    Runs inside the verifier's sandbox, so a symlink can only lead to the slot's own files.
 
+    What is already as the image has it (same type, mode, owner, size and bytes; same link target)
+    is left in place: cheaper than a copy, and the image's files of a uid the slot does not map
+    cannot be removed by the slot at all (EOVERFLOW), only left as they are."""
     done = []
     for path in paths:
         norm = os.path.normpath(str(path))
@@ -149,16 +152,61 @@ def restore_from_image(pristine: str, paths: list[str]) -> list[str]:
                     os.mkdir(target, os.lstat(source).st_mode & 0o7777)
                 here = target
                 continue
-            _remove(target)
-            if os.path.islink(source):
-                os.symlink(os.readlink(source), target)
-            elif os.path.isdir(source):
-                shutil.copytree(source, target, symlinks=True)
-            elif os.path.lexists(source):
-                shutil.copy2(source, target, follow_symlinks=False)
+            if os.path.lexists(source):
+                _sync(source, target)
+            else:
+                _remove(target)
             break  # the image has a file or nothing here: what lies beyond is gone with it
         done.append(norm)
     return done
+
+
+def _sync(source: str, target: str) -> None:
+    """Make ``target`` what ``source`` is, touching only what differs."""
+    import shutil
+
+    src = os.lstat(source)
+    try:
+        dst: os.stat_result | None = os.lstat(target)
+    except FileNotFoundError:
+        dst = None
+    if stat.S_ISDIR(src.st_mode):
+        if dst is None or not stat.S_ISDIR(dst.st_mode):
+            if dst is not None:
+                _remove(target)
+            shutil.copytree(source, target, symlinks=True)
+            return
+        if stat.S_IMODE(dst.st_mode) != stat.S_IMODE(src.st_mode):
+            os.chmod(target, stat.S_IMODE(src.st_mode))
+        want = set(os.listdir(source))
+        for name in set(os.listdir(target)) - want:
+            _remove(os.path.join(target, name))
+        for name in sorted(want):
+            _sync(os.path.join(source, name), os.path.join(target, name))
+        return
+    if dst is not None and _same(source, src, target, dst):
+        return
+    _remove(target)
+    if stat.S_ISLNK(src.st_mode):
+        os.symlink(os.readlink(source), target)
+    else:
+        shutil.copy2(source, target, follow_symlinks=False)
+
+
+def _same(a: str, sa: os.stat_result, b: str, sb: os.stat_result) -> bool:
+    if (sa.st_mode, sa.st_uid, sa.st_gid) != (sb.st_mode, sb.st_uid, sb.st_gid):
+        return False
+    if stat.S_ISLNK(sa.st_mode):
+        return os.readlink(a) == os.readlink(b)
+    if not stat.S_ISREG(sa.st_mode) or sa.st_size != sb.st_size:
+        return False
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            x, y = fa.read(1 << 20), fb.read(1 << 20)
+            if x != y:
+                return False
+            if not x:
+                return True
 
 
 def _remove(path: str) -> None:
