@@ -29,6 +29,7 @@ from atropos.errors import ConfigError, HostUnavailable
 from atropos.slots.audit import double_leases
 from atropos.slots.config import PoolConfig
 from atropos.slots.pool import SlotPool
+from tests import test_image_roots as image_roots
 from tests import token_theft
 from tests.pool_backends import pool_cfg as shared_pool_cfg
 
@@ -374,6 +375,51 @@ async def test_worker_node_removed_with_64_calls_in_flight(cluster: RayCluster) 
                        f"no process of {host_id} left")
         assert double_leases(pool.audit.events) == []
     cluster.workers.append(cluster.add_worker())  # later tests get two workers again
+
+
+# -- task images ---------------------------------------------------------------------------------
+task_image = image_roots.task_image  # the fixture: a small task image built here from the base image
+
+
+@pytest.mark.skipif(not image_roots._docker_ok(), reason="needs the Docker engine with the project's base image "
+                                                  "(scripts/build_image.sh builds it)")
+async def test_an_image_rooted_slot_on_ray_hosts_behaves_as_docker_run(cluster: RayCluster, task_image: str) -> None:
+    """docs/task-images.md, "On Ray": a host imports an image from its node's Docker engine into
+    the node's layer store (``<data_root>/images``, shared by every host placed there), and a slot
+    leased with ``image=`` through a Ray-backed pool shows what ``docker run`` of that image shows."""
+    store = DATA_ROOT / "images"
+    backend = make_backend(cluster, slots=1, prewarm=False)
+    async with SlotPool(backend, pool_cfg(min_hosts=2, max_hosts=2)) as pool:
+        hosts = list(pool.hosts.values())
+        assert {h.info.labels["node"] for h in hosts} == cluster.worker_ids()
+        # both hosts import at once into the one store their machine holds
+        held = await pool.prepare_images([task_image])
+        assert {h.id for h in hosts} == set(held)
+        assert all(infos[0].reference == task_image and infos[0].layers >= 2 for infos in held.values())
+        assert len(list((store / "layers").iterdir())) >= held[hosts[0].id][0].layers
+        # one store per node, not one per pool (which would import every image again per run)
+        assert not (DATA_ROOT / backend.cfg.pool_id / "images").exists()
+        a, b = await pool.lease_many(["img-a", "img-b"], image=task_image, colocate=False)
+        try:
+            assert a.host is not b.host
+            for command in image_roots.COMMANDS:
+                want = image_roots.docker_run(task_image, command)
+                for lease in (a, b):
+                    result = await lease.bash(command)
+                    assert (result["exit_code"], result["stdout"]) == want, (lease.host.info.labels["node"], command)
+            # each slot's writes are its own
+            await a.bash("echo only-a > /testbed/a.txt")
+            assert (await b.bash("cat /testbed/a.txt"))["stdout"] == "original\n"
+        finally:
+            for lease in (a, b):
+                await lease.release()
+    # the store outlives the pool: the next pool's host finds the image's layers there (the same
+    # directories, nothing unpacked again)
+    unpacked = {p.name: p.stat().st_ino for p in (store / "layers").iterdir()}
+    async with SlotPool(make_backend(cluster, slots=1, prewarm=False), pool_cfg(min_hosts=1, max_hosts=1)) as pool:
+        host = next(iter(pool.hosts.values()))
+        assert (await host.client.prepare_image(task_image)).reference == task_image
+        assert {p.name: p.stat().st_ino for p in (store / "layers").iterdir()} == unpacked
 
 
 # -- beside a trainer ------------------------------------------------------------------------------

@@ -81,6 +81,9 @@ class RayBackendConfig(SlotCaps):
     spread: bool = Field(True, description="place hosts on as many nodes as possible (Ray's SPREAD); "
                                            "off: Ray packs them")
     data_root: Path = Field(Path("/tmp/atropos-sandbox/ray"), description="on each node: where workspaces live")
+    image_store: Path | None = Field(None, description="on each node: the task images' layer store, one per node "
+                                     "shared by every host (of every pool) placed there; default: <data_root>/images "
+                                     "(docs/task-images.md)")
     python: str | None = Field(None, description="interpreter running the hosts on the nodes; default: the actor's")
     loopback: bool | None = Field(None, description="keep Ray on 127.0.0.1 (a single-machine cluster); "
                                                     "default: when the address is loopback or Ray is started here")
@@ -345,6 +348,7 @@ class RayBackend(Backend):
         c = self.cfg
         host_dir = name.replace(NAME_SEP, "-")
         launch = {"slots": c.slots_per_host, "data_dir": str(c.data_root / c.pool_id / host_dir),
+                  "image_store": str(c.image_store or c.data_root / "images"),
                   "limits": c.slot_limits().model_dump(),  # plain data: the actor validates it again
                   "prewarm": False, "unsafe_no_isolation": c.unsafe_no_isolation,  # the pool asks
                   "unsafe_no_cgroups": c.unsafe_no_cgroups, "log_level": c.host_log_level, "python": c.python}

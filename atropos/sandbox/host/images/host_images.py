@@ -249,7 +249,9 @@ class HostImages:
         else:
             config = import_from_docker(self.store, reference, socket_path=self.docker_socket).config
         root = ImageRoot(image_id, config, tuple(self.store.path(d) for d in config.diff_ids))
-        tmp = self._record(image_id).with_suffix(".new")
+        # a name of its own: the hosts of one machine (or Ray node) share the store and may record
+        # the same image at once
+        tmp = self._record(image_id).with_suffix(f".{secrets.token_hex(6)}.tmp")
         tmp.write_text(json.dumps({"id": image_id, "config": config.model_dump(mode="json")}))
         os.replace(tmp, self._record(image_id))
         return root
