@@ -20,6 +20,7 @@ from atropos.sandbox.contract.client import HostClient
 from atropos.sandbox.contract.launch import HOST_TOKEN_ENV
 from atropos.slots.config import PoolConfig
 from atropos.slots.pool import SlotPool
+from tests import test_image_roots as image_roots
 from tests.pool_backends import make_backend
 
 pytestmark = pytest.mark.docker
@@ -210,3 +211,48 @@ async def test_the_host_token_is_in_no_environment_command_line_or_file() -> Non
     finally:
         await backend.stop_host(info.id)
         await backend.close()
+
+
+# -- task images ------------------------------------------------------------------------------------
+task_image = image_roots.task_image  # the fixture: a small task image built here from the base image
+
+
+@pytest.mark.skipif(not image_roots._docker_ok(), reason="needs the project's base image "
+                                                         "(scripts/build_image.sh builds it)")
+async def test_an_image_rooted_slot_on_a_docker_host_behaves_as_docker_run(task_image: str) -> None:
+    """docs/task-images.md, "On the Docker backend": the container's host (uid 1000, no capability,
+    no engine socket) gets the image from the pool's engine (its export streamed to the host) and
+    unpacks it in a user namespace of its own; a slot leased with ``image=`` shows what ``docker
+    run`` of that image shows."""
+    backend: Any = make_backend("docker", slots=2)
+    api = backend.client.api
+    exports: list[str] = []
+    real_export = api.get_image
+
+    def export(reference: str, *args: Any, **kw: Any) -> Any:  # the engine's real export, counted
+        exports.append(reference)
+        return real_export(reference, *args, **kw)
+
+    api.get_image = export
+    async with SlotPool(backend, PoolConfig(pool_id=backend.cfg.pool_id, min_hosts=1, max_hosts=1,
+                                            acquire_timeout_s=300)) as pool:
+        a, b = await pool.lease_many(["img-a", "img-b"], image=task_image)
+        assert exports == [task_image], "one shipment for the group's host"
+        try:
+            for command in image_roots.COMMANDS:
+                want = image_roots.docker_run(task_image, command)
+                result = await a.bash(command)
+                assert (result["exit_code"], result["stdout"]) == want, command
+            # whiteouts of the image hold (its RUN removed /etc/issue.net) and the slots' roots are apart
+            await a.bash("echo only-a > /testbed/a.txt")
+            assert (await b.bash("cat /testbed/a.txt; test -e /etc/issue.net; echo $?"))["stdout"] == "original\n1\n"
+        finally:
+            for lease in (a, b):
+                await lease.release()
+        host = next(iter(pool.hosts.values()))
+        engine_id = (await asyncio.to_thread(api.inspect_image, task_image))["Id"]
+        assert [(i.reference, i.id) for i in await host.client.images()] == [(task_image, engine_id)]
+        # a later lease finds it there under the engine's current id: nothing is shipped again
+        async with pool.leased("img-c", image=task_image) as c:
+            assert (await c.bash("cat /testbed/a.txt"))["stdout"] == "original\n"
+        assert exports == [task_image]

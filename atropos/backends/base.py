@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import abc
 import secrets
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 from pydantic import BaseModel, Field
+
+if TYPE_CHECKING:
+    from atropos.sandbox.contract.client import HostClient
 
 # Every backend's ``kind`` (its config class's tag in atropos/backends/config.py); here, where the
 # CLI can name them without importing any backend.
@@ -90,6 +93,12 @@ class Backend(abc.ABC):
     async def reap_orphans(self) -> int:
         """Remove hosts that crashed earlier pools left behind; returns how many."""
         return 0
+
+    async def ship_image(self, client: HostClient, reference: str) -> None:
+        """Before a slot of this host is rooted on task image ``reference``: give the host the image
+        if it cannot get it itself (docs/task-images.md). Local and Ray hosts import it from their
+        machine's engine on first use: nothing to do here."""
+        return None
 
     @abc.abstractmethod
     async def close(self) -> None:

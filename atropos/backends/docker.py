@@ -20,7 +20,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from importlib import resources
 from typing import Any, Literal, TypeVar
 
@@ -31,8 +31,9 @@ from atropos.backends import docker_cgroups
 from atropos.backends.base import PREWARM_DESCRIPTION, Backend, HostInfo, new_token, pid_alive
 from atropos.backends.docker_cgroups import HostCgroup
 from atropos.backends.slot_caps import ContainerSlotCaps
-from atropos.errors import ConfigError, HostUnavailable, IsolationUnavailable
+from atropos.errors import ConfigError, HostUnavailable, ImageRejected, IsolationUnavailable
 from atropos.sandbox.contract import egress
+from atropos.sandbox.contract.client import HostClient
 from atropos.sandbox.contract.egress import EgressSettings
 from atropos.sandbox.contract.launch import HostLaunch
 
@@ -45,6 +46,8 @@ LABEL_BOOT = "io.atropos-sandbox.boot-id"
 LABEL_HOST = "io.atropos-sandbox.host-id"
 CONTAINER_PORT = 8080
 SLOT_UID = 1000
+# image references a host resolves itself (atropos/sandbox/host/images/host_images.py), never shipped
+HOST_SIDE_REFERENCES = ("oci:", "derived:")
 
 
 class DockerBackendConfig(ContainerSlotCaps):
@@ -335,6 +338,26 @@ class DockerBackend(Backend):
         logs = await asyncio.to_thread(container.logs, tail=40)
         raise HostUnavailable(f"container {container.name} did not become ready: {logs.decode(errors='replace')}")
 
+    async def ship_image(self, client: HostClient, reference: str) -> None:
+        """A container's host has no engine socket: stream the engine's export of ``reference``
+        (Engine API ``GET /images/{name}/get``, the bytes of ``docker save``) to the host, unless it
+        already holds the image under the id the engine gives the reference now (a tag moved to a
+        rebuilt image is shipped again)."""
+        if reference.startswith(HOST_SIDE_REFERENCES):
+            return  # the host's own (an OCI layout on its disk, an image derived there): not the engine's
+        api = self.client.api
+        try:
+            engine_id = (await asyncio.to_thread(api.inspect_image, reference))["Id"]
+        except self._docker.errors.ImageNotFound:
+            raise ImageRejected(f"the Docker engine has no image {reference!r}") from None
+        if any(i.reference == reference and i.id == engine_id for i in await client.images()):
+            return
+        chunks = await asyncio.to_thread(api.get_image, reference)  # the request is made; the body streams
+        started = time.perf_counter()
+        info = await client.upload_image(_in_thread(chunks), reference)
+        log.info("shipped image %s (%d layers) to a host in %.1f s", reference, info.layers,
+                 time.perf_counter() - started)
+
     async def stop_host(self, host_id: str) -> None:
         self._mine.discard(host_id)
 
@@ -394,3 +417,12 @@ class DockerBackend(Backend):
 
     async def close(self) -> None:
         await asyncio.gather(*(self.stop_host(h) for h in list(self._mine)), return_exceptions=True)
+
+
+async def _in_thread(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
+    """A blocking iterator (the docker SDK's streamed body) as an async one, a chunk per thread hop."""
+    while True:
+        chunk = await asyncio.to_thread(next, chunks, b"")
+        if not chunk:
+            return
+        yield chunk

@@ -52,6 +52,7 @@ class SlotPool:
         self._calls_total = 0
         self._call_times: deque[float] = deque(maxlen=10_000)
         self._quarantines = 0
+        self._shipping: dict[tuple[str, str], asyncio.Future[None]] = {}  # images on their way to a host
 
     @property
     def hosts(self) -> dict[str, PoolHost]:
@@ -143,8 +144,12 @@ class SlotPool:
             leases = await self.queue._wait(ids, network, self.cfg.acquire_timeout_s if timeout is None else timeout,
                                       colocate, prefer)
         if template is not None or image is not None:
-            await self._prepare_or_release(
-                leases, lambda lease: lease.reset(template, network=network or None, image=image))
+            async def prepare(lease: Lease) -> None:
+                if image is not None:
+                    await self._ship_image(lease.host, image)
+                await lease.reset(template, network=network or None, image=image)
+
+            await self._prepare_or_release(leases, prepare)
         elif network:
             await self._prepare_or_release(leases, self._enable_network)
         return leases
@@ -275,6 +280,17 @@ class SlotPool:
         """A call saw a transport error: probe ``host`` now, lease nothing from it until a probe passes."""
         self.fleet.suspect(host)
 
+    async def _ship_image(self, host: PoolHost, reference: str) -> None:
+        """The backend gives ``host`` the image if it cannot get it itself (a Docker container's
+        host); one shipment per host and image at a time, however many leases wait for it."""
+        key = (host.id, reference)
+        task = self._shipping.get(key)
+        if task is None:
+            task = asyncio.ensure_future(host.guard(self.backend.ship_image(host.client, reference)))
+            self._shipping[key] = task
+            task.add_done_callback(lambda _: self._shipping.pop(key, None))
+        await asyncio.shield(task)
+
     async def prepare_images(self, references: Sequence[str]) -> dict[str, list[ImageInfo]]:
         """Import task images into every running host's layer store now, so a later lease of them
         starts without waiting for the import (docs/task-images.md). Per host id: what it holds."""
@@ -283,6 +299,7 @@ class SlotPool:
         async def prepare(host: PoolHost) -> list[ImageInfo]:
             infos = []
             for ref in references:
+                await self._ship_image(host, ref)
                 infos.append(await host.guard(host.client.prepare_image(ref)))
                 host.images.add(ref)
             return infos

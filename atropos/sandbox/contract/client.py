@@ -180,6 +180,15 @@ class HostClient:
         resp = await self._send("POST", f"/v1/slots/{slot}/image", json={"lease": lease}, timeout=timeout)
         return ImageInfo.model_validate_json(resp.content)
 
+    async def upload_image(self, data: bytes | AsyncIterable[bytes], reference: str, *,
+                           timeout: float = 3600) -> ImageInfo:
+        """Import a ``docker save`` archive (bytes or a stream of chunks, e.g. the Engine API's
+        ``GET /images/{name}/get``) into the host's layer store under ``reference``: how a host
+        with no engine of its own gets an image."""
+        resp = await self._send("POST", "/v1/images", params={"reference": reference}, content=data,
+                                timeout=timeout, headers={"content-type": "application/x-tar"})
+        return ImageInfo.model_validate_json(resp.content)
+
     async def images(self) -> list[ImageInfo]:
         resp = await self._send("GET", "/v1/images")
         return [ImageInfo.model_validate(i) for i in resp.json()]

@@ -11,6 +11,7 @@ import functools
 import hmac
 import logging
 import os
+import secrets
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Iterable
 from importlib import resources
@@ -317,6 +318,22 @@ class SandboxHost:
             image = await slot.derive_image(self.images)
         self._schedule_trash()
         return ImageInfo(reference=image.reference, id=image.image_id, layers=len(image.lowers),
+                         slots=sorted(image.users), duration_ms=round((time.perf_counter() - t0) * 1000, 3))
+
+    async def upload_image(self, stream: AsyncIterable[bytes], reference: str) -> ImageInfo:
+        """Import an uploaded ``docker save`` archive under ``reference``: how a host with no engine
+        of its own (the Docker backend's) gets an image its pool's engine holds."""
+        t0 = time.perf_counter()
+        spool = self.images.store.root / "tmp" / f"upload-{secrets.token_hex(8)}.tar"
+        try:
+            fh = await asyncio.to_thread(open, spool, "xb")
+            with fh:
+                async for chunk in stream:
+                    fh.write(chunk)  # to the store's disk (or tmpfs): no wait worth a thread hop
+            image = await self.images.add_archive(spool, reference)
+        finally:
+            spool.unlink(missing_ok=True)
+        return ImageInfo(reference=reference, id=image.image_id, layers=len(image.lowers),
                          slots=sorted(image.users), duration_ms=round((time.perf_counter() - t0) * 1000, 3))
 
     def held_images(self) -> list[ImageInfo]:

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from atropos import __version__, metrics
 from atropos.asgi import ASGIApp, ErrorMap, Receive, RequestGuard, Send, http_error, install_error_handlers
-from atropos.errors import SlotUnavailable, ToolError
+from atropos.errors import ImageRejected, SlotUnavailable, ToolError
 from atropos.fastroute import FastRoutes, LineStream, checked_by_guard, hot_post, invalid_body
 from atropos.sandbox.contract.protocol import (
     LEASE_HEADER,
@@ -49,6 +49,7 @@ _error = http_error
 HOST_ERRORS = ErrorMap({SlotUnavailable: lambda exc: (409, exc.code, None)})
 TAR_TYPES = {"application/x-tar": False, "application/tar": False, "application/gzip": True,
              "application/x-gzip": True}
+UPLOAD_PATHS = ("/v1/templates", "/v1/images")  # a tar body there: a template or an image archive
 
 
 def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
@@ -218,8 +219,22 @@ def _template_routes(app: FastAPI, host: SandboxHost, deps: list[Any]) -> None:
 def _image_routes(app: FastAPI, host: SandboxHost, deps: list[Any]) -> None:
     """Task images (docs/task-images.md): imported into the host's layer store ahead of use, listed."""
 
-    @app.post("/v1/images", response_model=ImageInfo, dependencies=deps)
-    async def prepare_image(req: ImageRequest) -> ImageInfo:
+    @app.post("/v1/images", response_model=ImageInfo, dependencies=deps, openapi_extra={
+        "requestBody": {"required": True, "content": {
+            "application/json": {"schema": ImageRequest.model_json_schema()},
+            "application/x-tar": {"schema": {"type": "string", "format": "binary"}}}}})
+    async def prepare_image(request: Request, reference: str = Query("", max_length=512)) -> ImageInfo:
+        """Import an image into the host's layer store now: from its engine (a JSON body naming it),
+        or from an uploaded ``docker save`` archive (the body itself, ``reference`` its name)."""
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype == "application/x-tar":
+            if not reference:
+                raise ImageRejected("an uploaded image archive needs ?reference=NAME")
+            return await host.upload_image(request.stream(), reference)
+        try:
+            req = ImageRequest.model_validate_json(await request.body())
+        except ValidationError as exc:  # answered like every route's bad body (atropos.asgi)
+            raise invalid_body(exc.errors()) from None
         return await host.prepare_image(req.reference)
 
     @app.post("/v1/slots/{slot}/image", response_model=ImageInfo, dependencies=deps)
@@ -283,12 +298,12 @@ def _file_routes(app: FastAPI, host: SandboxHost, deps: list[Any]) -> None:
 def wrap(app: FastAPI, host: SandboxHost) -> ASGIApp:
     """Auth and body limit first, for every path (docs included: a host is not a public service).
 
-    Template tar uploads get their own, larger body limit (``max_template_bytes``)."""
+    Template tar and image archive uploads get their own, larger body limit (``max_template_bytes``)."""
     default = RequestGuard(FastRoutes(app), max_body=host.cfg.max_body_bytes, token=host.cfg.token)
     upload = RequestGuard(app, max_body=host.cfg.max_template_bytes, token=host.cfg.token)  # type: ignore[arg-type]
 
     async def route(scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path") == "/v1/templates":
+        if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path") in UPLOAD_PATHS:
             for key, value in scope.get("headers", []):
                 if key == b"content-type" and value.split(b";")[0].strip().lower().decode() in TAR_TYPES:
                     return await upload(scope, receive, send)

@@ -34,11 +34,14 @@ from pathlib import Path
 
 from atropos.errors import ImageRejected
 from atropos.sandbox.contract.hostdirs import owned_dir, remove_tree
+from atropos.sandbox.host.images import userns_import
 from atropos.sandbox.host.images.layer_store import LayerStore
 from atropos.sandbox.host.images.sources import (
     DOCKER_SOCKET,
     ImageConfig,
+    ImportedImage,
     docker_image_id,
+    import_docker_archive,
     import_from_docker,
     import_oci_layout,
 )
@@ -240,7 +243,44 @@ class HostImages:
             return reference
         if reference.startswith("oci:"):
             return "oci:" + hashlib.sha256(Path(reference[4:]).joinpath("index.json").read_bytes()).hexdigest()
+        if reference in self.refs and not os.path.exists(self.docker_socket):
+            # uploaded (a host with no engine: the Docker backend's, whose pool ships the image
+            # again whenever the engine's id for the reference changes)
+            return self.refs[reference]
         return docker_image_id(reference, socket_path=self.docker_socket)
+
+    async def add_archive(self, archive: Path, reference: str) -> ImageRoot:
+        """An uploaded ``docker save`` archive, imported under ``reference`` (an unprivileged host
+        unpacks it in a user namespace of its own: atropos/sandbox/host/images/userns_import.py)."""
+        if not reference or len(reference) > 512 or "\0" in reference or reference.startswith(("oci:", DERIVED)):
+            raise ImageRejected(f"not an image reference: {reference[:80]!r}")
+        lock = self._locks.setdefault(reference, asyncio.Lock())
+        async with lock:
+            imported = await asyncio.to_thread(self._add_archive, archive, reference)
+            root = self.images.get(imported.image_id)
+            if root is None:
+                root = self.images[imported.image_id] = imported
+            else:
+                self._unpin(imported)  # pinned already, by the table's entry
+            self.refs[reference] = root.image_id
+            root.last_used = time.monotonic()
+            self._drop_idle()
+            return root
+
+    def _add_archive(self, archive: Path, reference: str) -> ImageRoot:
+        with self._store_lock(fcntl.LOCK_SH):  # no eviction while layers are being added
+            if os.geteuid() == 0:
+                imported = import_docker_archive(self.store, archive, reference)
+            else:
+                imported = ImportedImage.model_validate(userns_import.import_archive(self.root, archive, reference))
+            root = self._remember(imported.image_id, imported.config)
+            root.pin_fd = self._pin(root.image_id)  # before the store lock goes: no eviction in between
+        try:
+            self.trim()
+        except BaseException:
+            self._unpin(root)
+            raise
+        return root
 
     def _import(self, reference: str, image_id: str) -> ImageRoot:
         if reference.startswith("oci:"):
@@ -248,6 +288,9 @@ class HostImages:
             config = imported.config.model_copy(update={"reference": reference})
         else:
             config = import_from_docker(self.store, reference, socket_path=self.docker_socket).config
+        return self._remember(image_id, config)
+
+    def _remember(self, image_id: str, config: ImageConfig) -> ImageRoot:
         root = ImageRoot(image_id, config, tuple(self.store.path(d) for d in config.diff_ids))
         # a name of its own: the hosts of one machine (or Ray node) share the store and may record
         # the same image at once

@@ -149,12 +149,12 @@ def member_parts(name: str) -> list[str]:
 
 
 class _Unpacker:
-    def __init__(self, root_fd: int, uid_shift: int, info: LayerInfo) -> None:
+    def __init__(self, root_fd: int, uid_shift: int, info: LayerInfo, owners: bool) -> None:
         self.root = root_fd
         self.shift = uid_shift
         self.info = info
         self.dirs: dict[tuple[str, ...], tarfile.TarInfo] = {}
-        self.as_root = os.geteuid() == 0
+        self.as_root = owners
 
     @contextlib.contextmanager
     def parent(self, parts: list[str], create: bool = True) -> Iterator[int]:
@@ -302,9 +302,12 @@ class _Unpacker:
 class LayerStore:
     """Unpacked layers under ``root/layers/<hex of the DiffID>``; the store is its owner's only."""
 
-    def __init__(self, root: Path, *, uid_shift: int = 0) -> None:
+    def __init__(self, root: Path, *, uid_shift: int = 0, owners: bool | None = None) -> None:
         self.root = root
         self.uid_shift = uid_shift
+        # keep the layers' file owners (default: when uid 0); off in a user namespace that maps
+        # only our own uid (atropos/sandbox/host/images/userns_import.py), where every file is ours
+        self.owners = os.geteuid() == 0 if owners is None else owners
         owned_dir(root, 0o700)
         for sub in ("layers", "tmp"):
             owned_dir(root / sub, 0o700)
@@ -335,7 +338,7 @@ class LayerStore:
                 reader = io.BufferedReader(hashing, 1 << 20)
                 root_fd = os.open(tmp, DIR)
                 try:
-                    unpacker = _Unpacker(root_fd, self.uid_shift, info)
+                    unpacker = _Unpacker(root_fd, self.uid_shift, info, self.owners)
                     try:
                         with tarfile.open(fileobj=reader, mode="r|") as tar:
                             for member in tar:

@@ -10,6 +10,7 @@ Both give the same result: the image's config as ``docker run`` applies it (``En
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import http.client
 import json
 import shutil
@@ -56,6 +57,7 @@ class ImportedImage(BaseModel):
     config: ImageConfig
     layers: list[str]  # paths in the store, bottom first
     unpacked: int  # layers unpacked by this import (0: all were already in the store)
+    image_id: str = ""  # sha256 of the config, the engine's image id (set by import_docker_archive)
 
 
 def _json(data: bytes, what: str) -> Any:
@@ -101,7 +103,8 @@ def import_docker_archive(store: LayerStore, archive: Path, reference: str) -> I
         manifest = _json(read("manifest.json"), "manifest.json")
         if not isinstance(manifest, list) or len(manifest) != 1 or not isinstance(manifest[0], dict):
             raise ImageRejected(f"{reference}: the archive must hold exactly one image")
-        config = ImageConfig.from_config(reference, _json(read(manifest[0].get("Config", "")), "the config"))
+        raw_config = read(manifest[0].get("Config", ""))
+        config = ImageConfig.from_config(reference, _json(raw_config, "the config"))
         paths = list(manifest[0].get("Layers") or [])
         if len(paths) != len(config.diff_ids):
             raise ImageRejected(f"{reference}: manifest and config disagree on the layers")
@@ -117,7 +120,8 @@ def import_docker_archive(store: LayerStore, archive: Path, reference: str) -> I
                 raise ImageRejected(f"{reference}: layer {paths[i]!r} is not a regular file")
             yield f
 
-        return _import(store, config, open_layer)
+        imported = _import(store, config, open_layer)
+        return imported.model_copy(update={"image_id": f"sha256:{hashlib.sha256(raw_config).hexdigest()}"})
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):

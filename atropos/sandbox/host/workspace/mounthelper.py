@@ -35,7 +35,7 @@ from typing import Any
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND = 0x1, 0x2, 0x4, 0x20, 0x1000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 0x1, 0x2, 0x4, 0x8, 0x20, 0x1000
 MS_MOVE, MS_REC, MS_PRIVATE = 0x2000, 0x4000, 0x40000
 MNT_DETACH = 0x2
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
@@ -384,12 +384,19 @@ class Helper:
         self.remount_ro(helpers)
 
     def bind(self, source: str, target: str, ro: bool) -> None:
-        _check(_libc.mount(source.encode(), target.encode(), None, MS_BIND, None), f"bind {source} on {target}")
+        # recursive: a userns host may not bind a tree holding mounts made outside its user
+        # namespace without them (EINVAL; in a container, /usr holds the engine's docker-init)
+        _check(_libc.mount(source.encode(), target.encode(), None, MS_BIND | MS_REC, None),
+               f"bind {source} on {target}")
         if ro:
             self.remount_ro(target, bind=True)
 
     def remount_ro(self, target: str, bind: bool = False) -> None:
         flags = MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | (MS_BIND if bind else 0)
+        if bind and os.statvfs(target).f_flag & os.ST_NOEXEC:
+            # a bind of a mount made outside our user namespace (a userns host's: Docker mounts its
+            # tmpfs noexec) keeps that flag locked: a remount that drops it is refused (EPERM)
+            flags |= MS_NOEXEC
         _check(_libc.mount(None, target.encode(), None, flags, None), f"remount {target} read-only")
 
     def probe(self, base: str, idmap: list[int] | None, quota: dict[str, Any] | None = None) -> dict[str, Any]:
