@@ -22,6 +22,7 @@ from atropos.slots.config import PoolConfig
 from atropos.slots.pool import SlotPool
 from tests import test_image_roots as image_roots
 from tests.pool_backends import make_backend
+from tests.task_images import docker_run
 
 pytestmark = pytest.mark.docker
 
@@ -214,16 +215,16 @@ async def test_the_host_token_is_in_no_environment_command_line_or_file() -> Non
 
 
 # -- task images ------------------------------------------------------------------------------------
-task_image = image_roots.task_image  # the fixture: a small task image built here from the base image
+roots_image = image_roots.roots_image  # the fixture: a root-owned /testbed, WorkingDir, Env, a whiteout
 
 
-@pytest.mark.skipif(not image_roots._docker_ok(), reason="needs the project's base image "
-                                                         "(scripts/build_image.sh builds it)")
-async def test_an_image_rooted_slot_on_a_docker_host_behaves_as_docker_run(task_image: str) -> None:
-    """docs/task-images.md, "On the Docker backend": the container's host (uid 1000, no capability,
-    no engine socket) gets the image from the pool's engine (its export streamed to the host) and
-    unpacks it in a user namespace of its own; a slot leased with ``image=`` shows what ``docker
-    run`` of that image shows."""
+async def test_an_image_rooted_slot_on_a_docker_host_behaves_as_docker_run(task_image: Any, roots_image: str) -> None:
+    """docs/task-images.md, "On the Ray and Docker backends": the container's host (uid 1000, no
+    capability, no engine socket) gets the image from the pool's engine (its export streamed to the
+    host) and unpacks it in a user namespace of its own; a slot leased with ``image=`` shows what
+    ``docker run`` of that image shows: whiteouts and opaque directories across layers, and a
+    root-owned ``/testbed`` as root's."""
+    layered = task_image("layered")
     backend: Any = make_backend("docker", slots=2)
     api = backend.client.api
     exports: list[str] = []
@@ -234,25 +235,30 @@ async def test_an_image_rooted_slot_on_a_docker_host_behaves_as_docker_run(task_
         return real_export(reference, *args, **kw)
 
     api.get_image = export
+
+    async def same_as_docker_run(lease: Any, ref: str, commands: list[str]) -> None:
+        for command in commands:
+            code, want, _ = docker_run(ref, command)
+            result = await lease.bash(command)
+            assert (result["exit_code"], result["stdout"]) == (code, want), (ref, command)
+
     async with SlotPool(backend, PoolConfig(pool_id=backend.cfg.pool_id, min_hosts=1, max_hosts=1,
                                             acquire_timeout_s=300)) as pool:
-        a, b = await pool.lease_many(["img-a", "img-b"], image=task_image)
-        assert exports == [task_image], "one shipment for the group's host"
+        a, b = await pool.lease_many(["img-a", "img-b"], image=layered)
+        assert exports == [layered], "one shipment for the group's host"
         try:
-            for command in image_roots.COMMANDS:
-                want = image_roots.docker_run(task_image, command)
-                result = await a.bash(command)
-                assert (result["exit_code"], result["stdout"]) == want, command
-            # whiteouts of the image hold (its RUN removed /etc/issue.net) and the slots' roots are apart
-            await a.bash("echo only-a > /testbed/a.txt")
-            assert (await b.bash("cat /testbed/a.txt; test -e /etc/issue.net; echo $?"))["stdout"] == "original\n1\n"
+            await same_as_docker_run(a, layered, image_roots.COMMON + image_roots.PER_IMAGE["layered"])
+            await a.bash("echo only-a > /work/kept")  # the slots' roots are apart
+            assert (await b.bash("cat /work/kept"))["stdout"] == "keep\n"
         finally:
             for lease in (a, b):
                 await lease.release()
+        async with pool.leased("img-roots", image=roots_image) as lease:
+            await same_as_docker_run(lease, roots_image, [c for c in image_roots.COMMANDS if c != "id"])
         host = next(iter(pool.hosts.values()))
-        engine_id = (await asyncio.to_thread(api.inspect_image, task_image))["Id"]
-        assert [(i.reference, i.id) for i in await host.client.images()] == [(task_image, engine_id)]
+        engine_id = (await asyncio.to_thread(api.inspect_image, layered))["Id"]
+        assert (layered, engine_id) in [(i.reference, i.id) for i in await host.client.images()]
         # a later lease finds it there under the engine's current id: nothing is shipped again
-        async with pool.leased("img-c", image=task_image) as c:
-            assert (await c.bash("cat /testbed/a.txt"))["stdout"] == "original\n"
-        assert exports == [task_image]
+        async with pool.leased("img-c", image=layered) as c:
+            assert (await c.bash("cat /work/kept"))["stdout"] == "keep\n"
+        assert exports == [layered, roots_image]
