@@ -669,7 +669,7 @@ async def _plain_slot(tag: str, uid: int | None) -> Slot:
 async def test_unexpected_error_during_reset_quarantines_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     slot = await _plain_slot("reset-bug", uid=None)
     try:
-        async def broken(template: object) -> None:
+        async def broken(template: object, image: object = None) -> None:
             raise ValueError("the helper answered nonsense")
 
         monkeypatch.setattr(slot.ws, "build", broken)

@@ -56,9 +56,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
     p.add_argument("--slots", type=int, default=defaults.slots, help="number of slots (default %(default)s)")
     p.add_argument("--data-dir", type=Path, default=defaults.data_dir, help="where workspaces live")
     p.add_argument("--image-store", type=Path, default=None,
-                   help=HostConfig.model_fields["image_store"].description)
-    p.add_argument("--image-store-bytes", type=int, default=HostConfig.model_fields["image_store_bytes"].default,
-                   help=HostConfig.model_fields["image_store_bytes"].description)
+                   help="task images' layer store (default: images/ beside the data dir, shared by the hosts of "
+                        "one machine; docs/task-images.md)")
+    p.add_argument("--image-store-bytes", type=int, default=defaults.image_store_bytes,
+                   help="disk budget of the image store: least recently used images no host is using are evicted")
     token_source = p.add_mutually_exclusive_group()
     token_source.add_argument("--token-file", type=Path, help="file holding the bearer token: ours, mode 0400 or "
                               "0600; read at start, then removed")

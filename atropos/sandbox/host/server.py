@@ -241,6 +241,7 @@ def _image_routes(app: FastAPI, host: SandboxHost, deps: list[Any]) -> None:
     async def derive_image(slot: int, req: LeaseRef) -> ImageInfo:
         """A new image of the leased slot's root as it is now (after a group's setup); the slot
         continues as a fresh root of it. Its reference serves any lease on this machine's hosts."""
+        _slot_or_404(host, slot)
         return await host.derive_image(slot, req.lease)
 
     @app.get("/v1/images", response_model=list[ImageInfo], dependencies=deps)
