@@ -367,8 +367,16 @@ async def _pool_walk(pool: Any, roots_image: str) -> None:
         assert len(prepared) == 2 and all(infos[0].reference == roots_image for infos in prepared.values())
         async with pool.leased("one", image=roots_image) as lease:
             assert lease.image == roots_image
-            out = await lease.call("bash", {"command": "pwd; cat a.txt"})
+            out = await lease.call("bash", {"command": "pwd; cat a.txt; echo changed > a.txt"})
             assert out.result is not None and out.result["stdout"] == "/testbed\noriginal\n"
+            first = lease.host
+        # released onto a fresh root of the same image: the next lease of it takes that slot as it is
+        await wait_until(lambda: roots_image in first.roots.values(), timeout=60)
+        kept = {(h.id, slot): gen for h in pool.hosts.values() for slot, _, gen in h.free if slot in h.roots}
+        async with pool.leased("two", image=roots_image) as lease:
+            assert kept.get((lease.host.id, lease.slot)) == lease.generation  # no reset on the lease path
+            out = await lease.call("bash", {"command": "cat a.txt"})
+            assert out.result is not None and out.result["stdout"] == "original\n"
         group = await pool.lease_many(["g0", "g1", "g2"], image=roots_image)
         try:
             assert len({lease.host.id for lease in group}) == 1  # colocated: one host holds them all

@@ -45,6 +45,9 @@ class PoolHost:
         self.idle_since: float | None = time.monotonic()
         self.last_health_ms: float | None = None
         self.images: set[str] = set()  # task images this host holds in its layer store (as far as we know)
+        # Free slots whose fresh root is a task image (kept from their last lease, prewarmed by the
+        # host): a lease of that image takes one with no reset on its path. Absent: the default root.
+        self.roots: dict[int, str] = {}
 
     @property
     def id(self) -> str:
@@ -66,9 +69,32 @@ class PoolHost:
         if self.leases.get(lease.slot) is lease:
             del self.leases[lease.slot]
 
-    def give_back(self, slot: int, token: str, generation: int) -> None:
-        """A reset slot with its fresh host lease token returns to the free list."""
+    def give_back(self, slot: int, token: str, generation: int, image: str | None = None) -> None:
+        """A reset slot with its fresh host lease token returns to the free list (its root a fresh
+        one of ``image``, or the default root)."""
         self.free.append((slot, token, generation))
+        if image is None:
+            self.roots.pop(slot, None)
+        else:
+            self.roots[slot] = image
+
+    def take_free(self, image: str | None = None) -> tuple[int, str, int, str | None]:
+        """A free slot and the image its root is (None: the default root): one whose root is
+        ``image`` if any, else one on the default root, else any."""
+        pick = len(self.free) - 1
+        if self.roots:
+            default = None
+            for i in range(len(self.free) - 1, -1, -1):
+                root = self.roots.get(self.free[i][0])
+                if root == image:
+                    pick = i
+                    break
+                if root is None and default is None:
+                    default = i
+            else:
+                pick = pick if default is None else default
+        slot, token, generation = self.free.pop(pick)
+        return slot, token, generation, self.roots.pop(slot, None)
 
     def quarantine_slot(self) -> None:
         """Count a slot that failed its reset (it never returns to ``free``)."""
@@ -164,7 +190,7 @@ class Lease:
     """One slot held by one trajectory until ``release()``; tool calls go to that slot only."""
 
     def __init__(self, pool: SlotPool, host: PoolHost, slot: int, token: str, generation: int,
-                 trajectory_id: str, network: bool) -> None:
+                 trajectory_id: str, network: bool, image: str | None = None) -> None:
         self.pool = pool
         self.host = host
         self.slot = slot
@@ -177,7 +203,7 @@ class Lease:
         self.lost: str | None = None
         self.calls = 0
         self.template: PoolTemplate | None = None  # the template the workspace is a fork of
-        self.image: str | None = None  # the task image the slot's root is (docs/task-images.md)
+        self.image = image  # the task image the slot's root is (docs/task-images.md)
         self.sealed = False  # in the verification phase (see ``seal``) until the next reset
 
     def __repr__(self) -> str:

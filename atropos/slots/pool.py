@@ -18,7 +18,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, C
 from typing import Any
 
 from atropos.backends.base import Backend
-from atropos.errors import GroupTooLarge, HostUnavailable, LeaseError, SlotUnavailable
+from atropos.errors import AtroposSandboxError, GroupTooLarge, HostUnavailable, LeaseError, SlotUnavailable
 from atropos.sandbox.contract.protocol import ImageInfo
 from atropos.slots.audit import LeaseAudit
 from atropos.slots.background import Background
@@ -139,19 +139,23 @@ class SlotPool:
         if image is not None:
             prefer = frozenset(h.id for h in self.hosts.values() if image in h.images)
         if self.queue.can_take_now(len(ids)):
-            leases = self.queue._take_group(ids, network, colocate, prefer)
+            leases = self.queue._take_group(ids, network, colocate, prefer, image)
         else:
             leases = await self.queue._wait(ids, network, self.cfg.acquire_timeout_s if timeout is None else timeout,
-                                      colocate, prefer)
-        if template is not None or image is not None:
-            async def prepare(lease: Lease) -> None:
-                if image is not None:
-                    await self._ship_image(lease.host, image)
-                await lease.reset(template, network=network or None, image=image)
+                                            colocate, prefer, image)
 
+        async def prepare(lease: Lease) -> None:
+            if template is None and lease.image == image:  # its root already is a fresh one of it
+                if network:
+                    await (self._enable_network(lease) if image is None else
+                           lease.reset(network=True, image=image))
+                return
+            if image is not None:
+                await self._ship_image(lease.host, image)
+            await lease.reset(template, network=network or None, image=image)
+
+        if template is not None or network or any(lease.image != image for lease in leases):
             await self._prepare_or_release(leases, prepare)
-        elif network:
-            await self._prepare_or_release(leases, self._enable_network)
         return leases
 
     async def _enable_network(self, lease: Lease) -> None:
@@ -202,10 +206,22 @@ class SlotPool:
             raise
 
     async def _reset_back(self, host: PoolHost, lease: Lease) -> None:
+        keep = lease.image  # a fresh root of the same image, prewarmed: the next lease of it starts at once
         try:
             # network=False: a free slot never keeps the network a previous lease had.
-            result = await host.guard(host.client.reset(lease.slot, lease.token, network=False,
-                                                        trajectory_id=f"pool:{self.cfg.pool_id}"))
+            try:
+                result = await host.guard(host.client.reset(lease.slot, lease.token, network=False,
+                                                            trajectory_id=f"pool:{self.cfg.pool_id}", image=keep))
+            except (HostUnavailable, LeaseError):
+                raise
+            except AtroposSandboxError as exc:
+                if keep is None:
+                    raise
+                # the image cannot be had any more (untagged, evicted): the default root then
+                log.info("release of %r keeps no image root (%s)", lease, exc)
+                keep = None
+                result = await host.guard(host.client.reset(lease.slot, lease.token, network=False,
+                                                            trajectory_id=f"pool:{self.cfg.pool_id}"))
         except HostUnavailable:
             self.fleet.suspect(host)
             return
@@ -213,7 +229,7 @@ class SlotPool:
             self.quarantine(host, lease.slot, f"reset refused: {exc}")
             return
         if result.ok and result.lease is not None:
-            host.give_back(lease.slot, result.lease.lease, result.lease.generation)
+            host.give_back(lease.slot, result.lease.lease, result.lease.generation, keep)
             self.queue._grant_waiters()
         else:
             self.quarantine(host, lease.slot, result.detail)

@@ -26,6 +26,7 @@ class _Waiter:
     future: asyncio.Future[list[Lease]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     colocate: bool = False
     prefer: frozenset[str] = frozenset()
+    image: str | None = None
 
 
 class SlotQueue:
@@ -55,13 +56,14 @@ class SlotQueue:
                 waiter.future.set_exception(SlotUnavailable(why))
         self._waiters.clear()
 
-    def _take(self, trajectory_id: str, network: bool, host: PoolHost | None = None) -> Lease:
+    def _take(self, trajectory_id: str, network: bool, host: PoolHost | None = None,
+              image: str | None = None) -> Lease:
         # Spread over hosts (most free first): calls of different trajectories then rarely
         # share a host's CPU budget.
         if host is None:
             host = max((h for h in self._fleet.hosts.values() if h.free and h.leasable), key=lambda h: len(h.free))
-        slot, token, generation = host.free.pop()
-        lease = Lease(self._pool, host, slot, token, generation, trajectory_id, network)
+        slot, token, generation, root = host.take_free(image)
+        lease = Lease(self._pool, host, slot, token, generation, trajectory_id, network, image=root)
         host.hold(lease)
         self.leases_total += 1
         self._audit.record("lease", trajectory_id, host.id, slot, generation)
@@ -76,13 +78,16 @@ class SlotQueue:
             if self._fleet.free_count() < len(waiter.ids):
                 return  # FIFO: a group at the head waits for its whole size
             self._waiters.popleft()
-            waiter.future.set_result(self._take_group(waiter.ids, waiter.network, waiter.colocate, waiter.prefer))
+            waiter.future.set_result(self._take_group(waiter.ids, waiter.network, waiter.colocate, waiter.prefer,
+                                                      waiter.image))
 
-    def _take_group(self, ids: list[str], network: bool, colocate: bool, prefer: frozenset[str]) -> list[Lease]:
+    def _take_group(self, ids: list[str], network: bool, colocate: bool, prefer: frozenset[str],
+                    image: str | None = None) -> list[Lease]:
         """Take one slot per id; with ``colocate`` on as few hosts as possible, preferring hosts
-        in ``prefer`` (those that already hold the group's template: no shipping needed)."""
+        in ``prefer`` (those that already hold the group's template: no shipping needed); slots
+        whose root is already ``image`` first (see ``PoolHost.take_free``)."""
         if not colocate:
-            return [self._take(t, network) for t in ids]
+            return [self._take(t, network, image=image) for t in ids]
         hosts = sorted((h for h in self._fleet.hosts.values() if h.free and h.leasable),
                        key=lambda h: (h.id in prefer, len(h.free)), reverse=True)
         whole = [h for h in hosts if len(h.free) >= len(ids)]
@@ -90,12 +95,12 @@ class SlotQueue:
         leases: list[Lease] = []
         for host in order:
             while host.free and len(leases) < len(ids):
-                leases.append(self._take(ids[len(leases)], network, host))
+                leases.append(self._take(ids[len(leases)], network, host, image))
         return leases
 
     async def _wait(self, ids: list[str], network: bool, timeout: float, colocate: bool = False,
-                    prefer: frozenset[str] = frozenset()) -> list[Lease]:
-        waiter = _Waiter(ids, network, colocate=colocate, prefer=prefer)
+                    prefer: frozenset[str] = frozenset(), image: str | None = None) -> list[Lease]:
+        waiter = _Waiter(ids, network, colocate=colocate, prefer=prefer, image=image)
         self._waiters.append(waiter)
         self._fleet.rescale()
         try:
