@@ -546,3 +546,40 @@ async def test_restore_of_whole_system_dirs_keeps_what_is_untouched(image_host: 
         assert result.verdict is not None
         _, motd, _ = docker_run(roots_image, "head -c 40 /etc/motd")
         assert result.verdict == {"score": 1.0, "motd": motd, "pytest": False, "yes": True}
+
+
+def _tree(root: Path) -> dict[str, tuple[object, ...]]:
+    out: dict[str, tuple[object, ...]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in (*dirnames, *filenames):
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            opaque = None
+            if os.path.isdir(path) and not os.path.islink(path):
+                try:
+                    opaque = os.getxattr(path, "trusted.overlay.opaque", follow_symlinks=False)
+                except OSError:
+                    opaque = None
+            out[os.path.relpath(path, root)] = (
+                st.st_mode, st.st_uid, st.st_gid, st.st_size if not os.path.isdir(path) else 0,
+                os.readlink(path) if os.path.islink(path) else None, st.st_rdev, opaque)
+    return out
+
+
+@pytest.mark.parametrize("name", ["layered", "pyenv"])
+def test_layers_copied_from_the_engine_equal_the_exported_ones(tmp_path: Path, task_image: Any, name: str) -> None:
+    """Where the engine on this machine has the image unpacked, only the missing layers are copied
+    from its layer dirs (no export of the whole image); the store ends up exactly as the export
+    would make it: whiteouts, opaque dirs, owners, modes, links."""
+    from atropos.sandbox.host.images.layer_store import LayerStore
+    from atropos.sandbox.host.images.sources import import_from_docker, import_from_engine_dirs
+
+    ref = task_image(name)
+    copied, exported = LayerStore(tmp_path / "copied"), LayerStore(tmp_path / "exported")
+    got = import_from_engine_dirs(copied, ref)
+    if got is None:
+        pytest.skip("the engine here does not keep overlay2 layer dirs this process can read")
+    want = import_from_docker(exported, ref)
+    assert got.config == want.config and got.unpacked == want.unpacked
+    for a, b in zip(got.layers, want.layers, strict=True):
+        assert _tree(Path(a)) == _tree(Path(b)), a

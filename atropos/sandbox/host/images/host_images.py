@@ -43,6 +43,7 @@ from atropos.sandbox.host.images.sources import (
     docker_image_id,
     import_docker_archive,
     import_from_docker,
+    import_from_engine_dirs,
     import_oci_layout,
 )
 
@@ -284,10 +285,19 @@ class HostImages:
 
     def _import(self, reference: str, image_id: str) -> ImageRoot:
         if reference.startswith("oci:"):
-            imported = import_oci_layout(self.store, Path(reference[4:]))
-            config = imported.config.model_copy(update={"reference": reference})
+            config = import_oci_layout(self.store, Path(reference[4:])).config.model_copy(
+                update={"reference": reference})
         else:
-            config = import_from_docker(self.store, reference, socket_path=self.docker_socket).config
+            imported: ImportedImage | None
+            try:
+                imported = import_from_engine_dirs(self.store, reference, socket_path=self.docker_socket)
+            except (OSError, ImageRejected) as exc:  # e.g. the engine removed a dir meanwhile
+                log.info("%s: copying the engine's layer dirs failed (%s); exporting the image instead",
+                         reference, exc)
+                imported = None
+            if imported is None:
+                imported = import_from_docker(self.store, reference, socket_path=self.docker_socket)
+            config = imported.config
         return self._remember(image_id, config)
 
     def _remember(self, image_id: str, config: ImageConfig) -> ImageRoot:

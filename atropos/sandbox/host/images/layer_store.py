@@ -324,6 +324,33 @@ class LayerStore:
     def layers(self) -> list[str]:
         return sorted(f"sha256:{p.name}" for p in (self.root / "layers").iterdir())
 
+    def add_dir(self, source: Path, diff_id: str) -> LayerInfo:
+        """A layer the local engine has unpacked (its overlay2 dir: the same form as ours, 0/0
+        whiteouts and opaque xattrs), copied rather than re-read from a tar, and made what ``add``
+        makes of a tar (``_sanitize_dir``). The DiffID is the engine's word for what the dir holds."""
+        final = self.path(diff_id)
+        if final.is_dir():
+            return LayerInfo(diff_id, final)
+        tmp = self.root / "tmp" / secrets.token_hex(8)
+        try:
+            subprocess.run(["cp", "-a", "--", str(source), str(tmp)], check=True, capture_output=True, timeout=3600)
+            info = LayerInfo(diff_id, final, dropped=_sanitize_dir(tmp))
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not final.is_dir():
+                    raise
+                remove_tree(tmp)
+            os.chmod(final, 0o755)
+            return info
+        except subprocess.CalledProcessError as exc:
+            remove_tree(tmp)
+            raise ImageRejected(f"copying the engine's layer {diff_id}: {exc.stderr.decode(errors='replace')[:300]}") \
+                from None
+        except BaseException:
+            remove_tree(tmp)
+            raise
+
     def add(self, stream: IO[bytes], *, diff_id: str | None = None) -> LayerInfo:
         """Unpack one layer (plain, gzip or zstd tar) unless a layer of that DiffID is already here.
         ``diff_id``, when given, must match what the bytes hash to; the layer is refused otherwise."""
@@ -366,3 +393,45 @@ class LayerStore:
         except BaseException:
             remove_tree(tmp)
             raise
+
+
+# What a layer dir the engine unpacked may keep: the opaque marker (overlayfs' own, as the store's
+# layers carry it) and the user.* xattrs a tar layer may carry too.
+_KEPT_XATTRS = ("trusted.overlay.opaque", "user.overlay.opaque")
+
+
+def _sanitize_dir(root: Path) -> list[str]:
+    """A copied engine layer made what ``add`` makes of a tar: device nodes dropped (a 0/0
+    whiteout kept), xattrs but the opaque marker and ``user.*`` dropped (``trusted.overlay.*``
+    redirects, file capabilities), the opaque marker in both namespaces. Nothing followed."""
+    dropped = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in (*dirnames, *filenames, "."):
+            path = os.path.join(dirpath, name) if name != "." else dirpath
+            st = os.lstat(path)
+            if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+                if not (stat.S_ISCHR(st.st_mode) and st.st_rdev == 0):
+                    os.unlink(path)
+                    dropped.append(f"{os.path.relpath(path, root)}: device node")
+                    continue
+            if stat.S_ISSOCK(st.st_mode):
+                os.unlink(path)
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                continue  # xattrs of a symlink: trusted/security only, set by root; none come from a tar
+            for attr in os.listxattr(path, follow_symlinks=False):
+                if attr in _KEPT_XATTRS:
+                    continue
+                if attr.startswith("user.") and not attr.startswith("user.overlay."):
+                    continue
+                os.removexattr(path, attr, follow_symlinks=False)
+                dropped.append(f"{os.path.relpath(path, root)}: xattr {attr}")
+            if stat.S_ISDIR(st.st_mode):
+                try:
+                    opaque = os.getxattr(path, "trusted.overlay.opaque", follow_symlinks=False)
+                except OSError:
+                    opaque = b""
+                if opaque == b"y":
+                    with contextlib.suppress(OSError):
+                        os.setxattr(path, "user.overlay.opaque", b"y", follow_symlinks=False)
+    return dropped

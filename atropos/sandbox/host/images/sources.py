@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import http.client
 import json
+import os
 import shutil
 import socket
 import tarfile
@@ -136,8 +137,8 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
-def docker_image_id(reference: str, *, socket_path: str = DOCKER_SOCKET, timeout: float = 30.0) -> str:
-    """The id the local Docker engine gives ``reference`` now (Engine API ``GET /images/{name}/json``)."""
+def _engine_image(reference: str, socket_path: str, timeout: float = 30.0) -> dict[str, Any]:
+    """The local Docker engine's record of ``reference`` (Engine API ``GET /images/{name}/json``)."""
     conn = _UnixHTTPConnection(socket_path, timeout)
     try:
         try:
@@ -149,12 +150,49 @@ def docker_image_id(reference: str, *, socket_path: str = DOCKER_SOCKET, timeout
         if resp.status != 200:
             raise ImageRejected(f"the Docker engine has no image {reference!r} ({resp.status}: "
                                 f"{body[:300].decode('utf-8', 'replace').strip()})")
-        image_id = _json(body, "the engine's image record").get("Id")
-        if not isinstance(image_id, str) or not image_id:
-            raise ImageRejected(f"the Docker engine gave no id for {reference!r}")
-        return image_id
+        record = _json(body, "the engine's image record")
+        if not isinstance(record, dict):
+            raise ImageRejected(f"the Docker engine's record of {reference!r} is not an object")
+        return record
     finally:
         conn.close()
+
+
+def docker_image_id(reference: str, *, socket_path: str = DOCKER_SOCKET, timeout: float = 30.0) -> str:
+    """The id the local Docker engine gives ``reference`` now."""
+    image_id = _engine_image(reference, socket_path, timeout).get("Id")
+    if not isinstance(image_id, str) or not image_id:
+        raise ImageRejected(f"the Docker engine gave no id for {reference!r}")
+    return image_id
+
+
+def import_from_engine_dirs(store: LayerStore, reference: str, *,
+                            socket_path: str = DOCKER_SOCKET) -> ImportedImage | None:
+    """The image as the engine on this machine has it unpacked (its overlay2 layer dirs, named by
+    its own record): only the layers the store lacks are copied, where an export would stream the
+    whole image (a 2 GB SWE image to add its one small layer). None when that cannot be done here
+    (not root, another storage driver, a record that does not pair dirs and layers): the caller
+    exports instead. The engine's pairing of a layer dir with its DiffID is trusted as its export
+    is; the dir's contents are not (``LayerStore.add_dir``)."""
+    if os.geteuid() != 0:
+        return None
+    record = _engine_image(reference, socket_path)
+    driver = record.get("GraphDriver") or {}
+    data = driver.get("Data") or {}
+    if driver.get("Name") != "overlay2" or not isinstance(data.get("UpperDir"), str):
+        return None
+    dirs = [data["UpperDir"], *(d for d in str(data.get("LowerDir") or "").split(":") if d)]  # top first
+    config = ImageConfig.from_config(reference, {"config": record.get("Config") or {},
+                                                 "rootfs": record.get("RootFS") and {
+                                                     "type": "layers", "diff_ids": record["RootFS"].get("Layers")}})
+    if len(dirs) != len(config.diff_ids) or not all(os.path.isdir(d) for d in dirs):
+        return None
+    unpacked = 0
+    for diff_id, layer_dir in zip(reversed(config.diff_ids), dirs, strict=True):
+        if not store.has(diff_id):
+            store.add_dir(Path(layer_dir), diff_id)
+            unpacked += 1
+    return ImportedImage(config=config, layers=[str(store.path(d)) for d in config.diff_ids], unpacked=unpacked)
 
 
 def import_from_docker(store: LayerStore, reference: str, *, socket_path: str = DOCKER_SOCKET,
