@@ -990,6 +990,22 @@ def hcl_to_api(path: Path, overrides: dict[str, Any]) -> tuple[dict[str, Any], d
     return api, defaults
 
 
+def test_an_image_volume_holds_the_task_image_store() -> None:
+    """With ``image_volume`` the group asks for that Nomad host volume and the host keeps its
+    task-image layer store there (docs/task-images.md); without it the job asks for no volume (a
+    client without one must still place it): the job nomad/sandbox.hcl renders is unchanged."""
+    plain = NomadBackend(NomadBackendConfig()).render_job()
+    assert "Volumes" not in plain["TaskGroups"][0] and "VolumeMounts" not in plain["TaskGroups"][0]["Tasks"][0]
+    assert not any("--image-store" in a for a in plain["TaskGroups"][0]["Tasks"][0]["Config"]["args"])
+    job = NomadBackend(NomadBackendConfig(image_volume="atropos-images")).render_job()
+    group = job["TaskGroups"][0]
+    assert group["Volumes"] == {"images": {"Name": "images", "Type": "host", "Source": "atropos-images",
+                                           "ReadOnly": False}}
+    mounts = group["Tasks"][0]["VolumeMounts"]
+    assert mounts == [{"Volume": "images", "Destination": "/images", "ReadOnly": False}]
+    assert "--image-store=/images" in group["Tasks"][0]["Config"]["args"]
+
+
 def test_sandbox_hcl_is_the_job_the_backend_registers() -> None:
     cfg = NomadBackendConfig(image="registry.example/atropos-sandbox:1.2", slots_per_host=24, cpu=3000,
                              memory=6144, workspace_bytes=3 << 30, max_timeout_s=900, datacenters=["dc1", "dc2"])

@@ -57,6 +57,10 @@ class NomadBackendConfig(ContainerSlotCaps):
         "secrets/token (0400) either way: variable: the Nomad variable nomad/jobs/<job_id> (default); job: the "
         "job spec itself, readable by every ACL token that can read the job (weaker; for job IDs no variable "
         "path takes and ACL tokens without variable write)")
+    image_volume: str | None = Field(
+        None, description="a Nomad host volume (client `host_volume`, writable by uid 1000) holding the hosts' "
+        "task-image layer store (docs/task-images.md): shared by the hosts of a node and kept across allocations. "
+        "Default: none; the store then lives in the container's /slots tmpfs and goes with it")
     # -- behaviour ----------------------------------------------------------------------------
     start_timeout_s: float = Field(120.0, gt=0, description="placement + image pull + health, per host")
     connect_timeout_s: float = Field(5.0, gt=0)

@@ -22,6 +22,8 @@ TASK = "host"
 PORT_LABEL = "http"
 CONTAINER_PORT = 8080
 SLOT_UID = 1000
+IMAGE_VOLUME = "images"  # the group's name for the host volume of the task-image store (image_volume)
+IMAGE_STORE_IN_TASK = "/images"
 SLOT_CGROUP_DIR = "/run/atropos/cgroup"  # nomad/atropos-runc mounts the delegated subtree here
 # The host token: rendered into the task's own secrets directory (per task, tmpfs, mounted into no
 # other task), readable by the task's uid alone; the host reads it once and removes it. Never in the
@@ -87,6 +89,8 @@ def _group(c: NomadBackendConfig, count: int, task: dict[str, Any]) -> dict[str,
         "ReschedulePolicy": {"Delay": 5 * NS, "DelayFunction": "exponential", "MaxDelay": 60 * NS,
                              "Unlimited": True},
         "Tasks": [task],
+        **({"Volumes": {IMAGE_VOLUME: {"Name": IMAGE_VOLUME, "Type": "host", "Source": c.image_volume,
+                                       "ReadOnly": False}}} if c.image_volume else {}),
     }
 
 
@@ -99,6 +103,8 @@ def _task(c: NomadBackendConfig, token: str | None) -> dict[str, Any]:
         "Resources": {"CPU": c.cpu, "MemoryMB": c.memory},
         "KillTimeout": 10 * NS,
     }
+    if c.image_volume:
+        task["VolumeMounts"] = [{"Volume": IMAGE_VOLUME, "Destination": IMAGE_STORE_IN_TASK, "ReadOnly": False}]
     # "job": the token itself is the template (in the job spec, readable by whoever can read the job)
     data = token_template(c.job_id) if c.token_delivery == "variable" else f"{token or TOKEN_PLACEHOLDER}\n"
     # uid/gid: Nomad writes templates as its agent's user (root) by default; the task runs as SLOT_UID.
@@ -125,7 +131,8 @@ def _docker_config(c: NomadBackendConfig) -> dict[str, Any]:
         # (Backend.prewarm) then finds nothing left to start.
         "args": [*HostLaunch(host="0.0.0.0", port=CONTAINER_PORT, slots=c.slots_per_host, data_dir="/slots/data",
                              limits=c.slot_limits(), cgroup_dir=SLOT_CGROUP_DIR,
-                             token_file=TOKEN_FILE_IN_TASK).args(), NODE_ADDRESS_ARG],
+                             token_file=TOKEN_FILE_IN_TASK,
+                             image_store=IMAGE_STORE_IN_TASK if c.image_volume else None).args(), NODE_ADDRESS_ARG],
         "init": True,
         # resources.cpu is only a share (CPU weight) by default; the hard limit turns it into a CFS
         # quota, so a busy host cannot take more than it reserved (isolation.md: a hard CPU cap).
