@@ -24,7 +24,8 @@ from atropos.sandbox.contract.protocol import (
     VerifyResult,
 )
 from atropos.sandbox.host.config import HostConfig
-from atropos.sandbox.host.images.host_images import HostImages, ImageRoot
+from atropos.sandbox.host.images.host_images import HostImages
+from atropos.sandbox.host.images.image_root import ImageRoot
 from atropos.sandbox.host.isolation.bwrap import (
     IMAGE_LIB_DIR,
     IMAGE_PRISTINE,

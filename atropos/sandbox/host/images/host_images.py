@@ -25,17 +25,17 @@ import json
 import logging
 import os
 import secrets
-import stat
 import subprocess
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 
 from atropos.errors import ImageRejected
 from atropos.sandbox.contract.hostdirs import owned_dir, remove_tree
 from atropos.sandbox.host.images import userns_import
+from atropos.sandbox.host.images.image_root import ImageRoot
 from atropos.sandbox.host.images.layer_store import LayerStore
+from atropos.sandbox.host.images.layer_trees import shift_owner, tree_bytes
 from atropos.sandbox.host.images.sources import (
     DOCKER_SOCKET,
     ImageConfig,
@@ -51,55 +51,6 @@ log = logging.getLogger(__name__)
 DERIVED = "derived:"  # the reference of an image made on this machine from a slot (``derive``)
 IDLE_S = 600.0  # an image no slot used for this long leaves the host's table (and may be evicted)
 DEFAULT_BUDGET_BYTES = 64 << 30
-
-# What ``docker run`` puts in a process's environment when the image does not say (its default PATH).
-DOCKER_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-
-@dataclass
-class ImageRoot:
-    """An image ready to be a slot root: its config and its layers in the store, bottom first."""
-
-    image_id: str
-    config: ImageConfig
-    lowers: tuple[Path, ...]
-    imported_at: float = field(default_factory=time.time)
-    last_used: float = field(default_factory=time.monotonic)
-    users: set[int] = field(default_factory=set)  # slots whose root is this image now
-    pin_fd: int | None = None  # the shared lock that keeps other hosts from evicting it (see module doc)
-    _ids: tuple[int, int] | None = None
-
-    @property
-    def reference(self) -> str:
-        return self.config.reference
-
-    def env(self) -> dict[str, str]:
-        """The environment of every process of the slot, as ``docker run`` gives it (without
-        ``-t``): the image's ``Env`` over a default ``PATH``, ``HOME`` of root unless set."""
-        env = {"PATH": DOCKER_DEFAULT_PATH, "HOSTNAME": "sandbox"}
-        for item in self.config.env:
-            key, sep, value = item.partition("=")
-            if sep and key:
-                env[key] = value
-        if "HOME" not in env:  # the user's home in the image's passwd, as docker run sets it
-            uid = self.user_ids()[0]
-            entry = _find(_image_file(self.lowers, "etc/passwd"), lambda f: f[2] == str(uid))
-            env["HOME"] = entry[5] if entry is not None and len(entry) > 5 and entry[5] else (
-                "/root" if uid == 0 else "/")
-        return env
-
-    @property
-    def working_dir(self) -> str:
-        wd = os.path.normpath(self.config.working_dir or "/")
-        return wd if wd.startswith("/") else "/" + wd
-
-    def user_ids(self) -> tuple[int, int]:
-        """The image's ``User`` as ``docker run`` resolves it: ``uid``, ``uid:gid``, ``name`` or
-        ``name:group``, names from the image's own ``/etc/passwd`` and ``/etc/group``; a uid
-        without a passwd entry gets gid 0. Cached: an image never changes."""
-        if self._ids is None:
-            self._ids = _resolve_user(self.config.user, lambda path: _image_file(self.lowers, path))
-        return self._ids
 
 
 class HostImages:
@@ -195,7 +146,7 @@ class HostImages:
 
     def disk_bytes(self) -> int:
         """Disk used by the store's layers (what the budget counts)."""
-        return sum(_tree_bytes(p) for p in (self.root / "layers").iterdir())
+        return sum(tree_bytes(p) for p in (self.root / "layers").iterdir())
 
     def trim(self) -> None:
         """Bring the store back under budget (after every import; also for an operator)."""
@@ -226,7 +177,7 @@ class HostImages:
                         if r is not None for p in r.lowers}
                 for layer in victim.lowers:
                     if layer not in kept and layer.is_dir():
-                        size = _tree_bytes(layer)
+                        size = tree_bytes(layer)
                         gone = self.store.root / "tmp" / f"evicted-{layer.name}"
                         with contextlib.suppress(OSError):
                             os.rename(layer, gone)
@@ -324,7 +275,7 @@ class HostImages:
             if entries:
                 subprocess.run(["cp", "-a", "--", *entries, str(tmp)], check=True, capture_output=True, timeout=3600)
             if owner is not None:
-                _shift_owner(tmp, owner, 0)
+                shift_owner(tmp, owner, 0)
             os.chmod(tmp, os.lstat(upper).st_mode & 0o7777)
             with self._store_lock(fcntl.LOCK_SH):
                 os.rename(tmp, self.store.path(f"sha256:{hexid}"))
@@ -342,105 +293,3 @@ class HostImages:
         self.images[reference] = root
         self.refs[reference] = reference
         return root
-
-    def held(self) -> list[dict[str, object]]:
-        """What the host holds, for its status: every image and its layers."""
-        return [{"reference": r.reference, "id": r.image_id, "layers": len(r.lowers), "slots": sorted(r.users)}
-                for r in self.images.values()]
-
-
-def _tree_bytes(path: Path) -> int:
-    """Disk blocks under ``path`` (hard links counted once), without following symlinks."""
-    seen: set[tuple[int, int]] = set()
-    total = 0
-    for dirpath, dirnames, filenames in os.walk(path):
-        for name in (*dirnames, *filenames):
-            try:
-                st = os.lstat(os.path.join(dirpath, name))
-            except OSError:
-                continue
-            if (st.st_dev, st.st_ino) not in seen:
-                seen.add((st.st_dev, st.st_ino))
-                total += st.st_blocks * 512
-    return total
-
-
-def _shift_owner(tree: Path, old: int, new: int) -> None:
-    """Files of ``tree`` owned by ``old`` (uid and gid apart) become ``new``'s; each inode once, modes
-    kept (a chown clears setuid and setgid bits), symlinks not followed."""
-    seen: set[int] = set()
-    for dirpath, dirnames, filenames in os.walk(tree):
-        for name in (".", *dirnames, *filenames):
-            path = os.path.join(dirpath, name) if name != "." else dirpath
-            st = os.lstat(path)
-            if st.st_ino in seen or (st.st_uid != old and st.st_gid != old):
-                continue
-            seen.add(st.st_ino)
-            os.chown(path, new if st.st_uid == old else st.st_uid, new if st.st_gid == old else st.st_gid,
-                     follow_symlinks=False)
-            if not os.path.islink(path):
-                os.chmod(path, st.st_mode & 0o7777)
-
-
-def _resolve_user(user: str, read: Callable[[str], bytes | None]) -> tuple[int, int]:
-    name, _, group = (user or "").partition(":")
-    if not name or name == "root":
-        uid, gid = 0, 0
-    elif name.isdigit():
-        uid = int(name)
-        entry = _find(read("etc/passwd"), lambda f: f[2] == name)
-        gid = int(entry[3]) if entry is not None and entry[3].isdigit() else 0
-    else:
-        entry = _find(read("etc/passwd"), lambda f: f[0] == name)
-        if entry is None or not entry[2].isdigit() or not entry[3].isdigit():
-            raise ImageRejected(f"the image's User {user!r} is not in its /etc/passwd")
-        uid, gid = int(entry[2]), int(entry[3])
-    if group:
-        if group.isdigit():
-            gid = int(group)
-        else:
-            found = _find(read("etc/group"), lambda f: f[0] == group)
-            if found is None or not found[2].isdigit():
-                raise ImageRejected(f"the image's User {user!r}: no group {group!r} in its /etc/group")
-            gid = int(found[2])
-    if uid >= 1 << 31 or gid >= 1 << 31:
-        raise ImageRejected(f"the image's User {user!r} is out of range")
-    return uid, gid
-
-
-def _find(data: bytes | None, match: Callable[[list[str]], bool]) -> list[str] | None:
-    for line in (data or b"").decode("utf-8", "replace").splitlines():
-        fields = line.split(":")
-        if len(fields) >= 4 and match(fields):
-            return fields
-    return None
-
-
-def _image_file(lowers: tuple[Path, ...], path: str, limit: int = 1 << 20) -> bytes | None:
-    """A small regular file of the image as its layers stack it (top layer first; a whiteout ends
-    the search), read with no symlink followed: an image's ``/etc/passwd`` may be a link anywhere."""
-    for layer in reversed(lowers):
-        fd = -1
-        try:
-            fd = os.open(layer, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            parts = path.split("/")
-            for part in parts[:-1]:
-                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-                os.close(fd)
-                fd = nxt
-            st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
-            if stat.S_ISCHR(st.st_mode):
-                return None  # a whiteout: deleted in this layer
-            if not stat.S_ISREG(st.st_mode):
-                return None
-            f = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            try:
-                return os.read(f, limit)
-            finally:
-                os.close(f)
-        except OSError:
-            continue  # not in this layer (or not reachable without following a link)
-        finally:
-            if fd >= 0:
-                os.close(fd)
-    return None

@@ -14,7 +14,7 @@ from typing import Any
 
 from atropos.sandbox.contract.protocol import WorkspaceKind
 from atropos.sandbox.host.config import HostConfig
-from atropos.sandbox.host.images.host_images import ImageRoot
+from atropos.sandbox.host.images.image_root import ImageRoot
 from atropos.sandbox.host.isolation.bwrap import SandboxPaths
 from atropos.sandbox.host.isolation.cgroups import SlotCgroup
 from atropos.sandbox.host.workspace import WorkspaceError
