@@ -25,6 +25,7 @@ from atropos.sandbox.contract.protocol import (
 )
 from atropos.sandbox.host.config import HostConfig
 from atropos.sandbox.host.images.host_images import HostImages, ImageRoot
+from atropos.sandbox.host.inslot_bytecode import entry
 from atropos.sandbox.host.isolation.bwrap import (
     IMAGE_LIB_DIR,
     IMAGE_PRISTINE,
@@ -184,7 +185,8 @@ class Slot:
         if self.cfg.unsafe_no_isolation:
             sup_cfg.update(workspace=str(self.paths.workspace), run_dir=str(self.paths.run_dir),
                            isolated=False, env={**SANDBOX_ENV, "HOME": str(self.paths.workspace)})
-            return [self.cfg.python, "-I", "-S", str(self.paths.lib_dir / script), json.dumps(sup_cfg)]
+            return [self.cfg.python, "-I", "-S", str(self.paths.lib_dir / entry(self.paths.lib_dir, script)),
+                    json.dumps(sup_cfg)]
         paths = self.paths
         if self.ws.scratch:
             # every sandbox of the slot, the verifier's included, binds the slot's capped /tmp and
@@ -197,7 +199,7 @@ class Slot:
         argv[argv.index("-1")] = "{seccomp_fd}"
         if verifier:
             argv = verifier_bwrap(argv, self.paths)
-        return [*argv, self.cfg.python, "-I", "-S", f"{LIB_DIR}/{script}", json.dumps(sup_cfg)]
+        return [*argv, self.cfg.python, "-I", "-S", f"{LIB_DIR}/{entry(paths.lib_dir, script)}", json.dumps(sup_cfg)]
 
     def _image_argv(self, image: ImageRoot, extra: dict[str, Any], script: str, verifier: bool) -> list[str]:
         """A sandbox on the slot's image root (docs/task-images.md): the image's environment and
@@ -271,7 +273,7 @@ class Slot:
             await asyncio.to_thread(remove_tree, sock)
         exec_argv = [*tmux, "-D", "-S", f"{run_dir}/tmux.sock", "-f", f"{lib_dir}/tmux.conf"]
         self.terminal = await self._start({"exec": exec_argv, **extra}, f"slot {self.index} terminal",
-                                          protocol=False)
+                                          protocol=False, script="exec_program.py")
         # generous: a dead tmux is noticed at once (``alive``), so the deadline only bounds a slow
         # start, and on a starved machine tmux took over 5 s (the soak's "did not start" errors)
         deadline = time.monotonic() + 30.0
