@@ -441,6 +441,9 @@ class Slot:
             left = await asyncio.to_thread(self.cgroup.kill)
             if left:
                 raise RuntimeError(f"processes survived in the slot's cgroup {self.cgroup.main}: {left}")
+        drift = self.cgroup.drift()  # the cgroup outlives the lease: its caps must too
+        if drift:
+            raise RuntimeError(drift)
 
     async def _kill_uid(self) -> None:
         if self.uid is not None:
