@@ -19,7 +19,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
-from collections import Counter
+from collections import defaultdict
 from pathlib import Path
 
 from benchmarks.common import process_tree
@@ -82,8 +82,6 @@ class PerfTree:
         self._proc.wait(timeout=60)
         script = subprocess.run(["perf", "script", "-i", str(self._dir / "perf.data"), "--show-task-events",
                                  "-F", "comm,pid,tid,time"], capture_output=True, text=True, timeout=300).stdout
-        if os.environ.get("PERF_TREE_DUMP"):
-            Path(os.environ["PERF_TREE_DUMP"]).write_text(script)
         shutil.rmtree(self._dir, ignore_errors=True)
         return attribute(script.splitlines(), self._roots, 1.0 / FREQ, self._seed)
 
@@ -103,7 +101,7 @@ def attribute(lines: list[str], roots: dict[int, str], period_s: float,
     parent = {pid: v[0] for pid, v in seed.items()}
     name = {pid: v[1] for pid, v in seed.items()}
     owner = {pid: v[2] for pid, v in seed.items()} | roots  # pid -> the label of the tree it belongs to
-    out: Counter[str] = Counter()
+    out: dict[str, float] = defaultdict(float)
     for line in lines:
         m = _SAMPLE.match(line)
         if m is None:
