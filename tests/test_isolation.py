@@ -38,6 +38,7 @@ from conftest import HOST_WORKSPACE_BYTES, LeasedSlot, RunningHost, slot_path, s
 
 from atropos.errors import LeaseError
 from atropos.sandbox.contract.protocol import CallResult, ToolCall
+from atropos.sandbox.host.inslot_bytecode import COMPILED_ENTRIES
 from atropos.sandbox.inslot import LIB_FILES
 from tests.docker_host import DockerHost, in_docker, start_docker_host, stop_docker_host
 from tests.pool_backends import BACKENDS, DOCKER_IMAGE, require_docker
@@ -48,6 +49,8 @@ x86_64 = pytest.mark.skipif(platform.machine() != "x86_64", reason="raw x86_64 s
 
 NPROC = 256  # Limits().nproc default
 FSIZE = 1 << 30  # Limits().file_size_bytes default
+# what the host puts in its lib dir: the in-slot programs, tmux's config and their bytecode
+LIB_LISTING = sorted([*LIB_FILES, "tmux.conf", "__pycache__", *(f"{e}c" for e in COMPILED_ENTRIES)])
 SHM, TMP = 64 << 20, 256 << 20
 WORKSPACE_CAP, WORKSPACE_INODES = HOST_WORKSPACE_BYTES, 1 << 18  # the session host's cap; default inodes
 
@@ -462,18 +465,26 @@ async def test_shared_lib_etc_usr_read_only(slot: LeasedSlot, host: RunningHost)
               host.data_dir / "lib" / "inslot_common.py", host.data_dir / "lib" / "verifier.py",
               host.data_dir / "lib" / "tmux.conf", host.data_dir / "etc" / "passwd", host.data_dir / "etc" / "hosts"]
     hashes = {p: sha(p) for p in shared}
+    # the host's bytecode of the in-slot programs (atropos/sandbox/host/inslot_bytecode.py) is there
+    # too: planted or altered bytecode would run in every later sandbox of the host
+    cache = host.data_dir / "lib" / "__pycache__"
+    compiled = [*(host.data_dir / "lib" / f"{e}c" for e in COMPILED_ENTRIES), *sorted(cache.iterdir())]
+    assert len(compiled) == len(LIB_FILES) + len(COMPILED_ENTRIES)
+    shared += compiled
+    hashes = {p: sha(p) for p in shared}
     out = await slot.sh(
         "for f in /run/atropos/supervisor.py /run/atropos/session.py /run/atropos/inslot_common.py "
-        "/run/atropos/verifier.py "
+        "/run/atropos/verifier.py /run/atropos/supervisor.pyc /run/atropos/__pycache__/*.pyc "
         "/run/atropos/tmux.conf /etc/passwd "
         "/etc/hosts /etc/group "
         "/usr/bin/bash; do echo x >> $f && echo WROTE:$f; done; "
-        "touch /run/atropos/new /usr/new /etc/new && echo CREATED; "
-        "rm -f /run/atropos/supervisor.py && echo REMOVED; echo end"
+        "touch /run/atropos/new /run/atropos/__pycache__/new.cpython-311.pyc /usr/new /etc/new && echo CREATED; "
+        "rm -f /run/atropos/supervisor.py /run/atropos/supervisor.pyc && echo REMOVED; echo end"
     )
     assert out["stdout"] == "end\n", out
     assert {p: sha(p) for p in shared} == hashes
-    assert sorted(os.listdir(host.data_dir / "lib")) == sorted([*LIB_FILES, "tmux.conf"])
+    assert sorted(os.listdir(host.data_dir / "lib")) == LIB_LISTING
+    assert sorted(p.name for p in cache.iterdir()) == sorted(p.name for p in compiled[len(COMPILED_ENTRIES):])
 
 
 # =================================================================================================
@@ -1258,7 +1269,7 @@ async def test_r42_reset_after_symlinks_to_host(slot: LeasedSlot, host: RunningH
         assert await wait_until(lambda: not any(trash.iterdir())), list(trash.iterdir())
         assert (sentinel / "sub" / "keep.txt").read_text() == "keep", "reset deleted through a symlink"
         assert sha(sup) == sup_hash and Path("/etc/passwd").exists()
-        assert sorted(os.listdir(host.data_dir / "lib")) == sorted([*LIB_FILES, "tmux.conf"])
+        assert sorted(os.listdir(host.data_dir / "lib")) == LIB_LISTING
         assert (await slot.sh("echo fresh"))["stdout"] == "fresh\n"
     finally:
         shutil.rmtree(sentinel, ignore_errors=True)

@@ -57,6 +57,7 @@ from atropos.sandbox.host.host_setup import (
     setup_cgroups,
 )
 from atropos.sandbox.host.images.host_images import HostImages
+from atropos.sandbox.host.inslot_bytecode import compile_lib
 from atropos.sandbox.host.isolation import seccomp
 from atropos.sandbox.host.isolation.cgroups import SlotCgroups
 from atropos.sandbox.host.isolation.network import DNS as SLIRP_DNS
@@ -171,6 +172,7 @@ class SandboxHost:
         for script in LIB_FILES:
             _write(lib / script, resources.files("atropos.sandbox.inslot").joinpath(script).read_bytes())
         _write(lib / "tmux.conf", TMUX_CONF.encode())
+        compile_lib(self.cfg.python, lib, LIB_FILES)  # once here, not at every sandbox start
         etc = root / "etc"
         os.chmod(etc, 0o755)
         _write(etc / "passwd", b"sandbox:x:1000:1000:sandbox:/workspace:/bin/bash\n"

@@ -26,6 +26,7 @@ from atropos.sandbox.contract.protocol import (
 from atropos.sandbox.host.config import HostConfig
 from atropos.sandbox.host.images.host_images import HostImages
 from atropos.sandbox.host.images.image_root import ImageRoot
+from atropos.sandbox.host.inslot_bytecode import entry
 from atropos.sandbox.host.isolation.bwrap import (
     IMAGE_LIB_DIR,
     IMAGE_PRISTINE,
@@ -185,7 +186,8 @@ class Slot:
         if self.cfg.unsafe_no_isolation:
             sup_cfg.update(workspace=str(self.paths.workspace), run_dir=str(self.paths.run_dir),
                            isolated=False, env={**SANDBOX_ENV, "HOME": str(self.paths.workspace)})
-            return [self.cfg.python, "-I", "-S", str(self.paths.lib_dir / script), json.dumps(sup_cfg)]
+            return [self.cfg.python, "-I", "-S", str(self.paths.lib_dir / entry(self.paths.lib_dir, script)),
+                    json.dumps(sup_cfg)]
         paths = self.paths
         if self.ws.scratch:
             # every sandbox of the slot, the verifier's included, binds the slot's capped /tmp and
@@ -198,7 +200,7 @@ class Slot:
         argv[argv.index("-1")] = "{seccomp_fd}"
         if verifier:
             argv = verifier_bwrap(argv, self.paths)
-        return [*argv, self.cfg.python, "-I", "-S", f"{LIB_DIR}/{script}", json.dumps(sup_cfg)]
+        return [*argv, self.cfg.python, "-I", "-S", f"{LIB_DIR}/{entry(paths.lib_dir, script)}", json.dumps(sup_cfg)]
 
     def _image_argv(self, image: ImageRoot, extra: dict[str, Any], script: str, verifier: bool) -> list[str]:
         """A sandbox on the slot's image root (docs/task-images.md): the image's environment and
@@ -216,8 +218,10 @@ class Slot:
                                 network=self.network and not verifier, seccomp_fd=-1, private_net=self.private_net,
                                 env=env, uid=image.user_ids(), verifier=verifier)
         argv[argv.index("-1")] = "{seccomp_fd}"
-        python = ["python3"] if script == "session.py" else list(host_program(self.cfg.python))
-        return [*argv, *python, "-I", "-S", f"{IMAGE_LIB_DIR}/{script}", json.dumps(sup_cfg)]
+        if script == "session.py":  # the image's interpreter: the host's bytecode is not for it
+            return [*argv, "python3", "-I", "-S", f"{IMAGE_LIB_DIR}/{script}", json.dumps(sup_cfg)]
+        return [*argv, *host_program(self.cfg.python), "-I", "-S", f"{IMAGE_LIB_DIR}/{entry(paths.lib_dir, script)}",
+                json.dumps(sup_cfg)]
 
     async def _start(self, extra: dict[str, Any], label: str, protocol: bool = True,
                      script: str = "supervisor.py", verifier: bool = False) -> SandboxProcess:
@@ -272,7 +276,7 @@ class Slot:
             await asyncio.to_thread(remove_tree, sock)
         exec_argv = [*tmux, "-D", "-S", f"{run_dir}/tmux.sock", "-f", f"{lib_dir}/tmux.conf"]
         self.terminal = await self._start({"exec": exec_argv, **extra}, f"slot {self.index} terminal",
-                                          protocol=False)
+                                          protocol=False, script="exec_program.py")
         # generous: a dead tmux is noticed at once (``alive``), so the deadline only bounds a slow
         # start, and on a starved machine tmux took over 5 s (the soak's "did not start" errors)
         deadline = time.monotonic() + 30.0
@@ -440,6 +444,9 @@ class Slot:
             left = await asyncio.to_thread(self.cgroup.kill)
             if left:
                 raise RuntimeError(f"processes survived in the slot's cgroup {self.cgroup.main}: {left}")
+        drift = self.cgroup.drift()  # the cgroup outlives the lease: its caps must too
+        if drift:
+            raise RuntimeError(drift)
 
     async def _kill_uid(self) -> None:
         if self.uid is not None:

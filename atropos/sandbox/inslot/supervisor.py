@@ -55,7 +55,6 @@ if TYPE_CHECKING:
     from atropos.sandbox.inslot.inslot_warm import BASH, WARM_KINDS, Child, WarmInterpreter
 else:  # run from the host's lib dir, beside inslot.py (isolated mode: the dir is not on sys.path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from inslot_archive import archive
     from inslot_common import (
         Capture,
         apply_limits,
@@ -67,9 +66,21 @@ else:  # run from the host's lib dir, beside inslot.py (isolated mode: the dir i
         serve,
     )
     from inslot_files import SlotFiles, ToolFailure
-    from inslot_terminal import run_terminal
     from inslot_warm import BASH, WARM_KINDS, Child, WarmInterpreter
     del sys.path[0]
+
+
+def _sibling(name: str) -> Any:
+    """A module of the lib dir imported on first use: the archive and terminal tools (tarfile, the
+    compressors, tmux's driver) cost every sandbox's start-up but serve few leases."""
+    module = sys.modules.get(name)
+    if module is None:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        try:
+            module = __import__(name)
+        finally:
+            del sys.path[0]
+    return module
 
 
 class Supervisor:
@@ -301,7 +312,9 @@ class Supervisor:
 
     # -- tools -----------------------------------------------------------------------------
     def archive(self, req: dict[str, Any]) -> dict[str, Any]:
-        return archive(self.files, req)
+        if TYPE_CHECKING:
+            return archive(self.files, req)
+        return _sibling("inslot_archive").archive(self.files, req)
 
     # -- terminal --------------------------------------------------------------------------
     def terminal(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -309,8 +322,9 @@ class Supervisor:
         # ours, and counting can go on from the last one (new interpreters start when idle).
         self.clean_slate()
         try:
-            return run_terminal(req, self.files.cwd or self.workspace, self.run_dir, self.env,
-                                self.cfg.get("tmux"), self.cfg.get("terminal_shell"))
+            run = run_terminal if TYPE_CHECKING else _sibling("inslot_terminal").run_terminal
+            return run(req, self.files.cwd or self.workspace, self.run_dir, self.env, self.cfg.get("tmux"),
+                       self.cfg.get("terminal_shell"))
         finally:
             if self.isolated:
                 self.mark = ns_last_pid()
@@ -388,15 +402,6 @@ def main() -> None:
     cfg = json.loads(sys.argv[1])
     rfd, wfd = protocol_fds()
     apply_limits(cfg.get("limits", {}))
-    if cfg.get("exec"):  # the terminal's tmux: Python's own ignores would outlive the exec
-        for sig in (signal.SIGPIPE, signal.SIGXFSZ):
-            signal.signal(sig, signal.SIG_DFL)
-        if cfg.get("cwd"):  # an image's WorkingDir: where the terminal's shell starts
-            try:
-                os.chdir(cfg["cwd"])
-            except OSError:
-                pass
-        os.execvpe(cfg["exec"][0], cfg["exec"], dict(cfg.get("env", {})))
     cloexec_all()  # what bwrap handed us stays here: interpreters are spawned without a close-all
     sup = Supervisor(cfg)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)

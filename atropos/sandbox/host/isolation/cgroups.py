@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from atropos.errors import CgroupUnavailable as CgroupUnavailable  # defined there since issue 18
@@ -65,6 +65,9 @@ class SlotCgroup:
     name: str
     version: int
     dirs: dict[str, Path]  # controller (or "" on v2) -> directory
+    # The caps as the kernel reported them once applied: the cgroup lives as long as its slot (made
+    # once, emptied at every reset), so every reset checks they still hold (``drift``).
+    applied: dict[str, str] = field(default_factory=dict)
 
     @property
     def procs_files(self) -> list[str]:
@@ -111,6 +114,18 @@ class SlotCgroup:
         return {"memory": read_file(self.dirs["memory"] / "memory.limit_in_bytes").strip(),
                 "pids": read_file(self.dirs["pids"] / "pids.max").strip(),
                 "cpu": read_file(self.dirs["cpu"] / "cpu.cfs_quota_us").strip()}
+
+    def drift(self) -> str:
+        """What differs from the caps applied when the slot was made ('' when they all hold, or when
+        none were recorded); a cgroup directory that is gone reads as a drift too."""
+        if not self.applied:
+            return ""
+        try:
+            now = self.caps_in_force()
+        except OSError as exc:
+            return f"cgroup {self.main} unreadable: {exc}"
+        changed = [f"{k} {was} -> {now.get(k, 'missing')}" for k, was in self.applied.items() if now.get(k) != was]
+        return f"caps of cgroup {self.main} changed: {', '.join(changed)}" if changed else ""
 
     def memory_bytes(self) -> int:
         """Memory charged to the slot now (RSS, page cache, tmpfs and memfd pages, kernel memory)."""
@@ -232,6 +247,7 @@ class SlotCgroups:
         if survivors:
             raise CgroupUnavailable(f"cgroup {cg.main} still holds processes {survivors} left by an earlier host")
         cg.apply(caps)
+        cg.applied = cg.caps_in_force()
         self.slots[name] = cg
         return cg
 
