@@ -45,14 +45,23 @@ pytestmark = pytest.mark.skipif(not _docker_ok(), reason=f"needs the Docker engi
 
 
 
-@pytest.fixture(scope="module")
-def roots_image(tmp_path_factory: pytest.TempPathFactory) -> str:
-    tag = f"atropos-test/image-roots:{hashlib.sha256(DOCKERFILE.encode()).hexdigest()[:12]}"
+def built(name: str, dockerfile: str, tmp_path_factory: pytest.TempPathFactory, files: dict[str, str] | None = None
+          ) -> str:
+    """``atropos-test/NAME:<hash of its recipe>``, built here unless the engine has it."""
+    key = hashlib.sha256((dockerfile + repr(sorted((files or {}).items()))).encode()).hexdigest()[:12]
+    tag = f"atropos-test/{name}:{key}"
     if subprocess.run(["docker", "image", "inspect", tag], capture_output=True).returncode != 0:
-        ctx = tmp_path_factory.mktemp("ctx")
-        (ctx / "Dockerfile").write_text(DOCKERFILE)
+        ctx = tmp_path_factory.mktemp(name)
+        (ctx / "Dockerfile").write_text(dockerfile)
+        for path, text in (files or {}).items():
+            (ctx / path).write_text(text)
         subprocess.run(["docker", "build", "-q", "-t", tag, str(ctx)], check=True, capture_output=True, timeout=600)
     return tag
+
+
+@pytest.fixture(scope="module")
+def roots_image(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return built("image-roots", DOCKERFILE, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -316,12 +325,7 @@ RUN rm -rf /tmp && ln -s /etc /tmp && ln -s / /.atropos && ln -s /proc/1/root /p
 
 @pytest.fixture(scope="module")
 def hostile_image(tmp_path_factory: pytest.TempPathFactory) -> str:
-    tag = f"atropos-test/image-roots-hostile:{hashlib.sha256(HOSTILE.encode()).hexdigest()[:12]}"
-    if subprocess.run(["docker", "image", "inspect", tag], capture_output=True).returncode != 0:
-        ctx = tmp_path_factory.mktemp("hostile")
-        (ctx / "Dockerfile").write_text(HOSTILE)
-        subprocess.run(["docker", "build", "-q", "-t", tag, str(ctx)], check=True, capture_output=True, timeout=600)
-    return tag
+    return built("image-roots-hostile", HOSTILE, tmp_path_factory)
 
 
 async def test_a_hostile_image_gets_nothing(image_host: RunningHost, hostile_image: str) -> None:
@@ -396,14 +400,8 @@ async def test_the_store_keeps_its_budget_and_never_evicts_an_image_in_use(
     from atropos.sandbox.host.images.host_images import HostImages
 
     small = task_image("nopython")  # a few MB: the test unpacks it into a store of its own
-    refs = []
-    for name in ("a", "b"):
-        ctx = tmp_path_factory.mktemp(f"budget-{name}")
-        (ctx / "f").write_text(name * 4096)
-        (ctx / "Dockerfile").write_text(f"FROM {small}\nCOPY f /{name}\n")
-        tag = f"atropos-test/budget-{name}:{hashlib.sha256((small + name).encode()).hexdigest()[:12]}"
-        subprocess.run(["docker", "build", "-q", "-t", tag, str(ctx)], check=True, capture_output=True, timeout=600)
-        refs.append(tag)
+    refs = [built(f"budget-{name}", f"FROM {small}\nCOPY f /{name}\n", tmp_path_factory, {"f": name * 4096})
+            for name in ("a", "b")]
     store = tmp_path / "store"
     one, two = HostImages(store, budget_bytes=1 << 40), HostImages(store, budget_bytes=1)
     a = await one.get(refs[0])  # host one holds a
@@ -517,11 +515,7 @@ async def test_an_image_user_other_than_root(image_host: RunningHost, tmp_path_f
     """``USER agent``: the slot runs as that uid and group inside (its files its own, root's not
     writable), with its home, as docker run does; outside it is still the slot's uid. (Files of the
     image's root show as nobody to it: one uid is mapped; docs/task-images.md.)"""
-    tag = f"atropos-test/image-roots-user:{hashlib.sha256(USER_IMAGE.encode()).hexdigest()[:12]}"
-    if subprocess.run(["docker", "image", "inspect", tag], capture_output=True).returncode != 0:
-        ctx = tmp_path_factory.mktemp("user")
-        (ctx / "Dockerfile").write_text(USER_IMAGE)
-        subprocess.run(["docker", "build", "-q", "-t", tag, str(ctx)], check=True, capture_output=True, timeout=600)
+    tag = built("image-roots-user", USER_IMAGE, tmp_path_factory)
     async with image_slot(image_host, tag) as slot:
         for command in ["id -u; id -g; id -un; echo $HOME; pwd", "echo more >> /work/f && cat /work/f",
                         "touch /etc/x 2>/dev/null; echo $?", "stat -c '%U %a' /work /home/agent",

@@ -63,8 +63,11 @@ class HostImages:
         self.store = LayerStore(root)
         owned_dir(root / "images", 0o700)
         self.docker_socket = docker_socket
-        self.images: dict[str, ImageRoot] = {}  # by image id
+        # by reference: a slot reports the name it was asked for; two names of one image share its
+        # layers (and each holds a pin on it)
+        self.images: dict[str, ImageRoot] = {}
         self.refs: dict[str, str] = {}  # reference -> image id, as last seen
+        self._retired: list[ImageRoot] = []  # a name that moved to another image, still under a slot
         self._locks: dict[str, asyncio.Lock] = {}
 
     def _record(self, image_id: str) -> Path:
@@ -96,10 +99,12 @@ class HostImages:
         lock = self._locks.setdefault(reference, asyncio.Lock())
         async with lock:
             image_id = await asyncio.to_thread(self._current_id, reference)
-            root = self.images.get(image_id)
-            if root is None:
-                root = await asyncio.to_thread(self._load_or_import, reference, image_id)
-                self.images[image_id] = root
+            root = self.images.get(reference)
+            if root is None or root.image_id != image_id:
+                fresh = await asyncio.to_thread(self._load_or_import, reference, image_id)
+                if root is not None:
+                    self._retire(root)  # the name moved to a rebuilt image
+                root = self.images[reference] = fresh
             elif time.monotonic() - root.last_used > 60:
                 with contextlib.suppress(OSError):
                     os.utime(self._record(image_id))  # (at most once a minute per image)
@@ -122,6 +127,8 @@ class HostImages:
                 self.trim()
             with contextlib.suppress(OSError):
                 os.utime(self._record(image_id))  # its last use, for the least-recently-used order
+            if root.config.reference != reference:  # recorded under another name of the same image
+                root = ImageRoot(image_id, root.config.model_copy(update={"reference": reference}), root.lowers)
             root.pin_fd = fd
             return root
         except BaseException:
@@ -137,12 +144,21 @@ class HostImages:
         finally:
             os.close(fd)
 
+    def _retire(self, root: ImageRoot) -> None:
+        if root.users:
+            self._retired.append(root)  # unpinned once no slot is on it (``_drop_idle``)
+        else:
+            self._unpin(root)
+
     def _drop_idle(self) -> None:
         now = time.monotonic()
-        for image_id, root in list(self.images.items()):
+        for reference, root in list(self.images.items()):
             if not root.users and now - root.last_used > IDLE_S:
                 self._unpin(root)
-                del self.images[image_id]
+                del self.images[reference]
+        for root in [r for r in self._retired if not r.users]:
+            self._unpin(root)
+            self._retired.remove(root)
 
     def disk_bytes(self) -> int:
         """Disk used by the store's layers (what the budget counts)."""
@@ -209,11 +225,13 @@ class HostImages:
         lock = self._locks.setdefault(reference, asyncio.Lock())
         async with lock:
             imported = await asyncio.to_thread(self._add_archive, archive, reference)
-            root = self.images.get(imported.image_id)
-            if root is None:
-                root = self.images[imported.image_id] = imported
-            else:
+            root = self.images.get(reference)
+            if root is not None and root.image_id == imported.image_id:
                 self._unpin(imported)  # pinned already, by the table's entry
+            else:
+                if root is not None:
+                    self._retire(root)
+                root = self.images[reference] = imported
             self.refs[reference] = root.image_id
             root.last_used = time.monotonic()
             self._drop_idle()
