@@ -19,7 +19,7 @@ from typing import Any
 
 from atropos.backends.base import Backend
 from atropos.errors import AtroposSandboxError, GroupTooLarge, HostUnavailable, LeaseError, SlotUnavailable
-from atropos.sandbox.contract.protocol import ImageInfo
+from atropos.sandbox.contract.protocol import ImageInfo, ResetResult
 from atropos.slots.audit import LeaseAudit
 from atropos.slots.background import Background
 from atropos.slots.config import PoolConfig
@@ -206,22 +206,8 @@ class SlotPool:
             raise
 
     async def _reset_back(self, host: PoolHost, lease: Lease) -> None:
-        keep = lease.image  # a fresh root of the same image, prewarmed: the next lease of it starts at once
         try:
-            # network=False: a free slot never keeps the network a previous lease had.
-            try:
-                result = await host.guard(host.client.reset(lease.slot, lease.token, network=False,
-                                                            trajectory_id=f"pool:{self.cfg.pool_id}", image=keep))
-            except (HostUnavailable, LeaseError):
-                raise
-            except AtroposSandboxError as exc:
-                if keep is None:
-                    raise
-                # the image cannot be had any more (untagged, evicted): the default root then
-                log.info("release of %r keeps no image root (%s)", lease, exc)
-                keep = None
-                result = await host.guard(host.client.reset(lease.slot, lease.token, network=False,
-                                                            trajectory_id=f"pool:{self.cfg.pool_id}"))
+            result, keep = await self._release_reset(host, lease)
         except HostUnavailable:
             self.fleet.suspect(host)
             return
@@ -233,6 +219,23 @@ class SlotPool:
             self.queue._grant_waiters()
         else:
             self.quarantine(host, lease.slot, result.detail)
+
+    async def _release_reset(self, host: PoolHost, lease: Lease) -> tuple[ResetResult, str | None]:
+        """The release's reset, to a fresh root of the lease's image (prewarmed: the next lease of it
+        starts at once), or to the default root when the image cannot be had any more (untagged,
+        evicted). network=False: a free slot never keeps the network a previous lease had."""
+        def reset(image: str | None) -> Awaitable[ResetResult]:
+            return host.guard(host.client.reset(lease.slot, lease.token, network=False,
+                                                trajectory_id=f"pool:{self.cfg.pool_id}", image=image))
+
+        if lease.image is not None:
+            try:
+                return await reset(lease.image), lease.image
+            except (HostUnavailable, LeaseError):
+                raise
+            except AtroposSandboxError as exc:
+                log.info("release of %r keeps no image root (%s)", lease, exc)
+        return await reset(None), None
 
     def quarantine(self, host: PoolHost, slot: int, why: str) -> None:
         """Count a slot that failed its reset: it never returns to the free list."""

@@ -57,6 +57,7 @@ from atropos.sandbox.host.host_setup import (
     setup_cgroups,
 )
 from atropos.sandbox.host.images.host_images import HostImages
+from atropos.sandbox.host.images.image_root import ImageRoot
 from atropos.sandbox.host.inslot_bytecode import compile_lib
 from atropos.sandbox.host.isolation import seccomp
 from atropos.sandbox.host.isolation.cgroups import SlotCgroups
@@ -306,8 +307,7 @@ class SandboxHost:
         """Import ``reference`` into the layer store now (a later lease of it starts without waiting)."""
         t0 = time.perf_counter()
         image = await self.images.get(reference)
-        return ImageInfo(reference=image.reference, id=image.image_id, layers=len(image.lowers),
-                         slots=sorted(image.users), duration_ms=round((time.perf_counter() - t0) * 1000, 3))
+        return _image_info(image, t0)
 
     async def derive_image(self, index: int, lease: str) -> ImageInfo:
         """A new image of a leased image-rooted slot's root as it is now (a group's setup done once):
@@ -319,8 +319,7 @@ class SandboxHost:
             self.check_lease(slot, lease)
             image = await slot.derive_image(self.images)
         self._schedule_trash()
-        return ImageInfo(reference=image.reference, id=image.image_id, layers=len(image.lowers),
-                         slots=sorted(image.users), duration_ms=round((time.perf_counter() - t0) * 1000, 3))
+        return _image_info(image, t0)
 
     async def upload_image(self, stream: AsyncIterable[bytes], reference: str) -> ImageInfo:
         """Import an uploaded ``docker save`` archive under ``reference``: how a host with no engine
@@ -335,14 +334,12 @@ class SandboxHost:
             image = await self.images.add_archive(spool, reference)
         finally:
             spool.unlink(missing_ok=True)
-        return ImageInfo(reference=reference, id=image.image_id, layers=len(image.lowers),
-                         slots=sorted(image.users), duration_ms=round((time.perf_counter() - t0) * 1000, 3))
+        return _image_info(image, t0, reference)
 
     def held_images(self) -> list[ImageInfo]:
         if self._images is None:
             return []
-        return [ImageInfo(reference=r.reference, id=r.image_id, layers=len(r.lowers), slots=sorted(r.users))
-                for r in self._images.images.values()]
+        return [_image_info(r) for r in self._images.images.values()]
 
     async def reset(self, index: int, req: ResetRequest, *, keep: bool) -> ResetResult:
         """Reset a leased slot; ``keep`` leaves it leased (to a fresh token), else it is freed."""
@@ -604,3 +601,10 @@ def session_lost_result(exc: SessionLost, timeout: float, grace: float) -> dict[
         "stdout_bytes": 0, "stderr_bytes": 0, "stdout_truncated": False, "stderr_truncated": False,
         "execution_count": 0, "duration_ms": 0.0,
     }
+
+
+def _image_info(image: ImageRoot, t0: float | None = None, reference: str | None = None) -> ImageInfo:
+    """What the host says of an image it holds (``t0``: when the request that got it began)."""
+    return ImageInfo(reference=reference or image.reference, id=image.image_id, layers=len(image.lowers),
+                     slots=sorted(image.users),
+                     duration_ms=0.0 if t0 is None else round((time.perf_counter() - t0) * 1000, 3))

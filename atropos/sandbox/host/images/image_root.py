@@ -30,6 +30,7 @@ class ImageRoot:
     users: set[int] = field(default_factory=set)  # slots whose root is this image now
     pin_fd: int | None = None  # the shared lock that keeps other hosts from evicting it (see module doc)
     _ids: tuple[int, int] | None = None
+    _env: dict[str, str] | None = None
 
     @property
     def reference(self) -> str:
@@ -37,7 +38,13 @@ class ImageRoot:
 
     def env(self) -> dict[str, str]:
         """The environment of every process of the slot, as ``docker run`` gives it (without
-        ``-t``): the image's ``Env`` over a default ``PATH``, ``HOME`` of root unless set."""
+        ``-t``): the image's ``Env`` over a default ``PATH``, ``HOME`` the user's unless set. Made
+        once (it reads the image's passwd from the layers); a copy each call."""
+        if self._env is None:
+            self._env = self._make_env()
+        return dict(self._env)
+
+    def _make_env(self) -> dict[str, str]:
         env = {"PATH": DOCKER_DEFAULT_PATH, "HOSTNAME": "sandbox"}
         for item in self.config.env:
             key, sep, value = item.partition("=")

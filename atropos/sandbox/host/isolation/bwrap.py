@@ -42,6 +42,20 @@ class SandboxPaths:
     shm: Path | None = None
 
 
+# Every slot sandbox: its own namespaces of every kind (a user namespace it cannot nest), dies with
+# its starter, no controlling terminal, no capability.
+NAMESPACES = ("--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+              "--cap-drop", "ALL")
+
+
+def _scratch(paths: SandboxPaths, limits: Limits) -> list[str]:
+    """/dev/shm and /tmp: the slot's capped tmpfs mounts, else bubblewrap's own (capped in size only)."""
+    return [*(["--bind", str(paths.shm), "/dev/shm"] if paths.shm is not None else
+              ["--size", str(limits.shm_bytes), "--perms", "1777", "--tmpfs", "/dev/shm"]),
+            *(["--bind", str(paths.tmp), "/tmp"] if paths.tmp is not None else
+              ["--size", str(limits.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"])]
+
+
 def bwrap_argv(bwrap: str, paths: SandboxPaths, limits: Limits, *, network: bool, seccomp_fd: int,
                private_net: bool = False) -> list[str]:
     """Arguments that start a hardened sandbox; the command to run inside is appended by the caller.
@@ -55,8 +69,7 @@ def bwrap_argv(bwrap: str, paths: SandboxPaths, limits: Limits, *, network: bool
     """
     argv = [
         bwrap,
-        "--unshare-all", "--unshare-user", "--disable-userns",
-        "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+        *NAMESPACES,
         "--ro-bind", "/usr", "/usr",
         "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
         "--symlink", "usr/lib64", "/lib64", "--symlink", "usr/sbin", "/sbin",
@@ -75,10 +88,7 @@ def bwrap_argv(bwrap: str, paths: SandboxPaths, limits: Limits, *, network: bool
         "--chdir", WORKSPACE,
         "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
         "--dev", "/dev",
-        *(["--bind", str(paths.shm), "/dev/shm"] if paths.shm is not None else
-          ["--size", str(limits.shm_bytes), "--perms", "1777", "--tmpfs", "/dev/shm"]),
-        *(["--bind", str(paths.tmp), "/tmp"] if paths.tmp is not None else
-          ["--size", str(limits.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"]),
+        *_scratch(paths, limits),
         "--clearenv",
         "--uid", "1000", "--gid", "1000", "--hostname", "sandbox",
         "--seccomp", str(seccomp_fd),
@@ -128,15 +138,11 @@ def image_bwrap_argv(bwrap: str, root: Path, paths: SandboxPaths, limits: Limits
     argv = [
         bwrap,
         *(["--as-pid-1"] if verifier else []),
-        "--unshare-all", "--unshare-user", "--disable-userns",
-        "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+        *NAMESPACES,
         "--bind", str(root), "/",
         "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
         "--dev", "/dev",
-        *(["--bind", str(paths.shm), "/dev/shm"] if paths.shm is not None else
-          ["--size", str(limits.shm_bytes), "--perms", "1777", "--tmpfs", "/dev/shm"]),
-        *(["--bind", str(paths.tmp), "/tmp"] if paths.tmp is not None else
-          ["--size", str(limits.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"]),
+        *_scratch(paths, limits),
         *(["--size", "4096", "--tmpfs", IMAGE_RUN_DIR] if verifier else []),
         # "/": the image's WorkingDir is the supervisor's to enter (the slot's root user may have
         # removed it; a start must not fail for that)
