@@ -48,6 +48,17 @@ wheels=("$dist"/*.whl)
 [[ ${#wheels[@]} -eq 1 && -f "${wheels[0]}" ]] || die "expected exactly one wheel in $dist"
 wheel="${wheels[0]}"
 say "wheel: $(basename "$wheel")"
+# slotd, the compiled supervisor (docs/native-supervisor.md): static, built here once (cached by its
+# source's hash), so the image needs no compiler; without one the image's slots run the Python supervisor.
+if ATROPOS_SLOTD="" "$py" -c 'import shutil, sys
+from atropos.sandbox.host import slotd_build
+built = slotd_build.build()
+sys.exit(1) if built is None else shutil.copyfile(built, sys.argv[1])' "$dist/slotd"; then
+    chmod 0755 "$dist/slotd"
+    say "slotd built into the image's context"
+else
+    say "WARNING: slotd did not build (no C compiler?): the image's slots run the Python supervisor"
+fi
 
 # --- 2. engine ---------------------------------------------------------------------------------------
 bash "$repo/scripts/docker_engine.sh"
@@ -84,7 +95,8 @@ with zipfile.ZipFile(sys.argv[1]) as z:
 print(h.hexdigest())
 EOF
 )"
-build_hash="$(printf '%s\n' "$wheel_hash" "$(sha256sum <"$ctx/Dockerfile")" "$base_id" | sha256sum | cut -c1-32)"
+slotd_hash="$(sha256sum <"$dist/slotd" 2>/dev/null || echo none)"
+build_hash="$(printf '%s\n' "$wheel_hash" "$(sha256sum <"$ctx/Dockerfile")" "$base_id" "$slotd_hash" | sha256sum | cut -c1-32)"
 
 report_size() {
     local size

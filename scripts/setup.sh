@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 
 say() { printf '[setup] %s\n' "$*" >&2; }
 
-APT_PACKAGES=(bubblewrap slirp4netns tmux libseccomp2 git procps util-linux ca-certificates python3 python3-venv)
+# gcc, libc6-dev: slotd, the compiled slot supervisor (docs/native-supervisor.md), is built once per machine
+APT_PACKAGES=(bubblewrap slirp4netns tmux libseccomp2 git procps util-linux ca-certificates python3 python3-venv gcc libc6-dev)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

@@ -833,8 +833,8 @@ def _sandbox_supervisors(host_pid: int, workspace_marker: str) -> list[int]:
 
     bwraps = [p for p, cmd in snap.processes if cmd.startswith("/usr/bin/bwrap") and workspace_marker in cmd
               and under(p, host_pid)]
-    return [p for p, cmd in snap.processes if not cmd.startswith("/usr/bin/bwrap") and "supervisor.py" in cmd
-            and any(under(p, b) for b in bwraps)]
+    return [p for p, cmd in snap.processes if not cmd.startswith("/usr/bin/bwrap")
+            and ("supervisor.py" in cmd or cmd.startswith("/run/atropos/slotd")) and any(under(p, b) for b in bwraps)]
 
 
 async def test_a_frozen_sandbox_is_an_infrastructure_error_not_an_observation() -> None:

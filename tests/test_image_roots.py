@@ -124,6 +124,17 @@ async def test_tools_behave_as_in_docker_run(image_host: RunningHost, roots_imag
             assert (result["exit_code"], result["stdout"]) == (code, want), command
 
 
+async def test_an_image_slot_runs_commands_with_slotd(image_host: RunningHost, roots_image: str) -> None:
+    """The compiled supervisor (docs/native-supervisor.md) serves an image root too: static, it needs
+    nothing of the image; the commands start in the image's WorkingDir as docker run's do."""
+    async with image_slot(image_host, roots_image) as slot:
+        await slot.sh("true")
+        out = await slot.sh("tr '\\0' ' ' < /proc/2/cmdline; echo; pwd")
+        assert out["stdout"] == "/.atropos/lib/slotd \n/testbed\n", out
+        assert (await slot.ok("read_file", path="a.txt"))["content"] == "original\n"  # the Python supervisor now
+        assert "supervisor.py" in (await slot.sh("tr '\\0' ' ' < /proc/2/cmdline"))["stdout"]
+
+
 async def test_file_tools_see_the_same_root(image_host: RunningHost, roots_image: str) -> None:
     async with image_slot(image_host, roots_image) as slot:
         assert (await slot.ok("read_file", path="/testbed/a.txt"))["content"] == "original\n"

@@ -50,7 +50,7 @@ x86_64 = pytest.mark.skipif(platform.machine() != "x86_64", reason="raw x86_64 s
 NPROC = 256  # Limits().nproc default
 FSIZE = 1 << 30  # Limits().file_size_bytes default
 # what the host puts in its lib dir: the in-slot programs, tmux's config and their bytecode
-LIB_LISTING = sorted([*LIB_FILES, "tmux.conf", "__pycache__", *(f"{e}c" for e in COMPILED_ENTRIES)])
+LIB_LISTING = sorted([*LIB_FILES, "tmux.conf", "__pycache__", *(f"{e}c" for e in COMPILED_ENTRIES), "slotd"])
 SHM, TMP = 64 << 20, 256 << 20
 WORKSPACE_CAP, WORKSPACE_INODES = HOST_WORKSPACE_BYTES, 1 << 18  # the session host's cap; default inodes
 
@@ -463,7 +463,8 @@ async def test_r07_hardlink_to_shared_files_refused(slot: LeasedSlot, host: Runn
 async def test_shared_lib_etc_usr_read_only(slot: LeasedSlot, host: RunningHost) -> None:
     shared = [host.data_dir / "lib" / "supervisor.py", host.data_dir / "lib" / "session.py",
               host.data_dir / "lib" / "inslot_common.py", host.data_dir / "lib" / "verifier.py",
-              host.data_dir / "lib" / "tmux.conf", host.data_dir / "etc" / "passwd", host.data_dir / "etc" / "hosts"]
+              host.data_dir / "lib" / "tmux.conf", host.data_dir / "lib" / "slotd", host.data_dir / "etc" / "passwd",
+              host.data_dir / "etc" / "hosts"]
     hashes = {p: sha(p) for p in shared}
     # the host's bytecode of the in-slot programs (atropos/sandbox/host/inslot_bytecode.py) is there
     # too: planted or altered bytecode would run in every later sandbox of the host
@@ -475,11 +476,11 @@ async def test_shared_lib_etc_usr_read_only(slot: LeasedSlot, host: RunningHost)
     out = await slot.sh(
         "for f in /run/atropos/supervisor.py /run/atropos/session.py /run/atropos/inslot_common.py "
         "/run/atropos/verifier.py /run/atropos/supervisor.pyc /run/atropos/__pycache__/*.pyc "
-        "/run/atropos/tmux.conf /etc/passwd "
+        "/run/atropos/tmux.conf /run/atropos/slotd /etc/passwd "
         "/etc/hosts /etc/group "
         "/usr/bin/bash; do echo x >> $f && echo WROTE:$f; done; "
         "touch /run/atropos/new /run/atropos/__pycache__/new.cpython-311.pyc /usr/new /etc/new && echo CREATED; "
-        "rm -f /run/atropos/supervisor.py /run/atropos/supervisor.pyc && echo REMOVED; echo end"
+        "rm -f /run/atropos/supervisor.py /run/atropos/supervisor.pyc /run/atropos/slotd && echo REMOVED; echo end"
     )
     assert out["stdout"] == "end\n", out
     assert {p: sha(p) for p in shared} == hashes
@@ -1170,13 +1171,14 @@ async def test_r35_zombies_gone_after_call(slot: LeasedSlot, host: RunningHost) 
 
 
 def _standing(pid: int) -> bool:
-    """A slot's own standing process: bwrap, the supervisor, or a warm interpreter waiting for a call."""
+    """A slot's own standing process: bwrap, the supervisor (slotd or the Python one), or a warm
+    interpreter waiting for a call."""
     try:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return True  # gone
     argv0 = cmd.split(b"\0", 1)[0]
-    return (argv0.endswith(b"bwrap") or b"supervisor.py" in cmd or b"__atropos_go" in cmd
+    return (argv0.endswith((b"bwrap", b"/slotd")) or b"supervisor.py" in cmd or b"__atropos_go" in cmd
             or b"_atropos_boot" in cmd)
 
 

@@ -82,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
                    "(default: a subtree of the host's own cgroup)")
     p.add_argument("--unsafe-no-cgroups", action="store_true",
                    help="DEVELOPMENT ONLY: no per-slot memory, process or CPU caps")
+    p.add_argument("--no-native-supervisor", dest="native_supervisor", action="store_false",
+                   help="serve every call with the Python supervisor, not slotd (docs/native-supervisor.md)")
     p.add_argument("--unsafe-no-isolation", action="store_true",
                    help="DEVELOPMENT ONLY: run slots without bubblewrap")
     p.add_argument("--no-prewarm", action="store_true",
@@ -134,6 +136,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
         image_store_bytes=args.image_store_bytes, host=args.host, port=args.port,
         token=token,
         uid_base=args.uid_base, unsafe_no_isolation=args.unsafe_no_isolation, **host_settings(slot),
+        native_supervisor=args.native_supervisor,
         limits=Limits(nproc=args.nproc, address_space_bytes=args.memory, workspace_bytes=slot.workspace_bytes,
                       workspace_inodes=args.workspace_inodes, tmp_inodes=args.tmp_inodes,
                       shm_inodes=args.shm_inodes),

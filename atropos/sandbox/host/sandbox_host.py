@@ -48,6 +48,7 @@ from atropos.sandbox.contract.protocol import (
     VerifyResult,
 )
 from atropos.sandbox.contract.tools import SEALED_REFUSED, clamp_timeout, supervisor_request, validate_args
+from atropos.sandbox.host import slotd_build
 from atropos.sandbox.host.config import HostConfig
 from atropos.sandbox.host.host_setup import (
     _write,
@@ -174,6 +175,10 @@ class SandboxHost:
             _write(lib / script, resources.files("atropos.sandbox.inslot").joinpath(script).read_bytes())
         _write(lib / "tmux.conf", TMUX_CONF.encode())
         compile_lib(self.cfg.python, lib, LIB_FILES)  # once here, not at every sandbox start
+        if self.cfg.native_supervisor and not self.cfg.unsafe_no_isolation:
+            slotd_build.install(lib)  # the compiled supervisor (slot.py starts it when it is there)
+        else:
+            (lib / slotd_build.SLOTD).unlink(missing_ok=True)
         etc = root / "etc"
         os.chmod(etc, 0o755)
         _write(etc / "passwd", b"sandbox:x:1000:1000:sandbox:/workspace:/bin/bash\n"

@@ -23,6 +23,7 @@ from atropos.sandbox.contract.protocol import (
     VerifyRequest,
     VerifyResult,
 )
+from atropos.sandbox.host import slotd_build
 from atropos.sandbox.host.config import HostConfig
 from atropos.sandbox.host.images.host_images import HostImages
 from atropos.sandbox.host.images.image_root import ImageRoot
@@ -50,6 +51,7 @@ from atropos.sandbox.host.workspace.slot_workspace import IMAGE_MOUNT_POINTS, Sl
 from atropos.sandbox.host.workspace.templates import Template
 from atropos.sandbox.host.workspace.trees import copy_tree
 from atropos.sandbox.host.workspace.workspaces import Workspaces
+from atropos.sandbox.inslot.inslot_warm import WARM_KINDS
 
 CHOOM = "/usr/bin/choom"  # util-linux: on every Debian/Ubuntu
 TMUX = "/usr/bin/tmux"
@@ -179,7 +181,8 @@ class Slot:
         )
 
     # -- sandboxes -------------------------------------------------------------------------
-    def _argv(self, extra: dict[str, Any], script: str, verifier: bool = False) -> list[str]:
+    def _argv(self, extra: dict[str, Any], script: str, verifier: bool = False) -> tuple[list[str], bytes | None]:
+        """The sandbox's command line, and the first frame its program reads (slotd's configuration)."""
         if self.ws.image is not None:
             return self._image_argv(self.ws.image, extra, script, verifier)
         sup_cfg = {"limits": self.cfg.limits.rlimits(), "env": VERIFIER_ENV if verifier else SANDBOX_ENV, **extra}
@@ -187,7 +190,7 @@ class Slot:
             sup_cfg.update(workspace=str(self.paths.workspace), run_dir=str(self.paths.run_dir),
                            isolated=False, env={**SANDBOX_ENV, "HOME": str(self.paths.workspace)})
             return [self.cfg.python, "-I", "-S", str(self.paths.lib_dir / entry(self.paths.lib_dir, script)),
-                    json.dumps(sup_cfg)]
+                    json.dumps(sup_cfg)], None
         paths = self.paths
         if self.ws.scratch:
             # every sandbox of the slot, the verifier's included, binds the slot's capped /tmp and
@@ -200,9 +203,24 @@ class Slot:
         argv[argv.index("-1")] = "{seccomp_fd}"
         if verifier:
             argv = verifier_bwrap(argv, self.paths)
-        return [*argv, self.cfg.python, "-I", "-S", f"{LIB_DIR}/{entry(paths.lib_dir, script)}", json.dumps(sup_cfg)]
+        python = [self.cfg.python, "-I", "-S", f"{LIB_DIR}/{entry(paths.lib_dir, script)}", json.dumps(sup_cfg)]
+        return self._supervisor(argv, LIB_DIR, python, sup_cfg, script, verifier or bool(extra))
 
-    def _image_argv(self, image: ImageRoot, extra: dict[str, Any], script: str, verifier: bool) -> list[str]:
+    def _supervisor(self, argv: list[str], lib_dir: str, python: list[str], sup_cfg: dict[str, Any], script: str,
+                    python_only: bool) -> tuple[list[str], bytes | None]:
+        """The sandbox's program: slotd where the host has it and the sandbox is a plain supervisor's
+        (it serves the calls, and the Python supervisor, its command given, only once asked for more
+        than a command: docs/native-supervisor.md), else ``python``. A sealed or verifying sandbox,
+        and every other in-slot program, stay Python throughout."""
+        if script != "supervisor.py" or python_only or not (self.paths.lib_dir / slotd_build.SLOTD).is_file():
+            return [*argv, *python], None
+        env = sup_cfg["env"]
+        warm = {kind: boot("{go}", "{src}", env) for kind, boot in WARM_KINDS.items()}  # type: ignore[arg-type]
+        slotd_cfg = {**sup_cfg, "workspace": sup_cfg.get("cwd") or sup_cfg.get("workspace", "/workspace")}
+        return [*argv, f"{lib_dir}/{slotd_build.SLOTD}"], slotd_build.config_frame(slotd_cfg, warm, python)
+
+    def _image_argv(self, image: ImageRoot, extra: dict[str, Any], script: str,
+                    verifier: bool) -> tuple[list[str], bytes | None]:
         """A sandbox on the slot's image root (docs/task-images.md): the image's environment and
         WorkingDir; the helpers run on the host's interpreter (``host_program``), whatever the image
         holds, except the python_session driver, which runs the agent's code and so is the image's
@@ -219,13 +237,14 @@ class Slot:
                                 env=env, uid=image.user_ids(), verifier=verifier)
         argv[argv.index("-1")] = "{seccomp_fd}"
         if script == "session.py":  # the image's interpreter: the host's bytecode is not for it
-            return [*argv, "python3", "-I", "-S", f"{IMAGE_LIB_DIR}/{script}", json.dumps(sup_cfg)]
-        return [*argv, *host_program(self.cfg.python), "-I", "-S", f"{IMAGE_LIB_DIR}/{entry(paths.lib_dir, script)}",
-                json.dumps(sup_cfg)]
+            return [*argv, "python3", "-I", "-S", f"{IMAGE_LIB_DIR}/{script}", json.dumps(sup_cfg)], None
+        python = [*host_program(self.cfg.python), "-I", "-S", f"{IMAGE_LIB_DIR}/{entry(paths.lib_dir, script)}",
+                  json.dumps(sup_cfg)]
+        return self._supervisor(argv, IMAGE_LIB_DIR, python, sup_cfg, script, verifier or bool(extra))
 
     async def _start(self, extra: dict[str, Any], label: str, protocol: bool = True,
                      script: str = "supervisor.py", verifier: bool = False) -> SandboxProcess:
-        argv, uid = self._argv(extra, script, verifier), self.uid
+        (argv, first_frame), uid = self._argv(extra, script, verifier), self.uid
         if self.ws.ws_kind in ("overlay", "image") or self.ws.capped or self.ws.scratch:
             # The fork's overlay and the capped tmpfs mounts exist only in the workspace mount
             # namespace: start bwrap in it (nsenter drops to the slot's uid itself on a root host).
@@ -248,6 +267,7 @@ class Slot:
                      and not self.cfg.unsafe_no_isolation else None),
             network_uid=self.uid,
             echoes_seq=protocol,  # both in-slot programs serve through inslot.serve
+            first_frame=first_frame,
         )
 
     async def ensure_sandbox(self) -> SandboxProcess:

@@ -46,12 +46,18 @@ class Capture:
                 del self.tail[: len(self.tail) - self.half]
 
     def text(self) -> tuple[str, bool]:
-        tail = bytes(self.tail[-self.half :]) if self.tail else b""
-        dropped = self.total - len(self.head) - len(tail)
-        if dropped <= 0:
-            return (bytes(self.head) + tail).decode("utf-8", "replace"), False
-        marker = f"\n[... {dropped} bytes truncated ...]\n"
-        return self.head.decode("utf-8", "replace") + marker + tail.decode("utf-8", "replace"), True
+        return render_capture(bytes(self.head), bytes(self.tail[-self.half :]) if self.tail else b"", self.total)
+
+
+def render_capture(head: bytes, tail: bytes, total: int) -> tuple[str, bool]:
+    """A captured stream as a call's reply shows it (and whether bytes were dropped): the kept head
+    and tail, with a marker for what was between them. The host renders the compiled supervisor's
+    raw capture with this too (host/isolation/slotd_wire.py), so both read the same."""
+    dropped = total - len(head) - len(tail)
+    if dropped <= 0:
+        return (head + tail).decode("utf-8", "replace"), False
+    marker = f"\n[... {dropped} bytes truncated ...]\n"
+    return head.decode("utf-8", "replace") + marker + tail.decode("utf-8", "replace"), True
 
 
 PR_SET_DUMPABLE = 4

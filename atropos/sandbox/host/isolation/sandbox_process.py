@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from atropos.errors import SandboxDied as SandboxDied  # defined there since issue 18
+from atropos.sandbox.host.isolation import slotd_wire
 from atropos.sandbox.host.isolation.network import NetworkSetupFailed, SlirpHandshake
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,9 @@ class SandboxProcess:
         self.label = label
         self.echoes_seq = echoes_seq
         self._seq = 0
+        # slotd, the compiled supervisor, serves this sandbox until a request only the Python one
+        # answers (see slotd_wire): then it becomes that one, for good.
+        self.native = False
         self._abandoned = False
         self.companion: asyncio.subprocess.Process | None = None  # slirp4netns of a network sandbox
         self._stderr_tail = b""
@@ -95,6 +99,7 @@ class SandboxProcess:
         network: SlirpHandshake | None = None,
         network_uid: int | None = None,
         echoes_seq: bool = False,
+        first_frame: bytes | None = None,
     ) -> SandboxProcess:
         """Start a sandbox; with ``protocol`` False it runs a plain program (e.g. the tmux server).
 
@@ -133,6 +138,8 @@ class SandboxProcess:
             if seccomp_fd >= 0:
                 os.close(seccomp_fd)
         sandbox = cls(proc, label, echoes_seq=echoes_seq)
+        if first_frame is not None and proc.stdin is not None:
+            proc.stdin.write(first_frame)  # read before anything else (slotd's configuration): no wait
         try:
             if network is not None:
                 network.spawned()
@@ -141,7 +148,7 @@ class SandboxProcess:
                 finally:
                     network.close()
             if protocol:
-                await sandbox._read_frame(ready_timeout)
+                sandbox.native = (await sandbox._read_frame(ready_timeout)).get("native") is True
         except NetworkSetupFailed as exc:
             await sandbox.kill()
             raise SandboxDied(str(exc)) from exc
@@ -240,16 +247,24 @@ class SandboxProcess:
             raise SandboxDied(f"{self.label}: sandbox is not running")
         self._seq += 1
         seq = self._seq
+        native = None
+        if self.native:
+            op = payload.get("op")
+            native = slotd_wire.encode_ping(seq) if op == "ping" else slotd_wire.encode_exec(payload, seq)
         if self.echoes_seq:
             payload = {**payload, "seq": seq}
-        data = json.dumps(payload, separators=(",", ":")).encode()
+        data = native if native is not None else json.dumps(payload, separators=(",", ":")).encode()
         try:
+            if self.native and native is None:
+                await self._upgrade(timeout)
             self.proc.stdin.write(FRAME.pack(len(data)) + data)
             await self.proc.stdin.drain()
             frame = await self._read_frame(timeout)
             if self.echoes_seq and frame.get("seq") != seq:
                 raise SandboxDied(f"{self.label}: reply out of step with its request "
                                   f"(sequence {frame.get('seq')!r}, expected {seq})")
+            if native is not None and payload.get("op") == "exec" and frame.get("ok"):
+                return slotd_wire.decode_exec(frame, payload)
             return frame
         except asyncio.CancelledError:
             # Mid-write or mid-call: either way the pipe no longer lines up with our requests.
@@ -260,6 +275,18 @@ class SandboxProcess:
             if isinstance(exc, SandboxDied):
                 raise
             raise SandboxDied(f"{self.label}: sandbox pipe closed") from exc
+
+    async def _upgrade(self, timeout: float) -> None:
+        """slotd execs the Python supervisor in its place (every process of the sandbox killed
+        first); its ready frame says it serves from now on."""
+        assert self.proc.stdin is not None
+        data = slotd_wire.encode_upgrade(self._seq)
+        self.proc.stdin.write(FRAME.pack(len(data)) + data)
+        await self.proc.stdin.drain()
+        frame = await self._read_frame(max(timeout, 15.0))
+        if not (frame.get("ok") and isinstance(frame.get("result"), dict) and frame["result"].get("ready")):
+            raise SandboxDied(f"{self.label}: the Python supervisor did not take over")
+        self.native = False
 
     async def kill(self) -> None:
         """SIGKILL bwrap's process group; with a PID namespace that takes every process inside along."""

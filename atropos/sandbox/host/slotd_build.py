@@ -1,0 +1,104 @@
+"""slotd, the compiled supervisor (atropos/sandbox/inslot/slotd.c): where the host gets the binary,
+and the command line that starts it in a sandbox (docs/native-supervisor.md).
+
+The binary is static (it runs on any root a slot has, whatever libc is there) and built once per
+machine from the source the package ships: by ``ATROPOS_SLOTD`` (a binary built ahead, e.g. into
+the sandbox image by scripts/build_image.sh), else by the C compiler on the host into the cache
+(``${ATROPOS_SANDBOX_CACHE:-${XDG_CACHE_HOME:-~/.cache}/atropos-sandbox}/slotd/<source hash>``).
+No binary (no compiler, a failed build) leaves the Python supervisor serving every call, as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import struct
+import subprocess
+import tempfile
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SLOTD = "slotd"  # its name in the host's lib dir
+CFLAGS = ("-O2", "-static", "-Wall")
+_LEN = struct.Struct(">I")
+
+
+def source() -> bytes:
+    return resources.files("atropos.sandbox.inslot").joinpath("slotd.c").read_bytes()
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("ATROPOS_SANDBOX_CACHE")
+    if base:
+        return Path(base)
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "atropos-sandbox"
+
+
+def build(out_dir: Path | None = None) -> Path | None:
+    """The slotd binary for this package's source, compiled into ``out_dir`` (default: the cache) if
+    not there yet; None (logged) when it cannot be had."""
+    prebuilt = os.environ.get("ATROPOS_SLOTD")
+    if prebuilt:
+        if os.access(prebuilt, os.X_OK):
+            return Path(prebuilt)
+        log.warning("ATROPOS_SLOTD=%s is not an executable: building slotd instead", prebuilt)
+    src = source()
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler: slots run the Python supervisor for every call (slower starts)")
+        return None
+    key = hashlib.sha256(src + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    target_dir = (out_dir or cache_dir() / "slotd") / key
+    target = target_dir / SLOTD
+    if target.is_file():
+        return target
+    try:
+        target_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target_dir) as tmp:
+            (Path(tmp) / "slotd.c").write_bytes(src)
+            out = subprocess.run([cc, *CFLAGS, "-o", f"{tmp}/{SLOTD}", f"{tmp}/slotd.c"], capture_output=True,
+                                 timeout=120)
+            if out.returncode != 0:
+                log.warning("slotd did not build (slots run the Python supervisor): %s",
+                            out.stderr.decode(errors="replace")[-800:])
+                return None
+            os.replace(f"{tmp}/{SLOTD}", target)  # atomic: hosts starting side by side share it
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("slotd did not build (slots run the Python supervisor): %s", exc)
+        return None
+    return target
+
+
+def install(lib: Path) -> bool:
+    """Put slotd into the host's lib dir (mounted read-only in every sandbox); False if there is none."""
+    binary = build()
+    dest = lib / SLOTD
+    if binary is None:
+        dest.unlink(missing_ok=True)
+        return False
+    tmp = lib / f".{SLOTD}.tmp"
+    shutil.copyfile(binary, tmp)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, dest)
+    return True
+
+
+def config_frame(cfg: dict[str, Any], warm: dict[str, str], python_argv: list[str]) -> bytes:
+    """slotd's configuration, the first frame it reads (not its argv: every process of the slot can
+    read a command line in /proc): from a supervisor configuration (``cfg`` as supervisor.py reads
+    it; only its limits, environment and workspace matter to slotd), the warm interpreters' boot
+    scripts (``{go}`` and ``{src}`` for their descriptors) and the Python supervisor's own command,
+    which slotd runs in its place on an upgrade."""
+    limits = [(str(k), str(int(v))) for k, v in dict(cfg.get("limits") or {}).items() if v is not None]
+    env = [f"{k}={v}" for k, v in dict(cfg.get("env") or {}).items()]
+    fields: list[str] = [str(len(limits)), *(x for pair in limits for x in pair), str(len(env)), *env,
+                         str(len(warm)), *(x for pair in warm.items() for x in pair),
+                         str(cfg.get("workspace", "/workspace")), str(len(python_argv)), *python_argv]
+    body = b"".join(_LEN.pack(len(data)) + data for data in (os.fsencode(f) for f in fields))
+    return _LEN.pack(len(body)) + body

@@ -1,0 +1,764 @@
+/* slotd: the per-slot supervisor as a small static program (docs/native-supervisor.md).
+ *
+ * It serves the hot path of a slot's sandbox, the `exec` call (and `ping`), exactly as
+ * supervisor.py's Supervisor.run does: same warm interpreters (their boot scripts come from the
+ * host, made by inslot_warm.py), same process accounting (ns_last_pid marks, kill(-1) sweeps),
+ * same output capture. Anything else the host asks for (a file tool, the terminal, an exec with a
+ * cwd or a non-default kind) comes after an "upgrade": slotd kills every process of the sandbox
+ * and execs the Python supervisor in its own place, on the same protocol pipes, for the rest of
+ * the sandbox's life. A sandbox that only runs commands never starts Python.
+ *
+ * Wire (host side: atropos/sandbox/host/native_supervisor.py): frames of a 4-byte big-endian
+ * length and a body. Requests are not JSON: a kind byte ('E' exec, 'P' ping, 'U' upgrade), then
+ * fields, each a 4-byte big-endian length and its bytes. Replies are JSON, ASCII only: captured
+ * output travels as base64 of the kept head and tail bytes, and the host renders the text as
+ * inslot_common.Capture does, so both supervisors answer a call with the same reply.
+ *
+ * Threat model: as supervisor.py's. It runs as the slot's uid beside the slot's code, is made
+ * non-dumpable first thing, and protects the host (bounded output, bounded frames, nothing of a
+ * call survives it), not itself from its own slot.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_FRAME (64u << 20)
+#define MAX_ENV 4096
+#define MAX_WARM 2
+
+static int rfd = -1, wfd = -1;
+static int last_pid_fd = -1;
+static char *root_dir;                 /* the workspace (the cwd of every call served here) */
+static char **base_env;                /* the slot's environment for calls (NULL-terminated) */
+static char **upgrade_argv;            /* the Python supervisor, run in our place on upgrade */
+
+/* ------------------------------------------------------------------ small helpers */
+
+static void die(const char *what) {
+    fprintf(stderr, "slotd: %s: %s\n", what, strerror(errno));
+    _exit(111);
+}
+
+static void *xmalloc(size_t n) {
+    void *p = malloc(n ? n : 1);
+    if (!p) die("malloc");
+    return p;
+}
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static long ns_last_pid(void) {
+    char buf[32];
+    ssize_t n = pread(last_pid_fd, buf, sizeof buf - 1, 0);
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    return strtol(buf, NULL, 10);
+}
+
+static int pidfd_open(pid_t pid) { return (int)syscall(SYS_pidfd_open, pid, 0); }
+
+static void write_all(int fd, const char *p, size_t n) {
+    while (n) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            _exit(0); /* the host is gone */
+        }
+        p += w;
+        n -= (size_t)w;
+    }
+}
+
+static int read_exact(int fd, char *p, size_t n) {
+    while (n) {
+        ssize_t r = read(fd, p, n);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return -1;
+        p += r;
+        n -= (size_t)r;
+    }
+    return 0;
+}
+
+/* A growing string for the reply. */
+typedef struct { char *p; size_t n, cap; } buf_t;
+
+static void b_put(buf_t *b, const char *s, size_t n) {
+    if (b->n + n + 1 > b->cap) {
+        b->cap = (b->n + n + 1) * 2;
+        b->p = realloc(b->p, b->cap);
+        if (!b->p) die("realloc");
+    }
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
+    b->p[b->n] = 0;
+}
+
+static void b_str(buf_t *b, const char *s) { b_put(b, s, strlen(s)); }
+
+static void b_fmt(buf_t *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void b_fmt(buf_t *b, const char *fmt, ...) {
+    char tmp[256];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
+    va_end(ap);
+    b_put(b, tmp, (size_t)n);
+}
+
+static void b_b64(buf_t *b, const unsigned char *s, size_t n) {
+    static const char tab[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    char q[4];
+    for (size_t i = 0; i < n; i += 3) {
+        unsigned v = (unsigned)s[i] << 16 | (i + 1 < n ? (unsigned)s[i + 1] << 8 : 0) | (i + 2 < n ? s[i + 2] : 0);
+        q[0] = tab[v >> 18 & 63];
+        q[1] = tab[v >> 12 & 63];
+        q[2] = i + 1 < n ? tab[v >> 6 & 63] : '=';
+        q[3] = i + 2 < n ? tab[v & 63] : '=';
+        b_put(b, q, 4);
+    }
+}
+
+static void send_frame(buf_t *b) {
+    unsigned char hdr[4] = {(unsigned char)(b->n >> 24), (unsigned char)(b->n >> 16), (unsigned char)(b->n >> 8),
+                            (unsigned char)b->n};
+    write_all(wfd, (const char *)hdr, 4);
+    write_all(wfd, b->p, b->n);
+}
+
+/* ------------------------------------------------------------------ request fields */
+
+typedef struct { const char *p; size_t left; int bad; } fields_t;
+
+/* The next field as a NUL-terminated copy (a field holds no NUL where a string is meant:
+   the host never sends one, see native_supervisor.encode_exec). */
+static char *field(fields_t *f, size_t *len) {
+    if (f->bad || f->left < 4) { f->bad = 1; return NULL; }
+    const unsigned char *u = (const unsigned char *)f->p;
+    size_t n = (size_t)u[0] << 24 | (size_t)u[1] << 16 | (size_t)u[2] << 8 | u[3];
+    if (n > f->left - 4) { f->bad = 1; return NULL; }
+    char *s = xmalloc(n + 1);
+    memcpy(s, f->p + 4, n);
+    s[n] = 0;
+    f->p += 4 + n;
+    f->left -= 4 + n;
+    if (len) *len = n;
+    return s;
+}
+
+static long field_long(fields_t *f) {
+    char *s = field(f, NULL);
+    long v = s && *s ? strtol(s, NULL, 10) : 0;
+    free(s);
+    return v;
+}
+
+/* ------------------------------------------------------------------ capture */
+
+/* The first and the last `half` bytes of a stream, and its length (inslot_common.Capture). */
+typedef struct {
+    size_t half, head_n, ring_n, ring_pos;
+    unsigned long long total;
+    unsigned char *head, *ring;
+} capture_t;
+
+static void cap_init(capture_t *c, long cap) {
+    memset(c, 0, sizeof *c);
+    c->half = cap / 2 > 1 ? (size_t)(cap / 2) : 1;
+    c->head = xmalloc(c->half);
+    c->ring = xmalloc(c->half);
+}
+
+static void cap_feed(capture_t *c, const unsigned char *d, size_t n) {
+    c->total += n;
+    size_t room = c->half - c->head_n;
+    if (room) {
+        size_t take = n < room ? n : room;
+        memcpy(c->head + c->head_n, d, take);
+        c->head_n += take;
+        d += take;
+        n -= take;
+    }
+    if (n > c->half) { d += n - c->half; n = c->half; }
+    while (n) {
+        size_t take = c->half - c->ring_pos;
+        if (take > n) take = n;
+        memcpy(c->ring + c->ring_pos, d, take);
+        c->ring_pos = (c->ring_pos + take) % c->half;
+        c->ring_n = c->ring_n + take > c->half ? c->half : c->ring_n + take;
+        d += take;
+        n -= take;
+    }
+}
+
+static void cap_json(buf_t *b, const char *name, capture_t *c) {
+    b_fmt(b, ",\"%s\":[\"", name);
+    b_b64(b, c->head, c->head_n);
+    b_str(b, "\",\"");
+    unsigned char *tail = xmalloc(c->ring_n);
+    size_t start = (c->ring_pos + c->half - c->ring_n) % c->half;
+    for (size_t i = 0; i < c->ring_n; i++) tail[i] = c->ring[(start + i) % c->half];
+    b_b64(b, tail, c->ring_n);
+    free(tail);
+    b_fmt(b, "\",%llu]", c->total);
+    free(c->head);
+    free(c->ring);
+}
+
+/* ------------------------------------------------------------------ processes */
+
+static char *env_get(char **env, const char *name) {
+    size_t n = strlen(name);
+    for (; *env; env++)
+        if (!strncmp(*env, name, n) && (*env)[n] == '=') return *env + n + 1;
+    return NULL;
+}
+
+/* Exec `argv` as Popen does for an environment: a name without a slash is tried in every
+   directory of that environment's PATH (os.get_exec_path); the error reported is the first one
+   that is not "no such file", else the last. Returns only on failure, with errno set. */
+static void exec_like_popen(char **argv, char **env) {
+    if (strchr(argv[0], '/')) {
+        execve(argv[0], argv, env);
+        return;
+    }
+    const char *path = env_get(env, "PATH");
+    if (!path) path = "/bin:/usr/bin";
+    int saved = 0;
+    char full[PATH_MAX];
+    const char *p = path;
+    for (;;) {
+        const char *end = strchr(p, ':');
+        size_t n = end ? (size_t)(end - p) : strlen(p);
+        int w = n ? snprintf(full, sizeof full, "%.*s/%s", (int)n, p, argv[0]) : snprintf(full, sizeof full, "%s", argv[0]);
+        if (w > 0 && (size_t)w < sizeof full) {
+            execve(full, argv, env);
+            if (errno != ENOENT && errno != ENOTDIR && !saved) saved = errno;
+        }
+        if (!end) break;
+        p = end + 1;
+    }
+    if (saved) errno = saved;
+}
+
+typedef struct {
+    pid_t pid;
+    int out_fd, err_fd;
+    int reaped, status;
+} child_t;
+
+/* Start argv in its own session in `cwd`, stdin from `stdin_fd`, stdout and stderr into fresh
+   non-blocking pipes; `keep` (up to two descriptors, -1 for none) are inherited at their numbers,
+   nothing else is (every descriptor of ours is close-on-exec). 0 on success, else an errno. */
+static int spawn(char **argv, char **env, const char *cwd, int stdin_fd, const int keep[2], child_t *ch) {
+    int out[2], err[2], errp[2];
+    if (pipe2(out, O_CLOEXEC)) return errno;
+    if (pipe2(err, O_CLOEXEC)) { int e = errno; close(out[0]); close(out[1]); return e; }
+    if (pipe2(errp, O_CLOEXEC)) {
+        int e = errno;
+        close(out[0]); close(out[1]); close(err[0]); close(err[1]);
+        return e;
+    }
+    pid_t pid = fork();
+    if (pid == 0) {
+        int e;
+        if (setsid() < 0 || chdir(cwd) < 0) goto fail;
+        if (dup2(stdin_fd, 0) < 0 || dup2(out[1], 1) < 0 || dup2(err[1], 2) < 0) goto fail;
+        for (int i = 0; i < 2; i++)
+            if (keep[i] >= 0 && fcntl(keep[i], F_SETFD, 0) < 0) goto fail;
+        exec_like_popen(argv, env);
+    fail:
+        e = errno;
+        (void)!write(errp[1], &e, sizeof e);
+        _exit(255);
+    }
+    int e = pid < 0 ? errno : 0;
+    close(out[1]);
+    close(err[1]);
+    close(errp[1]);
+    if (pid > 0) {
+        int child_errno = 0;
+        ssize_t r;
+        do r = read(errp[0], &child_errno, sizeof child_errno); while (r < 0 && errno == EINTR);
+        if (r == (ssize_t)sizeof child_errno) {
+            while (waitpid(pid, NULL, 0) < 0 && errno == EINTR) {}
+            e = child_errno ? child_errno : EINVAL;
+        }
+    }
+    close(errp[0]);
+    if (e) {
+        close(out[0]);
+        close(err[0]);
+        return e;
+    }
+    fcntl(out[0], F_SETFL, O_NONBLOCK);
+    fcntl(err[0], F_SETFL, O_NONBLOCK);
+    ch->pid = pid;
+    ch->out_fd = out[0];
+    ch->err_fd = err[0];
+    ch->reaped = 0;
+    ch->status = 0;
+    return 0;
+}
+
+static int child_alive(child_t *ch) {
+    if (ch->reaped) return 0;
+    pid_t r = waitpid(ch->pid, &ch->status, WNOHANG);
+    if (r == ch->pid) { ch->reaped = 1; return 0; }
+    return 1;
+}
+
+/* Popen.wait's returncode: the exit status, or minus the signal. */
+static int child_wait(child_t *ch) {
+    if (!ch->reaped) {
+        while (waitpid(ch->pid, &ch->status, 0) < 0 && errno == EINTR) {}
+        ch->reaped = 1;
+    }
+    return WIFSIGNALED(ch->status) ? -WTERMSIG(ch->status) : WEXITSTATUS(ch->status);
+}
+
+static void child_close(child_t *ch) {
+    if (ch->out_fd >= 0) close(ch->out_fd);
+    if (ch->err_fd >= 0) close(ch->err_fd);
+    ch->out_fd = ch->err_fd = -1;
+}
+
+/* ------------------------------------------------------------------ warm interpreters */
+
+typedef struct {
+    char *kind;   /* "/bin/bash" or "python3": argv[0] of the calls it serves */
+    char *boot;   /* its boot script, "{go}" and "{src}" standing for the descriptors */
+    int live;
+    child_t proc;
+    int src_fd, go_w, pidfd;
+} warm_t;
+
+static warm_t warm[MAX_WARM];
+static int n_warm;
+static const char *last_kind = "/bin/bash";
+static long mark = -1;               /* see supervisor.py: Supervisor.mark */
+
+static char *boot_script(const char *tmpl, int go, int src) {
+    buf_t b = {0};
+    char num[16];
+    for (const char *p = tmpl; *p;) {
+        if (!strncmp(p, "{go}", 4)) { snprintf(num, sizeof num, "%d", go); b_str(&b, num); p += 4; }
+        else if (!strncmp(p, "{src}", 5)) { snprintf(num, sizeof num, "%d", src); b_str(&b, num); p += 5; }
+        else { b_put(&b, p, 1); p++; }
+    }
+    return b.p;
+}
+
+static void warm_close_fds(warm_t *w) {
+    if (w->src_fd >= 0) close(w->src_fd);
+    if (w->go_w >= 0) close(w->go_w);
+    w->src_fd = w->go_w = -1;
+}
+
+static void warm_drop(warm_t *w) {
+    if (!w->live) return;
+    warm_close_fds(w);
+    child_close(&w->proc);
+    if (w->pidfd >= 0) close(w->pidfd);
+    w->pidfd = -1;
+    if (!w->proc.reaped) kill(w->proc.pid, SIGKILL); /* unreaped: the pid is still ours */
+    child_wait(&w->proc);
+    w->live = 0;
+}
+
+static int any_warm(void) {
+    for (int i = 0; i < n_warm; i++)
+        if (warm[i].live) return 1;
+    return 0;
+}
+
+static void drop_warm(void) {
+    for (int i = 0; i < n_warm; i++) warm_drop(&warm[i]);
+}
+
+static int warm_start(warm_t *w) {
+    int src = memfd_create("source", MFD_CLOEXEC);
+    if (src < 0) return errno;
+    int go[2];
+    if (pipe2(go, O_CLOEXEC)) { int e = errno; close(src); return e; }
+    char *script = boot_script(w->boot, go[0], src);
+    char *argv[] = {w->kind, "-c", script, NULL};
+    int devnull = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    int keep[2] = {go[0], src};
+    int e = devnull < 0 ? errno : spawn(argv, base_env, root_dir, devnull, keep, &w->proc);
+    if (devnull >= 0) close(devnull);
+    free(script);
+    close(go[0]);
+    if (e) { close(src); close(go[1]); return e; }
+    w->src_fd = src;
+    w->go_w = go[1];
+    w->pidfd = pidfd_open(w->proc.pid);
+    w->live = 1;
+    if (w->pidfd < 0) { e = errno; warm_drop(w); return e; }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ process accounting */
+
+static void kill_leftovers(void) { kill(-1, SIGKILL); }
+
+static void clean_slate(void) {
+    kill_leftovers();
+    drop_warm();
+    mark = ns_last_pid();
+}
+
+static int untouched(void) { return mark >= 0 && ns_last_pid() == mark; }
+
+static void guard(void) {
+    if (any_warm() && !untouched()) clean_slate();
+}
+
+/* Between calls: the warm interpreters of supervisor.py's Supervisor.idle, in its order. */
+static void idle(void) {
+    for (int i = 0; i < n_warm; i++) {
+        warm_t *w = &warm[i];
+        if (strcmp(w->kind, "/bin/bash") && strcmp(w->kind, last_kind)) continue;
+        if (w->live) {
+            if (child_alive(&w->proc)) continue;
+            warm_drop(w);
+        }
+        if (!untouched()) clean_slate();
+        long before = mark;
+        if (warm_start(w)) return; /* e.g. the process limit: calls start their own */
+        if (before < 0 || w->proc.pid != before + 1) {
+            clean_slate(); /* someone else took a pid in between: no warm ones now */
+            return;
+        }
+        mark = w->proc.pid;
+    }
+}
+
+/* ------------------------------------------------------------------ exec */
+
+static void reply_exec(long seq, int code, int timed_out, int limited, capture_t *out, capture_t *err, double ms,
+                       int start_errno) {
+    buf_t b = {0};
+    b_fmt(&b, "{\"seq\":%ld,\"ok\":true,\"native\":true,\"result\":{", seq);
+    if (code >= 0) b_fmt(&b, "\"exit_code\":%d,\"signal\":null", code);
+    else b_fmt(&b, "\"exit_code\":null,\"signal\":%d", -code);
+    b_fmt(&b, ",\"timed_out\":%s,\"output_limited\":%s,\"duration_ms\":%.3f,\"start_errno\":%d",
+          timed_out ? "true" : "false", limited ? "true" : "false", ms, start_errno);
+    cap_json(&b, "stdout", out);
+    cap_json(&b, "stderr", err);
+    b_str(&b, "}}");
+    send_frame(&b);
+    free(b.p);
+}
+
+static void do_exec(fields_t *f, long seq) {
+    double timeout = 0;
+    char *s = field(f, NULL);
+    if (s) timeout = strtod(s, NULL);
+    free(s);
+    long cap = field_long(f), hard_cap = field_long(f), cpu = field_long(f);
+    size_t stdin_len = 0;
+    char *stdin_data = field(f, &stdin_len);
+    long n_env = field_long(f);
+    if (n_env < 0 || n_env > MAX_ENV) f->bad = 1;
+    char **env_pairs = xmalloc(sizeof(char *) * (size_t)(2 * (n_env > 0 ? n_env : 0) + 1));
+    for (long i = 0; i < 2 * n_env && !f->bad; i++) env_pairs[i] = field(f, NULL);
+    long argc = field_long(f);
+    if (argc < 1 || argc > 1 << 16) f->bad = 1;
+    char **argv = xmalloc(sizeof(char *) * (size_t)((argc > 0 ? argc : 0) + 1));
+    long got = 0;
+    for (; got < argc && !f->bad; got++) argv[got] = field(f, NULL);
+    if (f->bad) {
+        /* the host encodes every request itself: a bad one is a bug, not a call to answer */
+        fprintf(stderr, "slotd: malformed exec request\n");
+        _exit(112);
+    }
+    argv[argc] = NULL;
+
+    guard(); /* again, right before a waiting interpreter is handed the call */
+    warm_t *w = NULL;
+    for (int i = 0; i < n_warm; i++)
+        if (!strcmp(argv[0], warm[i].kind)) {
+            last_kind = warm[i].kind;
+            if (argc == 3 && !strcmp(argv[1], "-c") && warm[i].live && stdin_len == 0 && n_env == 0 &&
+                child_alive(&warm[i].proc))
+                w = &warm[i];
+        }
+    capture_t out, err;
+    cap_init(&out, cap);
+    cap_init(&err, cap);
+    child_t proc;
+    int pidfd;
+    double start;
+    long call_mark = -1;
+    if (w) {
+        w->live = 0;
+        proc = w->proc;
+        pidfd = w->pidfd;
+        w->pidfd = -1;
+        call_mark = any_warm() ? -1 : mark; /* no other waiting interpreter: the mark may hold */
+        if (cpu) {
+            struct rlimit rl = {(rlim_t)cpu, (rlim_t)cpu + 1};
+            prlimit(proc.pid, RLIMIT_CPU, &rl, NULL);
+        }
+        start = now();
+        /* the source (plus bash's terminating NUL) into the memfd, then go */
+        size_t n = strlen(argv[2]) + (!strcmp(w->kind, "/bin/bash") ? 1 : 0);
+        (void)!pwrite(w->src_fd, argv[2], n, 0);
+        (void)!write(w->go_w, "g", 1);
+        warm_close_fds(w);
+    } else {
+        /* the slot's environment, then the call's own variables over it */
+        size_t n_base = 0;
+        while (base_env[n_base]) n_base++;
+        char **env = xmalloc(sizeof(char *) * (n_base + (size_t)n_env + 1));
+        size_t n = 0;
+        for (size_t i = 0; i < n_base; i++) {
+            int overridden = 0;
+            size_t klen = strcspn(base_env[i], "=");
+            for (long j = 0; j < n_env; j++)
+                if (strlen(env_pairs[2 * j]) == klen && !strncmp(base_env[i], env_pairs[2 * j], klen)) overridden = 1;
+            if (!overridden) env[n++] = base_env[i];
+        }
+        for (long j = 0; j < n_env; j++) {
+            int later = 0;
+            for (long k = j + 1; k < n_env; k++)
+                if (!strcmp(env_pairs[2 * j], env_pairs[2 * k])) later = 1;
+            if (later) continue;
+            size_t len = strlen(env_pairs[2 * j]) + strlen(env_pairs[2 * j + 1]) + 2;
+            char *kv = xmalloc(len);
+            snprintf(kv, len, "%s=%s", env_pairs[2 * j], env_pairs[2 * j + 1]);
+            env[n++] = kv;
+        }
+        env[n] = NULL;
+        int in = -1;
+        if (stdin_len) {
+            in = memfd_create("stdin", MFD_CLOEXEC);
+            if (in >= 0) {
+                (void)!write(in, stdin_data, stdin_len);
+                lseek(in, 0, SEEK_SET);
+            }
+        } else {
+            in = open("/dev/null", O_RDONLY | O_CLOEXEC);
+        }
+        int keep[2] = {-1, -1};
+        start = now();
+        int e = in < 0 ? errno : spawn(argv, env, root_dir, in, keep, &proc);
+        if (in >= 0) close(in);
+        if (e) {
+            reply_exec(seq, 127, 0, 0, &out, &err, 0.0, e);
+            return;  /* (leaks a request's strings: a failed start is rare, the heap is per sandbox) */
+        }
+        if (cpu) {
+            struct rlimit rl = {(rlim_t)cpu, (rlim_t)cpu + 1};
+            prlimit(proc.pid, RLIMIT_CPU, &rl, NULL);
+        }
+        pidfd = pidfd_open(proc.pid);
+    }
+
+    struct pollfd pf[3] = {{proc.out_fd, POLLIN, 0}, {proc.err_fd, POLLIN, 0}, {pidfd, POLLIN, 0}};
+    int open_fds = 3, timed_out = 0, limited = 0, exited = 0;
+    double deadline = start + timeout;
+    static unsigned char chunk[65536];
+    while (open_fds) {
+        double remaining = deadline - now();
+        if (remaining <= 0) { timed_out = 1; break; }
+        int ms = exited ? 50 : (int)(remaining * 1000 + 0.999999);
+        int n = poll(pf, 3, ms);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            break;
+        }
+        if (exited && n == 0) break;
+        for (int i = 0; i < 3; i++) {
+            if (pf[i].fd < 0 || !pf[i].revents) continue;
+            if (i == 2) {
+                exited = 1;
+                pf[i].fd = -1;
+                open_fds--;
+                continue;
+            }
+            ssize_t r = read(pf[i].fd, chunk, sizeof chunk);
+            if (r < 0) {
+                if (errno == EAGAIN || errno == EINTR) continue;
+                r = 0;
+            }
+            if (r == 0) {
+                pf[i].fd = -1;
+                open_fds--;
+                continue;
+            }
+            cap_feed(i == 0 ? &out : &err, chunk, (size_t)r);
+        }
+        if (out.total + err.total > (unsigned long long)hard_cap) { limited = 1; break; }
+    }
+    if (pidfd >= 0) close(pidfd);
+    if (call_mark >= 0 && exited && !timed_out && !limited && !any_warm() && ns_last_pid() == call_mark) {
+        /* no pid was handed out since the interpreter that ran the call: nothing to sweep */
+    } else {
+        kill_leftovers();
+        drop_warm();
+        mark = ns_last_pid(); /* the call's process is still unreaped: its pid stays taken */
+    }
+    int code = child_wait(&proc);
+    child_close(&proc);
+    reply_exec(seq, code, timed_out, limited, &out, &err, (now() - start) * 1000, 0);
+    for (long i = 0; i < argc; i++) free(argv[i]);
+    free(argv);
+    for (long i = 0; i < 2 * n_env; i++) free(env_pairs[i]);
+    free(env_pairs);
+    free(stdin_data);
+}
+
+/* ------------------------------------------------------------------ start-up */
+
+static void upgrade(void) {
+    clean_slate(); /* nothing of ours or the slot's survives into the Python supervisor */
+    if (dup2(rfd, 0) < 0 || dup2(wfd, 1) < 0) die("dup2");
+    execve(upgrade_argv[0], upgrade_argv, environ);
+    die("exec of the Python supervisor");
+}
+
+static void set_limit(int resource, const char *value) {
+    struct rlimit rl;
+    rl.rlim_cur = rl.rlim_max = (rlim_t)strtoull(value, NULL, 10);
+    if (setrlimit(resource, &rl)) die("setrlimit");
+}
+
+/* Its configuration is the first frame on stdin, not its argv (which any process of the slot can
+   read in /proc): fields NLIMITS, (NAME VALUE)..., NENV, (K=V)..., NWARM, (KIND BOOT)...,
+   WORKSPACE, NARGS, the Python supervisor's argv... (host side: slotd_build.config_frame). */
+static char *cfg_take(fields_t *f) {
+    char *s = field(f, NULL);
+    if (f->bad) { fprintf(stderr, "slotd: malformed configuration\n"); _exit(2); }
+    return s;
+}
+
+static long cfg_count(fields_t *f, long max) {
+    char *s = cfg_take(f);
+    long v = strtol(s, NULL, 10);
+    free(s);
+    if (v < 0 || v > max) { fprintf(stderr, "slotd: malformed configuration\n"); _exit(2); }
+    return v;
+}
+
+int main(void) {
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)) die("prctl(PR_SET_DUMPABLE)");
+    if (getpid() > 64) {
+        /* its sweeps are kill(-1): only inside a PID namespace of its own do they stop at the sandbox */
+        fprintf(stderr, "slotd: not among the first processes of a PID namespace of its own: refusing to run\n");
+        return 2;
+    }
+    /* signal state as supervisor.py's clean_signals leaves it: nothing blocked or ignored */
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    for (int sig = 1; sig < NSIG; sig++) {
+        struct sigaction sa;
+        if (sig == SIGKILL || sig == SIGSTOP || sigaction(sig, NULL, &sa)) continue;
+        if (sa.sa_handler == SIG_IGN) signal(sig, SIG_DFL);
+    }
+    unsigned char hdr[4];
+    if (read_exact(0, (char *)hdr, 4)) return 0;
+    size_t size = (size_t)hdr[0] << 24 | (size_t)hdr[1] << 16 | (size_t)hdr[2] << 8 | hdr[3];
+    if (size > MAX_FRAME) return 2;
+    char *cfg = xmalloc(size);
+    if (read_exact(0, cfg, size)) return 0;
+    fields_t f = {cfg, size, 0};
+    static const struct { const char *name; int res; } names[] = {
+        {"nproc", RLIMIT_NPROC}, {"as", RLIMIT_AS}, {"fsize", RLIMIT_FSIZE}, {"nofile", RLIMIT_NOFILE},
+        {"core", RLIMIT_CORE}};
+    long n_limits = cfg_count(&f, 64);
+    for (long i = 0; i < n_limits; i++) {
+        char *name = cfg_take(&f), *value = cfg_take(&f);
+        for (size_t k = 0; k < sizeof names / sizeof names[0]; k++)
+            if (!strcmp(name, names[k].name)) set_limit(names[k].res, value);
+    }
+    long n_env = cfg_count(&f, MAX_ENV);
+    base_env = xmalloc(sizeof(char *) * (size_t)(n_env + 1));
+    for (long i = 0; i < n_env; i++) base_env[i] = cfg_take(&f);
+    n_warm = (int)cfg_count(&f, MAX_WARM);
+    for (int i = 0; i < n_warm; i++) {
+        warm[i].kind = cfg_take(&f);
+        warm[i].boot = cfg_take(&f);
+        warm[i].src_fd = warm[i].go_w = warm[i].pidfd = -1;
+    }
+    char *workspace = cfg_take(&f);
+    long n_up = cfg_count(&f, 4096);
+    if (n_up < 1) { fprintf(stderr, "slotd: no Python supervisor to upgrade to\n"); return 2; }
+    upgrade_argv = xmalloc(sizeof(char *) * (size_t)(n_up + 1));
+    for (long i = 0; i < n_up; i++) upgrade_argv[i] = cfg_take(&f);
+    upgrade_argv[n_up] = NULL;
+    base_env[n_env] = NULL;
+    /* an image's WorkingDir that its root user removed: calls start at / (supervisor.py does the same) */
+    root_dir = realpath(workspace, NULL);
+    if (!root_dir) root_dir = realpath("/", NULL);
+    last_pid_fd = open("/proc/sys/kernel/ns_last_pid", O_RDONLY | O_CLOEXEC);
+    if (last_pid_fd < 0) die("/proc/sys/kernel/ns_last_pid");
+    /* the protocol pipes move to private descriptors; stdin and stdout become /dev/null, so what
+       the slot runs gets its own stdio and can never write into the protocol */
+    rfd = fcntl(0, F_DUPFD_CLOEXEC, 3);
+    wfd = fcntl(1, F_DUPFD_CLOEXEC, 3);
+    int devnull = open("/dev/null", O_RDWR);
+    if (rfd < 0 || wfd < 0 || devnull < 0) die("protocol descriptors");
+    dup2(devnull, 0);
+    dup2(devnull, 1);
+    close(devnull);
+    /* what bwrap handed us beyond stdio stays here (the calls start with ours only) */
+    syscall(SYS_close_range, 3, ~0U, 4 /* CLOSE_RANGE_CLOEXEC */);
+    fcntl(rfd, F_SETFD, FD_CLOEXEC);
+    fcntl(wfd, F_SETFD, FD_CLOEXEC);
+
+    buf_t b = {0};
+    b_fmt(&b, "{\"ok\":true,\"native\":true,\"result\":{\"ready\":true,\"pid\":%d}}", (int)getpid());
+    send_frame(&b);
+    b.n = 0;
+    idle(); /* mark is unset: the first idle starts from a clean slate, as supervisor.py's */
+    char *body = NULL;
+    for (;;) {
+        unsigned char hdr[4];
+        if (read_exact(rfd, (char *)hdr, 4)) return 0;
+        size_t size = (size_t)hdr[0] << 24 | (size_t)hdr[1] << 16 | (size_t)hdr[2] << 8 | hdr[3];
+        if (size > MAX_FRAME || size < 1) return 0;
+        body = xmalloc(size);
+        if (read_exact(rfd, body, size)) return 0;
+        fields_t f = {body + 1, size - 1, 0};
+        long seq = field_long(&f);
+        guard();
+        if (body[0] == 'E') {
+            do_exec(&f, seq);
+        } else if (body[0] == 'P') {
+            b.n = 0;
+            b_fmt(&b, "{\"seq\":%ld,\"ok\":true,\"result\":{\"pong\":true}}", seq);
+            send_frame(&b);
+        } else if (body[0] == 'U') {
+            upgrade();
+        } else {
+            fprintf(stderr, "slotd: unknown request kind\n");
+            return 2;
+        }
+        free(body);
+        idle();
+    }
+}

@@ -1,0 +1,239 @@
+"""slotd, the compiled supervisor (docs/native-supervisor.md): a slot serves its commands without
+starting Python, and answers every call exactly as the Python supervisor does.
+
+The reference is a host started with ``--no-native-supervisor`` (the Python supervisor serves every
+call, as before slotd): each command runs in a slot of both hosts and the replies must be equal but
+for the duration. The Python supervisor's own fidelity to a fresh ``bash -c`` / ``python3 -c`` is
+held by tests/test_warm_interpreters.py and tests/test_slot_signals.py, which run on slotd now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import struct
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from atropos.sandbox.host import slotd_build
+from atropos.sandbox.host.isolation import slotd_wire
+from tests.conftest import IMAGE_STORE, RunningHost, leased_slot, start_host, stop_host
+
+PROCS = ("for p in /proc/[0-9]*; do"
+         " printf '%s %s\\n' \"${p#/proc/}\" \"$(tr '\\0\\n' '  ' < $p/cmdline | cut -c1-200)\"; done")
+
+
+@pytest.fixture(scope="module")
+def python_host() -> Iterator[RunningHost]:
+    data = Path(f"/tmp/atropos-test-{os.getpid()}-{secrets.token_hex(3)}")  # slot uids traverse to it
+    running = start_host(data, slots=2, extra=["--no-native-supervisor", "--image-store", str(IMAGE_STORE)])
+    yield running
+    stop_host(running)
+
+
+def _processes(stdout: str) -> dict[int, str]:
+    out = {}
+    for line in stdout.splitlines():
+        pid, _, cmd = line.partition(" ")
+        out[int(pid)] = cmd
+    return out
+
+
+async def test_a_slot_runs_commands_without_python(host: RunningHost) -> None:
+    async with leased_slot(host) as slot:
+        for _ in range(3):  # the first call and the warm interpreters after it
+            procs = _processes((await slot.sh(PROCS))["stdout"])
+        assert procs[2].strip() == "/run/atropos/slotd"  # its argv holds nothing: the config came on stdin
+        assert not [cmd for cmd in procs.values() if "python" in cmd], procs
+        py = await slot.ok("python", code="print(6 * 7)")
+        assert py["stdout"] == "42\n"
+        procs = _processes((await slot.sh(PROCS))["stdout"])
+        assert procs[2].strip() == "/run/atropos/slotd"  # the python tool is a command too
+
+
+async def test_a_file_tool_hands_the_slot_to_the_python_supervisor(host: RunningHost) -> None:
+    async with leased_slot(host) as slot:
+        await slot.sh("echo kept > note.txt; sleep 600 >/dev/null 2>&1 &")
+        read = await slot.ok("read_file", path="note.txt")
+        assert "kept" in str(read)
+        procs = _processes((await slot.sh(PROCS))["stdout"])
+        assert "supervisor.py" in procs[2], procs  # slotd exec'd it in its own place: same pid
+        assert not [cmd for cmd in procs.values() if "slotd" in cmd or "sleep 600" in cmd], procs
+        assert (await slot.sh("cat note.txt; echo $((6 * 7))"))["stdout"] == "kept\n42\n"
+        await slot.ok("write_file", path="b.txt", content="x")
+        assert (await slot.sh("cat b.txt"))["stdout"] == "x"
+
+
+async def test_slotd_is_not_readable_by_the_slot(host: RunningHost) -> None:
+    """Like the Python supervisor: non-dumpable, so the slot's code cannot read its memory, its
+    environment or its descriptors (the protocol pipes carry the host's requests)."""
+    async with leased_slot(host) as slot:
+        r = await slot.sh("for f in environ mem fd/0 fd/3; do"
+                          " if cat /proc/2/$f >/dev/null 2>&1; then echo $f; fi; done;"
+                          " ls /proc/2/fd 2>&1 >/dev/null | head -1; cat /proc/2/cmdline | tr '\\0' ' '")
+        assert r["stdout"].startswith("ls: cannot open directory '/proc/2/fd': Permission denied\n"), r
+        assert r["stdout"].endswith("/run/atropos/slotd "), r
+
+
+# What supervisor.py and slotd must answer alike: exit codes, signals, both streams, truncation,
+# undecodable bytes, stdin, the environment and start-up state a command finds (signals, limits,
+# descriptors), timeouts, background children, the python tool.
+CASES: list[tuple[str, dict[str, Any]]] = [
+    ("bash", {"command": "echo out; echo err >&2; exit 3"}),
+    ("bash", {"command": "kill -TERM $$"}),
+    ("bash", {"command": "exec sleep 30 & kill -9 $!; wait $!; echo $?"}),
+    ("bash", {"command": "head -c 300000 /dev/zero | tr '\\0' a; echo; seq 1 20000 >&2"}),
+    ("bash", {"command": "printf 'ok \\xff\\xfe \\xe2\\x82 \\xf0\\x9f\\x98\\x80 end'"}),
+    ("bash", {"command": "cat; echo; wc -c", "stdin": "line one\nline two \u00e9"}),
+    ("bash", {"command": "echo \"$PWD|${SHLVL-unset}|$HOME|$PATH\"; env | sort | grep -v '^_='"}),
+    ("bash", {"command": "grep -E '^(SigIgn|SigBlk|SigCgt|NoNewPrivs|Seccomp)' /proc/self/status; ulimit -a"}),
+    ("bash", {"command": "ls -l /proc/self/fd | awk 'NR > 1 {print $9, $10, $11}' | sed 's/:\\[[0-9]*\\]//';"
+                         " readlink /proc/self/fd/0"}),
+    ("bash", {"command": "sleep 30 & echo started"}),
+    ("bash", {"command": "set -x; true; echo $((1 + 2))"}),
+    ("bash", {"command": "echo one; exit"}),
+    ("bash", {"command": "(("}),
+    ("bash", {"command": "ps -o pid=,ppid=,pgid=,sid= -p $$ | awk '{print ($1 == $3 && $1 == $4), $2}'"}),
+    ("bash", {"command": "pwd; cd /tmp && pwd", "workdir": "."}),
+    ("python", {"code": "import os, sys\nprint(sys.argv, os.getcwd(), sys.flags.isolated)\nsys.exit(4)"}),
+    ("python", {"code": "raise ValueError('boom')"}),
+    ("python", {"code": "import sys; sys.stdout.buffer.write(bytes(range(256)))"}),
+]
+
+
+async def _reply(host: RunningHost, tool: str, args: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+    async with leased_slot(host) as slot:
+        await slot.sh("true")  # the call under test finds the slot as an agent's later calls do (warm)
+        await asyncio.sleep(0.2)
+        result = await slot.call(tool, timeout_s=timeout_s, **args)
+        assert result.ok, result.error
+        assert result.result is not None
+        reply = dict(result.result)
+        reply.pop("duration_ms", None)
+        return reply
+
+
+@pytest.mark.parametrize(("tool", "args"), CASES, ids=[f"{t}-{i}" for i, (t, _) in enumerate(CASES)])
+async def test_slotd_answers_as_the_python_supervisor(host: RunningHost, python_host: RunningHost, tool: str,
+                                                      args: dict[str, Any]) -> None:
+    ours = await _reply(host, tool, args)
+    reference = await _reply(python_host, tool, args)
+    assert ours == reference
+
+
+async def test_a_timeout_is_answered_alike(host: RunningHost, python_host: RunningHost) -> None:
+    args = {"command": "echo before; sleep 30; echo after"}
+    ours = await _reply(host, "bash", args, timeout_s=1.0)
+    reference = await _reply(python_host, "bash", args, timeout_s=1.0)
+    assert ours["timed_out"] is True
+    assert ours == reference
+
+
+# -- slotd on its own: the protocol, in a PID namespace of its own (bubblewrap) ----------------------
+
+def _frame(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+def _read(proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+    import json
+
+    assert proc.stdout is not None
+    (size,) = struct.unpack(">I", proc.stdout.read(4))
+    return json.loads(proc.stdout.read(size))
+
+
+@pytest.fixture
+def slotd(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    binary = slotd_build.build()
+    if binary is None:
+        pytest.skip("slotd cannot be built here: no C compiler")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    bwrap = shutil.which("bwrap")
+    assert bwrap, "bubblewrap is a requirement of the project (scripts/setup.sh installs it)"
+    proc = subprocess.Popen(
+        [bwrap, "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
+         "--bind", str(ws), "/tmp", str(binary)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={})
+    assert proc.stdin is not None
+    cfg = slotd_build.config_frame({"env": {"PATH": "/usr/bin:/bin"}, "workspace": "/tmp"}, {},
+                                   [sys.executable, "-c", "pass"])
+    proc.stdin.write(cfg)
+    proc.stdin.flush()
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _exec(proc: subprocess.Popen[bytes], payload: dict[str, Any], seq: int = 1) -> dict[str, Any]:
+    assert proc.stdin is not None
+    body = slotd_wire.encode_exec({"op": "exec", **payload}, seq)
+    assert body is not None
+    proc.stdin.write(_frame(body))
+    proc.stdin.flush()
+    return slotd_wire.decode_exec(_read(proc), {"op": "exec", **payload})
+
+
+def test_slotd_reports_a_program_it_cannot_start_as_the_python_supervisor_does(slotd: subprocess.Popen[bytes]) -> None:
+    assert _read(slotd)["result"]["ready"] is True
+    r = _exec(slotd, {"argv": ["no-such-program-here"], "timeout": 5})
+    assert r["result"]["exit_code"] == 127
+    assert r["result"]["stderr"] == "cannot start no-such-program-here: No such file or directory\n"
+    r = _exec(slotd, {"argv": ["/tmp"], "timeout": 5}, seq=2)
+    assert r["result"]["stderr"] == "cannot start /tmp: Permission denied\n"
+    assert r["seq"] == 2
+    r = _exec(slotd, {"argv": ["sh", "-c", "echo $A-$B; exit 5"], "env": {"A": "x", "B": "y"}, "timeout": 5}, seq=3)
+    assert (r["result"]["stdout"], r["result"]["exit_code"]) == ("x-y\n", 5)
+
+
+def test_slotd_keeps_only_the_head_and_tail_of_a_flood(slotd: subprocess.Popen[bytes]) -> None:
+    _read(slotd)
+    r = _exec(slotd, {"argv": ["sh", "-c", "seq 1 100000"], "timeout": 10, "max_output": 100})
+    out = r["result"]
+    assert out["stdout_truncated"] is True
+    assert out["stdout"].startswith("1\n2\n3\n")
+    assert out["stdout"].endswith("99999\n100000\n")
+    assert out["stdout_bytes"] == len("".join(f"{i}\n" for i in range(1, 100001)))
+    r = _exec(slotd, {"argv": ["sh", "-c", "yes"], "timeout": 10, "max_output": 100, "hard_output": 1 << 20}, seq=2)
+    assert r["result"]["output_limited"] is True
+    assert r["result"]["signal"] == 9
+
+
+def test_slotd_refuses_to_run_outside_a_pid_namespace_of_its_own() -> None:
+    """Its sweeps are kill(-1): run by mistake on a host, it would kill every process of its user."""
+    binary = slotd_build.build()
+    if binary is None:
+        pytest.skip("slotd cannot be built here: no C compiler")
+    out = subprocess.run([str(binary)], input=b"", capture_output=True, timeout=10)
+    assert out.returncode == 2
+    assert b"refusing to run" in out.stderr
+
+
+def test_without_a_compiler_the_python_supervisor_serves(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no cc, no gcc
+    monkeypatch.delenv("ATROPOS_SLOTD", raising=False)
+    monkeypatch.setenv("ATROPOS_SANDBOX_CACHE", str(tmp_path / "cache"))
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / slotd_build.SLOTD).write_bytes(b"stale")
+    assert slotd_build.install(lib) is False
+    assert not (lib / slotd_build.SLOTD).exists()  # a stale binary never serves
+
+
+def test_requests_slotd_does_not_serve_go_to_the_python_supervisor() -> None:
+    assert slotd_wire.encode_exec({"op": "exec", "argv": ["/bin/bash", "-c", "true"]}, 1) is not None
+    for payload in ({"op": "exec", "argv": ["/bin/bash", "-c", "true"], "cwd": "sub"},
+                    {"op": "exec", "argv": ["/bin/bash", "-c", "a\0b"]},
+                    {"op": "exec", "argv": ["x"], "env": {"A=B": "1"}},
+                    {"op": "exec", "argv": ["x"], "stdin": "\udc80"},
+                    {"op": "read_file", "path": "x"}):
+        assert slotd_wire.encode_exec(payload, 1) is None, payload
+    assert os.path.basename(slotd_build.SLOTD) == "slotd"
