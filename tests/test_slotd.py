@@ -46,7 +46,7 @@ def _processes(stdout: str) -> dict[int, str]:
     return out
 
 
-async def test_a_slot_runs_commands_without_python(host: RunningHost) -> None:
+async def test_a_slot_runs_commands_and_its_terminal_without_python(host: RunningHost) -> None:
     async with leased_slot(host) as slot:
         for _ in range(3):  # the first call and the warm interpreters after it
             procs = _processes((await slot.sh(PROCS))["stdout"])
@@ -56,6 +56,10 @@ async def test_a_slot_runs_commands_without_python(host: RunningHost) -> None:
         assert py["stdout"] == "42\n"
         procs = _processes((await slot.sh(PROCS))["stdout"])
         assert procs[2].strip() == "/run/atropos/slotd"  # the python tool is a command too
+        term = await slot.ok("terminal", input="echo $((6 * 7))", wait_ms=5000)
+        assert "42" in term["output"]
+        procs = _processes((await slot.sh(PROCS))["stdout"])
+        assert procs[2].strip() == "/run/atropos/slotd"  # and so is the terminal (tmux clients)
 
 
 async def test_a_file_tool_hands_the_slot_to_the_python_supervisor(host: RunningHost) -> None:
@@ -133,6 +137,24 @@ async def test_a_timeout_is_answered_alike(host: RunningHost, python_host: Runni
     ours = await _reply(host, "bash", args, timeout_s=1.0)
     reference = await _reply(python_host, "bash", args, timeout_s=1.0)
     assert ours["timed_out"] is True
+    assert ours == reference
+
+
+async def _terminal_session(host: RunningHost) -> list[dict[str, Any]]:
+    async with leased_slot(host) as slot:
+        replies = []
+        for args in ({"input": "printf 'plain \\033[31mred\\033[0m\\n'; echo $((6 * 7))", "wait_ms": 5000},
+                     {"input": "sleep 30", "wait_ms": 300}, {"keys": ["C-c"], "wait_ms": 2000},
+                     {"input": "seq 1 20000", "wait_ms": 10000, "enter": True}):
+            replies.append(await slot.ok("terminal", **args))
+        return replies
+
+
+async def test_the_terminal_answers_as_with_the_python_supervisor(host: RunningHost,
+                                                                  python_host: RunningHost) -> None:
+    ours, reference = await _terminal_session(host), await _terminal_session(python_host)
+    assert "plain red\n42\n" in ours[0]["output"]
+    assert ours[3]["truncated"] is True  # 20000 lines: over the output cap, head and tail kept
     assert ours == reference
 
 
@@ -237,3 +259,19 @@ def test_requests_slotd_does_not_serve_go_to_the_python_supervisor() -> None:
                     {"op": "read_file", "path": "x"}):
         assert slotd_wire.encode_exec(payload, 1) is None, payload
     assert os.path.basename(slotd_build.SLOTD) == "slotd"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a noexec tmpfs needs root")
+def test_a_lib_dir_on_a_noexec_mount_keeps_the_python_supervisor(tmp_path: Path) -> None:
+    """A container's tmpfs is noexec unless told (Docker's default; a Nomad job's tmpfs mounts): slotd
+    could not start there, so the host does not install it and its slots run the Python supervisor."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "noexec,size=8m", "tmpfs", str(lib)], check=True)
+    try:
+        (lib / slotd_build.SLOTD).write_bytes(b"stale")
+        assert slotd_build.install(lib) is False
+        assert not (lib / slotd_build.SLOTD).exists()
+    finally:
+        subprocess.run(["umount", str(lib)], check=True)
+    assert slotd_build.install(lib) is (slotd_build.build() is not None)  # an exec mount: installed

@@ -176,7 +176,9 @@ class DockerBackend(Backend):
             read_only=True,
             tmpfs={
                 "/tmp": "rw,size=64m",
-                "/slots": f"rw,size={c.workspace_bytes},uid={SLOT_UID},gid={SLOT_UID},mode=0711",
+                # exec: slotd, the compiled supervisor, runs from the host's lib dir in there
+                # (docs/native-supervisor.md); Docker mounts a tmpfs noexec unless told
+                "/slots": f"rw,exec,size={c.workspace_bytes},uid={SLOT_UID},gid={SLOT_UID},mode=0711",
             },
             pids_limit=c.pids_limit,
             mem_limit=c.memory_bytes,

@@ -210,9 +210,16 @@ class Slot:
                     python_only: bool) -> tuple[list[str], bytes | None]:
         """The sandbox's program: slotd where the host has it and the sandbox is a plain supervisor's
         (it serves the calls, and the Python supervisor, its command given, only once asked for more
-        than a command: docs/native-supervisor.md), else ``python``. A sealed or verifying sandbox,
-        and every other in-slot program, stay Python throughout."""
-        if script != "supervisor.py" or python_only or not (self.paths.lib_dir / slotd_build.SLOTD).is_file():
+        than a command: docs/native-supervisor.md) or the terminal's program starter, else
+        ``python``. A sealed or verifying sandbox, the python_session driver and the verifier stay
+        Python throughout."""
+        if not (self.paths.lib_dir / slotd_build.SLOTD).is_file():
+            return [*argv, *python], None
+        if script == "exec_program.py":  # the terminal's tmux, started without a Python in between
+            exec_cfg = {**sup_cfg, "workspace": sup_cfg.get("cwd") or ""}
+            return [*argv, f"{lib_dir}/{slotd_build.SLOTD}"], slotd_build.config_frame(
+                exec_cfg, {}, list(sup_cfg["exec"]), mode="exec")
+        if script != "supervisor.py" or python_only:
             return [*argv, *python], None
         env = sup_cfg["env"]
         warm = {kind: boot("{go}", "{src}", env) for kind, boot in WARM_KINDS.items()}  # type: ignore[arg-type]

@@ -77,8 +77,13 @@ def build(out_dir: Path | None = None) -> Path | None:
 
 def install(lib: Path) -> bool:
     """Put slotd into the host's lib dir (mounted read-only in every sandbox); False if there is none."""
-    binary = build()
     dest = lib / SLOTD
+    if os.statvfs(lib).f_flag & os.ST_NOEXEC:
+        # e.g. a container's /slots tmpfs mounted noexec (Docker's default for tmpfs): nothing there runs
+        log.warning("the lib dir %s is on a noexec mount: slots run the Python supervisor", lib)
+        dest.unlink(missing_ok=True)
+        return False
+    binary = build()
     if binary is None:
         dest.unlink(missing_ok=True)
         return False
@@ -89,16 +94,21 @@ def install(lib: Path) -> bool:
     return True
 
 
-def config_frame(cfg: dict[str, Any], warm: dict[str, str], python_argv: list[str]) -> bytes:
+def config_frame(cfg: dict[str, Any], warm: dict[str, str], python_argv: list[str], mode: str = "serve") -> bytes:
     """slotd's configuration, the first frame it reads (not its argv: every process of the slot can
     read a command line in /proc): from a supervisor configuration (``cfg`` as supervisor.py reads
     it; only its limits, environment and workspace matter to slotd), the warm interpreters' boot
     scripts (``{go}`` and ``{src}`` for their descriptors) and the Python supervisor's own command,
-    which slotd runs in its place on an upgrade."""
+    which slotd runs in its place on an upgrade. ``mode="exec"``: slotd does exec_program.py's job,
+    running ``python_argv`` (the program) in its place at once, in ``cfg``'s ``cwd`` if given."""
     limits = [(str(k), str(int(v))) for k, v in dict(cfg.get("limits") or {}).items() if v is not None]
     env = [f"{k}={v}" for k, v in dict(cfg.get("env") or {}).items()]
-    fields: list[str] = [str(len(limits)), *(x for pair in limits for x in pair), str(len(env)), *env,
+    tmux, shell = [str(a) for a in cfg.get("tmux") or ["tmux"]], [str(a) for a in cfg.get("terminal_shell") or []]
+    fields: list[str] = [mode, str(len(limits)), *(x for pair in limits for x in pair), str(len(env)), *env,
                          str(len(warm)), *(x for pair in warm.items() for x in pair),
-                         str(cfg.get("workspace", "/workspace")), str(len(python_argv)), *python_argv]
+                         str(cfg.get("workspace", "/workspace")), str(len(python_argv)), *python_argv,
+                         str(cfg.get("run_dir", "/run/term")),
+                         str(cfg.get("cwd") or cfg.get("workspace", "/workspace")),
+                         str(len(tmux)), *tmux, str(len(shell)), *shell]
     body = b"".join(_LEN.pack(len(data)) + data for data in (os.fsencode(f) for f in fields))
     return _LEN.pack(len(body)) + body

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import signal
 import struct
@@ -58,6 +59,17 @@ def render_capture(head: bytes, tail: bytes, total: int) -> tuple[str, bool]:
         return (head + tail).decode("utf-8", "replace"), False
     marker = f"\n[... {dropped} bytes truncated ...]\n"
     return head.decode("utf-8", "replace") + marker + tail.decode("utf-8", "replace"), True
+
+
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[()][0-9A-Za-z]|\x1b[=>78cDEHM]")
+
+
+def strip_ansi(text: str) -> str:
+    """The terminal's text without its escape sequences (the terminal tool's reply; the host applies
+    it to the compiled supervisor's raw capture too)."""
+    text = _ANSI.sub("", text).replace("\r\n", "\n")
+    # A bare CR moves to line start: keep what was drawn last on that line.
+    return "\n".join(line.rsplit("\r", 1)[-1] for line in text.split("\n"))
 
 
 PR_SET_DUMPABLE = 4

@@ -8,28 +8,20 @@ from __future__ import annotations
 
 import io
 import os
-import re
 import stat
 import subprocess
 import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from atropos.sandbox.inslot.inslot_common import Capture
+    from atropos.sandbox.inslot.inslot_common import Capture, strip_ansi
 else:  # run from the host's lib dir beside inslot.py (see supervisor.py)
-    from inslot_common import Capture
+    from inslot_common import Capture, strip_ansi
 if TYPE_CHECKING:
     from atropos.sandbox.inslot.inslot_files import ToolFailure
 else:  # run from the host's lib dir beside inslot_files.py (see supervisor.py)
     from inslot_files import ToolFailure
 
-_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[()][0-9A-Za-z]|\x1b[=>78cDEHM]")
-
-
-def strip_ansi(text: str) -> str:
-    text = _ANSI.sub("", text).replace("\r\n", "\n")
-    # A bare CR moves to line start: keep what was drawn last on that line.
-    return "\n".join(line.rsplit("\r", 1)[-1] for line in text.split("\n"))
 
 
 

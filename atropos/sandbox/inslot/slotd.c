@@ -48,6 +48,8 @@ static int last_pid_fd = -1;
 static char *root_dir;                 /* the workspace (the cwd of every call served here) */
 static char **base_env;                /* the slot's environment for calls (NULL-terminated) */
 static char **upgrade_argv;            /* the Python supervisor, run in our place on upgrade */
+static char *run_dir, *term_dir;       /* the terminal's socket and log; where its shell starts */
+static char **tmux_argv, **shell_argv; /* how to run tmux; the session's command (NULL: tmux's) */
 
 /* ------------------------------------------------------------------ small helpers */
 
@@ -268,7 +270,7 @@ typedef struct {
     int reaped, status;
 } child_t;
 
-/* Start argv in its own session in `cwd`, stdin from `stdin_fd`, stdout and stderr into fresh
+/* Start argv in its own session in `cwd` (NULL: in ours and our directory, as subprocess.run), stdin from `stdin_fd`, stdout and stderr into fresh
    non-blocking pipes; `keep` (up to two descriptors, -1 for none) are inherited at their numbers,
    nothing else is (every descriptor of ours is close-on-exec). 0 on success, else an errno. */
 static int spawn(char **argv, char **env, const char *cwd, int stdin_fd, const int keep[2], child_t *ch) {
@@ -283,7 +285,7 @@ static int spawn(char **argv, char **env, const char *cwd, int stdin_fd, const i
     pid_t pid = fork();
     if (pid == 0) {
         int e;
-        if (setsid() < 0 || chdir(cwd) < 0) goto fail;
+        if (cwd && (setsid() < 0 || chdir(cwd) < 0)) goto fail;
         if (dup2(stdin_fd, 0) < 0 || dup2(out[1], 1) < 0 || dup2(err[1], 2) < 0) goto fail;
         for (int i = 0; i < 2; i++)
             if (keep[i] >= 0 && fcntl(keep[i], F_SETFD, 0) < 0) goto fail;
@@ -631,6 +633,222 @@ static void do_exec(fields_t *f, long seq) {
     free(stdin_data);
 }
 
+/* ------------------------------------------------------------------ terminal */
+/* inslot_terminal.py's run_terminal: the slot's tmux session driven by tmux clients, what it
+   printed read from the session's log, never blocking on whatever the slot put in the log's place.
+   The host strips the ANSI sequences (inslot_terminal.strip_ansi) from the text it renders. */
+
+#define TMUX_TIMEOUT 5.0
+#define PROMPT_END "]$ "
+
+/* subprocess.run([*tmux, "-S", sock, *args], capture_output=True, timeout=5, stdin=DEVNULL):
+   0 with *rc set, -1 on timeout (the client killed), else an errno (the start failed). */
+static int tmux_run(const char *sock, const char **args, int *rc, buf_t *err_out) {
+    size_t n_tmux = 0, n_args = 0;
+    while (tmux_argv[n_tmux]) n_tmux++;
+    while (args[n_args]) n_args++;
+    char **argv = xmalloc(sizeof(char *) * (n_tmux + n_args + 3));
+    size_t k = 0;
+    for (size_t i = 0; i < n_tmux; i++) argv[k++] = tmux_argv[i];
+    argv[k++] = "-S";
+    argv[k++] = (char *)sock;
+    for (size_t i = 0; i < n_args; i++) argv[k++] = (char *)args[i];
+    argv[k] = NULL;
+    int null = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    int keep[2] = {-1, -1};
+    child_t ch;
+    int e = null < 0 ? errno : spawn(argv, base_env, NULL, null, keep, &ch);
+    if (null >= 0) close(null);
+    free(argv);
+    if (e) return e;
+    int pidfd = pidfd_open(ch.pid);
+    struct pollfd pf[3] = {{ch.out_fd, POLLIN, 0}, {ch.err_fd, POLLIN, 0}, {pidfd, POLLIN, 0}};
+    double deadline = now() + TMUX_TIMEOUT;
+    int open_fds = 2, timed_out = 0;
+    char chunk[4096];
+    while (open_fds) { /* communicate(): both pipes to their end */
+        double remaining = deadline - now();
+        if (remaining <= 0) { timed_out = 1; break; }
+        int n = poll(pf, 2, (int)(remaining * 1000 + 1));
+        if (n < 0 && errno != EINTR) break;
+        for (int i = 0; i < 2 && n > 0; i++) {
+            if (pf[i].fd < 0 || !pf[i].revents) continue;
+            ssize_t r = read(pf[i].fd, chunk, sizeof chunk);
+            if (r < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+            if (r <= 0) { pf[i].fd = -1; open_fds--; continue; }
+            if (i == 1 && err_out) b_put(err_out, chunk, (size_t)r);
+        }
+    }
+    if (!timed_out) { /* the pipes closed: wait for the client itself within what is left */
+        double remaining = deadline - now();
+        struct pollfd pp = {pidfd, POLLIN, 0};
+        if (pidfd >= 0 && (remaining <= 0 || poll(&pp, 1, (int)(remaining * 1000 + 1)) == 0)) timed_out = 1;
+    }
+    if (timed_out) kill(ch.pid, SIGKILL);
+    if (pidfd >= 0) close(pidfd);
+    int code = child_wait(&ch);
+    child_close(&ch);
+    if (timed_out) return -1;
+    *rc = code;
+    return 0;
+}
+
+static off_t log_size(const char *path) {
+    struct stat st;
+    if (lstat(path, &st) || !S_ISREG(st.st_mode)) return 0;
+    return st.st_size;
+}
+
+static int open_log(const char *path) {
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_NOCTTY | O_CLOEXEC);
+    struct stat st;
+    if (fd >= 0 && (fstat(fd, &st) || !S_ISREG(st.st_mode))) { close(fd); fd = -1; }
+    return fd;
+}
+
+static int ends_with_prompt(const char *path, off_t size) {
+    int fd = open_log(path);
+    if (fd < 0) return 0;
+    char buf[64];
+    ssize_t n = pread(fd, buf, sizeof buf, size > 64 ? size - 64 : 0);
+    close(fd);
+    size_t p = strlen(PROMPT_END);
+    return n >= (ssize_t)p && !memcmp(buf + n - p, PROMPT_END, p);
+}
+
+static void term_fail(long seq, const char *why, int err, const char *file, buf_t *detail) {
+    buf_t b = {0};
+    b_fmt(&b, "{\"seq\":%ld,\"ok\":false,\"native\":true,\"fail\":\"%s\",\"errno\":%d,\"file\":\"", seq, why, err);
+    if (file) b_b64(&b, (const unsigned char *)file, strlen(file));
+    b_str(&b, "\",\"detail\":\"");
+    if (detail && detail->n) b_b64(&b, (const unsigned char *)detail->p, detail->n);
+    b_str(&b, "\"}");
+    send_frame(&b);
+    free(b.p);
+}
+
+/* One tmux client for the terminal; 0 when it ran (rc in *rc), else the failure was answered. */
+static int term_tmux(long seq, const char *sock, const char **args, int *rc, buf_t *err_out) {
+    int e = tmux_run(sock, args, rc, err_out);
+    if (e == -1) { term_fail(seq, "timeout", 0, NULL, NULL); return -1; }
+    if (e) { term_fail(seq, "os", e, tmux_argv[0], NULL); return -1; }
+    return 0;
+}
+
+static void do_terminal(fields_t *f, long seq) {
+    size_t input_len = 0;
+    char *input = field(f, &input_len);
+    char *enter = field(f, NULL);             /* "1", "0", or "" for the default */
+    long n_keys = field_long(f);
+    if (n_keys < 0 || n_keys > 4096) f->bad = 1;
+    char **keys = xmalloc(sizeof(char *) * (size_t)(n_keys > 0 ? n_keys : 1));
+    for (long i = 0; i < n_keys && !f->bad; i++) keys[i] = field(f, NULL);
+    char *s_wait = field(f, NULL), *s_settle = field(f, NULL), *cols = field(f, NULL), *rows = field(f, NULL);
+    long offset = field_long(f), cap = field_long(f);
+    if (f->bad) {
+        fprintf(stderr, "slotd: malformed terminal request\n");
+        _exit(112);
+    }
+    double wait = strtod(s_wait, NULL) / 1000.0, settle = strtod(s_settle, NULL) / 1000.0;
+    clean_slate(); /* its tmux clients take pids: with no waiting interpreter alive, all are ours */
+    char sock[PATH_MAX], log[PATH_MAX], pipe_cmd[PATH_MAX + 32];
+    snprintf(sock, sizeof sock, "%s/tmux.sock", run_dir);
+    snprintf(log, sizeof log, "%s/terminal.log", run_dir);
+    int rc = 0;
+    struct stat st;
+    if (lstat(sock, &st) || !S_ISSOCK(st.st_mode)) {
+        term_fail(seq, "not_socket", 0, sock, NULL);
+        goto out;
+    }
+    const char *has[] = {"has-session", "-t", "main", NULL};
+    if (term_tmux(seq, sock, has, &rc, NULL)) goto out;
+    if (rc != 0) {
+        size_t n_shell = 0;
+        while (shell_argv && shell_argv[n_shell]) n_shell++;
+        const char **create = xmalloc(sizeof(char *) * (n_shell + 12));
+        size_t k = 0;
+        const char *head[] = {"new-session", "-d", "-s", "main", "-x", cols, "-y", rows, "-c", term_dir};
+        for (size_t i = 0; i < sizeof head / sizeof head[0]; i++) create[k++] = head[i];
+        for (size_t i = 0; i < n_shell; i++) create[k++] = shell_argv[i];
+        create[k] = NULL;
+        buf_t err = {0};
+        int failed = term_tmux(seq, sock, create, &rc, &err);
+        free(create);
+        if (!failed && rc != 0) term_fail(seq, "start", 0, NULL, &err);
+        free(err.p);
+        if (failed || rc != 0) goto out;
+        snprintf(pipe_cmd, sizeof pipe_cmd, "exec cat >> %s", log);
+        const char *pipe_args[] = {"pipe-pane", "-O", "-t", "main", pipe_cmd, NULL};
+        if (term_tmux(seq, sock, pipe_args, &rc, NULL)) goto out;
+    }
+    for (long i = 0; i < n_keys; i++) {
+        const char *send[] = {"send-keys", "-t", "main", keys[i], NULL};
+        if (term_tmux(seq, sock, send, &rc, NULL)) goto out;
+    }
+    if (input_len) {
+        const char *send[] = {"send-keys", "-t", "main", "-l", "--", input, NULL};
+        if (term_tmux(seq, sock, send, &rc, NULL)) goto out;
+    }
+    if (*enter ? !strcmp(enter, "1") : input_len > 0) {
+        const char *send[] = {"send-keys", "-t", "main", "Enter", NULL};
+        if (term_tmux(seq, sock, send, &rc, NULL)) goto out;
+    }
+    {
+        off_t size = log_size(log);
+        double end = now() + wait, last_change = now();
+        while (now() < end) {
+            struct timespec ts = {0, 10 * 1000 * 1000};
+            nanosleep(&ts, NULL);
+            off_t now_size = log_size(log);
+            if (now_size != size) {
+                size = now_size;
+                last_change = now();
+                if (ends_with_prompt(log, size)) break; /* the shell is back at its prompt */
+            } else if (now_size > offset && now() - last_change >= settle) {
+                break;
+            }
+        }
+        if (size < offset) offset = 0; /* truncated from inside the slot: all it holds is new */
+        capture_t c;
+        cap_init(&c, cap);
+        if (size > offset) {
+            int fd = open_log(log);
+            if (fd >= 0) {
+                unsigned char *tmp = xmalloc((size_t)(size - offset) < 2 * c.half ? (size_t)(size - offset) : 2 * c.half);
+                if ((size_t)(size - offset) <= (size_t)cap) {
+                    ssize_t r = pread(fd, tmp, (size_t)(size - offset), offset);
+                    if (r > 0) cap_feed(&c, tmp, (size_t)r);
+                } else {
+                    ssize_t r = pread(fd, tmp, c.half, offset);
+                    if (r > 0) cap_feed(&c, tmp, (size_t)r);
+                    c.total += (unsigned long long)(size - offset) - 2 * c.half; /* the skipped middle */
+                    r = pread(fd, tmp, c.half, size - (off_t)c.half);
+                    if (r > 0) cap_feed(&c, tmp, (size_t)r);
+                }
+                free(tmp);
+                close(fd);
+            }
+        }
+        buf_t b = {0};
+        b_fmt(&b, "{\"seq\":%ld,\"ok\":true,\"native\":true,\"result\":{\"offset\":%lld,\"bytes\":%lld", seq,
+              (long long)size, (long long)(size - offset));
+        cap_json(&b, "output", &c);
+        b_str(&b, "}}");
+        send_frame(&b);
+        free(b.p);
+    }
+out:
+    mark = ns_last_pid();
+    free(input);
+    free(enter);
+    for (long i = 0; i < n_keys; i++) free(keys[i]);
+    free(keys);
+    free(s_wait);
+    free(s_settle);
+    free(cols);
+    free(rows);
+}
+
 /* ------------------------------------------------------------------ start-up */
 
 static void upgrade(void) {
@@ -647,8 +865,9 @@ static void set_limit(int resource, const char *value) {
 }
 
 /* Its configuration is the first frame on stdin, not its argv (which any process of the slot can
-   read in /proc): fields NLIMITS, (NAME VALUE)..., NENV, (K=V)..., NWARM, (KIND BOOT)...,
-   WORKSPACE, NARGS, the Python supervisor's argv... (host side: slotd_build.config_frame). */
+   read in /proc): fields MODE ("serve", or "exec": run the program in our place), NLIMITS, (NAME VALUE)..., NENV, (K=V)..., NWARM, (KIND BOOT)...,
+   WORKSPACE, NARGS, the Python supervisor's argv (the program, for "exec")...
+   (host side: slotd_build.config_frame). */
 static char *cfg_take(fields_t *f) {
     char *s = field(f, NULL);
     if (f->bad) { fprintf(stderr, "slotd: malformed configuration\n"); _exit(2); }
@@ -686,6 +905,7 @@ int main(void) {
     char *cfg = xmalloc(size);
     if (read_exact(0, cfg, size)) return 0;
     fields_t f = {cfg, size, 0};
+    char *mode = cfg_take(&f);
     static const struct { const char *name; int res; } names[] = {
         {"nproc", RLIMIT_NPROC}, {"as", RLIMIT_AS}, {"fsize", RLIMIT_FSIZE}, {"nofile", RLIMIT_NOFILE},
         {"core", RLIMIT_CORE}};
@@ -710,7 +930,34 @@ int main(void) {
     upgrade_argv = xmalloc(sizeof(char *) * (size_t)(n_up + 1));
     for (long i = 0; i < n_up; i++) upgrade_argv[i] = cfg_take(&f);
     upgrade_argv[n_up] = NULL;
+    run_dir = cfg_take(&f);
+    term_dir = cfg_take(&f);
+    long n_tmux = cfg_count(&f, 64);
+    tmux_argv = xmalloc(sizeof(char *) * (size_t)(n_tmux + 1));
+    for (long i = 0; i < n_tmux; i++) tmux_argv[i] = cfg_take(&f);
+    tmux_argv[n_tmux] = NULL;
+    long n_shell = cfg_count(&f, 64);
+    shell_argv = NULL;
+    if (n_shell) {
+        shell_argv = xmalloc(sizeof(char *) * (size_t)(n_shell + 1));
+        for (long i = 0; i < n_shell; i++) shell_argv[i] = cfg_take(&f);
+        shell_argv[n_shell] = NULL;
+    }
+    if (n_tmux < 1) { fprintf(stderr, "slotd: malformed configuration\n"); return 2; }
+    struct stat st;
+    if (stat(term_dir, &st) || !S_ISDIR(st.st_mode)) term_dir = "/"; /* as supervisor.py's files.cwd */
     base_env[n_env] = NULL;
+    if (!strcmp(mode, "exec")) {
+        /* exec_program.py's job (the terminal's tmux server): the limits and signal state set above,
+           stdin and stdout to /dev/null (the host's pipe ends must not survive), then the program */
+        int null = open("/dev/null", O_RDWR);
+        if (null < 0 || dup2(null, 0) < 0 || dup2(null, 1) < 0) die("/dev/null");
+        if (null > 2) close(null);
+        syscall(SYS_close_range, 3, ~0U, 4 /* CLOSE_RANGE_CLOEXEC */);
+        if (*workspace && chdir(workspace)) { /* an image's WorkingDir gone: where bwrap put us */ }
+        exec_like_popen(upgrade_argv, base_env);
+        die(upgrade_argv[0]);
+    }
     /* an image's WorkingDir that its root user removed: calls start at / (supervisor.py does the same) */
     root_dir = realpath(workspace, NULL);
     if (!root_dir) root_dir = realpath("/", NULL);
@@ -748,6 +995,8 @@ int main(void) {
         guard();
         if (body[0] == 'E') {
             do_exec(&f, seq);
+        } else if (body[0] == 'T') {
+            do_terminal(&f, seq);
         } else if (body[0] == 'P') {
             b.n = 0;
             b_fmt(&b, "{\"seq\":%ld,\"ok\":true,\"result\":{\"pong\":true}}", seq);

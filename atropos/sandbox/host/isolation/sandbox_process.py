@@ -247,10 +247,7 @@ class SandboxProcess:
             raise SandboxDied(f"{self.label}: sandbox is not running")
         self._seq += 1
         seq = self._seq
-        native = None
-        if self.native:
-            op = payload.get("op")
-            native = slotd_wire.encode_ping(seq) if op == "ping" else slotd_wire.encode_exec(payload, seq)
+        native = slotd_wire.encode(payload, seq) if self.native else None
         if self.echoes_seq:
             payload = {**payload, "seq": seq}
         data = native if native is not None else json.dumps(payload, separators=(",", ":")).encode()
@@ -263,9 +260,7 @@ class SandboxProcess:
             if self.echoes_seq and frame.get("seq") != seq:
                 raise SandboxDied(f"{self.label}: reply out of step with its request "
                                   f"(sequence {frame.get('seq')!r}, expected {seq})")
-            if native is not None and payload.get("op") == "exec" and frame.get("ok"):
-                return slotd_wire.decode_exec(frame, payload)
-            return frame
+            return slotd_wire.decode(frame, payload) if native is not None else frame
         except asyncio.CancelledError:
             # Mid-write or mid-call: either way the pipe no longer lines up with our requests.
             self.abandon()

@@ -15,7 +15,7 @@ import os
 import struct
 from typing import Any
 
-from atropos.sandbox.inslot.inslot_common import render_capture
+from atropos.sandbox.inslot.inslot_common import render_capture, strip_ansi
 
 _LEN = struct.Struct(">I")
 
@@ -34,6 +34,28 @@ def encode_ping(seq: int) -> bytes:
 
 def encode_upgrade(seq: int) -> bytes:
     return b"U" + _text(seq)
+
+
+def encode(payload: dict[str, Any], seq: int) -> bytes | None:
+    """slotd's form of a request, or None where supervisor.py must answer it."""
+    op = payload.get("op")
+    if op == "ping":
+        return encode_ping(seq)
+    if op == "exec":
+        return encode_exec(payload, seq)
+    if op == "terminal":
+        return encode_terminal(payload, seq)
+    return None
+
+
+def decode(frame: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
+    """supervisor.py's reply to ``payload``, from slotd's ``frame``."""
+    op = payload.get("op")
+    if op == "exec":
+        return decode_exec(frame, payload)
+    if op == "terminal":
+        return decode_terminal(frame)
+    return frame
 
 
 def encode_exec(payload: dict[str, Any], seq: int) -> bytes | None:
@@ -86,6 +108,64 @@ def decode_exec(frame: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any
         result["stderr"] = f"cannot start {payload['argv'][0]}: {os.strerror(int(r['start_errno']))}\n"
     result["duration_ms"] = r["duration_ms"]
     reply: dict[str, Any] = {"ok": True, "result": result}
+    if "seq" in frame:
+        reply["seq"] = frame["seq"]
+    return reply
+
+
+def encode_terminal(payload: dict[str, Any], seq: int) -> bytes | None:
+    """The terminal request (inslot_terminal.run_terminal's fields), or None for what supervisor.py
+    reports itself (text tmux's argv cannot carry)."""
+    try:
+        text = os.fsencode(str(payload.get("input") or ""))
+        keys = [os.fsencode(str(k)) for k in payload.get("keys") or []]
+        enter = payload.get("enter")
+        wait = float(payload.get("wait_ms", 2000))
+        settle = float(payload.get("settle_ms", 300))
+        cols, rows = str(payload.get("cols", 200)), str(payload.get("rows", 50))
+        offset = int(payload.get("offset") or 0)
+        cap = int(payload.get("max_output", 65536))
+    except (UnicodeError, TypeError, ValueError, OverflowError):
+        return None
+    if b"\0" in text or any(b"\0" in k for k in keys) or "\0" in cols + rows or not (0 <= cap < 1 << 40):
+        return None
+    out = [b"T", _text(seq), _field(text), _text("" if enter is None else "1" if enter else "0"), _text(len(keys)),
+           *(_field(k) for k in keys), _text(repr(wait)), _text(repr(settle)), _text(cols), _text(rows),
+           _text(offset), _text(cap)]
+    return b"".join(out)
+
+
+TMUX_TIMEOUT = 5  # inslot_terminal.TMUX_TIMEOUT; slotd.c's TMUX_TIMEOUT
+
+
+def decode_terminal(frame: dict[str, Any]) -> dict[str, Any]:
+    """run_terminal's reply, or the error supervisor.py gives for the same failure."""
+    reply: dict[str, Any]
+    if frame.get("ok"):
+        r = frame["result"]
+        head, tail, total = r["output"]
+        text, truncated = render_capture(base64.b64decode(head), base64.b64decode(tail), int(total))
+        reply = {"ok": True, "result": {"output": strip_ansi(text), "offset": r["offset"], "truncated": truncated,
+                                        "bytes": r["bytes"]}}
+    else:
+        why = frame.get("fail")
+        if why == "os":
+            file = base64.b64decode(frame.get("file") or "").decode(errors="surrogateescape")
+            errno = int(frame.get("errno") or 0)
+            message = str(OSError(errno, os.strerror(errno), file))
+            reply = {"ok": False, "error": {"code": "os_error", "message": message}}
+        else:
+            if why == "timeout":
+                message = (f"the terminal did not answer within {TMUX_TIMEOUT} s; "
+                           "reset the slot for a new terminal")
+            elif why == "not_socket":
+                sock = base64.b64decode(frame.get("file") or "").decode(errors="replace")
+                message = (f"{sock} is not the terminal's socket any more (replaced from inside the slot); "
+                           "the next terminal call starts a new one")
+            else:
+                message = "cannot start the terminal: " + base64.b64decode(frame.get("detail") or "").decode(
+                    errors="replace")
+            reply = {"ok": False, "error": {"code": "terminal_unavailable", "message": message}}
     if "seq" in frame:
         reply["seq"] = frame["seq"]
     return reply
