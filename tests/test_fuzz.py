@@ -425,8 +425,19 @@ TOOL_CODES = CLEAN_CODES | {"lease_invalid", "no_match", "ambiguous_match", "not
                             "changed_during_archive", "os_error"}
 ODD_NAMES = ["odd_fifo", "odd_sock", "odd_dir", "odd_link", "odd_dangling", "odd_deep", "odd_zero", "odd_big",
              "odd_empty", "odd_ro", "odd_none", "odd_dir/inner", "/run/term/tmux.sock", "/run/term/terminal.log"]
-# any unicode, lone surrogates included (the body goes out with ensure_ascii: they travel as escapes)
+# any unicode, lone surrogates included (the body goes out with ensure_ascii: they travel as escapes,
+# which the host's JSON parser refuses as the invalid UTF-16 they are: a 422 at the door, see ToolRig.post)
 any_text = st.text(alphabet=st.characters(), max_size=24)
+
+
+def _lone_surrogate(value: Any) -> bool:
+    if isinstance(value, str):
+        return any(0xD800 <= ord(c) <= 0xDFFF for c in value)
+    if isinstance(value, dict):
+        return any(_lone_surrogate(k) or _lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_lone_surrogate(v) for v in value)
+    return False
 odd_paths = st.one_of(st.sampled_from(ODD_NAMES), st.sampled_from(ODD_NAMES), st.sampled_from([".", ""]), any_text,
                     st.sampled_from(HOSTILE), paths())
 numbers = st.one_of(
@@ -494,6 +505,11 @@ class ToolRig:
         body = {"id": "t", "slot": self.slot, "lease": self.lease, "tool": tool, "args": args}
         resp = self.http.post("/v1/call", content=json.dumps(body).encode(),
                               headers={"Content-Type": "application/json"})
+        if _lone_surrogate(args):
+            # not a string JSON can carry: refused at the door as a bad request, never reaching a slot
+            assert resp.status_code == 422, f"{tool} {args!r}: HTTP {resp.status_code} {resp.text[:300]}"
+            assert resp.json()["error"]["code"] == "invalid_request", resp.text
+            return {"ok": False, "error": resp.json()["error"]}
         assert resp.status_code == 200, f"{tool} {args!r}: HTTP {resp.status_code} {resp.text[:300]}"
         out: dict[str, Any] = resp.json()
         return out
