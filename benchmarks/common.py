@@ -269,6 +269,12 @@ def cpu_seconds(pids: Sequence[int]) -> float:
     return total / _CLK_TCK
 
 
+def own_cpu_seconds(pid: int) -> float | None:
+    """utime+stime of one process (its threads, not its children); None when it is gone."""
+    f = _stat_fields(pid)
+    return None if f is None else (int(f[11]) + int(f[12])) / _CLK_TCK
+
+
 def rss_kib(pid: int) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():

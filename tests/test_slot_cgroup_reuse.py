@@ -1,13 +1,16 @@
 """A slot's cgroup is made once and lives as long as its slot (atropos/sandbox/host/isolation/cgroups.py):
-every reset empties it and checks it, so the next lease gets the same caps and nothing of the last.
+every reset empties it and checks it, so the next lease gets the same caps and nothing of the last;
+the uid sweep (atropos/sandbox/host/isolation/uidkill.py) catches what runs as the slot's uid outside it.
 
 Each test acts from outside, as root on the host machine, where a slot's code cannot reach: it puts a
-process into a slot's cgroup behind the host's back, changes a cap, or freezes a process there so
-SIGKILL cannot end it, then releases the slot and looks at what the reset did.
+process into a slot's cgroup behind the host's back, runs one as the slot's uid outside it, changes a
+cap, or freezes a process there so SIGKILL cannot end it, then releases the slot and looks at what
+the reset did.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import signal
@@ -19,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from atropos.sandbox.contract.cgroupfs import own_cgroups
-from tests.conftest import LeasedSlot, RunningHost, start_host, stop_host
+from atropos.sandbox.contract.protocol import ResetResult
+from tests.conftest import LeasedSlot, RunningHost, slot_path, start_host, stop_host
 
 CG = Path("/sys/fs/cgroup")
 PIDS_CAP = 64
@@ -47,9 +51,9 @@ async def slot(capped_host: RunningHost) -> AsyncIterator[LeasedSlot]:
     await client.aclose()
 
 
-def slot_cgroup(host: RunningHost, hierarchy: str) -> Path:
+def slot_cgroup(host: RunningHost, hierarchy: str, index: int = 0) -> Path:
     pid = str(host.proc.pid)
-    return CG / hierarchy / own_cgroups(pid)[hierarchy].lstrip("/") / f"atropos-{pid}" / "slot-0"
+    return CG / hierarchy / own_cgroups(pid)[hierarchy].lstrip("/") / f"atropos-{pid}" / f"slot-{index}"
 
 
 def members(host: RunningHost) -> set[int]:
@@ -61,10 +65,10 @@ def caps(host: RunningHost) -> tuple[str, str]:
             (slot_cgroup(host, "memory") / "memory.limit_in_bytes").read_text().strip())
 
 
-def place(host: RunningHost, pid: int) -> None:
+def place(host: RunningHost, pid: int, index: int = 0) -> None:
     """Into the slot's cgroup in every hierarchy the host uses, as the host's placer does."""
     for hierarchy in ("pids", "memory", "cpu"):
-        (slot_cgroup(host, hierarchy) / "cgroup.procs").write_text(str(pid))
+        (slot_cgroup(host, hierarchy, index) / "cgroup.procs").write_text(str(pid))
 
 
 def gone(proc: subprocess.Popen[bytes], within_s: float = 10.0) -> bool:
@@ -147,6 +151,82 @@ async def test_a_process_that_survives_sigkill_in_the_slots_cgroup_quarantines_t
         (freezer / "freezer.state").write_text("THAWED")
         survivor.kill()
         survivor.wait()
+        for _ in range(50):
+            try:
+                freezer.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+async def test_a_non_dumpable_process_of_the_slot_uid_outside_its_cgroup_dies_at_the_reset(
+        capped_host: RunningHost, slot: LeasedSlot) -> None:
+    """Not in the slot's cgroup, not under its sandbox: only the uid sweep holds it. It made itself
+    non-dumpable, so its /proc files read as root's: the sweep must still see the slot's uid."""
+    uid = slot_path(capped_host.data_dir, slot.lease.slot).stat().st_uid
+    assert uid != 0
+    code = "import ctypes, time; ctypes.CDLL(None).prctl(4, 0, 0, 0, 0); time.sleep(300)"  # PR_SET_DUMPABLE 0
+    intruder = subprocess.Popen(["/usr/bin/python3", "-c", code], user=uid, group=uid, extra_groups=[])
+    try:
+        for _ in range(100):  # until the prctl has run
+            if os.stat(f"/proc/{intruder.pid}/status").st_uid == 0:
+                break
+            time.sleep(0.05)
+        assert os.stat(f"/proc/{intruder.pid}/status").st_uid == 0, "the intruder did not become non-dumpable"
+        assert intruder.pid not in members(capped_host)
+        quarantined, detail = await release(slot)
+        assert not quarantined, detail
+        assert gone(intruder), "a process of the slot's uid outlived the reset"
+        assert intruder.returncode == -signal.SIGKILL
+    finally:
+        intruder.kill()
+        intruder.wait()
+
+
+async def test_a_slot_whose_processes_are_slow_to_die_holds_up_no_other_slots_reset() -> None:
+    """A group of slots released at once: those whose cgroup still holds a process (here frozen, so
+    SIGKILL cannot end it until it is thawed) are waited for without holding up the others. The
+    wait used to hold one of the host's few worker threads each (as many as the event loop's
+    default executor has, 4 + cores), so the uid sweep of every other reset queued behind them
+    until they gave up. The slots waited for reset cleanly once their processes die."""
+    if not (CG / "freezer" / "cgroup.procs").exists():
+        pytest.skip("no v1 freezer hierarchy to hold a process through SIGKILL")
+    slow = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor: every worker thread
+    data = Path(f"/tmp/atropos-test-cgslow-{os.getpid()}-{secrets.token_hex(3)}")
+    host = start_host(data, slots=slow + 1, extra=["--slot-pids", str(PIDS_CAP), "--no-prewarm"])
+    client = host.client()
+    freezer = CG / "freezer" / f"atropos-test-{os.getpid()}-{secrets.token_hex(3)}"
+    freezer.mkdir()
+    survivors: list[subprocess.Popen[bytes]] = []
+    held: list[asyncio.Task[ResetResult]] = []
+    try:
+        leases = [await client.lease(f"group-{i}") for i in range(slow + 1)]
+        for lease in leases[:slow]:
+            survivor = subprocess.Popen(["sleep", "300"])
+            survivors.append(survivor)
+            (freezer / "cgroup.procs").write_text(str(survivor.pid))
+            place(host, survivor.pid, lease.slot)
+        (freezer / "freezer.state").write_text("FROZEN")
+        held += [asyncio.create_task(client.release(lease.slot, lease.lease)) for lease in leases[:slow]]
+        free = asyncio.create_task(client.release(leases[-1].slot, leases[-1].lease))
+        done, _ = await asyncio.wait([*held, free], return_when=asyncio.FIRST_COMPLETED)
+        assert done == {free}, "a reset waited for other slots' processes to die"
+        assert not free.result().quarantined, free.result().detail
+        assert all(s.poll() is None for s in survivors)  # still frozen: the others are still waiting
+        (freezer / "freezer.state").write_text("THAWED")
+        for result in await asyncio.gather(*held):
+            assert not result.quarantined, result.detail
+        assert all(gone(s) for s in survivors)
+        assert all(s.returncode == -signal.SIGKILL for s in survivors)
+    finally:
+        (freezer / "freezer.state").write_text("THAWED")
+        for task in held:
+            task.cancel()
+        for survivor in survivors:
+            survivor.kill()
+            survivor.wait()
+        await client.aclose()
+        stop_host(host)
         for _ in range(50):
             try:
                 freezer.rmdir()

@@ -167,23 +167,38 @@ def kill_cgroup(d: Path, deadline_s: float = 30.0) -> list[int]:
     is reaped, which on a starved machine took over the 2.6 s a fixed number of rounds gave it (a
     slot quarantined for processes that were already dying). A true survivor (one the kernel
     cannot kill) still ends in quarantine, just later."""
-    if (d / "cgroup.kill").exists():  # v2: one write kills the whole cgroup
-        write_file(d / "cgroup.kill", "1")
+    kill_all(d)
     deadline = time.monotonic() + deadline_s
     i = 0
     while True:
-        left = cgroup_pids(d)
+        left = kill_round(d)
         if not left or time.monotonic() > deadline:
             return left
-        for pid in left:
-            with contextlib.suppress(OSError):
-                fd = os.pidfd_open(pid)
-                try:
-                    signal.pidfd_send_signal(fd, signal.SIGKILL)
-                finally:
-                    os.close(fd)
-        # a killed process leaves cgroup.procs once it is reaped (its parent, often in the cgroup
-        # too, dies with it; init reaps the rest); short first waits: a sandbox's processes are
-        # normally gone within a millisecond or two
         i += 1
-        time.sleep(min(0.0005 * i, 0.02))
+        time.sleep(kill_pause(i))
+
+
+def kill_all(d: Path) -> None:
+    """The first blow: on v2 one write kills the whole cgroup (v1 has no such file: the rounds do)."""
+    if (d / "cgroup.kill").exists():
+        write_file(d / "cgroup.kill", "1")
+
+
+def kill_round(d: Path) -> list[int]:
+    """One round of ``kill_cgroup``: what is still in ``d``, each sent SIGKILL (again)."""
+    left = cgroup_pids(d)
+    for pid in left:
+        with contextlib.suppress(OSError):
+            fd = os.pidfd_open(pid)
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            finally:
+                os.close(fd)
+    return left
+
+
+def kill_pause(i: int) -> float:
+    """The wait before round ``i`` + 1: a killed process leaves cgroup.procs once it is reaped (its
+    parent, often in the cgroup too, dies with it; init reaps the rest); short first waits: a
+    sandbox's processes are normally gone within a millisecond or two."""
+    return min(0.0005 * i, 0.02)

@@ -362,9 +362,9 @@ class SandboxHost:
         # Refuse new calls at once and abort the running one: waiting for a 10-minute command
         # would hold the slot (and the pool's caller) hostage.
         slot.revoke()
-        await slot.stop_sandboxes()
+        stopping = slot.kill_sandboxes()  # reaped while the reset (under the lock) renews the workspace
         async with self._resetting(), slot.lock:
-            ok, detail = await slot.reset(template, image)
+            ok, detail = await slot.reset(template, image, stopping)
         self._schedule_trash()
         metrics.HOST_RESETS.labels("ok" if ok else "quarantined").inc()
         result = ResetResult(slot=index, ok=ok, quarantined=not ok, detail=detail,

@@ -356,25 +356,37 @@ class Slot:
         return frame
 
     async def stop_sandboxes(self) -> None:
+        await self.kill_sandboxes()
+
+    def kill_sandboxes(self) -> asyncio.Future[list[None]]:
+        """Kill every sandbox of the slot (side by side) and reap them; the slot has none from now
+        on. A reset starts it before it waits for the slot's lock and renews the workspace while
+        the kernel tears the sandboxes down (see ``reset``)."""
         # The session goes too: the next lease must never see this trajectory's variables (the
         # supervisor's kill(-1) only reaches its own sandbox's PID namespace).
-        procs = (self.sandbox, self.terminal, self.session)
+        procs = [p for p in (self.sandbox, self.terminal, self.session) if p is not None]
         self.sandbox = self.terminal = self.session = None
         for proc in procs:
-            if proc is not None:
-                await proc.kill()
+            proc.abandon()  # the signal now, not when the task reaping it first runs
+        return asyncio.gather(*(proc.kill() for proc in procs))
 
     # -- reset ---------------------------------------------------------------------------
-    async def reset(self, template: Template | None = None, image: ImageRoot | None = None) -> tuple[bool, str]:
+    async def reset(self, template: Template | None = None, image: ImageRoot | None = None,
+                    stopping: asyncio.Future[list[None]] | None = None) -> tuple[bool, str]:
         """Kill everything of the lease, rebuild the workspace (empty, or a fresh fork of
-        ``template``) and check the result before the slot can be leased again."""
+        ``template``) and check the result before the slot can be leased again. ``stopping``:
+        the slot's sandboxes, killed already (``kill_sandboxes``) and being reaped."""
         self.state = "resetting"
         try:
-            await self.stop_sandboxes()
-            await self._kill_cgroup()
-            # The uid sweep (a /proc scan) and the workspace's renewal run side by side: the slot is
-            # not leasable until both are done, and a survivor quarantines it all the same.
-            outcomes = await asyncio.gather(self._kill_uid(), self.ws.renew(template, image),
+            if stopping is None:
+                stopping = self.kill_sandboxes()
+            # Ending the lease's processes (the sandboxes' teardown, the cgroup, the uid sweep) and
+            # renewing the workspace run side by side: the slot is not leasable until both are
+            # done, and the check below comes after both. A killed sandbox cannot reach the fresh
+            # mounts (its mount namespace is a private copy made when it started: nothing mounted
+            # in the helper's namespace since propagates into it), and whatever a survivor of the
+            # sweep did quarantines the slot all the same.
+            outcomes = await asyncio.gather(self._end_processes(stopping), self.ws.renew(template, image),
                                             return_exceptions=True)
             for outcome in outcomes:
                 if isinstance(outcome, BaseException):
@@ -458,6 +470,11 @@ class Slot:
                                      status=VERIFIER_FAILED)
         return result
 
+    async def _end_processes(self, stopping: asyncio.Future[list[None]]) -> None:
+        await stopping
+        await self.stop_sandboxes()  # none started since (the reset holds the slot's lock): cheap
+        await self._kill_all()
+
     async def _kill_all(self) -> None:
         await self._kill_cgroup()
         await self._kill_uid()
@@ -468,7 +485,7 @@ class Slot:
         # Killed sandboxes were reaped by stop_sandboxes: the cgroup is normally empty already,
         # which one read of cgroup.procs tells (nothing can enter it but a fork from inside).
         if self.cgroup.pids():
-            left = await asyncio.to_thread(self.cgroup.kill)
+            left = await self.cgroup.empty()
             if left:
                 raise RuntimeError(f"processes survived in the slot's cgroup {self.cgroup.main}: {left}")
         drift = self.cgroup.drift()  # the cgroup outlives the lease: its caps must too

