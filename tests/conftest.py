@@ -59,10 +59,12 @@ def wait_for_http(url: str, proc: subprocess.Popen[Any] | None = None, timeout: 
 MODEL_SERVER = Path(__file__).resolve().parent.parent / "scripts" / "model_server.py"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model_url() -> Iterator[str]:
     """The OpenAI-compatible URL of a real model server (scripts/model_server.py) on a free port,
-    started for the module and stopped after it."""
+    started on first use and stopped at the end of the session: the modules that use it only send it
+    chat requests (it keeps no state between them), so one start serves them all rather than one per
+    module (seconds each: the model is loaded anew)."""
     port = free_port()
     started = subprocess.run([sys.executable, str(MODEL_SERVER), "start", "--port", str(port)], timeout=3600)
     assert started.returncode == 0, "model server did not start (see scripts/model_server.py logs)"

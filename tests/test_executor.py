@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+import pytest_asyncio
 
 from atropos.errors import HostUnavailable, LeaseError
 from atropos.slots.pool import SlotPool
@@ -19,7 +20,13 @@ async def _pool(hosts: int, slots: int) -> SlotPool:
     return pool
 
 
-@pytest.fixture
+# One 8-slot pool for the module's tests that need no pool of their own: each test makes its own
+# executor (whose counters the tests assert) and releases every trajectory it leased, and a release
+# resets the slot, so a test meets the pool as a fresh one would be, without starting a host each time.
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pool() -> AsyncIterator[SlotPool]:
     async with local_pool(8, acquire_timeout_s=300) as p:
         yield p

@@ -113,9 +113,9 @@ def _private_data_dir(tag: str) -> Path:
 
 @pytest.fixture(scope="module")
 def small_host() -> Iterator[RunningHost]:
-    """Two slots and a 5 s maximum timeout."""
+    """Two slots and a 2 s maximum timeout (the clamp tests wait it out: short keeps them quick)."""
     data = _private_data_dir("api")
-    running = start_host(data, slots=2, extra=["--max-timeout", "5"])
+    running = start_host(data, slots=2, extra=["--max-timeout", "2"])
     yield running
     stop_host(running)
     shutil.rmtree(data, ignore_errors=True)
@@ -431,7 +431,7 @@ async def test_timeout_above_host_maximum_is_clamped(small_host: RunningHost) ->
             result = await client.call(ToolCall(id="c", slot=lease.slot, lease=lease.lease, tool="bash",
                                                 args={"command": "sleep 8; echo not-reached"}, timeout_s=100))
             assert result.ok, result.error
-            assert any("clamped" in n and "5s" in n and "100s" in n for n in result.notes), result.notes
+            assert any("clamped" in n and "maximum of 2s" in n and "100s" in n for n in result.notes), result.notes
             assert result.result is not None
             assert result.result["timed_out"] is True  # the clamp is applied, not just announced
             assert result.result["stdout"] == ""
@@ -439,7 +439,7 @@ async def test_timeout_above_host_maximum_is_clamped(small_host: RunningHost) ->
             result = await client.call(ToolCall(id="d", slot=lease.slot, lease=lease.lease, tool="bash",
                                                 args={"command": "echo quick", "timeout_s": 50}))
             assert result.ok and any("clamped" in n for n in result.notes), result.notes
-            # a timeout within the maximum leaves no note
+            # a timeout within the maximum (here: equal to it) leaves no note
             result = await client.call(ToolCall(id="e", slot=lease.slot, lease=lease.lease, tool="bash",
                                                 args={"command": "echo quick"}, timeout_s=2))
             assert result.ok and result.notes == []
@@ -466,7 +466,7 @@ async def test_call_without_timeout_gets_the_host_maximum_when_lower(small_host:
                                                 args={"command": "sleep 30; echo not-reached"}))
             assert result.ok, result.error
             assert result.result is not None and result.result["timed_out"] is True
-            assert time.monotonic() - t0 < 20  # the host's 5 s, not the 60 s default
+            assert time.monotonic() - t0 < 20  # the host's 2 s, not the 60 s default
         finally:
             await client.release(lease.slot, lease.lease)
 

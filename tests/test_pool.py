@@ -54,19 +54,19 @@ async def test_lease_call_release_and_reuse_is_clean(kind: str) -> None:
 async def test_the_client_waits_for_a_call_as_long_as_its_host_may_run_it() -> None:
     """The host's limits reach the pool from the host itself (its health reply), not from the
     client's own default (600 s): a host configured longer had every call past 630 s cut and
-    reported as HostUnavailable. Cheap to show in the other direction: a host whose maximum (5 s)
-    is below that default and a call asking 40 s, between the two. The host clamps the call to 5 s,
-    so the client's read deadline is 5 s plus the answer grace (today's client: 40 s plus it)."""
-    settings = BackendSettings(kind="local", pool_id=f"t{secrets.token_hex(4)}", slots_per_host=1, max_timeout_s=5)
+    reported as HostUnavailable. Cheap to show in the other direction: a host whose maximum (1 s)
+    is below that default and a call asking 40 s, between the two. The host clamps the call to 1 s,
+    so the client's read deadline is 1 s plus the answer grace (today's client: 40 s plus it)."""
+    settings = BackendSettings(kind="local", pool_id=f"t{secrets.token_hex(4)}", slots_per_host=1, max_timeout_s=1)
     backend = build_backend(settings, environ={}, data_root=DATA_ROOT)
     async with SlotPool(backend, pool_cfg()) as pool, pool.leased("host-limits") as lease:
         client = lease.host.client
-        assert client.max_timeout_s == 5.0, "the pool's client does not know its host's max_timeout_s"
-        assert client.read_deadline(40.0) == 5.0 + CALL_ANSWER_GRACE_S
-        assert client.read_deadline(None) == 5.0 + CALL_ANSWER_GRACE_S  # the host's default, lowered to its max
+        assert client.max_timeout_s == 1.0, "the pool's client does not know its host's max_timeout_s"
+        assert client.read_deadline(40.0) == 1.0 + CALL_ANSWER_GRACE_S
+        assert client.read_deadline(None) == 1.0 + CALL_ANSWER_GRACE_S  # the host's default, lowered to its max
         out = await lease.call("bash", {"command": "sleep 40"}, timeout_s=40)  # what the host does with it
         assert out.result is not None and out.result["timed_out"] is True, out
-        assert any("maximum of 5s" in n for n in out.notes), out.notes
+        assert any("maximum of 1s" in n for n in out.notes), out.notes
 
 
 @pytest.mark.parametrize("kind", BACKENDS)

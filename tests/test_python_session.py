@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+import pytest_asyncio
 from conftest import LeasedSlot, RunningHost
 
 from atropos.api.server import ToolServerSettings, create_tool_server
@@ -171,9 +172,20 @@ async def test_two_slots_sessions_are_isolated(slot_pair: tuple[LeasedSlot, Leas
     probe = await py(b, "import glob, os\n[p for p in glob.glob('/proc/*/cmdline')] and "
                         "any(os.path.exists(p) for p in glob.glob('/proc/*/root/workspace/secret.txt'))")
     assert probe["value"] == "False"
-    r = await py(b, f"import subprocess\nsubprocess.run(['grep', '-rs', {secret!r}, '/proc', '/tmp', '/run'], "
-                    "capture_output=True, timeout=20).stdout")
-    assert secret not in (r["value"] or "") and secret not in r["stdout"]
+    # Every file of /proc, /tmp and /run the slot can read holds neither A's secret nor anything of A,
+    # but for the files of /proc that are not data: reading a page map or a memory file means walking
+    # the whole address space (the grep would run past its timeout and check nothing), and the
+    # kernel's image and log. The patterns are bracketed so that the grep's own command line (a
+    # /proc file too) does not match them; the canary, which B itself writes to its /tmp, shows the
+    # search reads what it should and finds what is there.
+    canary = secrets.token_hex(8)
+    skip = [f"--exclude={name}" for name in ("pagemap", "mem", "kcore", "kmsg", "clear_refs")]
+    pattern = f"[{secret[0]}]{secret[1:]}|[{canary[0]}]{canary[1:]}"
+    r = await py(b, f"import subprocess\nopen('/tmp/canary', 'w').write({canary!r})\n"
+                    f"p = subprocess.run(['grep', '-rlsE', *{skip!r}, {pattern!r}, '/proc', '/tmp', '/run'], "
+                    "capture_output=True, timeout=120)\nsorted(set(p.stdout.decode().split()))")
+    assert r["error"] is None, r["error"]  # the grep finished: it looked everywhere it meant to
+    assert r["value"] == "['/tmp/canary']" and secret not in r["stdout"]
 
 
 async def test_release_and_reset_wipe_the_session(host: RunningHost) -> None:
@@ -204,12 +216,18 @@ async def test_release_and_reset_wipe_the_session(host: RunningHost) -> None:
 # -- through the pool: Lease, ToolExecutor, REST slot API -----------------------------------------
 
 
-@pytest.fixture
+# One pool for the three tests below (each releases what it leases; a release resets the slot), run
+# in the module's event loop, where the pool's tasks live.
+in_pool_loop = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pool() -> AsyncIterator[SlotPool]:
     async with local_pool(2) as p:
         yield p
 
 
+@in_pool_loop
 async def test_lease_python_session_and_release(pool: SlotPool) -> None:
     async with pool.leased("lease-session") as lease:
         await lease.python_session("total = sum(range(10))")
@@ -219,6 +237,7 @@ async def test_lease_python_session_and_release(pool: SlotPool) -> None:
         assert error_type(await lease.python_session("total")) == "NameError"
 
 
+@in_pool_loop
 async def test_executor_routes_python_session(pool: SlotPool) -> None:
     registry = ToolRegistry.default()
     tool = registry.get("python_session")
@@ -242,6 +261,7 @@ async def test_executor_routes_python_session(pool: SlotPool) -> None:
         await executor.close()
 
 
+@in_pool_loop
 async def test_rest_slot_api_python_session(pool: SlotPool) -> None:
     app = create_tool_server(pool, ToolServerSettings(token="t0k3n"))
     transport = httpx.ASGITransport(app=app)

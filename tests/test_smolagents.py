@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
 import yaml
 
 pytest.importorskip("smolagents")
@@ -47,7 +48,12 @@ class ScriptedModel(Model):
         return ChatMessage(role=MessageRole.ASSISTANT, content=f"Thought: step {self.calls}.\n<code>\n{code}\n</code>")
 
 
-@pytest.fixture
+# One pool for the module: every test leases through ``pool.leased`` (released, so reset, at its
+# end), and runs in the module's event loop, where the pool's tasks live.
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pool() -> AsyncIterator[SlotPool]:
     async with local_pool(2) as p:
         yield p
