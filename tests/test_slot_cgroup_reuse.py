@@ -151,12 +151,7 @@ async def test_a_process_that_survives_sigkill_in_the_slots_cgroup_quarantines_t
         (freezer / "freezer.state").write_text("THAWED")
         survivor.kill()
         survivor.wait()
-        for _ in range(50):
-            try:
-                freezer.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+        _remove_cgroup(freezer)
 
 
 async def test_a_non_dumpable_process_of_the_slot_uid_outside_its_cgroup_dies_at_the_reset(
@@ -227,9 +222,14 @@ async def test_a_slot_whose_processes_are_slow_to_die_holds_up_no_other_slots_re
             survivor.wait()
         await client.aclose()
         stop_host(host)
-        for _ in range(50):
-            try:
-                freezer.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+        _remove_cgroup(freezer)
+
+
+def _remove_cgroup(path: Path) -> None:
+    """rmdir a cgroup once the kernel has let go of its last (killed, thawed) task."""
+    for _ in range(50):
+        try:
+            path.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)

@@ -15,6 +15,7 @@ import secrets
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Iterable
 from importlib import resources
+from pathlib import Path
 from typing import Any, TypeVar
 
 from atropos import __version__, metrics
@@ -96,6 +97,7 @@ class SandboxHost:
         self.uid_base: int | None = None
         self._uid_lock_fd: int | None = None
         self.seccomp_path: str | None = None
+        self.slotd: Path | None = None  # the compiled supervisor for the slots, set by _prepare_root
         self.slots: list[Slot] = []
         self.health_slot: Slot | None = None
         self._health_lock = asyncio.Lock()
@@ -160,7 +162,7 @@ class SandboxHost:
         uid = None if self.uid_base is None else self.uid_base + index
         cgroup = None if self.cgroups is None else self.cgroups.slot(name or f"slot-{index}", self.cfg.slot_limits())
         return Slot(index, self.cfg, self.root, uid, self.seccomp_path, self.workspaces, name=name,
-                    killer=self.killer, private_net=self.private_net, cgroup=cgroup)
+                    killer=self.killer, private_net=self.private_net, cgroup=cgroup, slotd=self.slotd)
 
     def _prepare_root(self) -> None:
         root = self.root
@@ -175,8 +177,9 @@ class SandboxHost:
             _write(lib / script, resources.files("atropos.sandbox.inslot").joinpath(script).read_bytes())
         _write(lib / "tmux.conf", TMUX_CONF.encode())
         compile_lib(self.cfg.python, lib, LIB_FILES)  # once here, not at every sandbox start
+        # the compiled supervisor, which the slots start where there is one (docs/native-supervisor.md)
         if self.cfg.native_supervisor and not self.cfg.unsafe_no_isolation:
-            slotd_build.install(lib)  # the compiled supervisor (slot.py starts it when it is there)
+            self.slotd = slotd_build.install(lib)
         else:
             (lib / slotd_build.SLOTD).unlink(missing_ok=True)
         etc = root / "etc"

@@ -81,8 +81,11 @@ class Slot:
 
     def __init__(self, index: int, cfg: HostConfig, root: Path, uid: int | None, seccomp_path: str | None,
                  workspaces: Workspaces | None = None, *, name: str | None = None, killer: UidKiller | None = None,
-                 private_net: bool = False, cgroup: SlotCgroup | None = None):
+                 private_net: bool = False, cgroup: SlotCgroup | None = None, slotd: Path | None = None):
         self.index = index
+        # the compiled supervisor's host path (slotd_build.install): the lib dir's copy, or a binary
+        # bound in from elsewhere; None: the Python supervisor serves every call
+        self.slotd = slotd
         self.workspaces = workspaces
         self.cfg = cfg
         self.uid = uid
@@ -213,18 +216,21 @@ class Slot:
         than a command: docs/native-supervisor.md) or the terminal's program starter, else
         ``python``. A sealed or verifying sandbox, the python_session driver and the verifier stay
         Python throughout."""
-        if not (self.paths.lib_dir / slotd_build.SLOTD).is_file():
+        if self.slotd is None or (script != "exec_program.py" and (script != "supervisor.py" or python_only)):
             return [*argv, *python], None
+        program = f"{lib_dir}/{slotd_build.SLOTD}"
+        if self.slotd != self.paths.lib_dir / slotd_build.SLOTD:
+            # bound in read-only from its own exec mount onto the lib dir's placeholder (the lib dir's
+            # mount is noexec): after the lib dir's own mount, before the remounts read-only
+            at = argv.index("--remount-ro")
+            argv = [*argv[:at], "--ro-bind", str(self.slotd), program, *argv[at:]]
         if script == "exec_program.py":  # the terminal's tmux, started without a Python in between
             exec_cfg = {**sup_cfg, "workspace": sup_cfg.get("cwd") or ""}
-            return [*argv, f"{lib_dir}/{slotd_build.SLOTD}"], slotd_build.config_frame(
-                exec_cfg, {}, list(sup_cfg["exec"]), mode="exec")
-        if script != "supervisor.py" or python_only:
-            return [*argv, *python], None
+            return [*argv, program], slotd_build.config_frame(exec_cfg, {}, list(sup_cfg["exec"]), mode="exec")
         env = sup_cfg["env"]
         warm = {kind: boot("{go}", "{src}", env) for kind, boot in WARM_KINDS.items()}  # type: ignore[arg-type]
         slotd_cfg = {**sup_cfg, "workspace": sup_cfg.get("cwd") or sup_cfg.get("workspace", "/workspace")}
-        return [*argv, f"{lib_dir}/{slotd_build.SLOTD}"], slotd_build.config_frame(slotd_cfg, warm, python)
+        return [*argv, program], slotd_build.config_frame(slotd_cfg, warm, python)
 
     def _image_argv(self, image: ImageRoot, extra: dict[str, Any], script: str,
                     verifier: bool) -> tuple[list[str], bytes | None]:

@@ -75,23 +75,31 @@ def build(out_dir: Path | None = None) -> Path | None:
     return target
 
 
-def install(lib: Path) -> bool:
-    """Put slotd into the host's lib dir (mounted read-only in every sandbox); False if there is none."""
+def install(lib: Path) -> Path | None:
+    """Give the host's sandboxes slotd: a copy in the lib dir (mounted read-only in every sandbox),
+    or, where the lib dir is on a noexec mount (a container's tmpfs unless mounted exec: Docker's
+    default, a Nomad job's tmpfs), the prebuilt binary (``ATROPOS_SLOTD``, e.g. the sandbox image's)
+    to bind in read-only from its own, exec mount onto a placeholder in the lib dir (an empty file
+    nobody can run: a sandbox started without the bind fails loudly). Returns the host path the
+    sandboxes get it from, or None: no slotd, the Python supervisor serves every call."""
     dest = lib / SLOTD
+    dest.unlink(missing_ok=True)  # an earlier host's binary never serves this one
     if os.statvfs(lib).f_flag & os.ST_NOEXEC:
-        # e.g. a container's /slots tmpfs mounted noexec (Docker's default for tmpfs): nothing there runs
-        log.warning("the lib dir %s is on a noexec mount: slots run the Python supervisor", lib)
-        dest.unlink(missing_ok=True)
-        return False
+        prebuilt = os.environ.get("ATROPOS_SLOTD")
+        if prebuilt and os.access(prebuilt, os.X_OK) and not os.statvfs(prebuilt).f_flag & os.ST_NOEXEC:
+            dest.touch(mode=0o444)
+            return Path(prebuilt)
+        log.warning("the lib dir %s is on a noexec mount and no ATROPOS_SLOTD binary is on an exec one: "
+                    "slots run the Python supervisor", lib)
+        return None
     binary = build()
     if binary is None:
-        dest.unlink(missing_ok=True)
-        return False
+        return None
     tmp = lib / f".{SLOTD}.tmp"
     shutil.copyfile(binary, tmp)
     os.chmod(tmp, 0o755)
     os.replace(tmp, dest)
-    return True
+    return dest
 
 
 def config_frame(cfg: dict[str, Any], warm: dict[str, str], python_argv: list[str], mode: str = "serve") -> bytes:
