@@ -580,7 +580,8 @@ static void do_exec(fields_t *f, long seq) {
     }
 
     struct pollfd pf[3] = {{proc.out_fd, POLLIN, 0}, {proc.err_fd, POLLIN, 0}, {pidfd, POLLIN, 0}};
-    int open_fds = 3, timed_out = 0, limited = 0, exited = 0;
+    /* without a pidfd (none left: the descriptor limit) the call ends when its pipes close */
+    int open_fds = pidfd >= 0 ? 3 : 2, timed_out = 0, limited = 0, exited = 0;
     double deadline = start + timeout;
     static unsigned char chunk[65536];
     while (open_fds) {
