@@ -17,9 +17,11 @@ each phase bracketed by samples of
   live processes' own and waited-for children's times (``benchmarks.common.cpu_seconds``), which
   misses what a killed pid namespace never reported.
 
-Variants: ``lease, 1 x bash true, release``; ``lease, 10 x bash true, release``; ``lease, 1 x
-terminal, release`` (the terminal's first use starts tmux). Each row's samples are one value per
-round: CPU ms per trajectory of that round.
+Variants: ``lease, 1 x bash true, release``; ``lease, 10 x bash true, release``; ``lease, 1 x bash
+true + 1 x write_file, release`` (a file tool: slotd hands the sandbox over to the Python supervisor,
+docs/native-supervisor.md; that call's wall time is a row of its own); ``lease, 1 x terminal,
+release`` (the terminal's first use starts tmux). Each row's samples are one value per round: CPU ms
+per trajectory of that round.
 
 Baselines in the same run: a bare ``bwrap ... true`` (a fresh sandbox, the floor of any cycle), and,
 where Docker and the sandbox image are available, a container per trajectory (``docker run -d``,
@@ -201,6 +203,19 @@ async def ten_true(lease: Any) -> None:
         await one_true(lease)
 
 
+FIRST_FILE_MS: list[float] = []  # wall time of each trajectory's first file-tool call (one_true_one_file)
+
+
+async def one_true_one_file(lease: Any) -> None:
+    """A trajectory that also uses a file tool: with slotd, its first file call hands the sandbox over
+    to the Python supervisor (docs/native-supervisor.md), on that call's path."""
+    await one_true(lease)
+    t0 = time.perf_counter()
+    out = await lease.call("write_file", {"path": "notes.txt", "content": "x"})
+    FIRST_FILE_MS.append((time.perf_counter() - t0) * 1e3)
+    assert out.ok, out
+
+
 async def one_terminal(lease: Any) -> None:
     out = await lease.call("terminal", {"input": "true", "wait_ms": 2000})
     assert out.ok, out
@@ -243,6 +258,7 @@ async def run(quick: bool) -> ScenarioResult:
     variants: list[tuple[str, Callable[[Any], Awaitable[None]], float | None]] = [
         ("lease, 1 x bash true, release", one_true, 20.0),
         ("lease, 10 x bash true, release", ten_true, None),
+        ("lease, 1 x bash true + 1 x write_file, release", one_true_one_file, None),
         ("lease, 1 x terminal, release", one_terminal, 40.0),
     ]
     pool = local_pool(f"bench-cycle-{time.monotonic_ns() % 10**6}", 1, SLOTS)
@@ -280,6 +296,11 @@ async def run(quick: bool) -> ScenarioResult:
             res.rows.append(Row(f"{name} (attributed CPU ms per trajectory: pool + host's tree)",
                                 tally.per_round_ours_ms,
                                 note="immune to other load; misses kernel threads' deferred work"))
+            if calls is one_true_one_file and len(FIRST_FILE_MS) > SLOTS:  # round 0 (warm-up) not counted
+                res.rows.append(Row("  its write_file call, wall ms (16 at a time)", FIRST_FILE_MS[SLOTS:],
+                                    note="the first file tool of a lease: slotd hands over to the Python "
+                                         "supervisor on this call's path"))
+                FIRST_FILE_MS.clear()
             per = tally.trajectories or 1
             for phase in PHASES:
                 parts = tally.by_phase[phase]

