@@ -312,3 +312,32 @@ def test_a_lib_dir_on_a_noexec_mount_gets_the_prebuilt_slotd_bound_in(monkeypatc
     finally:
         subprocess.run(["umount", "-l", str(data)], check=True)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _supervisor_of(procs: dict[int, str]) -> str:
+    return "slotd" if procs[2].strip().endswith("/slotd") else "python" if "supervisor.py" in procs[2] else procs[2]
+
+
+async def test_a_host_whose_leases_need_the_python_supervisor_starts_it_before_their_calls() -> None:
+    """Where most leases use a file tool, each would pay the Python supervisor's start on its first
+    file call (slotd hands over on the call's path): the host then starts new sandboxes with the
+    Python supervisor, prestarted off the calls' path as before slotd; where most leases only run
+    commands again, with slotd (host/supervisor_choice.py)."""
+    data = Path(f"/tmp/atropos-test-{os.getpid()}-{secrets.token_hex(3)}")
+    running = start_host(data, slots=1)
+    try:
+        async def lease_once(file_tool: bool) -> str:
+            async with leased_slot(running) as slot:
+                supervisor = _supervisor_of(_processes((await slot.sh(PROCS))["stdout"]))
+                if file_tool:
+                    await slot.ok("write_file", path="a.txt", content="x")
+                return supervisor
+
+        assert await lease_once(True) == "slotd"
+        seen = [await lease_once(True) for _ in range(3)]
+        assert seen[-1] == "python", seen  # most leases so far needed it
+        assert (await lease_once(False)) == "python"
+        seen = [await lease_once(False) for _ in range(6)]
+        assert seen[-1] == "slotd", seen  # most recent leases ran commands only
+    finally:
+        stop_host(running)

@@ -67,6 +67,7 @@ from atropos.sandbox.host.isolation.network import DNS as SLIRP_DNS
 from atropos.sandbox.host.isolation.sandbox_process import SandboxDied
 from atropos.sandbox.host.isolation.uidkill import UidKiller
 from atropos.sandbox.host.slot import SessionLost, Slot
+from atropos.sandbox.host.supervisor_choice import SupervisorChoice
 from atropos.sandbox.host.workspace import TemplateSourceError, WorkspaceError
 from atropos.sandbox.host.workspace.templates import Template
 from atropos.sandbox.host.workspace.trees import delete_trash
@@ -98,6 +99,7 @@ class SandboxHost:
         self._uid_lock_fd: int | None = None
         self.seccomp_path: str | None = None
         self.slotd: Path | None = None  # the compiled supervisor for the slots, set by _prepare_root
+        self.supervisor_choice = SupervisorChoice()  # slotd or Python for the next sandbox, from recent leases
         self.slots: list[Slot] = []
         self.health_slot: Slot | None = None
         self._health_lock = asyncio.Lock()
@@ -162,7 +164,8 @@ class SandboxHost:
         uid = None if self.uid_base is None else self.uid_base + index
         cgroup = None if self.cgroups is None else self.cgroups.slot(name or f"slot-{index}", self.cfg.slot_limits())
         return Slot(index, self.cfg, self.root, uid, self.seccomp_path, self.workspaces, name=name,
-                    killer=self.killer, private_net=self.private_net, cgroup=cgroup, slotd=self.slotd)
+                    killer=self.killer, private_net=self.private_net, cgroup=cgroup, slotd=self.slotd,
+                    choice=self.supervisor_choice)
 
     def _prepare_root(self) -> None:
         root = self.root

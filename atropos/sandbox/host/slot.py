@@ -46,6 +46,7 @@ from atropos.sandbox.host.isolation.network import SlirpHandshake
 from atropos.sandbox.host.isolation.sandbox_process import SandboxDied, SandboxProcess
 from atropos.sandbox.host.isolation.uidkill import UidKiller, _kill_uid
 from atropos.sandbox.host.isolation.verification import VERIFIER_ENV, verifier_bwrap
+from atropos.sandbox.host.supervisor_choice import SupervisorChoice
 from atropos.sandbox.host.workspace import WorkspaceError
 from atropos.sandbox.host.workspace.slot_workspace import IMAGE_MOUNT_POINTS, SlotWorkspace
 from atropos.sandbox.host.workspace.templates import Template
@@ -81,8 +82,10 @@ class Slot:
 
     def __init__(self, index: int, cfg: HostConfig, root: Path, uid: int | None, seccomp_path: str | None,
                  workspaces: Workspaces | None = None, *, name: str | None = None, killer: UidKiller | None = None,
-                 private_net: bool = False, cgroup: SlotCgroup | None = None, slotd: Path | None = None):
+                 private_net: bool = False, cgroup: SlotCgroup | None = None, slotd: Path | None = None,
+                 choice: SupervisorChoice | None = None):
         self.index = index
+        self.choice = choice or SupervisorChoice()  # the host's, shared by its slots
         # the compiled supervisor's host path (slotd_build.install): the lib dir's copy, or a binary
         # bound in from elsewhere; None: the Python supervisor serves every call
         self.slotd = slotd
@@ -216,7 +219,8 @@ class Slot:
         than a command: docs/native-supervisor.md) or the terminal's program starter, else
         ``python``. A sealed or verifying sandbox, the python_session driver and the verifier stay
         Python throughout."""
-        if self.slotd is None or (script != "exec_program.py" and (script != "supervisor.py" or python_only)):
+        if self.slotd is None or (script != "exec_program.py" and (script != "supervisor.py" or python_only
+                                                                    or not self.choice.native())):
             return [*argv, *python], None
         program = f"{lib_dir}/{slotd_build.SLOTD}"
         if self.slotd != self.paths.lib_dir / slotd_build.SLOTD:
@@ -287,6 +291,7 @@ class Slot:
         if self.sandbox is None or not self.sandbox.alive:
             # sealed: a supervisor that reads the workspace for the host and never starts anything
             self.sandbox = await self._start({"sealed": True} if self.sealed else {}, f"slot {self.index}")
+            self.sandbox.lease_sandbox = not self.sealed
         return self.sandbox
 
     async def ensure_terminal(self) -> None:
@@ -371,6 +376,9 @@ class Slot:
         # The session goes too: the next lease must never see this trajectory's variables (the
         # supervisor's kill(-1) only reaches its own sandbox's PID namespace).
         procs = [p for p in (self.sandbox, self.terminal, self.session) if p is not None]
+        if self.sandbox is not None and self.sandbox.lease_sandbox and self.sandbox.served:
+            # what this lease's calls needed picks the supervisor of the host's next sandboxes
+            self.choice.record(self.sandbox.needed_python)
         self.sandbox = self.terminal = self.session = None
         for proc in procs:
             proc.abandon()  # the signal now, not when the task reaping it first runs

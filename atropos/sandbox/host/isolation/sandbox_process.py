@@ -81,6 +81,10 @@ class SandboxProcess:
         # slotd, the compiled supervisor, serves this sandbox until a request only the Python one
         # answers (see slotd_wire): then it becomes that one, for good.
         self.native = False
+        # Some request of this sandbox was one only the Python supervisor answers (whichever served it);
+        # the sandbox is a lease's agent-phase supervisor (its owner sets it): both for supervisor_choice.
+        self.needed_python = False
+        self.lease_sandbox = False
         self._abandoned = False
         self.companion: asyncio.subprocess.Process | None = None  # slirp4netns of a network sandbox
         self._stderr_tail = b""
@@ -197,6 +201,11 @@ class SandboxProcess:
         task.add_done_callback(SandboxProcess._reapers.discard)
 
     @property
+    def served(self) -> bool:
+        """It answered at least one request."""
+        return self._seq > 0
+
+    @property
     def pid(self) -> int:
         return self.proc.pid
 
@@ -248,6 +257,8 @@ class SandboxProcess:
         self._seq += 1
         seq = self._seq
         native = slotd_wire.encode(payload, seq) if self.native else None
+        if not self.needed_python and not (native is not None or slotd_wire.serves(payload)):
+            self.needed_python = True
         if self.echoes_seq:
             payload = {**payload, "seq": seq}
         data = native if native is not None else json.dumps(payload, separators=(",", ":")).encode()

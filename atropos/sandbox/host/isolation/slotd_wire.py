@@ -36,6 +36,13 @@ def encode_upgrade(seq: int) -> bytes:
     return b"U" + _text(seq)
 
 
+def serves(payload: dict[str, Any]) -> bool:
+    """Whether slotd answers requests of this kind (what ``encode`` takes, but for strings it leaves
+    to the Python supervisor): the host's record of what a lease needed (supervisor_choice.py)."""
+    op = payload.get("op")
+    return op in ("ping", "terminal") or (op == "exec" and (payload.get("cwd") or ".") == ".")
+
+
 def encode(payload: dict[str, Any], seq: int) -> bytes | None:
     """slotd's form of a request, or None where supervisor.py must answer it."""
     op = payload.get("op")
