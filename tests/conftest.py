@@ -169,8 +169,10 @@ IMAGE_STORE = Path.home() / ".cache" / "atropos-sandbox" / "test-image-store"
 @pytest.fixture(scope="session")
 def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningHost]:
     data = Path(f"/tmp/atropos-test-{os.getpid()}-{secrets.token_hex(3)}")
+    # slotd in every sandbox, whatever the tests before needed (auto would start the Python supervisor
+    # once most leases used file tools): the catalogue runs on slotd and its hand-over
     running = start_host(data, slots=8, extra=["--workspace-bytes", str(HOST_WORKSPACE_BYTES),
-                                               "--image-store", str(IMAGE_STORE)])
+                                               "--image-store", str(IMAGE_STORE), "--native-supervisor", "always"])
     yield running
     stop_host(running)
 

@@ -67,7 +67,8 @@ def roots_image(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def image_host() -> Iterator[RunningHost]:
     data = Path(f"/tmp/atropos-img-{os.getpid()}-{secrets.token_hex(3)}")
-    running = start_host(data, slots=4, extra=["--workspace-bytes", str(256 << 20), "--image-store", str(STORE)])
+    running = start_host(data, slots=4, extra=["--workspace-bytes", str(256 << 20), "--image-store", str(STORE),
+                                               "--native-supervisor", "always"])
     yield running
     stop_host(running)
 

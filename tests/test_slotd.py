@@ -1,7 +1,7 @@
 """slotd, the compiled supervisor (docs/native-supervisor.md): a slot serves its commands without
 starting Python, and answers every call exactly as the Python supervisor does.
 
-The reference is a host started with ``--no-native-supervisor`` (the Python supervisor serves every
+The reference is a host started with ``--native-supervisor never`` (the Python supervisor serves every
 call, as before slotd): each command runs in a slot of both hosts and the replies must be equal but
 for the duration. The Python supervisor's own fidelity to a fresh ``bash -c`` / ``python3 -c`` is
 held by tests/test_warm_interpreters.py and tests/test_slot_signals.py, which run on slotd now.
@@ -33,7 +33,7 @@ PROCS = ("for p in /proc/[0-9]*; do"
 @pytest.fixture(scope="module")
 def python_host() -> Iterator[RunningHost]:
     data = Path(f"/tmp/atropos-test-{os.getpid()}-{secrets.token_hex(3)}")  # slot uids traverse to it
-    running = start_host(data, slots=2, extra=["--no-native-supervisor", "--image-store", str(IMAGE_STORE)])
+    running = start_host(data, slots=2, extra=["--native-supervisor", "never", "--image-store", str(IMAGE_STORE)])
     yield running
     stop_host(running)
 

@@ -92,9 +92,10 @@ class HostConfig(BaseModel):
     )
     bwrap: str = "/usr/bin/bwrap"
     python: str = Field("/usr/bin/python3", description="interpreter inside the sandbox (from its /usr)")
-    native_supervisor: bool = Field(
-        True, description="serve commands with slotd, the compiled supervisor (no Python start per sandbox); "
-                          "off: the Python supervisor serves every call")
+    native_supervisor: Literal["auto", "always", "never"] = Field(
+        "auto", description="slotd, the compiled supervisor (no Python start per sandbox; docs/native-supervisor.md): "
+                            "auto: new sandboxes start with it unless most recent leases needed the Python one "
+                            "(file tools); always; never: the Python supervisor serves every call")
     workspace_mode: Literal["auto", "overlay", "copy"] = Field(
         "auto", description="template forks: overlayfs copy-on-write (auto falls back to copies when overlays "
                             "cannot be mounted; overlay fails instead) or always full copies")

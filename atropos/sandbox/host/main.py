@@ -82,8 +82,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
                    "(default: a subtree of the host's own cgroup)")
     p.add_argument("--unsafe-no-cgroups", action="store_true",
                    help="DEVELOPMENT ONLY: no per-slot memory, process or CPU caps")
-    p.add_argument("--no-native-supervisor", dest="native_supervisor", action="store_false",
-                   help="serve every call with the Python supervisor, not slotd (docs/native-supervisor.md)")
+    p.add_argument("--native-supervisor", choices=("auto", "always", "never"), default="auto",
+                   help="slotd, the compiled supervisor (docs/native-supervisor.md): auto (default: unless most "
+                        "recent leases needed the Python one), always, never")
     p.add_argument("--unsafe-no-isolation", action="store_true",
                    help="DEVELOPMENT ONLY: run slots without bubblewrap")
     p.add_argument("--no-prewarm", action="store_true",

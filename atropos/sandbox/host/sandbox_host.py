@@ -99,7 +99,8 @@ class SandboxHost:
         self._uid_lock_fd: int | None = None
         self.seccomp_path: str | None = None
         self.slotd: Path | None = None  # the compiled supervisor for the slots, set by _prepare_root
-        self.supervisor_choice = SupervisorChoice()  # slotd or Python for the next sandbox, from recent leases
+        # slotd or Python for the next sandbox, from recent leases (or fixed: cfg.native_supervisor)
+        self.supervisor_choice = SupervisorChoice(fixed=cfg.native_supervisor == "always")
         self.slots: list[Slot] = []
         self.health_slot: Slot | None = None
         self._health_lock = asyncio.Lock()
@@ -181,7 +182,7 @@ class SandboxHost:
         _write(lib / "tmux.conf", TMUX_CONF.encode())
         compile_lib(self.cfg.python, lib, LIB_FILES)  # once here, not at every sandbox start
         # the compiled supervisor, which the slots start where there is one (docs/native-supervisor.md)
-        if self.cfg.native_supervisor and not self.cfg.unsafe_no_isolation:
+        if self.cfg.native_supervisor != "never" and not self.cfg.unsafe_no_isolation:
             self.slotd = slotd_build.install(lib)
         else:
             (lib / slotd_build.SLOTD).unlink(missing_ok=True)

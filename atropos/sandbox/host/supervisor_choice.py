@@ -21,13 +21,17 @@ WINDOW = 32  # leases remembered
 
 
 class SupervisorChoice:
-    def __init__(self, window: int = WINDOW) -> None:
+    def __init__(self, window: int = WINDOW, *, fixed: bool = False) -> None:
+        """``fixed``: slotd whatever the leases need (the host's ``--native-supervisor always``)."""
         self._needed: collections.deque[bool] = collections.deque(maxlen=window)
         self._native = True
+        self._fixed = fixed
 
     def record(self, needed_python: bool) -> None:
         """One lease's sandbox ended: did any of its calls need the Python supervisor?"""
         self._needed.append(needed_python)
+        if self._fixed:
+            return
         native = 2 * sum(self._needed) < len(self._needed)
         if native != self._native:
             log.info("new sandboxes start with %s: %d of the last %d leases needed the Python supervisor",
