@@ -9,6 +9,30 @@ import sys
 from typing import Any
 
 
+def _files(root: str, limit: int) -> list[str]:
+    """Up to ``limit`` paths under ``root``, walked with a stack of its own: the pool's data dirs can
+    hold trees deeper than Python's recursion limit (a slot's nested directories, a trash not yet
+    emptied), where a recursive glob or ``os.walk`` (3.11) raises instead of reading."""
+    import os
+
+    out: list[str] = []
+    stack = [root]
+    while stack and len(out) < limit:
+        top = stack.pop()
+        try:
+            entries = list(os.scandir(top))
+        except OSError:
+            continue
+        for entry in entries:
+            out.append(entry.path)
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+            except OSError:
+                pass
+    return out[:limit]
+
+
 def steal_host_token(roots: list[str], url: str) -> dict[str, Any]:
     """What an unrelated process of the hosts' user does (a trainer's task on a sandbox node, or
     any process beside a local pool): read every environ block, command line and the pool's
@@ -46,27 +70,3 @@ def steal_host_token(roots: list[str], url: str) -> dict[str, Any]:
 
 if __name__ == "__main__":  # python -m tests.token_theft URL ROOT...
     print(json.dumps(steal_host_token(sys.argv[2:], sys.argv[1])))
-
-
-def _files(root: str, limit: int) -> list[str]:
-    """Up to ``limit`` paths under ``root``, walked with a stack of its own: the pool's data dirs can
-    hold trees deeper than Python's recursion limit (a slot's nested directories, a trash not yet
-    emptied), where a recursive glob or ``os.walk`` (3.11) raises instead of reading."""
-    import os
-
-    out: list[str] = []
-    stack = [root]
-    while stack and len(out) < limit:
-        top = stack.pop()
-        try:
-            entries = list(os.scandir(top))
-        except OSError:
-            continue
-        for entry in entries:
-            out.append(entry.path)
-            try:
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append(entry.path)
-            except OSError:
-                pass
-    return out[:limit]
