@@ -86,6 +86,7 @@ class Slot:
                  choice: SupervisorChoice | None = None):
         self.index = index
         self.choice = choice or SupervisorChoice()  # the host's, shared by its slots
+        self._agent_sandbox = False  # the sandbox is the agent phase's (not the sealed one)
         # the compiled supervisor's host path (slotd_build.install): the lib dir's copy, or a binary
         # bound in from elsewhere; None: the Python supervisor serves every call
         self.slotd = slotd
@@ -291,7 +292,7 @@ class Slot:
         if self.sandbox is None or not self.sandbox.alive:
             # sealed: a supervisor that reads the workspace for the host and never starts anything
             self.sandbox = await self._start({"sealed": True} if self.sealed else {}, f"slot {self.index}")
-            self.sandbox.lease_sandbox = not self.sealed
+            self._agent_sandbox = not self.sealed  # its requests are the agent's: they count for the choice
         return self.sandbox
 
     async def ensure_terminal(self) -> None:
@@ -376,7 +377,7 @@ class Slot:
         # The session goes too: the next lease must never see this trajectory's variables (the
         # supervisor's kill(-1) only reaches its own sandbox's PID namespace).
         procs = [p for p in (self.sandbox, self.terminal, self.session) if p is not None]
-        if self.sandbox is not None and self.sandbox.lease_sandbox and self.sandbox.served:
+        if self.sandbox is not None and self._agent_sandbox and self.sandbox.served:
             # what this lease's calls needed picks the supervisor of the host's next sandboxes
             self.choice.record(self.sandbox.needed_python)
         self.sandbox = self.terminal = self.session = None

@@ -81,10 +81,9 @@ class SandboxProcess:
         # slotd, the compiled supervisor, serves this sandbox until a request only the Python one
         # answers (see slotd_wire): then it becomes that one, for good.
         self.native = False
-        # Some request of this sandbox was one only the Python supervisor answers (whichever served it);
-        # the sandbox is a lease's agent-phase supervisor (its owner sets it): both for supervisor_choice.
+        # Some request of this sandbox was one only the Python supervisor answers, whichever served it
+        # (the host's supervisor_choice counts it).
         self.needed_python = False
-        self.lease_sandbox = False
         self._abandoned = False
         self.companion: asyncio.subprocess.Process | None = None  # slirp4netns of a network sandbox
         self._stderr_tail = b""
