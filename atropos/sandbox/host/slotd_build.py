@@ -56,9 +56,9 @@ def build(out_dir: Path | None = None) -> Path | None:
     key = hashlib.sha256(src + " ".join(CFLAGS).encode()).hexdigest()[:16]
     target_dir = (out_dir or cache_dir() / "slotd") / key
     target = target_dir / SLOTD
-    if target.is_file():
-        return target
-    try:
+    try:  # a cache this user cannot reach (a host run as another uid with root's HOME): no slotd
+        if target.is_file():
+            return target
         target_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target_dir) as tmp:
             (Path(tmp) / "slotd.c").write_bytes(src)
