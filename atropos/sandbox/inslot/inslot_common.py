@@ -72,6 +72,20 @@ def strip_ansi(text: str) -> str:
     return "\n".join(line.rsplit("\r", 1)[-1] for line in text.split("\n"))
 
 
+# The terminal tool's failures, worded once for both supervisors (inslot_terminal.py; the host's
+# rendering of slotd's, host/isolation/slotd_wire.py). slotd.c's TMUX_TIMEOUT is the same 5 s.
+TMUX_TIMEOUT = 5
+
+
+def terminal_timeout_message() -> str:
+    return f"the terminal did not answer within {TMUX_TIMEOUT} s; reset the slot for a new terminal"
+
+
+def terminal_not_socket_message(sock: str) -> str:
+    return (f"{sock} is not the terminal's socket any more (replaced from inside the slot); "
+            "the next terminal call starts a new one")
+
+
 PR_SET_DUMPABLE = 4
 
 

@@ -14,9 +14,21 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from atropos.sandbox.inslot.inslot_common import Capture, strip_ansi
+    from atropos.sandbox.inslot.inslot_common import (
+        TMUX_TIMEOUT,
+        Capture,
+        strip_ansi,
+        terminal_not_socket_message,
+        terminal_timeout_message,
+    )
 else:  # run from the host's lib dir beside inslot.py (see supervisor.py)
-    from inslot_common import Capture, strip_ansi
+    from inslot_common import (
+        TMUX_TIMEOUT,
+        Capture,
+        strip_ansi,
+        terminal_not_socket_message,
+        terminal_timeout_message,
+    )
 if TYPE_CHECKING:
     from atropos.sandbox.inslot.inslot_files import ToolFailure
 else:  # run from the host's lib dir beside inslot_files.py (see supervisor.py)
@@ -43,16 +55,14 @@ def run_terminal(req: dict[str, Any], workspace: str, run_dir: str, env: dict[st
                                   stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
             # e.g. tmux.sock replaced from inside the slot by a socket nobody answers on
-            raise ToolFailure("terminal_unavailable", f"the terminal did not answer within {TMUX_TIMEOUT} s; "
-                                                      "reset the slot for a new terminal") from None
+            raise ToolFailure("terminal_unavailable", terminal_timeout_message()) from None
 
     try:
         is_socket = stat.S_ISSOCK(os.lstat(sock).st_mode)
     except OSError:
         is_socket = False
     if not is_socket:
-        raise ToolFailure("terminal_unavailable", f"{sock} is not the terminal's socket any more (replaced from "
-                                                  "inside the slot); the next terminal call starts a new one")
+        raise ToolFailure("terminal_unavailable", terminal_not_socket_message(sock))
     if tmux_run("has-session", "-t", "main").returncode != 0:
         created = tmux_run("new-session", "-d", "-s", "main", "-x", str(req.get("cols", 200)),
                            "-y", str(req.get("rows", 50)), "-c", workspace, *(shell or []))
@@ -116,7 +126,6 @@ def _read_region(path: str, start: int, end: int, cap: int) -> tuple[str, bool]:
 
 
 PROMPT_END = b"]$ "
-TMUX_TIMEOUT = 5
 
 
 def _open_log(path: str) -> io.FileIO | None:

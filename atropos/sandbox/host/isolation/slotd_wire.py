@@ -15,7 +15,12 @@ import os
 import struct
 from typing import Any
 
-from atropos.sandbox.inslot.inslot_common import render_capture, strip_ansi
+from atropos.sandbox.inslot.inslot_common import (
+    render_capture,
+    strip_ansi,
+    terminal_not_socket_message,
+    terminal_timeout_message,
+)
 
 _LEN = struct.Struct(">I")
 
@@ -142,9 +147,6 @@ def encode_terminal(payload: dict[str, Any], seq: int) -> bytes | None:
     return b"".join(out)
 
 
-TMUX_TIMEOUT = 5  # inslot_terminal.TMUX_TIMEOUT; slotd.c's TMUX_TIMEOUT
-
-
 def decode_terminal(frame: dict[str, Any]) -> dict[str, Any]:
     """run_terminal's reply, or the error supervisor.py gives for the same failure."""
     reply: dict[str, Any]
@@ -163,12 +165,10 @@ def decode_terminal(frame: dict[str, Any]) -> dict[str, Any]:
             reply = {"ok": False, "error": {"code": "os_error", "message": message}}
         else:
             if why == "timeout":
-                message = (f"the terminal did not answer within {TMUX_TIMEOUT} s; "
-                           "reset the slot for a new terminal")
+                message = terminal_timeout_message()
             elif why == "not_socket":
                 sock = base64.b64decode(frame.get("file") or "").decode(errors="replace")
-                message = (f"{sock} is not the terminal's socket any more (replaced from inside the slot); "
-                           "the next terminal call starts a new one")
+                message = terminal_not_socket_message(sock)
             else:
                 message = "cannot start the terminal: " + base64.b64decode(frame.get("detail") or "").decode(
                     errors="replace")
