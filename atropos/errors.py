@@ -77,6 +77,13 @@ class ToolError(AtroposSandboxError):
         self.status = status or type(self).status
 
 
+class SandboxRestarted(ToolError):
+    """The sandbox serving a call failed while it served it (it exited, was killed or stopped
+    answering): something the slot's own code can cause (a supervisor it stopped or killed, memory
+    it filled, a hand-over that could then not start). The call fails for the agent and the slot's
+    next call gets a fresh sandbox (files kept); never an infrastructure retry."""
+
+
 class ToolInputError(ToolError):
     """Unknown tool or arguments that fail validation."""
 
@@ -204,6 +211,7 @@ ERRORS: dict[type[AtroposSandboxError], tuple[int, str]] = {
     # the caller's
     ToolError: (400, "tool_error"),
     ToolInputError: (422, "invalid_arguments"),
+    SandboxRestarted: (409, "sandbox_restarted"),
     PathEscapeError: (403, "path_escape"),
     TemplateError: (400, "template_error"),
     TemplateSourceError: (400, "template_source_invalid"),

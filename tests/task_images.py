@@ -397,6 +397,35 @@ CMD ["/bin/bash"]
 """, facts=[inspect.getsource(static_root), inspect.getsource(musl_root), MUSL_PROGRAM])
 
 
+# An image whose Env preloads libraries into every process (as images set jemalloc or a shim in
+# LD_PRELOAD): benign ones here; a slot's root user can replace them (tests/test_reward_forgery.py).
+PRELOAD_LIB = "/usr/local/lib/libtaskshim.so"
+AUDIT_LIB = "/usr/local/lib/libtaskaudit.so"
+SHIM_C = "int taskshim_loaded = 1;\n"
+AUDIT_C = "unsigned int la_version(unsigned int v) { return v; }\n"
+
+
+def compile_shared(source: str, out: Path) -> None:
+    """A shared library from C ``source`` with the host's cc."""
+    c = out.with_suffix(".c")
+    c.write_text(source)
+    subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-o", str(out), str(c), "-ldl"], check=True)
+    c.unlink()
+
+
+def _preload() -> Recipe:
+    def prepare(ctx: Path) -> None:
+        compile_shared(SHIM_C, ctx / "libtaskshim.so")
+        compile_shared(AUDIT_C, ctx / "libtaskaudit.so")
+
+    return Recipe(name="preload", prepare=prepare, facts=[SHIM_C, AUDIT_C], dockerfile=f"""FROM {BASE_IMAGE}
+COPY libtaskshim.so {PRELOAD_LIB}
+COPY libtaskaudit.so {AUDIT_LIB}
+ENV LD_PRELOAD={PRELOAD_LIB} LD_AUDIT={AUDIT_LIB} TASK_ID=preload
+WORKDIR /task
+""")
+
+
 # paths the layered image changes, layer by layer (the tests read them from here)
 LAYERED = {
     "deleted": "/work/deleted",  # made in layer 1, removed in layer 2: a whiteout
@@ -422,6 +451,7 @@ ENV TASK_ID=layered
 
 RECIPES: dict[str, Callable[[], Recipe]] = {
     "pyenv": _pyenv, "syspkg": _syspkg, "nopython": _nopython, "layered": _layered, "musl": _musl,
+    "preload": _preload,
 }
 
 

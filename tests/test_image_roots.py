@@ -219,11 +219,12 @@ VERIFIER = """
 def verify(workspace, secrets, args):
     import os
     def read(p):
+        p = os.path.join(ROOT, p.lstrip("/"))  # the slot's root, as the runner sees it
         try:
             return "L:" + os.readlink(p) if os.path.islink(p) else open(p).read()
         except OSError as exc:
             return "missing:" + type(exc).__name__
-    return {"score": 1.0, "cwd": os.getcwd(), "workspace": workspace,
+    return {"score": 1.0, "cwd": os.getcwd(), "workspace": workspace, "root": ROOT,
             "files": {p: read(p) for p in args}}
 """
 
@@ -239,7 +240,9 @@ async def test_verify_restores_paths_from_the_image(image_host: RunningHost, roo
             args=["/testbed/tests/test_x.py", "/testbed/a.txt", "/testbed/conftest.py", "/testbed/tests/new"]))
         assert result.ok, result.error
         assert result.verdict is not None
-        assert result.verdict["cwd"] == "/testbed" and result.verdict["workspace"] == "/testbed"
+        # the runner's own root is the host's: the slot's root is a directory of it
+        assert result.verdict["root"] == "/run/checked"
+        assert result.verdict["cwd"] == result.verdict["workspace"] == "/run/checked/testbed"
         assert result.verdict["files"] == {
             "/testbed/tests/test_x.py": "def test_ok():\n    assert True\n",
             "/testbed/a.txt": "original\n",
@@ -544,8 +547,8 @@ async def test_restore_of_whole_system_dirs_keeps_what_is_untouched(image_host: 
         await slot.sh("echo forged > /etc/motd; printf '#!/bin/sh\\necho fake\\n' > /usr/bin/pytest; "
                       "chmod 755 /usr/bin/pytest; rm /usr/bin/yes")
         program = ("import os, hashlib\ndef verify(ws, secrets, args):\n"
-                   "    return {'score': 1.0, 'motd': open('/etc/motd').read()[:40], "
-                   "'pytest': os.path.exists('/usr/bin/pytest'), 'yes': os.path.exists('/usr/bin/yes')}\n")
+                   "    return {'score': 1.0, 'motd': open(ROOT + '/etc/motd').read()[:40], "
+                   "'pytest': os.path.exists(ROOT + '/usr/bin/pytest'), 'yes': os.path.exists(ROOT + '/usr/bin/yes')}\n")
         result = await slot.client.verify(slot.lease.slot, VerifyRequest(
             lease=slot.lease.lease, program=program, restore=["/etc", "/usr/bin"]))
         assert result.ok, result.error

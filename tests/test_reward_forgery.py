@@ -879,3 +879,148 @@ async def test_without_the_restore_these_swe_rows_win(pool: SlotPool, swe_tasks:
     monkeypatch.setattr(RepoTests, "restore_paths", lambda self: [])
     score, info = await swe_rollout(pool, swe_tasks[0], SWE_ROWS[row](swe_tasks[0]))
     assert score == 1.0, info
+
+
+# -- the verifier's runner on an image root: nothing of the root it checks runs in it ---------------
+# A library the agent plants where the loader of any process started in its root looks (its
+# /etc/ld.so.preload, or the file the image's LD_PRELOAD / LD_AUDIT names): in the runner it would
+# see the request (secrets included) as it is read and rewrite the verdict as it is written.
+FORGE_SO_C = r'''
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+static ssize_t (*real_write)(int, const void *, size_t);
+static ssize_t (*real_read)(int, void *, size_t);
+ssize_t write(int fd, const void *buf, size_t n) {
+    if (!real_write) real_write = dlsym(RTLD_NEXT, "write");
+    const char *hit = memmem(buf, n, "\"score\":0.0", 11);
+    if (!hit) return real_write(fd, buf, n);
+    char *copy = malloc(n);
+    memcpy(copy, buf, n);
+    copy[hit - (const char *)buf + 8] = '1';
+    ssize_t r = real_write(fd, copy, n);
+    free(copy);
+    return r;
+}
+ssize_t read(int fd, void *buf, size_t n) {
+    if (!real_read) real_read = dlsym(RTLD_NEXT, "read");
+    ssize_t r = real_read(fd, buf, n);
+    if (r > 0 && memmem(buf, (size_t)r, "\"secrets\"", 9)) {
+        int o = open("/forged-secrets", O_WRONLY | O_CREAT | O_APPEND, 0644);
+        if (o >= 0) { real_write(o, buf, (size_t)r); close(o); }
+    }
+    return r;
+}
+'''
+# An audit library (LD_AUDIT) runs its constructor in every process that starts with it: it leaves
+# a mark when that process is the verification runner.
+FORGE_AUDIT_C = r'''
+#include <fcntl.h>
+#include <string.h>
+#include <unistd.h>
+unsigned int la_version(unsigned int v) { return v; }
+__attribute__((constructor)) static void mark(void) {
+    char argv[4096] = {0};
+    int fd = open("/proc/self/cmdline", O_RDONLY);
+    if (fd < 0) return;
+    ssize_t n = read(fd, argv, sizeof argv - 1);
+    close(fd);
+    for (ssize_t i = 0; i < n; i++) if (!argv[i]) argv[i] = ' ';
+    if (strstr(argv, "verifier")) {
+        int o = open("/forged-audit", O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (o >= 0) { (void)!write(o, "ran in the runner\n", 18); close(o); }
+    }
+}
+'''
+# The checker: the answer the agent left against the expected one, a secret; its child (as a
+# checker's tests are) runs in the root checked, with the image's Env.
+IMAGE_CHECKER = r'''
+import subprocess
+
+
+def verify(workspace, secrets, args):
+    try:
+        answer = read_workspace("answer.txt", 4096).strip().decode()
+    except OSError:
+        answer = ""
+    child = subprocess.run(["/bin/sh", "-c", "echo $TASK_ID $LD_PRELOAD; pwd; cat /etc/task-marker"],
+                           capture_output=True, text=True)
+    return {"score": 1.0 if answer == secrets["expected"] else 0.0, "child": child.stdout}
+'''
+
+
+@pytest.fixture(scope="module")
+def forge_libs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    import shutil
+
+    from tests.task_images import compile_shared
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler on this machine to build the planted libraries")
+    out = tmp_path_factory.mktemp("forge-libs")
+    compile_shared(FORGE_SO_C, out / "forge.so")
+    compile_shared(FORGE_AUDIT_C, out / "audit.so")
+    return {"preload": (out / "forge.so").read_bytes(), "audit": (out / "audit.so").read_bytes()}
+
+
+async def _image_forgery(pool: SlotPool, image: str, plant: dict[str, bytes],
+                         script: str) -> tuple[Any, dict[str, Any]]:
+    """A wrong answer, ``plant`` (absolute path -> bytes) and ``script`` in a slot of ``image``; then
+    the seal and a verify with a secret. Returns the result and what the planted code left behind."""
+    async with pool.leased(f"forgery-image-{secrets.token_hex(3)}", image=image) as lease:
+        await lease.bash("echo wrong > answer.txt; echo from-the-root > /etc/task-marker")
+        for path, data in plant.items():
+            await lease.write_bytes(path, data)
+        if script:
+            done = await lease.bash(script)
+            assert done.exit_code == 0, done.stderr
+        await lease.seal()
+        result = await lease.verify(IMAGE_CHECKER, secrets={"expected": "right-answer"}, timeout_s=60)
+        left = {}
+        for mark in ("/forged-secrets", "/forged-audit"):
+            try:
+                left[mark] = await lease.read_file(mark)
+            except ToolError:
+                pass
+        return result, left
+
+
+@pytest.mark.docker
+async def test_a_planted_ld_so_preload_never_reaches_the_runner(pool: SlotPool, task_image: Any,
+                                                                forge_libs: dict[str, bytes]) -> None:
+    """``/etc/ld.so.preload`` of the image slot names the agent's library: the runner loaded it
+    before it started from host files (docs/verification.md)."""
+    result, left = await _image_forgery(pool, task_image("pyenv"), {"/usr/local/lib/forge.so": forge_libs["preload"]},
+                                        "echo /usr/local/lib/forge.so > /etc/ld.so.preload")
+    assert result.ok and result.score == 0.0, (result.error, result.log)
+    assert left == {}, left  # no copy of the request, no secret in the root
+    # the checker's child ran in the slot's root (its /etc), at the image's WorkingDir, with the Env
+    assert result.verdict is not None
+    assert result.verdict["child"].split("\n")[1:3] == ["/testbed", "from-the-root"], result.verdict
+
+
+@pytest.mark.docker
+async def test_ld_preload_and_ld_audit_of_the_image_env_never_reach_the_runner(
+        pool: SlotPool, task_image: Any, forge_libs: dict[str, bytes]) -> None:
+    """The image's Env preloads a library and an audit library; the agent replaces both files with
+    its own: the runner got them through the image's Env before it started with a clean one. The
+    checker's children still get the image's Env, as ``docker run`` gives it."""
+    from tests.task_images import AUDIT_LIB, PRELOAD_LIB
+
+    result, left = await _image_forgery(pool, task_image("preload"),
+                                        {PRELOAD_LIB: forge_libs["preload"], AUDIT_LIB: forge_libs["audit"]}, "")
+    assert result.ok and result.score == 0.0, (result.error, result.log)
+    assert left == {}, left
+    assert result.verdict is not None
+    assert result.verdict["child"].split("\n")[:2] == [f"preload {PRELOAD_LIB}", "/task"], result.verdict
+
+
+@pytest.mark.docker
+async def test_the_honest_answer_scores_one_on_an_image_root(pool: SlotPool, task_image: Any) -> None:
+    async with pool.leased("forgery-image-honest", image=task_image("preload")) as lease:
+        await lease.bash("echo right-answer > answer.txt; echo from-the-root > /etc/task-marker")
+        result = await lease.verify(IMAGE_CHECKER, secrets={"expected": "right-answer"}, timeout_s=60)
+        assert result.ok and result.score == 1.0, result

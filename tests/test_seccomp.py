@@ -368,6 +368,16 @@ def test_write_filter_is_atomic_and_world_readable(tmp_path: Path) -> None:
             41, AUDIT_ARCH_X86_64, (40 | 1 << 32, 1), _errno_action(errno.EAFNOSUPPORT), id="vsock-hi"
         ),
         pytest.param(41, AUDIT_ARCH_X86_64, (2, 1), SECCOMP_RET_ALLOW, id="inet"),
+        # prlimit64(pid, resource, new, old): a process's own limits (pid 0: glibc's setrlimit, bash's
+        # ulimit, Python's resource.setrlimit) and reading anyone's stay allowed; setting another's not
+        pytest.param(302, AUDIT_ARCH_X86_64, (0, 7, 0x7FFF0000, 0), SECCOMP_RET_ALLOW, id="prlimit-self"),
+        pytest.param(302, AUDIT_ARCH_X86_64, (0, 7, 0, 0x7FFF0000), SECCOMP_RET_ALLOW, id="prlimit-self-read"),
+        pytest.param(302, AUDIT_ARCH_X86_64, (2, 7, 0, 0x7FFF0000), SECCOMP_RET_ALLOW, id="prlimit-read-other"),
+        pytest.param(302, AUDIT_ARCH_X86_64, (2, 7, 0x7FFF0000, 0), _errno_action(errno.EPERM), id="prlimit-other"),
+        pytest.param(302, AUDIT_ARCH_X86_64, (1 << 32, 7, 0x7FFF0000, 0), _errno_action(errno.EPERM),
+                     id="prlimit-pid-hi"),
+        pytest.param(302, AUDIT_ARCH_X86_64, (2, 7, 1 << 40, 0), _errno_action(errno.EPERM), id="prlimit-new-hi"),
+        pytest.param(160, AUDIT_ARCH_X86_64, (7, 0x7FFF0000), SECCOMP_RET_ALLOW, id="setrlimit"),
         # i386 via int 0x80 and the x32 ABI have their own numbering; the filter does not describe them.
         pytest.param(3, AUDIT_ARCH_I386, (), SECCOMP_RET_KILL_THREAD, id="i386-killed"),
         pytest.param(0x40000000, AUDIT_ARCH_X86_64, (), SECCOMP_RET_KILL_THREAD, id="x32-killed"),
@@ -386,3 +396,15 @@ def test_every_deny_listed_name_is_a_syscall_here() -> None:
         nr = lib.seccomp_syscall_resolve_name(name.encode())
         assert nr >= 0, f"libseccomp does not know {name!r}"
         assert _run_bpf(program, nr) == _errno_action(errno.EPERM), name
+
+
+def test_only_the_verification_runners_filter_allows_chroot() -> None:
+    """The runner of an image slot's verification starts the programs it checks in the slot's root
+    (atropos/sandbox/inslot/verifier.py); every other sandbox keeps chroot denied."""
+    _program()
+    chroot = 161
+    assert _run_bpf(build_filter_bytes(), chroot) == _errno_action(errno.EPERM)
+    runner = build_filter_bytes(allow_chroot=True)
+    assert _run_bpf(runner, chroot) == SECCOMP_RET_ALLOW
+    for nr, args in ((272, (0,)), (165, ()), (302, (2, 7, 0x7FFF0000, 0))):  # unshare, mount, prlimit: as before
+        assert _run_bpf(runner, nr, AUDIT_ARCH_X86_64, args) == _errno_action(errno.EPERM), nr

@@ -320,3 +320,74 @@ async def test_docs_load_from_the_toolserver_itself(server: str) -> None:
         assert "Apache License" in (await http.get("/docs/assets/LICENSE")).text
         other = await http.get("/docs/assets/__init__.py", headers={"Authorization": f"Bearer {TOKEN}"})
         assert other.status_code == 404  # only the page's files are served from the package's folder
+
+
+def _body_routes() -> list[tuple[str, str, type[Any]]]:
+    """Every route of the ToolServer whose request has a JSON body: (method, path, its model)."""
+    from fastapi.routing import APIRoute
+    from pydantic import BaseModel
+
+    from atropos.fastroute import FastRoute
+
+    pool = SlotPool(make_backend("local", slots=1), PoolConfig(min_hosts=1, max_hosts=1))
+    app = create_tool_server(pool, ToolServerSettings(token=TOKEN), registry=_registry(),
+                             externals={"echo_external": _echo_tool}).fastapi  # type: ignore[attr-defined]
+    out = []
+    for route in app.routes:
+        if isinstance(route, FastRoute):
+            model: Any = route.body_model if route.body_name else None
+        elif isinstance(route, APIRoute) and route.body_field is not None:
+            model = route.body_field.field_info.annotation
+        else:
+            continue
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            for method in route.methods:
+                out.append((method, route.path, model))
+    return out
+
+
+def test_every_request_body_of_the_api_refuses_fields_it_does_not_declare() -> None:
+    routes = _body_routes()
+    assert {p for _, p, _ in routes} >= {"/v1/slots", "/v1/slots/{lease_id}/call", "/v1/slots/{lease_id}/verify",
+                                         "/v1/tools/{name}/invoke"}
+    for method, path, model in routes:
+        assert model.model_config.get("extra") == "forbid", (method, path, model.__name__)
+
+
+async def test_unknown_fields_are_refused_with_422_on_every_route(server: str) -> None:
+    """A misspelt field (``restroe``, ``timeout``) is an error the client sees, never a request
+    served other than it asked."""
+    valid = {"/v1/slots": {"trajectory_id": "extra"}, "/v1/slots/{lease_id}/call": {"tool": "bash", "args": {}},
+             "/v1/slots/{lease_id}/verify": {"program": "def verify(w, s, a):\n    return 1"},
+             "/v1/tools/{name}/invoke": {"args": {"text": "x"}}}
+    async with httpx.AsyncClient(base_url=server, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60) as http:
+        lease = (await http.post("/v1/slots", json={"trajectory_id": "extra-fields"})).json()["lease_id"]
+        try:
+            for method, path, _model in _body_routes():
+                url = path.replace("{lease_id}", lease).replace("{name}", "echo_external")
+                for unknown in ({"restroe": ["/x"]}, {"timeout": 5}):
+                    resp = await http.request(method, url, json={**valid[path], **unknown})
+                    assert resp.status_code == 422, (path, unknown, resp.text)
+                    err = resp.json()["error"]
+                    assert err["code"] == "invalid_request" and next(iter(unknown)) in err["message"], (path, err)
+            # the slot was never touched: it still runs commands (no verify sealed it)
+            out = (await http.post(f"/v1/slots/{lease}/call", json={"tool": "bash", "args": {"command": "echo ok"}}))
+            assert out.json()["content"] == "ok"
+        finally:
+            await http.delete(f"/v1/slots/{lease}")
+
+
+def test_the_rest_verify_body_takes_every_field_lease_verify_takes() -> None:
+    import inspect
+
+    from atropos.api.server import SlotVerifyRequest
+    from atropos.slots.lease import Lease
+
+    params = [n for n, p in inspect.signature(Lease.verify).parameters.items() if n != "self"]
+    assert set(params) == set(SlotVerifyRequest.model_fields), (params, list(SlotVerifyRequest.model_fields))
+    for name, field in SlotVerifyRequest.model_fields.items():  # and the same defaults
+        default = inspect.signature(Lease.verify).parameters[name].default
+        if default is not inspect.Parameter.empty:
+            made = field.get_default(call_default_factory=True)
+            assert made == default or (default is None and made == {}) or (tuple(made) == default if
+                                                                          isinstance(made, list) else False), name

@@ -22,7 +22,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.responses import HTMLResponse, Response
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.routing import BaseRoute, Match
 
 from atropos import __version__, metrics
@@ -51,7 +51,7 @@ from atropos.errors import (
 )
 from atropos.fastroute import FastRoutes, checked_by_guard, hot_post
 from atropos.logs import call_fields
-from atropos.sandbox.contract.protocol import MAX_VERIFY_PROGRAM, SealResult, VerifyResult, Wire
+from atropos.sandbox.contract.protocol import SealResult, VerifyResult, VerifySpec, Wire
 from atropos.sandbox.contract.tools import PROGRAM_ONLY
 from atropos.slots.lease import Lease
 from atropos.slots.pool import PoolStatus, SlotPool
@@ -80,7 +80,14 @@ class ToolServerSettings(BaseModel):
                                                    "see atropos.metrics)")
 
 
-class InvokeRequest(BaseModel):
+class Body(BaseModel):
+    """A request body of the API: a field it does not declare is refused (422), never ignored (a
+    misspelt ``restore`` or ``timeout_s`` would otherwise verify or wait other than asked)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class InvokeRequest(Body):
     args: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -90,7 +97,7 @@ class InvokeResponse(BaseModel):
     raw: dict[str, Any] | None = None
 
 
-class SlotLeaseRequest(BaseModel):
+class SlotLeaseRequest(Body):
     trajectory_id: str = Field(min_length=1, max_length=256)
     network: bool = False
     image: str | None = Field(None, min_length=1, max_length=512,
@@ -105,6 +112,8 @@ class SlotLeaseResponse(BaseModel):
 
 
 class SlotCallRequest(Wire):
+    model_config = ConfigDict(cache_strings="keys", extra="forbid")  # Wire's, and a Body's refusal
+
     tool: str = Field(min_length=1, max_length=128)
     args: dict[str, Any] = Field(default_factory=dict)
     timeout_s: float | None = Field(None, gt=0, le=3600)
@@ -118,14 +127,11 @@ class SlotCallResponse(BaseModel):
     duration_ms: float
 
 
-class SlotVerifyRequest(BaseModel):
-    """A verifier program for the slot's final workspace (see docs/verification.md)."""
+class SlotVerifyRequest(VerifySpec):
+    """A verifier program for the slot's final workspace (see docs/verification.md): every field
+    ``Lease.verify`` takes, ``restore`` included (``VerifySpec``)."""
 
-    program: str = Field(min_length=1, max_length=MAX_VERIFY_PROGRAM,
-                         description="Python source defining verify(workspace, secrets, args)")
-    secrets: dict[str, str] = Field(default_factory=dict, description="reach only the verifier process")
-    args: Any = None
-    timeout_s: float = Field(60.0, gt=0, le=3600)
+    model_config = ConfigDict(cache_strings="keys", extra="forbid")
 
 
 class ReleaseResponse(BaseModel):
@@ -437,7 +443,8 @@ def _slot_routes(app: FastAPI, server: _ToolServer, deps: list[Any]) -> None:
         """Seal the slot and run a verifier program against its final workspace in a fresh,
         read-only sandbox; the verdict comes back in this response (see docs/verification.md)."""
         entry = server.held_entry(lease_id)
-        result = await entry.lease.verify(req.program, secrets=req.secrets, args=req.args, timeout_s=req.timeout_s)
+        result = await entry.lease.verify(req.program, secrets=req.secrets, args=req.args, timeout_s=req.timeout_s,
+                                          restore=req.restore)
         log.info("slot verified: ok=%s score=%s", result.ok, result.score,
                  extra=call_fields(trajectory_id=entry.lease.trajectory_id, lease=entry.fingerprint,
                                    slot=entry.lease.slot, host=entry.lease.host.id))

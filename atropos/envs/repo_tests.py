@@ -144,8 +144,9 @@ import json, os, secrets as tokens, stat
 def verify(workspace, secrets, args):
     tampered = []
     for path in args["must_be_real"]:
+        at = os.path.join(ROOT, path.lstrip("/"))  # where the runner sees the root it checks
         try:
-            real = os.path.realpath(path) == path and stat.S_ISREG(os.lstat(path).st_mode)
+            real = os.path.realpath(at) == at and stat.S_ISREG(os.lstat(at).st_mode)
         except OSError:
             real = False
         if not real:

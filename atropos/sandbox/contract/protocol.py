@@ -95,9 +95,9 @@ MAX_VERIFY_PROGRAM = 1 << 20
 MAX_VERIFY_SECRETS = 16 << 20
 
 
-class VerifyRequest(LeaseRef):
-    """Run a verifier program against the slot's final workspace (the verification phase: see
-    docs/verification.md). Starting it ends the agent's part of the lease for good."""
+class VerifySpec(Wire):
+    """What a verification runs: every field ``Lease.verify`` takes, declared once for the host's
+    request (``VerifyRequest``) and the ToolServer's REST body (``atropos.api.server``)."""
 
     program: str = Field(min_length=1, max_length=MAX_VERIFY_PROGRAM,
                          description="Python source defining verify(workspace, secrets, args) -> number | dict "
@@ -114,6 +114,11 @@ class VerifyRequest(LeaseRef):
 
     def secrets_size(self) -> int:
         return sum(len(k) + len(v.encode()) for k, v in self.secrets.items())
+
+
+class VerifyRequest(LeaseRef, VerifySpec):
+    """Run a verifier program against the slot's final workspace (the verification phase: see
+    docs/verification.md). Starting it ends the agent's part of the lease for good."""
 
 
 class VerifyResult(Wire):

@@ -24,6 +24,7 @@ from atropos.errors import (
     IsolationUnavailable,
     LeaseError,
     PathEscapeError,
+    SandboxRestarted,
     SlotSealed,
     SlotUnavailable,
     ToolError,
@@ -66,7 +67,7 @@ from atropos.sandbox.host.isolation.cgroups import SlotCgroups
 from atropos.sandbox.host.isolation.network import DNS as SLIRP_DNS
 from atropos.sandbox.host.isolation.sandbox_process import SandboxDied
 from atropos.sandbox.host.isolation.uidkill import UidKiller
-from atropos.sandbox.host.slot import SessionLost, Slot
+from atropos.sandbox.host.slot import SandboxLost, SessionLost, Slot
 from atropos.sandbox.host.supervisor_choice import SupervisorChoice
 from atropos.sandbox.host.workspace import TemplateSourceError, WorkspaceError
 from atropos.sandbox.host.workspace.templates import Template
@@ -87,7 +88,8 @@ set -g default-terminal screen
 
 
 # Status codes of supervisor error codes; everything else is a 400-class tool error.
-_STATUS = {"not_found": 404, "too_large": 413, PathEscapeError.code: PathEscapeError.status, "permission_denied": 403}
+_STATUS = {"not_found": 404, "too_large": 413, PathEscapeError.code: PathEscapeError.status, "permission_denied": 403,
+           SandboxRestarted.code: SandboxRestarted.status}
 
 
 class SandboxHost:
@@ -195,6 +197,7 @@ class SandboxHost:
         _write(etc / "resolv.conf", f"nameserver {SLIRP_DNS}\n".encode())  # private-network slots
         if not self.cfg.unsafe_no_isolation:
             self.seccomp_path = str(seccomp.write_filter(root / "seccomp.bpf"))
+            seccomp.write_filter(seccomp.verifier_filter_path(self.seccomp_path), allow_chroot=True)
 
     def _schedule_trash(self) -> None:
         self._trash_pending = True
@@ -583,13 +586,18 @@ class SandboxHost:
                 raise
             log.info("slot %d: python session lost during a call: %s", slot.index, exc)
             return {"ok": True, "result": session_lost_result(exc, timeout, self.cfg.session_grace_s)}
-        except SandboxDied as exc:
-            if payload.get("op") != "exec" or slot.sandbox is None or self.stopping:
+        except SandboxLost as exc:
+            if self.stopping:
                 raise
-            # The command took its own sandbox down (kill -9 -1, OOM): that is the command's
-            # outcome, shown to the model; the next call gets a fresh sandbox, files kept.
-            log.info("slot %d: sandbox died during a call: %s", slot.index, exc)
+            # The slot's code took its own sandbox down (kill -9 -1, OOM, a supervisor it stopped or
+            # starved): that is the call's outcome, shown to the model, never an infrastructure
+            # retry; the next call gets a fresh sandbox, files kept.
+            log.info("slot %d: sandbox lost during a call: %s", slot.index, exc)
             await slot.stop_sandboxes()
+            if payload.get("op") != "exec":
+                return {"ok": False, "error": {"code": SandboxRestarted.code, "message": (
+                    f"the slot's sandbox failed during this call ({exc}); it was restarted, workspace files "
+                    "are kept")}}
             return {"ok": True, "result": {
                 "exit_code": None, "signal": 9, "timed_out": False, "output_limited": False, "stdout": "",
                 "stderr": "[the command killed its own sandbox; it was restarted, workspace files are kept]\n",

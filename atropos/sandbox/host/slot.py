@@ -44,8 +44,14 @@ from atropos.sandbox.host.isolation.bwrap import (
 from atropos.sandbox.host.isolation.cgroups import SlotCgroup
 from atropos.sandbox.host.isolation.network import SlirpHandshake
 from atropos.sandbox.host.isolation.sandbox_process import SandboxDied, SandboxProcess
+from atropos.sandbox.host.isolation.seccomp import verifier_filter_path
 from atropos.sandbox.host.isolation.uidkill import UidKiller, _kill_uid
-from atropos.sandbox.host.isolation.verification import VERIFIER_ENV, verifier_bwrap
+from atropos.sandbox.host.isolation.verification import (
+    CHECKED_ROOT,
+    VERIFIER_ENV,
+    image_verifier_bwrap,
+    verifier_bwrap,
+)
 from atropos.sandbox.host.supervisor_choice import SupervisorChoice
 from atropos.sandbox.host.workspace import WorkspaceError
 from atropos.sandbox.host.workspace.slot_workspace import IMAGE_MOUNT_POINTS, SlotWorkspace
@@ -75,6 +81,13 @@ class SessionLost(SandboxDied):
     def __init__(self, message: str, *, timed_out: bool) -> None:
         super().__init__(message)
         self.timed_out = timed_out
+
+
+class SandboxLost(SandboxDied):
+    """The slot's sandbox failed while it served one of the slot's requests, and nothing of the
+    host stopped it (a reset, a release, the host's stop): the slot's own code can cause that (a
+    supervisor it stopped, killed or starved, a hand-over that then could not start), so it is the
+    call's outcome, never the platform's. Failing to *start* a sandbox stays ``SandboxDied``."""
 
 
 class Slot:
@@ -262,7 +275,32 @@ class Slot:
 
     async def _start(self, extra: dict[str, Any], label: str, protocol: bool = True,
                      script: str = "supervisor.py", verifier: bool = False) -> SandboxProcess:
-        (argv, first_frame), uid = self._argv(extra, script, verifier), self.uid
+        argv, first_frame = self._argv(extra, script, verifier)
+        return await self._launch(argv, first_frame, label, protocol=protocol, network=not verifier,
+                                  seccomp_path=self.seccomp_path)
+
+    async def _start_image_verifier(self, image: ImageRoot, root: Path) -> SandboxProcess:
+        """The verification runner of an image slot (``verification.image_verifier_bwrap``): its own
+        root of host files, ``root`` (the slot's root, or a fresh root of the same image: the
+        runner does not care which) at ``CHECKED_ROOT``, where the programs it starts run with the
+        image's ``Env`` and ``root`` as ``/``. Its own process gets a clean environment."""
+        paths = self.paths
+        if self.ws.scratch:
+            tmp, shm = self.ws.scratch_dirs()
+            paths = dataclasses.replace(paths, tmp=tmp, shm=shm)
+        argv = image_verifier_bwrap(self.cfg.bwrap, root, paths, self.cfg.limits, uid=image.user_ids())
+        cfg = {"limits": self.cfg.limits.rlimits(), "env": VERIFIER_ENV, "root": CHECKED_ROOT,
+               "child_env": image.env()}
+        python = [self.cfg.python, "-I", "-S", f"{LIB_DIR}/{entry(paths.lib_dir, 'verifier.py')}", json.dumps(cfg)]
+        seccomp_path = None if self.seccomp_path is None else str(verifier_filter_path(self.seccomp_path))
+        return await self._launch([*argv, *python], None, f"slot {self.index} verifier", protocol=True,
+                                  network=False, seccomp_path=seccomp_path)
+
+    async def _launch(self, argv: list[str], first_frame: bytes | None, label: str, *, protocol: bool,
+                      network: bool, seccomp_path: str | None) -> SandboxProcess:
+        """Start a sandbox's command line: in the workspace mount namespace where the slot's mounts
+        are, its OOM score raised, in the slot's cgroup, as the slot's uid."""
+        uid = self.uid
         if self.ws.ws_kind in ("overlay", "image") or self.ws.capped or self.ws.scratch:
             # The fork's overlay and the capped tmpfs mounts exist only in the workspace mount
             # namespace: start bwrap in it (nsenter drops to the slot's uid itself on a root host).
@@ -279,9 +317,9 @@ class Slot:
             argv = [*self.cgroup.launcher(), *argv]
         return await SandboxProcess.start(
             argv, uid=uid, protocol=protocol,
-            seccomp_path=None if self.cfg.unsafe_no_isolation else self.seccomp_path, label=label,
+            seccomp_path=None if self.cfg.unsafe_no_isolation else seccomp_path, label=label,
             network=(SlirpHandshake.create(self.cfg.egress, self.cfg.python) if self.network and self.private_net
-                     and not verifier
+                     and network
                      and not self.cfg.unsafe_no_isolation else None),
             network_uid=self.uid,
             echoes_seq=protocol,  # both in-slot programs serve through inslot.serve
@@ -362,7 +400,12 @@ class Slot:
             await self.ensure_terminal()
             payload = {**payload, "offset": self.term_offset}
         sandbox = await self.ensure_sandbox()
-        frame = await sandbox.request(payload, timeout)
+        try:
+            frame = await sandbox.request(payload, timeout)
+        except SandboxDied as exc:
+            if self.sandbox is not sandbox:
+                raise  # stopped from outside (a reset, a release, the host stopping): not the slot's doing
+            raise SandboxLost(str(exc)) from exc
         if payload.get("op") == "terminal" and frame.get("ok"):
             self.term_offset = int(frame["result"]["offset"])
         return frame
@@ -443,8 +486,9 @@ class Slot:
         workspace = str(self.paths.workspace) if self.cfg.unsafe_no_isolation else WORKSPACE
         image_fields: dict[str, Any] = {}
         if self.ws.image is not None:
-            workspace = self.ws.image.working_dir
-            image_fields = {"restore": req.restore, "pristine": IMAGE_PRISTINE, "cwd": workspace}
+            # the runner's paths: the slot's root is at CHECKED_ROOT of its own (host-made) root
+            workspace = CHECKED_ROOT + self.ws.image.working_dir.rstrip("/")
+            image_fields = {"restore": req.restore, "pristine": CHECKED_ROOT + IMAGE_PRISTINE, "cwd": workspace}
         elif req.restore:
             result.error = ErrorInfo(code="invalid_request", status=VERIFIER_FAILED,
                                      message="restore needs a slot whose root is a task image")
@@ -453,7 +497,10 @@ class Slot:
         try:
             if self.ws.scratch:
                 await self.ws.renew_scratch()
-            proc = await self._start({}, f"slot {self.index} verifier", script="verifier.py", verifier=True)
+            if self.ws.image is not None:
+                proc = await self._start_image_verifier(self.ws.image, self.ws.root)
+            else:
+                proc = await self._start({}, f"slot {self.index} verifier", script="verifier.py", verifier=True)
             frame = await proc.request({"op": "verify", "program": req.program, "secrets": req.secrets,
                                         "args": req.args, "timeout": req.timeout_s, "workspace": workspace,
                                         **image_fields},

@@ -7,8 +7,11 @@ Standard library only; copied into the host's lib dir beside ``supervisor.py`` (
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
+from collections.abc import Callable
+from typing import Any
 
 # Warm interpreters: a `bash` (and, once the slot has used `python`, a `python3`) that has already
 # paid for its start (exec, dynamic loading, start-up), waiting for its command: the next default
@@ -148,7 +151,16 @@ def executable(name: str, env: dict[str, str]) -> str:
     raise FileNotFoundError(2, f"{name}: not found in PATH", name)
 
 
-def spawn(argv: list[str], env: dict[str, str], cwd: str) -> Child:
+def cpu_limit(seconds: Any) -> Callable[[], None] | None:
+    """What a child runs before its exec to set its own RLIMIT_CPU (the slot's seccomp filter lets
+    no process change another's limits); None without a limit, so the spawn stays a vfork."""
+    if not seconds:
+        return None
+    limit = (int(seconds), int(seconds) + 1)
+    return lambda: resource.setrlimit(resource.RLIMIT_CPU, limit)
+
+
+def spawn(argv: list[str], env: dict[str, str], cwd: str, cpu: int | None = None) -> Child:
     """Start ``argv`` in its own session in ``cwd`` with stdin from /dev/null (read-only, as a call's
     own process gets it) and stdout/stderr into fresh non-blocking pipes. The child inherits this
     process's inheritable descriptors at their numbers; every other descriptor here is close-on-exec
@@ -165,7 +177,7 @@ def spawn(argv: list[str], env: dict[str, str], cwd: str) -> Child:
     null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     try:
         popen = subprocess.Popen(argv, executable=path, stdin=null, stdout=out_w, stderr=err_w, cwd=cwd, env=env,
-                                 close_fds=False, start_new_session=True)
+                                 close_fds=False, start_new_session=True, preexec_fn=cpu_limit(cpu))
     except BaseException:
         os.close(out_r)
         os.close(err_r)
@@ -184,13 +196,13 @@ class WarmInterpreter:
     env, no stdin), fed its source through a memfd. Its pidfd is opened at the start too: the call
     it serves pays for nothing but the go."""
 
-    def __init__(self, kind: str, cwd: str, env: dict[str, str]) -> None:
+    def __init__(self, kind: str, cwd: str, env: dict[str, str], cpu: int | None = None) -> None:
         # Both inheritable only until the spawn below (this process starts nothing else meanwhile).
         self.src_fd = os.memfd_create("source", 0)
         go_r, self.go_w = os.pipe2(os.O_CLOEXEC)
         os.set_inheritable(go_r, True)
         try:
-            self.proc = spawn([kind, "-c", WARM_KINDS[kind](go_r, self.src_fd, env)], env, cwd)
+            self.proc = spawn([kind, "-c", WARM_KINDS[kind](go_r, self.src_fd, env)], env, cwd, cpu)
         except BaseException:
             os.close(self.src_fd)
             os.close(self.go_w)
@@ -200,6 +212,7 @@ class WarmInterpreter:
         os.set_inheritable(self.src_fd, False)
         self.kind = kind
         self.cwd = cwd
+        self.cpu = cpu or None  # the RLIMIT_CPU it set itself before its exec
         try:
             self.pidfd = os.pidfd_open(self.proc.pid)
         except BaseException:

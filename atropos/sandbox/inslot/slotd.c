@@ -272,8 +272,10 @@ typedef struct {
 
 /* Start argv in its own session in `cwd` (NULL: in ours and our directory, as subprocess.run), stdin from `stdin_fd`, stdout and stderr into fresh
    non-blocking pipes; `keep` (up to two descriptors, -1 for none) are inherited at their numbers,
-   nothing else is (every descriptor of ours is close-on-exec). 0 on success, else an errno. */
-static int spawn(char **argv, char **env, const char *cwd, int stdin_fd, const int keep[2], child_t *ch) {
+   nothing else is (every descriptor of ours is close-on-exec); `cpu` > 0: its RLIMIT_CPU, set by the
+   child itself before its exec (the slot's seccomp filter lets no process change another's limits).
+   0 on success, else an errno. */
+static int spawn(char **argv, char **env, const char *cwd, int stdin_fd, const int keep[2], long cpu, child_t *ch) {
     int out[2], err[2], errp[2];
     if (pipe2(out, O_CLOEXEC)) return errno;
     if (pipe2(err, O_CLOEXEC)) { int e = errno; close(out[0]); close(out[1]); return e; }
@@ -286,6 +288,10 @@ static int spawn(char **argv, char **env, const char *cwd, int stdin_fd, const i
     if (pid == 0) {
         int e;
         if (cwd && (setsid() < 0 || chdir(cwd) < 0)) goto fail;
+        if (cpu > 0) {
+            struct rlimit rl = {(rlim_t)cpu, (rlim_t)cpu + 1};
+            if (setrlimit(RLIMIT_CPU, &rl)) goto fail;
+        }
         if (dup2(stdin_fd, 0) < 0 || dup2(out[1], 1) < 0 || dup2(err[1], 2) < 0) goto fail;
         for (int i = 0; i < 2; i++)
             if (keep[i] >= 0 && fcntl(keep[i], F_SETFD, 0) < 0) goto fail;
@@ -352,6 +358,7 @@ typedef struct {
     char *kind;   /* "/bin/bash" or "python3": argv[0] of the calls it serves */
     char *boot;   /* its boot script, "{go}" and "{src}" standing for the descriptors */
     int live;
+    long cpu; /* the RLIMIT_CPU it set itself before its exec (0: none) */
     child_t proc;
     int src_fd, go_w, pidfd;
 } warm_t;
@@ -359,6 +366,9 @@ typedef struct {
 static warm_t warm[MAX_WARM];
 static int n_warm;
 static const char *last_kind = "/bin/bash";
+/* the CPU limit the last call asked for: what the next waiting interpreters set themselves (a
+   process's limits are its own to change: the slot's seccomp filter refuses prlimit on another) */
+static long warm_cpu = 0;
 static long mark = -1;               /* see supervisor.py: Supervisor.mark */
 
 static char *boot_script(const char *tmpl, int go, int src) {
@@ -408,11 +418,12 @@ static int warm_start(warm_t *w) {
     char *argv[] = {w->kind, "-c", script, NULL};
     int devnull = open("/dev/null", O_RDONLY | O_CLOEXEC);
     int keep[2] = {go[0], src};
-    int e = devnull < 0 ? errno : spawn(argv, base_env, root_dir, devnull, keep, &w->proc);
+    int e = devnull < 0 ? errno : spawn(argv, base_env, root_dir, devnull, keep, warm_cpu, &w->proc);
     if (devnull >= 0) close(devnull);
     free(script);
     close(go[0]);
     if (e) { close(src); close(go[1]); return e; }
+    w->cpu = warm_cpu;
     w->src_fd = src;
     w->go_w = go[1];
     w->pidfd = pidfd_open(w->proc.pid);
@@ -443,7 +454,7 @@ static void idle(void) {
         warm_t *w = &warm[i];
         if (strcmp(w->kind, "/bin/bash") && strcmp(w->kind, last_kind)) continue;
         if (w->live) {
-            if (child_alive(&w->proc)) continue;
+            if (child_alive(&w->proc) && w->cpu == warm_cpu) continue;
             warm_drop(w);
         }
         if (!untouched()) clean_slate();
@@ -503,10 +514,13 @@ static void do_exec(fields_t *f, long seq) {
     for (int i = 0; i < n_warm; i++)
         if (!strcmp(argv[0], warm[i].kind)) {
             last_kind = warm[i].kind;
+            /* a CPU limit is set by the process itself before its exec: a waiting one has its own */
             if (argc == 3 && !strcmp(argv[1], "-c") && warm[i].live && stdin_len == 0 && n_env == 0 &&
+                warm[i].cpu == (cpu > 0 ? cpu : 0) &&
                 child_alive(&warm[i].proc))
                 w = &warm[i];
         }
+    warm_cpu = cpu > 0 ? cpu : 0;
     capture_t out, err;
     cap_init(&out, cap);
     cap_init(&err, cap);
@@ -520,10 +534,6 @@ static void do_exec(fields_t *f, long seq) {
         pidfd = w->pidfd;
         w->pidfd = -1;
         call_mark = any_warm() ? -1 : mark; /* no other waiting interpreter: the mark may hold */
-        if (cpu) {
-            struct rlimit rl = {(rlim_t)cpu, (rlim_t)cpu + 1};
-            prlimit(proc.pid, RLIMIT_CPU, &rl, NULL);
-        }
         start = now();
         /* the source (plus bash's terminating NUL) into the memfd, then go */
         size_t n = strlen(argv[2]) + (!strcmp(w->kind, "/bin/bash") ? 1 : 0);
@@ -566,15 +576,11 @@ static void do_exec(fields_t *f, long seq) {
         }
         int keep[2] = {-1, -1};
         start = now();
-        int e = in < 0 ? errno : spawn(argv, env, root_dir, in, keep, &proc);
+        int e = in < 0 ? errno : spawn(argv, env, root_dir, in, keep, cpu, &proc);
         if (in >= 0) close(in);
         if (e) {
             reply_exec(seq, 127, 0, 0, &out, &err, 0.0, e);
             return;  /* (leaks a request's strings: a failed start is rare, the heap is per sandbox) */
-        }
-        if (cpu) {
-            struct rlimit rl = {(rlim_t)cpu, (rlim_t)cpu + 1};
-            prlimit(proc.pid, RLIMIT_CPU, &rl, NULL);
         }
         pidfd = pidfd_open(proc.pid);
     }
@@ -658,7 +664,7 @@ static int tmux_run(const char *sock, const char **args, int *rc, buf_t *err_out
     int null = open("/dev/null", O_RDONLY | O_CLOEXEC);
     int keep[2] = {-1, -1};
     child_t ch;
-    int e = null < 0 ? errno : spawn(argv, base_env, NULL, null, keep, &ch);
+    int e = null < 0 ? errno : spawn(argv, base_env, NULL, null, keep, 0, &ch);
     if (null >= 0) close(null);
     free(argv);
     if (e) return e;

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import select
 import signal
 import subprocess
@@ -52,7 +51,7 @@ if TYPE_CHECKING:
     )
     from atropos.sandbox.inslot.inslot_files import SlotFiles, ToolFailure
     from atropos.sandbox.inslot.inslot_terminal import run_terminal
-    from atropos.sandbox.inslot.inslot_warm import BASH, WARM_KINDS, Child, WarmInterpreter
+    from atropos.sandbox.inslot.inslot_warm import BASH, WARM_KINDS, Child, WarmInterpreter, cpu_limit
 else:  # run from the host's lib dir, beside inslot.py (isolated mode: the dir is not on sys.path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from inslot_common import (
@@ -66,7 +65,7 @@ else:  # run from the host's lib dir, beside inslot.py (isolated mode: the dir i
         serve,
     )
     from inslot_files import SlotFiles, ToolFailure
-    from inslot_warm import BASH, WARM_KINDS, Child, WarmInterpreter
+    from inslot_warm import BASH, WARM_KINDS, Child, WarmInterpreter, cpu_limit
     del sys.path[0]
 
 
@@ -89,6 +88,7 @@ class Supervisor:
         self.workspace = cfg.get("workspace", "/workspace")
         self.run_dir = cfg.get("run_dir", "/run/term")
         self.env = dict(cfg.get("env", {}))
+        self.warm_cpu: int | None = None  # the CPU limit the last call asked for (see run)
         self.isolated = bool(cfg.get("isolated", True))
         cwd = cfg.get("cwd")  # an image's WorkingDir (the workspace is then "/")
         if cwd is not None and not os.path.isdir(cwd):
@@ -154,13 +154,13 @@ class Supervisor:
         cwd = self.root_dir if where == "." and self.root_dir is not None else self.files._resolve_dir(where)
         self.guard()  # again, right before a waiting interpreter is handed the call
         warm = self._take_warm(argv, req, cwd)
+        self.warm_cpu = req.get("cpu_seconds") or None  # what the next waiting interpreters set themselves
         # While the mark holds after the call, nothing was created in the sandbox during it (see below).
         mark = self.mark if warm is not None and not self.warm else None
         if warm is not None:
             proc: Child | _PopenChild = warm.proc
             pidfd = warm.pidfd
             warm.pidfd = -1  # ours to close now
-            _limit_cpu(proc.pid, req.get("cpu_seconds"))  # before the source starts
             start = time.monotonic()
             warm.go(argv[2])
         else:
@@ -174,7 +174,6 @@ class Supervisor:
                         "stderr": f"cannot start {argv[0]}: {exc.strerror}\n", "stdout_bytes": 0,
                         "stderr_bytes": 0, "stdout_truncated": False, "stderr_truncated": False,
                         "duration_ms": 0.0, "output_limited": False}
-            _limit_cpu(proc.pid, req.get("cpu_seconds"))
             pidfd = os.pidfd_open(proc.pid)
         out, err = Capture(cap), Capture(cap)
         streams = {proc.out_fd: out, proc.err_fd: err}
@@ -254,7 +253,7 @@ class Supervisor:
         try:
             return subprocess.Popen(
                 argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env,
-                close_fds=True, start_new_session=True,
+                close_fds=True, start_new_session=True, preexec_fn=cpu_limit(req.get("cpu_seconds")),
             )
         finally:
             os.close(stdin_fd)
@@ -265,8 +264,9 @@ class Supervisor:
             return None
         self.last_kind = argv[0]
         warm = self.warm.get(argv[0])
+        # a CPU limit is set by the process itself before its exec (cpu_limit): a waiting one has its own
         if (len(argv) != 3 or argv[1] != "-c" or warm is None or req.get("stdin") or req.get("env") or cwd != warm.cwd
-                or not warm.alive()):
+                or warm.cpu != (req.get("cpu_seconds") or None) or not warm.alive()):
             return None
         try:
             os.fsencode(argv[2])
@@ -285,7 +285,7 @@ class Supervisor:
         for kind in sorted({BASH, self.last_kind}):
             warm = self.warm.get(kind)
             if warm is not None:
-                if warm.alive():
+                if warm.alive() and warm.cpu == self.warm_cpu:
                     continue
                 del self.warm[kind]
                 warm.drop()
@@ -295,7 +295,7 @@ class Supervisor:
                 if self.isolated and not self.untouched():
                     self.clean_slate()
                 before = self.mark
-                started = WarmInterpreter(kind, self.root_dir, self.env)
+                started = WarmInterpreter(kind, self.root_dir, self.env, self.warm_cpu)
                 self.warm[kind] = started
                 if self.isolated:
                     if before is None or started.proc.pid != before + 1:
@@ -388,12 +388,6 @@ class _PopenChild:
 SEALED_REFUSED = frozenset({"exec", "terminal", "write_file", "edit_file"})
 
 
-def _limit_cpu(pid: int, seconds: Any) -> None:
-    if seconds:
-        try:
-            resource.prlimit(pid, resource.RLIMIT_CPU, (int(seconds), int(seconds) + 1))
-        except OSError:
-            pass
 
 
 def main() -> None:

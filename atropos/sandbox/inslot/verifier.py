@@ -14,6 +14,13 @@ in the workspace or in ``/tmp`` decides the score). The program's own stdout/std
 capture pipe whose tail comes back as ``log`` (a child it starts may write there too: it is for
 reading, never for scoring).
 
+On a slot whose root is a task image the runner's own root is made of host files and the slot's
+root is the directory ``cfg["root"]`` of it (atropos/sandbox/host/isolation/verification.py): the
+runner never loads, reads configuration from or executes anything of the root it checks. Every
+child the program starts with ``subprocess`` runs *in* that root instead (``confine_children``): it
+is chrooted there, its working directory taken inside it, its capabilities dropped before its exec,
+and it gets the image's ``Env`` unless the program gives it an environment of its own.
+
 Standard library only, like the supervisor: copied into the host's lib dir and run with the
 sandbox's ``python3 -I -S``.
 """
@@ -91,6 +98,68 @@ def read_workspace(workspace: str, path: str, limit: int = 64 << 20) -> bytes:
         os.close(fd)
 
 
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+
+
+def in_root(root: str, path: str) -> str:
+    """``path`` (the runner's, under ``root``, or already the root's own) as the root's own path."""
+    path = os.path.normpath(os.path.join(os.getcwd(), path))
+    if path == root:
+        return "/"
+    if path.startswith(root.rstrip("/") + "/"):
+        return path[len(root.rstrip("/")):]
+    return path
+
+
+def confine_children(root: str, child_env: dict[str, str]) -> None:
+    """Every ``subprocess`` child of the runner runs with ``root`` as its ``/``: chrooted (the
+    runner's CAP_SYS_CHROOT, in its sandbox's user namespace), its working directory the one asked
+    for (a path of the runner's under ``root``, or of the root itself; the runner's own when none)
+    resolved inside the root, every capability dropped before its exec (no_new_privs, set by
+    bubblewrap, keeps uid 0 from regaining them there), and ``child_env`` as its environment unless
+    the program gives one. The runner never executes anything of ``root`` itself."""
+    import inspect
+    import subprocess
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    capset = libc.capset
+    header, data = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0), (_CapData * 2)()  # made before any fork
+    original = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+    signature = inspect.signature(original)
+
+    def execute_child(self: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(self, *args, **kwargs)
+        given = bound.arguments
+        where = in_root(root, given.get("cwd") or os.getcwd())
+        where_b = os.fsencode(where)
+        root_b = os.fsencode(root)
+        then = given.get("preexec_fn")
+
+        def enter() -> None:
+            os.chroot(root_b)
+            os.chdir(where_b)
+            if capset(ctypes.byref(header), data) != 0:
+                raise OSError(ctypes.get_errno(), "capset")
+            if then is not None:
+                then()
+
+        given["cwd"] = None
+        given["preexec_fn"] = enter
+        if given.get("env") is None:
+            given["env"] = dict(child_env)
+        return original(*bound.args, **bound.kwargs)
+
+    subprocess.Popen._execute_child = execute_child  # type: ignore[attr-defined]
+
+
 class VerifierTimeout(BaseException):
     """Raised in the program at its deadline (a BaseException: ``except Exception`` lets it through)."""
 
@@ -123,13 +192,14 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, allow_nan=False))
 
 
-def restore_from_image(pristine: str, paths: list[str]) -> list[str]:
+def restore_from_image(pristine: str, paths: list[str], root: str = "/") -> list[str]:
     """Put every absolute path of ``paths`` back exactly as the image has it (``pristine`` is the
     image's read-only view): whatever the agent made of it (an edit, a deletion, a symlink or a
     file in its place, new files inside a restored directory) is removed first, and a path the image
     does not have is removed. The parents on the way become what the image has there too (a
     directory the agent swapped for a symlink would otherwise carry the restored files elsewhere).
-    Runs inside the verifier's sandbox, so a symlink can only lead to the slot's own files.
+    ``root`` is where the runner sees the slot's ``/`` (``paths`` are the slot's own). Runs inside
+    the verifier's sandbox and never follows a link of the slot's.
 
     What is already as the image has it (same type, mode, owner, size and bytes; same link target)
     is left in place: cheaper than a copy, and the image's files of a uid the slot does not map
@@ -139,10 +209,11 @@ def restore_from_image(pristine: str, paths: list[str]) -> list[str]:
         norm = os.path.normpath(str(path))
         if not norm.startswith("/") or norm == "/" or norm.startswith("//") or "\0" in norm:
             raise ValueError(f"restore: not an absolute path below /: {path!r}")
-        if norm == pristine or norm.startswith(pristine + "/"):
+        mine = os.path.join(root, norm.lstrip("/"))
+        if mine == pristine or mine.startswith(pristine + "/"):
             raise ValueError(f"restore: {path!r} is the image's own view")
         parts = norm.strip("/").split("/")
-        here = "/"
+        here = root
         for i, part in enumerate(parts):
             target, source = os.path.join(here, part), os.path.join(pristine, *parts[: i + 1])
             last = i == len(parts) - 1
@@ -232,7 +303,7 @@ def run_program(req: dict[str, Any]) -> dict[str, Any]:
         if not pristine:
             return {"error": {"code": "bad_program", "message": "restore needs a slot whose root is an image"}}
         try:
-            restore_from_image(str(pristine), restore)
+            restore_from_image(str(pristine), restore, str(req.get("root") or "/"))
         except (OSError, ValueError) as exc:
             return {"error": {"code": "restore_failed", "message": f"{type(exc).__name__}: {exc}"}}
     if req.get("cwd"):  # an image's WorkingDir: where its tests expect to run
@@ -242,7 +313,7 @@ def run_program(req: dict[str, Any]) -> dict[str, Any]:
             pass
     workspace = str(req.get("workspace", "/workspace"))
     namespace: dict[str, Any] = {
-        "__name__": "__verifier__", "__builtins__": __builtins__,
+        "__name__": "__verifier__", "__builtins__": __builtins__, "ROOT": str(req.get("root") or "/"),
         "read_workspace": lambda path, limit=64 << 20: read_workspace(workspace, path, limit),
         "open_in_workspace": lambda path: open_in_workspace(workspace, path),
     }
@@ -287,6 +358,9 @@ def main() -> None:
     apply_limits(cfg.get("limits", {}))
     os.environ.clear()
     os.environ.update({str(k): str(v) for k, v in cfg.get("env", {}).items()})
+    root = cfg.get("root")
+    if root:  # an image slot's: the runner's own root is the host's, the programs it checks run in ``root``
+        confine_children(str(root), {str(k): str(v) for k, v in cfg.get("child_env", {}).items()})
     log, _drain = _capture_stdio()
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     done = False
@@ -296,7 +370,7 @@ def main() -> None:
         if done or req.get("op") != "verify":
             return {"ok": False, "error": {"code": "invalid_request", "message": "one verify request per sandbox"}}
         done = True
-        outcome = run_program(req)
+        outcome = run_program({**req, "root": root})
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()

@@ -28,7 +28,13 @@ import tempfile
 
 from atropos.errors import SeccompUnavailable as SeccompUnavailable  # defined there since issue 18
 
-__all__ = ["SeccompUnavailable", "build_filter_bytes", "write_filter"]
+__all__ = ["SeccompUnavailable", "build_filter_bytes", "verifier_filter_path", "write_filter"]
+
+# The verification runner's filter (atropos/sandbox/host/isolation/verification.py): the same, but
+# chroot(2) allowed. The runner alone holds CAP_SYS_CHROOT (in its own user namespace) to start the
+# programs it checks inside the slot's root; they drop it before they exec, so for them the call
+# fails as everywhere else (EPERM).
+VERIFIER_FILTER = "seccomp-verifier.bpf"
 
 
 def _act_errno(code: int) -> int:
@@ -41,6 +47,7 @@ _ENOSYS = _act_errno(errno.ENOSYS)
 _EAFNOSUPPORT = _act_errno(errno.EAFNOSUPPORT)
 
 # enum scmp_compare in <seccomp.h>; the numbering starts at 1 (0 is the _SCMP_CMP_MIN sentinel).
+_SCMP_CMP_NE = 1
 _SCMP_CMP_EQ = 4
 _SCMP_CMP_MASKED_EQ = 7
 
@@ -168,9 +175,10 @@ def _add_rule(lib: ctypes.CDLL, ctx: int, action: int, name: str, *cmps: _ArgCmp
         raise SeccompUnavailable(f"libseccomp rejected the rule for {name}: {os.strerror(-rc)}")
 
 
-def _populate(lib: ctypes.CDLL, ctx: int) -> None:
+def _populate(lib: ctypes.CDLL, ctx: int, allow_chroot: bool) -> None:
     for name in _EPERM_SYSCALLS:
-        _add_rule(lib, ctx, _EPERM, name)
+        if not (allow_chroot and name == "chroot"):
+            _add_rule(lib, ctx, _EPERM, name)
 
     clone_flags_arg = 1 if lib.seccomp_arch_native() in (_SCMP_ARCH_S390, _SCMP_ARCH_S390X) else 0
     # Several rules on one syscall are OR-ed by libseccomp, so one per flag means "any of them".
@@ -184,12 +192,19 @@ def _populate(lib: ctypes.CDLL, ctx: int) -> None:
     for request in (_TIOCSTI, _TIOCLINUX):
         _add_rule(lib, ctx, _EPERM, "ioctl", _masked_eq(1, _LOW32, request))
 
+    # Changing the resource limits of another process (prlimit64 with a pid and a new limit): a
+    # call could lower its own supervisor's, and every later call would fail as if the host had.
+    # glibc's setrlimit (bash's ulimit, Python's resource.setrlimit) passes pid 0, and reading any
+    # process's limits (no new limit) stays allowed. Compared on all 64 bits: a pid with only upper
+    # bits set (the kernel reads 0) is refused too, never let through.
+    _add_rule(lib, ctx, _EPERM, "prlimit64", _ArgCmp(0, _SCMP_CMP_NE, 0, 0), _ArgCmp(2, _SCMP_CMP_NE, 0, 0))
+
     # EAFNOSUPPORT is what a kernel without vsock says, so programs take their "no vsock" path.
     _add_rule(lib, ctx, _EAFNOSUPPORT, "socket", _masked_eq(0, _LOW32, _AF_VSOCK))
 
 
-@functools.lru_cache(maxsize=1)
-def build_filter_bytes() -> bytes:
+@functools.lru_cache(maxsize=2)
+def build_filter_bytes(allow_chroot: bool = False) -> bytes:
     """Return the filter as a classic-BPF program (``struct sock_filter[]``) for the native arch.
 
     Syscalls made under any other architecture (i386 ``int 0x80``, x32) hit libseccomp's default
@@ -200,7 +215,7 @@ def build_filter_bytes() -> bytes:
     if not ctx:
         raise SeccompUnavailable("seccomp_init failed; libseccomp does not support this architecture")
     try:
-        _populate(lib, ctx)
+        _populate(lib, ctx, allow_chroot)
         # An unnamed temporary file rather than a pipe: export writes the whole program before
         # returning, and a pipe would deadlock if it ever outgrew the pipe buffer.
         with tempfile.TemporaryFile() as out:
@@ -217,7 +232,12 @@ def build_filter_bytes() -> bytes:
     return program
 
 
-def write_filter(path: pathlib.Path) -> pathlib.Path:
+def verifier_filter_path(path: str | pathlib.Path) -> pathlib.Path:
+    """Where the host writes the verification runner's filter, beside the slots' filter ``path``."""
+    return pathlib.Path(path).with_name(VERIFIER_FILTER)
+
+
+def write_filter(path: pathlib.Path, allow_chroot: bool = False) -> pathlib.Path:
     """Write the filter to ``path`` atomically, world-readable, and return ``path``.
 
     Sandboxes may be starting concurrently and open the file at any moment; rename guarantees
@@ -225,7 +245,7 @@ def write_filter(path: pathlib.Path) -> pathlib.Path:
     bwrap would reject (or, worse, accept as a shorter filter).
     """
     path = pathlib.Path(path)
-    program = build_filter_bytes()
+    program = build_filter_bytes(allow_chroot)
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as tmp:

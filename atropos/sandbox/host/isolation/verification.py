@@ -6,14 +6,34 @@ socket and log) is not there at all, the runner is the sandbox's PID 1, and ``HO
 working directory are the private ``/tmp``, so start-up files the agent left in the workspace
 (``.bashrc``, ``.local/lib/python3*/site-packages/*.pth``, ``.profile``) are not where any program
 looks for them. No network. See docs/verification.md for the whole phase.
+
+On a slot whose ``/`` is a task image the agent could write every file of that root (uid 0 in it),
+so the runner does not run inside it (``image_verifier_bwrap``): its own root is made of host files
+only, as a default slot's is, and the slot's root is a directory of it (``CHECKED_ROOT``), where the
+programs the verifier starts run with it as their ``/`` (``verifier.py`` chroots them).
 """
 
 from __future__ import annotations
 
-from atropos.sandbox.host.isolation.bwrap import RUN_DIR, SANDBOX_ENV, WORKSPACE, SandboxPaths
+from pathlib import Path
+
+from atropos.sandbox.host.config import Limits
+from atropos.sandbox.host.isolation.bwrap import (
+    IMAGE_RUN_DIR,
+    LIB_DIR,
+    NAMESPACES,
+    RUN_DIR,
+    SANDBOX_ENV,
+    WORKSPACE,
+    SandboxPaths,
+    bwrap_argv,
+)
 
 VERIFIER_HOME = "/tmp"
 VERIFIER_ENV = {k: v for k, v in SANDBOX_ENV.items() if k != "PS1"} | {"HOME": VERIFIER_HOME}
+# Where the runner of an image slot sees the root it checks (the slot's; a fresh one is a root like it).
+CHECKED_ROOT = "/run/checked"
+RUNNER_TMP_BYTES = 64 << 20  # the runner's own /tmp: only the verifier program writes there
 
 
 def _find(argv: list[str], *items: str) -> int:
@@ -41,3 +61,44 @@ def verifier_bwrap(argv: list[str], paths: SandboxPaths) -> list[str]:
     # so the code it checks cannot kill it either.
     out.insert(_find(out, "--unshare-all"), "--as-pid-1")
     return out
+
+
+def image_verifier_bwrap(bwrap: str, root: Path, paths: SandboxPaths, limits: Limits, *,
+                         uid: tuple[int, int]) -> list[str]:
+    """The verification sandbox of a slot whose root is ``root`` (a task image's, mounted with its
+    mount points by the mount helper): the runner itself starts from host files only (the host's
+    ``/usr`` and loader configuration, the lib dir, the host-made ``/etc`` files a default slot has:
+    ``bwrap_argv``'s system), with ``bwrap --clearenv`` and ``VERIFIER_ENV``, and nothing of
+    ``root`` on its way (the loader never reads the root's ``/etc/ld.so.preload``, the image's
+    ``Env`` never reaches it). ``root`` is at ``CHECKED_ROOT`` with its own ``/proc``, ``/dev``
+    and the slot's capped ``/tmp`` and ``/dev/shm``, the run dir hidden, and the runner keeps
+    ``CAP_SYS_CHROOT`` (in the sandbox's user namespace only) to start the programs it checks
+    there: they drop every capability before their exec (``verifier.py``). Same namespaces, no
+    network, PID 1 (``verifier_bwrap`` for why); ``uid`` is the image's user, as in the slot."""
+    base = bwrap_argv(bwrap, paths, limits, network=False, seccomp_fd=-1)
+    system = base[base.index("--ro-bind", 1) : _find(base, "--bind", str(paths.workspace), WORKSPACE)]
+    checked = CHECKED_ROOT
+    argv = [
+        bwrap, "--as-pid-1", *NAMESPACES, "--cap-add", "CAP_SYS_CHROOT",
+        *system,
+        "--ro-bind", str(paths.lib_dir), LIB_DIR,
+        "--proc", "/proc", "--dev", "/dev",
+        "--size", str(RUNNER_TMP_BYTES), "--perms", "1777", "--tmpfs", VERIFIER_HOME,
+        "--bind", str(root), checked,
+        "--proc", f"{checked}/proc", "--dev", f"{checked}/dev",
+        *(["--bind", str(paths.shm), f"{checked}/dev/shm"] if paths.shm is not None else
+          ["--size", str(limits.shm_bytes), "--perms", "1777", "--tmpfs", f"{checked}/dev/shm"]),
+        *(["--bind", str(paths.tmp), f"{checked}/tmp"] if paths.tmp is not None else
+          ["--size", str(limits.tmp_bytes), "--perms", "1777", "--tmpfs", f"{checked}/tmp"]),
+        "--size", "4096", "--tmpfs", f"{checked}{IMAGE_RUN_DIR}",  # the terminal's socket and log: not here
+        "--chdir", VERIFIER_HOME,
+        "--clearenv",
+        "--uid", str(uid[0]), "--gid", str(uid[1]), "--hostname", "sandbox",
+        "--seccomp", "{seccomp_fd}",
+        "--remount-ro", "/proc", "--remount-ro", "/dev", "--remount-ro", f"{checked}/proc",
+        "--remount-ro", f"{checked}/dev", "--remount-ro", "/",
+    ]
+    for key, value in VERIFIER_ENV.items():
+        argv += ["--setenv", key, value]
+    argv.append("--")
+    return argv
