@@ -548,7 +548,8 @@ async def test_restore_of_whole_system_dirs_keeps_what_is_untouched(image_host: 
                       "chmod 755 /usr/bin/pytest; rm /usr/bin/yes")
         program = ("import os, hashlib\ndef verify(ws, secrets, args):\n"
                    "    return {'score': 1.0, 'motd': open(ROOT + '/etc/motd').read()[:40], "
-                   "'pytest': os.path.exists(ROOT + '/usr/bin/pytest'), 'yes': os.path.exists(ROOT + '/usr/bin/yes')}\n")
+                   "'pytest': os.path.exists(ROOT + '/usr/bin/pytest'), "
+                   "'yes': os.path.exists(ROOT + '/usr/bin/yes')}\n")
         result = await slot.client.verify(slot.lease.slot, VerifyRequest(
             lease=slot.lease.lease, program=program, restore=["/etc", "/usr/bin"]))
         assert result.ok, result.error

@@ -60,6 +60,8 @@ from atropos.sandbox.host.workspace.trees import copy_tree
 from atropos.sandbox.host.workspace.workspaces import Workspaces
 from atropos.sandbox.inslot.inslot_warm import WARM_KINDS
 
+# The environment of the helpers of an image slot (their own process, not what they start).
+HELPER_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
 CHOOM = "/usr/bin/choom"  # util-linux: on every Debian/Ubuntu
 TMUX = "/usr/bin/tmux"
 SETPRIV = "/usr/bin/setpriv"  # util-linux too
@@ -263,9 +265,14 @@ class Slot:
         if self.ws.scratch:
             tmp, shm = self.ws.scratch_dirs()
             paths = dataclasses.replace(paths, tmp=tmp, shm=shm)
+        # The image's Env is for the programs the helpers start (sup_cfg["env"]), as docker run gives
+        # it; the helpers themselves (the host's interpreter, slotd, tmux's starter) start with a clean
+        # one: no LD_PRELOAD, LD_AUDIT, GCONV_PATH, LOCPATH or PYTHON* of the image reaches them. The
+        # python_session driver is the image's own python3 running the agent's code: it gets the Env.
         argv = image_bwrap_argv(self.cfg.bwrap, self.ws.root, paths, self.cfg.limits,
                                 network=self.network and not verifier, seccomp_fd=-1, private_net=self.private_net,
-                                env=env, uid=image.user_ids(), verifier=verifier)
+                                env=env if script == "session.py" else HELPER_ENV, uid=image.user_ids(),
+                                verifier=verifier)
         argv[argv.index("-1")] = "{seccomp_fd}"
         if script == "session.py":  # the image's interpreter: the host's bytecode is not for it
             return [*argv, "python3", "-I", "-S", f"{IMAGE_LIB_DIR}/{script}", json.dumps(sup_cfg)], None
