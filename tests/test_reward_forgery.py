@@ -1024,3 +1024,59 @@ async def test_the_honest_answer_scores_one_on_an_image_root(pool: SlotPool, tas
         await lease.bash("echo right-answer > answer.txt; echo from-the-root > /etc/task-marker")
         result = await lease.verify(IMAGE_CHECKER, secrets={"expected": "right-answer"}, timeout_s=60)
         assert result.ok and result.score == 1.0, result
+
+
+# -- the REST route verifies as Lease.verify does -------------------------------------------------
+REST_TESTS_CHECKER = r'''
+import subprocess
+
+
+def verify(workspace, secrets, args):
+    run = subprocess.run(["/opt/conda/envs/testbed/bin/python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "tests"], cwd="/testbed", capture_output=True, text=True)
+    return {"score": 1.0 if run.returncode == 0 else 0.0, "tail": run.stdout[-300:]}
+'''
+
+
+@pytest.mark.docker
+async def test_the_rest_route_restores_and_refuses_what_it_does_not_know(pool: SlotPool, task_image: Any) -> None:
+    """REST rows: the agent makes the failing test pass by editing it; the REST verify's ``restore``
+    (silently dropped before: the edited test scored 1) puts it back, and a misspelt field
+    (``restroe``) is refused with 422 instead of verifying without it."""
+    import socket
+
+    import httpx
+    import uvicorn
+
+    from atropos.api.server import ToolServerSettings, create_tool_server
+
+    app = create_tool_server(pool, ToolServerSettings(token="t0ken-rest-rows"), manage_pool=False)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    task = asyncio.create_task(srv.serve(sockets=[sock]))
+    try:
+        while not srv.started:
+            await asyncio.sleep(0.05)
+            if task.done():
+                task.result()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=180,
+                                     headers={"Authorization": "Bearer t0ken-rest-rows"}) as http:
+            leased = await http.post("/v1/slots", json={"trajectory_id": "rest-rows", "image": task_image("pyenv")})
+            lease_id = leased.json()["lease_id"]
+            edit = await http.post(f"/v1/slots/{lease_id}/call", json={"tool": "bash", "args": {
+                "command": "sed -i 's/assert sub(5, 3) == 2/assert True/' tests/test_calc.py && echo edited"}})
+            assert edit.json()["content"] == "edited", edit.text
+            body = {"program": REST_TESTS_CHECKER, "timeout_s": 120}
+            misspelt = await http.post(f"/v1/slots/{lease_id}/verify",
+                                       json={**body, "restroe": ["/testbed/tests/test_calc.py"]})
+            assert misspelt.status_code == 422 and "restroe" in misspelt.json()["error"]["message"], misspelt.text
+            verified = await http.post(f"/v1/slots/{lease_id}/verify",
+                                       json={**body, "restore": ["/testbed/tests/test_calc.py"]})
+            assert verified.status_code == 200, verified.text
+            result = verified.json()
+            assert result["ok"] and result["score"] == 0.0 and "1 failed" in result["verdict"]["tail"], result
+            assert (await http.delete(f"/v1/slots/{lease_id}")).json() == {"released": True}
+    finally:
+        srv.should_exit = True
+        await task
