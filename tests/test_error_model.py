@@ -24,6 +24,7 @@ PRIVATE = {
     "VerifierTimeout": "verifier (inside the sandbox): interrupts the program",
     "SessionTimeout": "python_session (inside the sandbox): interrupts the cell",
     "SessionLost": "slot: the host answers it with a 'restarted' result",
+    "SandboxLost": "slot: the host answers it with a sandbox_restarted error (or an exec result), the agent's outcome",
     "JobGone": "backends/nomad: the backend answers it by registering the job again",
     "AllocDied": "backends/nomad: a start answers it with HostUnavailable (or retries elsewhere)",
     "TreeMoved": "inslot_fs (also inside the sandbox, without atropos): an OSError(ESTALE) its walkers' "
