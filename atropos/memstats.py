@@ -17,7 +17,10 @@ import ctypes
 import ctypes.util
 import gc
 import os
+import sys
+import tempfile
 import threading
+import time
 import tracemalloc
 import types
 from collections import Counter
@@ -43,6 +46,16 @@ class MallocInfo(BaseModel):
     mmapped_kb: int  # hblkhd: large blocks mmapped one by one (returned to the kernel on free)
     releasable_kb: int  # keepcost: free at the top of the main heap (trimmable without madvise)
     arenas: int | None = None  # malloc arenas (the main one and one per thread that needed its own)
+
+
+class PyMallocInfo(BaseModel):
+    """CPython's small-object allocator (objects up to 512 bytes), which takes its 1 MiB arenas from
+    mmap, outside malloc (``mallinfo2`` does not see it): an arena goes back only when all of it is free."""
+
+    arenas: int
+    arenas_highwater: int
+    allocated_kb: int  # in blocks handed out (live small objects)
+    available_kb: int  # in free blocks of its arenas' pools
 
 
 class SiteGrowth(BaseModel):
@@ -71,6 +84,7 @@ class MemoryReport(BaseModel):
     pid: int
     rss_kb: int
     malloc: MallocInfo | None = None  # None where glibc is not the allocator
+    pymalloc: PyMallocInfo | None = None  # when asked
     threads: int
     asyncio_tasks: int | None = None  # None outside a running event loop
     open_fds: int | None = None
@@ -80,6 +94,7 @@ class MemoryReport(BaseModel):
     growth: list[SiteGrowth] = Field(default_factory=list)  # the sites that grew most since the baseline
     trimmed_kb: int | None = None  # RSS given back by malloc_trim(0), when asked
     containers: list[ContainerGrowth] = Field(default_factory=list)  # grown since the container baseline
+    trims: TrimStats | None = None  # the periodic malloc_trim's (trim_periodically), if it runs
 
 
 class MemoryRequest(BaseModel):
@@ -94,6 +109,7 @@ class MemoryRequest(BaseModel):
     type_names: list[str] = Field(default_factory=list, max_length=200)
     top: int = Field(default=25, ge=0, le=500)
     trim: bool = False
+    pymalloc: bool = False  # the small-object allocator's statistics (stderr redirected ~1 ms to read them)
     # "start": note the length of every list, dict, set and deque; "diff": report those that grew by
     # at least ``min_growth`` entries since (the ``top`` largest growths)
     containers: Literal["start", "diff"] | None = None
@@ -175,10 +191,84 @@ def malloc_trim() -> int | None:
     return max(0, before - rss_kb())
 
 
+_STDERR_LOCK = threading.Lock()
+
+
+def pymalloc() -> PyMallocInfo | None:
+    """``sys._debugmallocstats()``'s totals. It prints to the C stderr, so fd 2 points at a
+    temporary file for the ~1 ms it takes (a log line written by another thread meanwhile would
+    land there: a debug route's price)."""
+    if not hasattr(sys, "_debugmallocstats"):
+        return None
+    with _STDERR_LOCK, tempfile.TemporaryFile() as fh:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            os.dup2(fh.fileno(), 2)
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        fh.seek(0)
+        text = fh.read().decode(errors="replace")
+    values: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.startswith("# ") and "=" in line:
+            key, _, value = line[2:].partition("=")
+            with contextlib.suppress(ValueError):
+                values[key.strip()] = int(value.strip().replace(",", ""))
+    try:
+        return PyMallocInfo(arenas=values["arenas allocated current"],
+                            arenas_highwater=values["arenas highwater mark"],
+                            allocated_kb=values["bytes in allocated blocks"] // 1024,
+                            available_kb=values["bytes in available blocks"] // 1024)
+    except KeyError:
+        return None
+
+
 def set_arena_max(n: int) -> bool:
     """``mallopt(M_ARENA_MAX, n)``: at most ``n`` malloc arenas from now on (the environment's
     ``MALLOC_ARENA_MAX`` does the same for a process not yet started). False without glibc."""
     return _LIBC is not None and _LIBC.mallopt(M_ARENA_MAX, n) == 1
+
+
+# The allocator settings that bound a long-running process's RSS (issue 40; measured in
+# benchmarks/README.md, "Memory over millions of trajectories"): glibc keeps freed pages, per arena,
+# until a trim; a host's threads (asyncio.to_thread for file-system work) each got an arena of
+# their own (16 on 2 cores), each keeping its own free pages.
+HOST_ARENA_MAX = 2
+TRIM_INTERVAL_S = 60.0
+
+
+async def trim_periodically(interval_s: float = TRIM_INTERVAL_S) -> None:
+    """``malloc_trim(0)`` every ``interval_s`` (~0.3-2 ms of the event loop each on a 15 MB heap):
+    the free pages glibc kept go back to the kernel, so RSS follows the live heap instead of
+    creeping with fragmentation."""
+    if _LIBC is None:
+        return
+    while True:
+        await asyncio.sleep(interval_s)
+        t0 = time.perf_counter()
+        _LIBC.malloc_trim(0)
+        TRIMS.add((time.perf_counter() - t0) * 1000)
+
+
+class TrimStats(BaseModel):
+    """The periodic trims so far: how long each held the event loop (the cost on call latency)."""
+
+    count: int = 0
+    last_ms: float = 0.0
+    max_ms: float = 0.0
+    total_ms: float = 0.0
+
+    def add(self, ms: float) -> None:
+        self.count += 1
+        self.last_ms = round(ms, 3)
+        self.max_ms = round(max(self.max_ms, ms), 3)
+        self.total_ms = round(self.total_ms + ms, 3)
+
+
+TRIMS = TrimStats()
 
 
 def count_types(names: list[str] | None = None, top: int = 25) -> tuple[int, dict[str, int]]:
@@ -336,7 +426,8 @@ def report(req: MemoryRequest | None = None) -> MemoryReport:
     if req.trace == "start":
         TRACER.start(req.frames)
     out = MemoryReport(pid=os.getpid(), rss_kb=rss_kb(), malloc=mallinfo(), threads=threading.active_count(),
-                       trimmed_kb=trimmed)
+                       trimmed_kb=trimmed, pymalloc=pymalloc() if req.pymalloc else None,
+                       trims=TRIMS.model_copy() if TRIMS.count else None)
     with contextlib.suppress(RuntimeError):
         out.asyncio_tasks = len(asyncio.all_tasks())
     with contextlib.suppress(OSError):

@@ -95,6 +95,13 @@ def descendants(root: int) -> list[int]:
     return out
 
 
+def live_kb(r: memstats.MemoryReport) -> int:
+    """A process's live heap: malloc's bytes in use (mmapped blocks too) and CPython's small
+    objects, which its own allocator keeps in mmapped arenas outside malloc."""
+    assert r.malloc is not None
+    return r.malloc.in_use_kb + r.malloc.mmapped_kb + (r.pymalloc.allocated_kb if r.pymalloc else 0)
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -135,7 +142,7 @@ class Sample:
     t_s: float
     trajectories: int
     rss_kb: dict[str, int]  # process label -> RSS
-    in_use_kb: dict[str, int] = field(default_factory=dict)  # process label -> malloc's bytes in use (mallinfo2)
+    in_use_kb: dict[str, int] = field(default_factory=dict)  # process label -> live heap (live_kb)
 
 
 @dataclass
@@ -299,11 +306,9 @@ class Soak:
         per_process, host_kb, tree_kb = await asyncio.to_thread(self._proc_memory)
         # what malloc holds in use per process: live memory, against RSS (the rest is malloc's free
         # pages and fragmentation)
-        mine = memstats.mallinfo()
-        in_use = {} if mine is None else {"pool": mine.in_use_kb + mine.mmapped_kb}
-        for label, r in (await self.host_reports(memstats.MemoryRequest())).items():
-            if r.malloc is not None:
-                in_use[label] = r.malloc.in_use_kb + r.malloc.mmapped_kb
+        req = memstats.MemoryRequest(pymalloc=True)
+        reports = {"pool": memstats.report(req), **await self.host_reports(req)}
+        in_use = {label: live_kb(r) for label, r in reports.items() if r.malloc is not None}
         self.stats.samples.append(Sample(time.monotonic() - self.t0, self.stats.trajectories, per_process, in_use))
         self.stats.peak_tree_kb = max(self.stats.peak_tree_kb, tree_kb)
         return {"self_rss_mb": vm_kb("self", "VmRSS") / 1024,
@@ -357,7 +362,8 @@ class Soak:
     async def diagnose_start(self) -> None:
         """After the warm-up: count live objects by type and start tracing, here and in every host."""
         frames = self.args.trace_frames
-        req = memstats.MemoryRequest(trace="start" if frames else None, frames=max(frames, 1), types=True, top=80)
+        req = memstats.MemoryRequest(trace="start" if frames else None, frames=max(frames, 1), types=True, top=80,
+                                     pymalloc=True)
         t0 = time.perf_counter()
         # in the event loop, not a thread: a walk of every object in a thread fights the loop for
         # the GIL (seconds, under load), and the pool is paused a moment either way
@@ -380,7 +386,7 @@ class Soak:
         runs = max(self.stats.trajectories - n0, 1)
         names = sorted({t for r in base.values() for t in r.types})
         req = memstats.MemoryRequest(trace="stop" if self.args.trace_frames else None, types=True, type_names=names,
-                                     top=30)
+                                     top=30, pymalloc=True)
         reports = {"pool": memstats.report(req), **await self.host_reports(req)}
         trims = {"pool": memstats.report(memstats.MemoryRequest(trim=True)),
                  **await self.host_reports(memstats.MemoryRequest(trim=True))}
@@ -396,6 +402,9 @@ class Soak:
                 "malloc_before": before.malloc.model_dump() if before.malloc else None,
                 "malloc_after": now.malloc.model_dump() if now.malloc else None,
                 "trim_gave_back_kb": trims[label].trimmed_kb if label in trims else None,
+                "periodic_trims": now.trims.model_dump() if now.trims else None,
+                "pymalloc_before": before.pymalloc.model_dump() if before.pymalloc else None,
+                "pymalloc_after": now.pymalloc.model_dump() if now.pymalloc else None,
                 "gc_objects": [before.gc_objects, now.gc_objects],
                 "threads": now.threads, "asyncio_tasks": now.asyncio_tasks, "open_fds": now.open_fds,
                 "types_grown": {t: d for t, d in grew},
@@ -460,7 +469,8 @@ class Soak:
                 # issue 40's figure: the slope over the last half of the run (the plateau, if any)
                 "last_half_slope_kb_per_1k_trajectories": round(
                     slope([(x.trajectories, x.rss_kb[label]) for x in last]) * 1000, 1),
-                # malloc's bytes in use over the same half: live memory; RSS minus this is free pages
+                # the live heap over the same half (malloc's bytes in use, its mmapped blocks, and the
+                # small-object allocator's blocks in use); RSS minus this is free pages and code
                 "last_half_in_use_slope_kb_per_1k_trajectories": round(
                     slope([(x.trajectories, x.in_use_kb[label]) for x in used]) * 1000, 1) if used else None,
                 "in_use_end_mb": round(samples[-1].in_use_kb[label] / 1024, 1)

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
+from atropos import memstats
 from atropos.backends.base import Backend
 from atropos.errors import AtroposSandboxError, GroupTooLarge, HostUnavailable, LeaseError, SlotUnavailable
 from atropos.sandbox.contract.protocol import ImageInfo, ResetResult
@@ -85,6 +86,10 @@ class SlotPool:
         self.fleet._request_prewarm([r for r in results if not isinstance(r, BaseException)])
         self._spawn(self.fleet._health_loop())
         self._spawn(self.fleet._scale_loop())
+        if self.cfg.malloc_trim_interval_s is not None:
+            # the pool's process is the trainer's: freed pages of its millions of leases (and of the
+            # trainer) go back to the kernel; issue 40, benchmarks/README.md
+            self._spawn(memstats.trim_periodically(self.cfg.malloc_trim_interval_s))
 
     async def stop(self) -> None:
         """Stop every host and loop; leases still held become invalid. Safe to call twice."""
