@@ -16,6 +16,17 @@ calls/s in the first and last interval. This script keeps only bounded samples i
     .venv/bin/python scripts/soak.py --duration 60
     .venv/bin/python scripts/soak.py --trajectories 1000 --concurrency 1000 --calls 10 --tools bash
         # the 1,000 x 10 load (tests/test_executor.py) with memory figures
+    .venv/bin/python scripts/soak.py --plateau --concurrency 16
+        # issue 40's run: 2 hours or 100,000 trajectories, whichever first; per process the RSS and
+        # live-heap slopes over the last half (KB per 1,000 trajectories)
+    .venv/bin/python scripts/soak.py --duration 1200 --diagnose [--trace-frames 1]
+        # what grows: after the warm-up, live objects by type, grown containers, malloc's and
+        # pymalloc's view (and tracemalloc by allocation site) in the pool and every host (their
+        # token-gated POST /v1/debug/memory), reported per 1,000 trajectories at the end
+
+Every sample also reads each process's live heap (malloc's bytes in use and mmapped blocks, and
+CPython's small-object blocks): RSS growing while the live heap is flat is the allocator keeping
+free pages, not a record left behind (benchmarks/README.md, "Memory over millions of trajectories").
 
 Exit status 0 when every invariant holds.
 """
