@@ -24,7 +24,7 @@ import time
 import tracemalloc
 import types
 from collections import Counter
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -372,21 +372,34 @@ class _Containers:
 
     def start(self) -> None:
         gc.collect()
-        self.baseline = {id(o): len(o) for o in gc.get_objects() if type(o) in _CONTAINERS}
+        self.baseline = {id(o): len(o) for o in _containers()}
 
     def diff(self, min_growth: int, top: int) -> list[ContainerGrowth]:
         gc.collect()
         grown = []
-        for o in gc.get_objects():
-            if type(o) in _CONTAINERS:
-                delta = len(o) - self.baseline.get(id(o), 0)
-                if delta >= min_growth:
-                    grown.append((delta, o))
+        for o in _containers():
+            delta = len(o) - self.baseline.get(id(o), 0)
+            if delta >= min_growth:
+                grown.append((delta, o))
         grown.sort(key=lambda pair: -pair[0])
         out = [ContainerGrowth(owner=_owner(o), type=type(o).__qualname__, length=len(o), growth=delta,
                                bound=getattr(o, "maxlen", None)) for delta, o in grown[:top]]
         del grown
         return out
+
+
+def _containers() -> list[Any]:
+    """Every list, dict, set and deque reachable from a tracked object: the collector's own list,
+    plus the dicts it does not track (a dict holding only strings and numbers, e.g. ids to counts),
+    found among what tracked objects refer to."""
+    out: dict[int, Any] = {}
+    for o in gc.get_objects():
+        if type(o) in _CONTAINERS:
+            out[id(o)] = o
+        for r in gc.get_referents(o):
+            if type(r) is dict and not gc.is_tracked(r):
+                out[id(r)] = r
+    return list(out.values())
 
 
 def _owner(container: object) -> str:
