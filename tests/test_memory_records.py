@@ -155,3 +155,15 @@ def test_the_check_sees_a_record_left_behind() -> None:
         reg.seen[f"traj-{n}"] = n
     grown = memstats.report(memstats.MemoryRequest(containers="diff", min_growth=SLACK)).containers
     assert any(c.owner.endswith("Registry.seen") and c.growth == TRAJECTORIES for c in grown), grown
+
+
+def test_the_call_rate_keeps_no_record_per_call() -> None:
+    """``status().calls_per_s`` counts calls per second: 50,000 calls leave no record each (the
+    10,000 call times it kept capped the rate it could show at 1,000/s, and filled ~320 KB)."""
+    pool = local_pool(1)
+    memstats.report(memstats.MemoryRequest(containers="start"))
+    for _ in range(50_000):
+        pool.count_call()
+    grown = memstats.report(memstats.MemoryRequest(containers="diff", min_growth=SLACK)).containers
+    assert not [c for c in grown if "SlotPool" in c.owner], grown
+    assert pool.status().calls_per_s == 5000.0  # all of them within the last 10 s
