@@ -374,7 +374,7 @@ class Soak:
         """After the warm-up: count live objects by type and start tracing, here and in every host."""
         frames = self.args.trace_frames
         req = memstats.MemoryRequest(trace="start" if frames else None, frames=max(frames, 1), types=True, top=80,
-                                     pymalloc=True)
+                                     pymalloc=True, containers="start")
         t0 = time.perf_counter()
         # in the event loop, not a thread: a walk of every object in a thread fights the loop for
         # the GIL (seconds, under load), and the pool is paused a moment either way
@@ -397,7 +397,7 @@ class Soak:
         runs = max(self.stats.trajectories - n0, 1)
         names = sorted({t for r in base.values() for t in r.types})
         req = memstats.MemoryRequest(trace="stop" if self.args.trace_frames else None, types=True, type_names=names,
-                                     top=30, pymalloc=True)
+                                     top=30, pymalloc=True, containers="diff", min_growth=100)
         reports = {"pool": memstats.report(req), **await self.host_reports(req)}
         trims = {"pool": memstats.report(memstats.MemoryRequest(trim=True)),
                  **await self.host_reports(memstats.MemoryRequest(trim=True))}
@@ -419,6 +419,8 @@ class Soak:
                 "gc_objects": [before.gc_objects, now.gc_objects],
                 "threads": now.threads, "asyncio_tasks": now.asyncio_tasks, "open_fds": now.open_fds,
                 "types_grown": {t: d for t, d in grew},
+                # lists, dicts, sets, deques grown by 100+ entries, by owner (bound: a deque's maxlen)
+                "containers_grown": [c.model_dump() for c in now.containers],
                 "traced_kb": now.traced_kb,
                 "sites_grown_kb_per_1k": [
                     {"site": g.site, "kb_per_1k": round(g.size_diff_kb * 1000 / runs, 2),
