@@ -16,6 +16,17 @@ calls/s in the first and last interval. This script keeps only bounded samples i
     .venv/bin/python scripts/soak.py --duration 60
     .venv/bin/python scripts/soak.py --trajectories 1000 --concurrency 1000 --calls 10 --tools bash
         # the 1,000 x 10 load (tests/test_executor.py) with memory figures
+    .venv/bin/python scripts/soak.py --plateau --concurrency 16
+        # issue 40's run: 2 hours or 100,000 trajectories, whichever first; per process the RSS and
+        # live-heap slopes over the last half (KB per 1,000 trajectories)
+    .venv/bin/python scripts/soak.py --duration 1200 --diagnose [--trace-frames 1]
+        # what grows: after the warm-up, live objects by type, grown containers, malloc's and
+        # pymalloc's view (and tracemalloc by allocation site) in the pool and every host (their
+        # token-gated POST /v1/debug/memory), reported per 1,000 trajectories at the end
+
+Every sample also reads each process's live heap (malloc's bytes in use and mmapped blocks, and
+CPython's small-object blocks): RSS growing while the live heap is flat is the allocator keeping
+free pages, not a record left behind (benchmarks/README.md, "Memory over millions of trajectories").
 
 Exit status 0 when every invariant holds.
 """
@@ -24,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -41,6 +53,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(1, str(REPO / "tests"))  # test modules import their conftest by name, as under pytest
 
+from atropos import memstats  # noqa: E402
 from atropos.backends.local import LocalBackend, LocalBackendConfig  # noqa: E402
 from atropos.errors import InfrastructureError  # noqa: E402
 from atropos.slots.config import PoolConfig  # noqa: E402
@@ -93,6 +106,13 @@ def descendants(root: int) -> list[int]:
     return out
 
 
+def live_kb(r: memstats.MemoryReport) -> int:
+    """A process's live heap: malloc's bytes in use (mmapped blocks too) and CPython's small
+    objects, which its own allocator keeps in mmapped arenas outside malloc."""
+    assert r.malloc is not None
+    return r.malloc.in_use_kb + r.malloc.mmapped_kb + (r.pymalloc.allocated_kb if r.pymalloc else 0)
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -133,6 +153,7 @@ class Sample:
     t_s: float
     trajectories: int
     rss_kb: dict[str, int]  # process label -> RSS
+    in_use_kb: dict[str, int] = field(default_factory=dict)  # process label -> live heap (live_kb)
 
 
 @dataclass
@@ -168,13 +189,16 @@ class Soak:
             slots_per_host=args.slots, pool_id=self.pool_id, data_root=DATA_ROOT, max_timeout_s=120))
         self.pool = SlotPool(self.backend, PoolConfig(
             pool_id=self.pool_id, min_hosts=args.hosts, max_hosts=args.hosts, acquire_timeout_s=3600,
-            health_interval_s=2.0))
+            # tracing (--diagnose) slows the pool and the hosts: a probe on a loaded machine then
+            # takes longer than the default 5 s without anything being wrong
+            health_interval_s=2.0, health_timeout_s=30.0 if args.diagnose else 5.0))
         self.ex = ToolExecutor(self.pool, cfg=ExecutorConfig(acquire_timeout_s=3600))
         self.stats = Stats()
         self.tools = [t.strip() for t in args.tools.split(",")]
         self.started = 0.0
         self.t0 = time.monotonic()
         self.stop = asyncio.Event()
+        self.diag_base: tuple[int, dict[str, memstats.MemoryReport]] | None = None
 
     # -- one trajectory -----------------------------------------------------------------------
     async def call(self, tid: str, name: str, arguments: dict[str, Any]) -> str | None:
@@ -253,12 +277,14 @@ class Soak:
     async def worker(self) -> None:
         while not self.stop.is_set():
             if self.args.trajectories and self.started >= self.args.trajectories:
+                self.stop.set()  # the reporter and the other workers end too (a --duration may remain)
                 return
             self.started += 1
             await self.trajectory(f"soak-{secrets.token_hex(5)}")
 
     # -- reporting -----------------------------------------------------------------------------
-    def memory(self) -> dict[str, float]:
+    def _proc_memory(self) -> tuple[dict[str, int], int, int]:
+        """RSS per process (from /proc; in a thread, the walk over /proc is slow on a busy machine)."""
         host_kb = tree_kb = servers_kb = 0
         per_process = {"pool": vm_kb("self", "VmRSS")}
         for n, host_id in enumerate(sorted(self.pool.hosts)):
@@ -271,7 +297,30 @@ class Soak:
             self.stats.peak_host_kb = max(self.stats.peak_host_kb, vm_kb(pid, "VmHWM"))
             tree_kb += sum(vm_kb(p, "VmRSS") for p in descendants(pid))
         per_process["sandboxes"] = tree_kb - servers_kb  # everything the hosts started, together
-        self.stats.samples.append(Sample(time.monotonic() - self.t0, self.stats.trajectories, per_process))
+        return per_process, host_kb, tree_kb
+
+    async def host_reports(self, req: memstats.MemoryRequest) -> dict[str, memstats.MemoryReport]:
+        """Each host server's own memory report (its token-gated debug route), by label."""
+        labels = {f"host{n}": self.pool.hosts[h] for n, h in enumerate(sorted(self.pool.hosts))}
+
+        async def one(host: Any) -> memstats.MemoryReport | None:
+            try:
+                return await host.client.memory(req)
+            except Exception as exc:  # a host gone mid-run is the invariants' business, not this sample's
+                self.stats.problem(f"memory report of {host.id}: {type(exc).__name__}: {exc}")
+                return None
+
+        got = await asyncio.gather(*(one(h) for h in labels.values()))
+        return {label: r for label, r in zip(labels, got, strict=True) if r is not None}
+
+    async def memory(self) -> dict[str, float]:
+        per_process, host_kb, tree_kb = await asyncio.to_thread(self._proc_memory)
+        # what malloc holds in use per process: live memory, against RSS (the rest is malloc's free
+        # pages and fragmentation)
+        req = memstats.MemoryRequest(pymalloc=True)
+        reports = {"pool": memstats.report(req), **await self.host_reports(req)}
+        in_use = {label: live_kb(r) for label, r in reports.items() if r.malloc is not None}
+        self.stats.samples.append(Sample(time.monotonic() - self.t0, self.stats.trajectories, per_process, in_use))
         self.stats.peak_tree_kb = max(self.stats.peak_tree_kb, tree_kb)
         return {"self_rss_mb": vm_kb("self", "VmRSS") / 1024,
                 "self_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -291,7 +340,7 @@ class Soak:
                 pass
             now = time.monotonic()
             lat, self.stats.latencies = self.stats.latencies, []
-            mem = await asyncio.to_thread(self.memory)
+            mem = await self.memory()
             status = self.pool.status()
             rate = (self.stats.calls - last_calls) / max(now - last_t, 1e-9)
             cpu = self.cpu_total_s()
@@ -310,6 +359,74 @@ class Soak:
                 "wrong": self.stats.wrong, "infra": self.stats.infra, "other": self.stats.other,
             }), flush=True)
             last_t, last_calls, last_cpu = now, self.stats.calls, cpu
+            if self.args.diagnose and self.diag_base is None and self.progress(now - t0) >= self.args.warmup:
+                await self.diagnose_start()
+
+    # -- diagnosis (--diagnose): what grows, by type and by allocation site -------------------
+    def progress(self, elapsed: float) -> float:
+        """How far the run is (0..1): by time or by trajectories, whichever is further."""
+        done = elapsed / self.args.duration if self.args.duration else 0.0
+        if self.args.trajectories:
+            done = max(done, self.stats.trajectories / self.args.trajectories)
+        return done
+
+    async def diagnose_start(self) -> None:
+        """After the warm-up: count live objects by type and start tracing, here and in every host."""
+        frames = self.args.trace_frames
+        req = memstats.MemoryRequest(trace="start" if frames else None, frames=max(frames, 1), types=True, top=80,
+                                     pymalloc=True, containers="start")
+        t0 = time.perf_counter()
+        # in the event loop, not a thread: a walk of every object in a thread fights the loop for
+        # the GIL (seconds, under load), and the pool is paused a moment either way
+        reports = {"pool": memstats.report(req)}
+        t1 = time.perf_counter()
+        reports.update(await self.host_reports(req))
+        self.diag_base = (self.stats.trajectories, reports)
+        print(json.dumps({"event": "diagnose_start", "trajectories": self.stats.trajectories,
+                          "took_s": [round(t1 - t0, 2), round(time.perf_counter() - t1, 2)],
+                          **{k: {"rss_kb": r.rss_kb, "gc_objects": r.gc_objects,
+                                 "malloc": r.malloc.model_dump() if r.malloc else None}
+                             for k, r in reports.items()}}), flush=True)
+
+    async def diagnose_end(self) -> None:
+        """Per process: the object types and allocation sites that grew since ``diagnose_start``,
+        per 1,000 trajectories, and malloc's view against RSS (then what a malloc_trim gives back)."""
+        if self.diag_base is None:
+            return
+        n0, base = self.diag_base
+        runs = max(self.stats.trajectories - n0, 1)
+        names = sorted({t for r in base.values() for t in r.types})
+        req = memstats.MemoryRequest(trace="stop" if self.args.trace_frames else None, types=True, type_names=names,
+                                     top=30, pymalloc=True, containers="diff", min_growth=100)
+        reports = {"pool": memstats.report(req), **await self.host_reports(req)}
+        trims = {"pool": memstats.report(memstats.MemoryRequest(trim=True)),
+                 **await self.host_reports(memstats.MemoryRequest(trim=True))}
+        for label, now in reports.items():
+            before = base.get(label)
+            if before is None:
+                continue
+            types = {t: now.types.get(t, 0) - before.types.get(t, 0) for t in set(now.types) | set(before.types)}
+            grew = sorted(((t, d) for t, d in types.items() if d > 0), key=lambda kv: -kv[1])[:15]
+            print(json.dumps({
+                "event": "diagnose", "process": label, "trajectories": runs,
+                "rss_kb": [before.rss_kb, now.rss_kb],
+                "malloc_before": before.malloc.model_dump() if before.malloc else None,
+                "malloc_after": now.malloc.model_dump() if now.malloc else None,
+                "trim_gave_back_kb": trims[label].trimmed_kb if label in trims else None,
+                "periodic_trims": now.trims.model_dump() if now.trims else None,
+                "pymalloc_before": before.pymalloc.model_dump() if before.pymalloc else None,
+                "pymalloc_after": now.pymalloc.model_dump() if now.pymalloc else None,
+                "gc_objects": [before.gc_objects, now.gc_objects],
+                "threads": now.threads, "asyncio_tasks": now.asyncio_tasks, "open_fds": now.open_fds,
+                "types_grown": {t: d for t, d in grew},
+                # lists, dicts, sets, deques grown by 100+ entries, by owner (bound: a deque's maxlen)
+                "containers_grown": [c.model_dump() for c in now.containers],
+                "traced_kb": now.traced_kb,
+                "sites_grown_kb_per_1k": [
+                    {"site": g.site, "kb_per_1k": round(g.size_diff_kb * 1000 / runs, 2),
+                     "blocks_per_1k": round(g.count_diff * 1000 / runs, 1), "kb": g.size_kb}
+                    for g in now.growth if g.size_diff_kb > 0],
+            }), flush=True)
 
     # -- run ----------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -319,15 +436,14 @@ class Soak:
                           "slots": self.args.hosts * self.args.slots, "concurrency": self.args.concurrency,
                           "start_s": round(time.monotonic() - t0, 1)}), flush=True)
         t0 = self.t0 = time.monotonic()
-        await asyncio.to_thread(self.memory)  # the baseline sample
+        await self.memory()  # the baseline sample
         reporter = asyncio.create_task(self.reporter(t0))
         workers = [asyncio.create_task(self.worker()) for _ in range(self.args.concurrency)]
-        if self.args.trajectories:
-            await asyncio.gather(*workers)
-        else:
-            await asyncio.sleep(self.args.duration)
-            self.stop.set()  # workers finish their current trajectory
-            await asyncio.gather(*workers)
+        # --duration and --trajectories: whichever comes first (a worker sets stop at the count)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.stop.wait(), self.args.duration)
+        self.stop.set()  # workers finish their current trajectory
+        await asyncio.gather(*workers)
         wall = time.monotonic() - t0
         self.stop.set()
         await reporter
@@ -350,21 +466,34 @@ class Soak:
                                    [(i * self.args.report_every / 3600, v)
                                     for i, v in enumerate(self.stats.cpu_per_call)]), 3),
                                "processes": {}}
+        half = [x for x in samples if x.t_s >= 0.5 * (samples[-1].t_s if samples else 0)]
         for label in samples[0].rss_kb if samples else {}:
             series = [x for x in warm if label in x.rss_kb]
             per_min = slope([(x.t_s / 60, x.rss_kb[label]) for x in series])
             per_traj = slope([(x.trajectories, x.rss_kb[label]) for x in series])
+            last = [x for x in half if label in x.rss_kb]
+            used = [x for x in half if label in x.in_use_kb]
             out["processes"][label] = {
                 "start_mb": round(samples[0].rss_kb[label] / 1024, 1),
                 "end_mb": round(samples[-1].rss_kb.get(label, 0) / 1024, 1),
                 "after_warmup_mb": round(series[0].rss_kb[label] / 1024, 1) if series else None,
                 "slope_kb_per_min": round(per_min, 1),
                 "slope_kb_per_1k_trajectories": round(per_traj * 1000, 1),
+                # issue 40's figure: the slope over the last half of the run (the plateau, if any)
+                "last_half_slope_kb_per_1k_trajectories": round(
+                    slope([(x.trajectories, x.rss_kb[label]) for x in last]) * 1000, 1),
+                # the live heap over the same half (malloc's bytes in use, its mmapped blocks, and the
+                # small-object allocator's blocks in use); RSS minus this is free pages and code
+                "last_half_in_use_slope_kb_per_1k_trajectories": round(
+                    slope([(x.trajectories, x.in_use_kb[label]) for x in used]) * 1000, 1) if used else None,
+                "in_use_end_mb": round(samples[-1].in_use_kb[label] / 1024, 1)
+                if label in samples[-1].in_use_kb else None,
             }
         return out
 
     async def finish(self, wall: float) -> int:
-        mem = await asyncio.to_thread(self.memory)
+        mem = await self.memory()
+        await self.diagnose_end()
         status = self.pool.status()
         # checked online over the whole run (the audit keeps only a window of events in memory)
         dl = self.pool.audit.problems
@@ -400,8 +529,20 @@ class Soak:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--duration", type=float, default=600.0, help="seconds of load (default %(default)s)")
-    p.add_argument("--trajectories", type=int, default=0, help="run exactly this many instead of --duration")
+    p.add_argument("--duration", type=float, default=None,
+                   help="seconds of load (default 600, or no limit with --trajectories; with both: "
+                        "whichever comes first)")
+    p.add_argument("--trajectories", type=int, default=0, help="stop after this many trajectories")
+    p.add_argument("--plateau", action="store_true",
+                   help="issue 40's run: 2 hours or 100,000 trajectories, whichever first (unless given), "
+                        "and the RSS slope of each process over the last half")
+    p.add_argument("--diagnose", action="store_true",
+                   help="after the warm-up, count live objects by type and trace the Python heap in the "
+                        "pool and every host (tracemalloc: slower); at the end report what grew, per "
+                        "1,000 trajectories, by type and by allocation site, and malloc's view against RSS")
+    p.add_argument("--trace-frames", type=int, default=1,
+                   help="with --diagnose: frames per traced allocation (0: no tracemalloc; each frame "
+                        "slows the traced processes, 8 made a loaded pool ~10x slower; default %(default)s)")
     p.add_argument("--concurrency", type=int, default=64, help="trajectories at once (default %(default)s)")
     p.add_argument("--calls", type=int, default=0, help="calls per trajectory (default: random 1-20)")
     p.add_argument("--tools", default=",".join(TOOLS), help="comma-separated mix (default %(default)s)")
@@ -412,6 +553,11 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=0.2,
                    help="fraction of the run left out of the memory slopes (default %(default)s)")
     args = p.parse_args()
+    if args.plateau:
+        args.duration = 7200.0 if args.duration is None else args.duration
+        args.trajectories = args.trajectories or 100_000
+    if args.duration is None:
+        args.duration = None if args.trajectories else 600.0
     if not 0 <= args.warmup < 1:  # a count of seconds here would leave no sample to take a slope from
         p.error(f"--warmup is a fraction of the run in [0, 1), got {args.warmup:g}")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

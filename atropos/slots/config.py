@@ -25,6 +25,9 @@ class PoolConfig(BaseModel):
     scale_down_idle_s: float = Field(120.0, ge=0, description="an idle host above min_hosts is stopped after this")
     start_retry_s: float = Field(5.0, gt=0, description="pause before retrying a failed host start")
     audit_path: Path | None = Field(None, description="append one JSON line per lease and release here")
+    malloc_trim_interval_s: float | None = Field(
+        60.0, gt=0, description="return glibc's free pages to the kernel this often (malloc_trim), so the "
+                                "process's RSS follows its live heap over millions of leases; None: never")
 
     @model_validator(mode="before")
     @classmethod

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
+from atropos import memstats
 from atropos.backends.base import Backend
 from atropos.errors import AtroposSandboxError, GroupTooLarge, HostUnavailable, LeaseError, SlotUnavailable
 from atropos.sandbox.contract.protocol import ImageInfo, ResetResult
@@ -32,6 +33,8 @@ from atropos.slots.pool_templates import TemplateShipper
 __all__ = ["GroupTooLarge", "HostStatus", "PoolStatus", "SlotPool"]
 
 log = logging.getLogger(__name__)
+
+RATE_WINDOW_S = 10  # status().calls_per_s: the calls of the last this many seconds
 
 
 class SlotPool:
@@ -50,7 +53,9 @@ class SlotPool:
         self.queue = SlotQueue(self, self.fleet, self.audit, release=self._begin_release)
         self.templates = TemplateShipper(self.fleet)
         self._calls_total = 0
-        self._call_times: deque[float] = deque(maxlen=10_000)
+        # calls per whole second of the last RATE_WINDOW_S: the calls/s rate in O(1) memory (a time per
+        # call kept 10,000 floats, ~320 KB filled over a soak's first thousand trajectories; issue 40)
+        self._call_seconds: deque[list[int]] = deque(maxlen=RATE_WINDOW_S + 1)  # [second, calls]
         self._quarantines = 0
         self._shipping: dict[tuple[str, str], asyncio.Future[None]] = {}  # images on their way to a host
 
@@ -81,6 +86,10 @@ class SlotPool:
         self.fleet._request_prewarm([r for r in results if not isinstance(r, BaseException)])
         self._spawn(self.fleet._health_loop())
         self._spawn(self.fleet._scale_loop())
+        if self.cfg.malloc_trim_interval_s is not None:
+            # the pool's process is the trainer's: freed pages of its millions of leases (and of the
+            # trainer) go back to the kernel; issue 40, benchmarks/README.md
+            self._spawn(memstats.trim_periodically(self.cfg.malloc_trim_interval_s))
 
     async def stop(self) -> None:
         """Stop every host and loop; leases still held become invalid. Safe to call twice."""
@@ -259,9 +268,11 @@ class SlotPool:
     def count_call(self, n: int = 1) -> None:
         """Count ``n`` tool calls for ``status()`` (the calls/s rate and the total)."""
         self._calls_total += n
-        now = time.monotonic()
-        for _ in range(min(n, 100)):
-            self._call_times.append(now)
+        second = int(time.monotonic())
+        if self._call_seconds and self._call_seconds[-1][0] == second:
+            self._call_seconds[-1][1] += n
+        else:
+            self._call_seconds.append([second, n])
 
     def status(self) -> PoolStatus:
         """A snapshot: hosts, free/leased slots, lease ages, calls, scaling and quarantine counts."""
@@ -276,13 +287,15 @@ class SlotPool:
                 oldest_lease_s=round(max(ages), 1) if ages else None, node=h.info.labels.get("node"),
                 images=sorted(h.images),
             ))
-        recent = [t for t in self._call_times if now - t <= 10.0]
+        # the current second (still counting) and the RATE_WINDOW_S - 1 before it
+        current = int(now)
+        recent = sum(n for second, n in self._call_seconds if current - RATE_WINDOW_S < second <= current)
         return PoolStatus(
             pool_id=self.cfg.pool_id, backend=self.backend.name, hosts=hosts, starting_hosts=self.fleet.starting,
             free=sum(h.free for h in hosts), leased=sum(h.leased for h in hosts),
             quarantined=sum(h.quarantined for h in hosts),
             waiting=self.queue.waiting(), leases_total=self.queue.leases_total, calls_total=self._calls_total,
-            calls_per_s=round(len(recent) / 10.0, 2), lost_hosts=self.fleet.lost_hosts,
+            calls_per_s=round(recent / RATE_WINDOW_S, 2), lost_hosts=self.fleet.lost_hosts,
             scale_ups=self.fleet.scale_ups, scale_downs=self.fleet.scale_downs, quarantines=self._quarantines,
         )
 

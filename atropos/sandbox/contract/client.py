@@ -26,6 +26,7 @@ from atropos.errors import (
     UnknownTemplate,
     WorkspaceError,
 )
+from atropos.memstats import MemoryReport, MemoryRequest
 from atropos.sandbox.contract.http1 import ConnectionPool
 from atropos.sandbox.contract.protocol import (
     DEFAULT_MAX_TIMEOUT_S,
@@ -139,6 +140,14 @@ class HostClient:
         if info.timeouts is not None:  # the host's own limits, not this client's assumption
             self.timeouts = info.timeouts
         return info
+
+    async def memory(self, req: MemoryRequest | None = None, *, timeout: float = 120.0) -> MemoryReport:
+        """The host process's memory (``POST /v1/debug/memory``; atropos/memstats.py): RSS, malloc's
+        view, optionally live objects by type and the traced heap's growth by allocation site."""
+        body = (req or MemoryRequest()).model_dump_json().encode()
+        resp = await self._send("POST", "/v1/debug/memory", content=body, timeout=timeout,
+                                headers={"content-type": "application/json"})
+        return MemoryReport.model_validate_json(resp.content)
 
     async def slots(self) -> list[SlotInfo]:
         resp = await self._send("GET", "/v1/slots")

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import uvicorn
 
+from atropos import memstats
 from atropos.asgi import listening_socket
 from atropos.errors import AtroposSandboxError, ConfigError
 from atropos.logs import configure
@@ -226,9 +227,11 @@ async def serve(cfg: HostConfig, prewarm: bool = True) -> None:
     print(json.dumps({"event": "ready", "port": port, "pid": os.getpid(), "slots": cfg.slots,
                       "isolation": "none" if cfg.unsafe_no_isolation else "bubblewrap",
                       "slot_cgroups": f"v{host.cgroups.version}" if host.cgroups is not None else "none"}), flush=True)
+    trim = asyncio.create_task(memstats.trim_periodically())
     try:
         await server.serve(sockets=[sock])
     finally:
+        trim.cancel()
         try:
             await host.stop()
         finally:
@@ -239,6 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     # before the token arrives: no process of our user (every task Ray runs on this node, the
     # slots' users in a container) may read our memory, fds or environ (root still can)
     make_undumpable()
+    # before any thread exists (arenas are made per thread on first contention): see memstats
+    memstats.set_arena_max(memstats.HOST_ARENA_MAX)
     cfg, args = parse_args(argv)
     # the same redacting handler as the pool side: a host's stderr lands in the pool's logs
     configure(level=args.log_level, json_lines=args.log_json)

@@ -14,7 +14,7 @@ from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from atropos import __version__, metrics
+from atropos import __version__, memstats, metrics
 from atropos.asgi import ASGIApp, ErrorMap, Receive, RequestGuard, Send, http_error, install_error_handlers
 from atropos.errors import ImageRejected, SlotUnavailable, ToolError
 from atropos.fastroute import FastRoutes, LineStream, checked_by_guard, hot_post, invalid_body
@@ -81,6 +81,7 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
     _template_routes(app, host, deps)
     _image_routes(app, host, deps)
     _file_routes(app, host, deps)
+    _debug_routes(app, deps)
     return app
 
 
@@ -170,6 +171,16 @@ def _slot_routes(app: FastAPI, host: SandboxHost, deps: list[Any]) -> None:
     @hot_post(app, "/v1/call", response_model=CallResult, dependencies=deps)
     async def call(call: ToolCall) -> CallResult:
         return await host.run_call(call)
+
+
+def _debug_routes(app: FastAPI, deps: list[Any]) -> None:
+    """This host process's memory (issue 40), for a soak or an operator holding the host token: a
+    slot's code has no token (the host's API is the pool's; docs/security.md), so it cannot reach
+    this, nor start tracing, which slows every allocation of the host."""
+
+    @app.post("/v1/debug/memory", response_model=memstats.MemoryReport, dependencies=deps)
+    async def memory(req: memstats.MemoryRequest) -> memstats.MemoryReport:
+        return memstats.report(req)
 
 
 def _template_routes(app: FastAPI, host: SandboxHost, deps: list[Any]) -> None:

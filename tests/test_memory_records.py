@@ -1,0 +1,169 @@
+"""Nothing a trajectory leaves behind accumulates (issue 40): an RL run leases millions of slots
+from one pool process, so any per-trajectory or per-lease record that outlives its lease grows
+without bound, in the pool or in a host.
+
+Counted, not timed, and not RSS (which glibc's free lists blur): a real local pool (2 hosts) runs a
+warm-up, then every list, dict, set and deque of the pool process and of each host process has its
+length noted (``atropos.memstats``: in-process for the pool, the host's token-gated
+``POST /v1/debug/memory`` for a host), the live objects of the record types a trajectory creates
+are counted, and ``ATROPOS_MEMORY_TRAJECTORIES`` (default 1,500) more trajectories of mixed tools
+run. Then no container may have grown by more than a fixed slack (a per-trajectory record grows by
+one per trajectory: hundreds here), and no record type, asyncio task count, open fd count or
+thread count may either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+
+import pytest
+
+from atropos import memstats
+from atropos.slots.pool import SlotPool
+from atropos.tools.executor import AgentToolCall, ToolExecutor
+from tests.pool_backends import local_pool
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+TRAJECTORIES = int(os.environ.get("ATROPOS_MEMORY_TRAJECTORIES", "1500"))
+# fills what is bounded but not yet full (rate windows, warm paths, pooled connections)
+WARMUP = int(os.environ.get("ATROPOS_MEMORY_WARMUP", "300"))
+CONCURRENCY = 8
+# A leak grows one entry (or object) per trajectory or per call: 1,500 here. What may differ between
+# two quiet moments without a leak: in-flight state, pooled connections, cached sandboxes per slot.
+SLACK = 64
+# Bounded by their owner's own rule, so they may fill during the run: asyncio drops cancelled timer
+# handles from its heap only once they are over half of it (and over 100), so a loop's heap holds up
+# to ~2x its live timers plus 100 cancelled ones.
+BOUNDED_OWNERS = {"asyncio.unix_events._UnixSelectorEventLoop._scheduled"}
+
+# The records a trajectory creates, by process: none may outlive its trajectory.
+POOL_RECORDS = [
+    "atropos.slots.lease.Lease", "atropos.slots.audit.AuditEvent", "_asyncio.Task", "_asyncio.Future",
+    "atropos.sandbox.contract.http1._Connection", "atropos.tools.executor._Request",
+    "atropos.sandbox.contract.protocol.CallResult", "atropos.sandbox.contract.protocol.ToolCall",
+    "atropos.sandbox.contract.protocol.ResetResult", "atropos.tools.executor.ToolOutcome",
+]
+HOST_RECORDS = [
+    "atropos.sandbox.host.isolation.sandbox_process.SandboxProcess", "asyncio.subprocess.Process",
+    "_asyncio.Task", "_asyncio.Future", "_io.FileIO", "atropos.sandbox.contract.protocol.CallResult",
+    "atropos.sandbox.contract.protocol.ToolCall", "atropos.sandbox.contract.protocol.ResetRequest",
+    "asyncio.streams.StreamReader", "asyncio.streams.StreamWriter",
+]
+
+
+async def trajectory(ex: ToolExecutor, n: int) -> None:
+    tid = f"mem-{n}-{secrets.token_hex(4)}"
+    marker = secrets.token_hex(4)
+    calls: list[tuple[str, dict[str, object]]] = [("bash", {"command": f"echo {marker}"}),
+             ("write_file", {"path": f"d/{n % 7}.txt", "content": marker * (1 + n % 50)}),
+             ("read_file", {"path": f"d/{n % 7}.txt"})]
+    if n % 4 == 0:  # a tmux session in one trajectory of four (its own sandbox, supervisor and pipes)
+        calls.append(("terminal", {"input": f"echo {marker}", "wait_ms": 2000}))
+    try:
+        for name, args in calls:
+            out = await ex.execute(tid, AgentToolCall(id=name, name=name, arguments=args))
+            assert out.ok, f"{tid} {name}: {out.content[:300]}"
+            if name in ("bash", "read_file"):
+                assert marker in out.content
+    finally:
+        await ex.release_trajectory(tid)
+
+
+async def run(ex: ToolExecutor, start: int, count: int) -> None:
+    todo = iter(range(start, start + count))
+
+    async def worker() -> None:
+        for n in todo:
+            await trajectory(ex, n)
+
+    await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+
+
+async def quiet(pool: SlotPool) -> None:
+    """Every released slot reset and back in its host's free list: nothing of a trajectory in flight."""
+    total = sum(h.info.slots for h in pool.hosts.values())
+    for _ in range(600):
+        if pool.free_count() == total and not pool.status().leased:
+            break
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(1.0)  # the hosts' own post-reset work (prewarm of the next sandbox)
+
+
+async def measure(pool: SlotPool, containers: str) -> dict[str, memstats.MemoryReport]:
+    out = {"pool": memstats.report(memstats.MemoryRequest(containers=containers, type_names=POOL_RECORDS,
+                                                          min_growth=SLACK, top=20))}
+    for host in pool.hosts.values():
+        out[host.id] = await host.client.memory(memstats.MemoryRequest(
+            containers=containers, type_names=HOST_RECORDS, min_growth=SLACK, top=20))
+    return out
+
+
+async def test_no_record_grows_with_trajectories() -> None:
+    async with local_pool(4, min_hosts=2, max_hosts=2) as pool:
+        ex = ToolExecutor(pool)
+        try:
+            await run(ex, 0, WARMUP)
+            await quiet(pool)
+            before = await measure(pool, "start")
+            window = len(pool.audit.events)
+            await run(ex, WARMUP, TRAJECTORIES)
+            await quiet(pool)
+            after = await measure(pool, "diff")
+            keep = pool.audit.keep
+            # the audit's window of recent events fills up to ``keep`` (2,048: 1,024 trajectories):
+            # each event is two tracked objects (the model and its set of fields set)
+            window_growth = 2 * (len(pool.audit.events) - window)
+        finally:
+            await ex.close()
+    problems = []
+    for label, now in after.items():
+        base = before[label]
+        for c in now.containers:
+            if c.bound is not None or c.owner in BOUNDED_OWNERS:  # a window (deque maxlen): fills, then stays
+                continue
+            problems.append(f"{label}: {c.owner} ({c.type}) grew by {c.growth} entries to {c.length}")
+        for name, n in now.types.items():
+            if name == "atropos.slots.audit.AuditEvent" and n <= keep:  # the audit's window of recent events
+                continue
+            if n - base.types.get(name, 0) > SLACK:
+                problems.append(f"{label}: {base.types.get(name, 0)} -> {n} live {name}")
+        for what in ("asyncio_tasks", "open_fds", "threads"):
+            a, b = getattr(base, what), getattr(now, what)
+            if a is not None and b is not None and b - a > 8:
+                problems.append(f"{label}: {what} {a} -> {b}")
+        # every tracked object together: a new record type nobody listed still shows here
+        allowed = 20 * SLACK + (window_growth if label == "pool" else 0)
+        if base.gc_objects is not None and now.gc_objects is not None and now.gc_objects - base.gc_objects > allowed:
+            problems.append(f"{label}: {base.gc_objects} -> {now.gc_objects} objects tracked by the collector")
+    assert not problems, (f"after {TRAJECTORIES} more trajectories (warm-up {WARMUP}):\n" + "\n".join(problems))
+
+
+def test_the_check_sees_a_record_left_behind() -> None:
+    """The container check finds a per-trajectory record by its owner's name, whatever it holds
+    (ints here, which no type count sees)."""
+
+    class Registry:
+        def __init__(self) -> None:
+            self.seen: dict[str, int] = {}
+
+    reg = Registry()
+    memstats.report(memstats.MemoryRequest(containers="start"))
+    for n in range(TRAJECTORIES):
+        reg.seen[f"traj-{n}"] = n
+    grown = memstats.report(memstats.MemoryRequest(containers="diff", min_growth=SLACK)).containers
+    assert any(c.owner.endswith("Registry.seen") and c.growth == TRAJECTORIES for c in grown), grown
+
+
+def test_the_call_rate_keeps_no_record_per_call() -> None:
+    """``status().calls_per_s`` counts calls per second: 50,000 calls leave no record each (the
+    10,000 call times it kept capped the rate it could show at 1,000/s, and filled ~320 KB)."""
+    pool = local_pool(1)
+    memstats.report(memstats.MemoryRequest(containers="start"))
+    for _ in range(50_000):
+        pool.count_call()
+    grown = memstats.report(memstats.MemoryRequest(containers="diff", min_growth=SLACK)).containers
+    assert not [c for c in grown if "SlotPool" in c.owner], grown
+    assert pool.status().calls_per_s == 5000.0  # all of them within the last 10 s
