@@ -1,0 +1,81 @@
+"""A bad task image costs a pool nothing (docs/task-images.md, "Refused at the door"): leased on a
+real pool of real hosts, each is a clear ``image_rejected`` naming the image and the host, no slot
+is quarantined, and the good leases after it all run; an image with more layers than an overlay
+takes is served (its bottom layers merged) rather than refused."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from atropos.errors import ImageRejected
+from tests.test_image_import_limits import BASE, Layout, tar_of
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="image roots need the root host's mount helper here")
+
+
+@pytest.fixture
+async def pool_and_layout() -> AsyncIterator[tuple[object, Layout]]:
+    from atropos.backends.local import LocalBackend, LocalBackendConfig
+    from atropos.slots.config import PoolConfig
+    from atropos.slots.pool import SlotPool
+
+    data = Path(f"/tmp/atropos-img-refuse-{os.getpid()}-{secrets.token_hex(3)}")  # slot uids traverse it
+    backend = LocalBackend(LocalBackendConfig(slots_per_host=2, data_root=data, pool_id="imgrefuse",
+                                              prewarm=False, image_store=data / "store"))
+    pool = SlotPool(backend, PoolConfig(pool_id="imgrefuse", min_hosts=1, max_hosts=1))
+    try:
+        async with pool:
+            yield pool, Layout(data / "oci")
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
+
+
+BAD = {
+    "unknown-user": {"User": "ghost"},
+    "uid-out-of-range": {"User": "4294967295:0"},
+    "nul-in-env": {"Env": ["PATH=/bin", "X=a\u0000b"]},
+    "megabytes-of-env": {"Env": [f"V{i}={'x' * 30000}" for i in range(64)]},
+    "nul-in-workdir": {"WorkingDir": "/a\u0000b"},
+}
+
+
+async def test_bad_images_then_32_good_leases_quarantine_nothing(pool_and_layout: tuple[object, Layout]) -> None:
+    pool, layout = pool_and_layout
+    good = layout.image("good", [BASE, tar_of(("testbed", None), ("testbed/a.txt", b"original\n"))],
+                        WorkingDir="/testbed")
+    for name, config in BAD.items():
+        ref = layout.image(name, [BASE], **config)
+        for attempt in range(2):  # every lease of it: refused alike, the slot untouched
+            with pytest.raises(ImageRejected) as info:
+                async with pool.leased(f"bad-{name}-{attempt}", image=ref):  # type: ignore[attr-defined]
+                    raise AssertionError("a bad image was leased")
+            assert ref in str(info.value) and "http://127.0.0.1:" in str(info.value), info.value
+    for i in range(32):
+        async with pool.leased(f"good-{i}", image=good) as lease:  # type: ignore[attr-defined]
+            out = await lease.call("read_file", {"path": "a.txt"})
+            assert out.result is not None and out.result["content"] == "original\n", out
+            await lease.call("write_file", {"path": "a.txt", "content": f"lease {i}\n"})
+    status = pool.status()  # type: ignore[attr-defined]
+    assert pool._quarantines == 0  # type: ignore[attr-defined]
+    assert [h.quarantined for h in status.hosts] == [0]
+
+
+async def test_an_image_of_600_layers_is_served(pool_and_layout: tuple[object, Layout]) -> None:
+    """More layers than the kernel's 500: merged at import; the slot's root shows every layer."""
+    pool, layout = pool_and_layout
+    layers = [BASE] + [tar_of(("layers", None), (f"layers/f{i}", f"{i}\n".encode())) for i in range(1, 600)]
+    layers[300] = tar_of(("etc", None), ("etc/.wh.motd", b""))
+    ref = layout.image("tall", layers)
+    async with pool.leased("tall", image=ref) as lease:  # type: ignore[attr-defined]
+        for path, want in (("/layers/f1", "1\n"), ("/layers/f250", "250\n"), ("/layers/f599", "599\n")):
+            out = await lease.call("read_file", {"path": path})
+            assert out.result is not None and out.result["content"] == want, (path, out)
+        gone = await lease.call("read_file", {"path": "/etc/motd"})
+        assert gone.result is None or "content" not in gone.result, gone  # deleted by layer 300's whiteout
+    assert pool._quarantines == 0  # type: ignore[attr-defined]
