@@ -10,6 +10,7 @@ import secrets
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -79,3 +80,55 @@ async def test_an_image_of_600_layers_is_served(pool_and_layout: tuple[object, L
         gone = await lease.call("read_file", {"path": "/etc/motd"})
         assert gone.result is None or "content" not in gone.result, gone  # deleted by layer 300's whiteout
     assert pool._quarantines == 0  # type: ignore[attr-defined]
+
+
+async def test_a_host_that_refuses_an_image_is_named_and_the_lease_goes_elsewhere() -> None:
+    """Two hosts, one of which cannot take the image (its store's budget is too small: what a Ray
+    node without room or without the image answers alike): the refusal names that host, the lease is
+    placed on the other, and later leases of the image go there first; no slot is quarantined.
+    (While only the refusing host has a free slot, a lease of the image is refused rather than
+    waiting for the other: docs/task-images.md.)"""
+    from atropos.backends.local import LocalBackend, LocalBackendConfig
+    from atropos.slots.config import PoolConfig
+    from atropos.slots.pool import SlotPool
+
+    data = Path(f"/tmp/atropos-img-refuse2-{os.getpid()}-{secrets.token_hex(3)}")
+
+    class OneSmallStore(LocalBackend):
+        """The first host's store is its own and holds 1 MiB; the second's is the default."""
+
+        async def start_host(self) -> Any:
+            small = self._counter == 0
+            self.cfg.image_store = data / ("small" if small else "big")
+            self.cfg.image_store_bytes = (1 << 20) if small else None
+            return await super().start_host()
+
+    layout = Layout(data / "oci")
+    ref = layout.image("v1", [BASE, tar_of(("big", 4 << 20))])
+    backend = OneSmallStore(LocalBackendConfig(slots_per_host=1, data_root=data, pool_id="imgrefuse2", prewarm=False))
+    pool = SlotPool(backend, PoolConfig(pool_id="imgrefuse2", min_hosts=2, max_hosts=2))
+    try:
+        async with pool:
+            small = next(h for h in pool.hosts.values() if h.id.endswith("-1"))  # the first started
+            held = [await pool.lease("hold-a"), await pool.lease("hold-b")]  # both hosts' one slot
+            on_big = next(lease for lease in held if lease.host is not small)
+            await pool.release(next(lease for lease in held if lease.host is small))
+            # only the small host is free: it refuses, and the refusal names it
+            with pytest.raises(ImageRejected, match="would pass the image store's budget") as refused:
+                await pool.lease("first", timeout=5, image=ref)
+            assert small.info.address in str(refused.value)
+            why = small.refusal(ref, 3600)
+            assert why is not None and small.info.address in why
+            await pool.release(on_big)
+            for i in range(4):  # the big host's slot from now on, though the small one is as free
+                async with pool.leased(f"t{i}", image=ref) as lease:
+                    assert lease.host is on_big.host
+                    out = await lease.call("read_file", {"path": "/etc/motd"})
+                    assert out.result is not None and out.result["content"] == "base\n"
+            # asked of the small host directly: the same clear refusal, naming it
+            with pytest.raises(ImageRejected, match="would pass the image store's budget") as info:
+                await small.client.prepare_image(ref)
+            assert small.info.address in str(info.value)
+            assert pool._quarantines == 0
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
