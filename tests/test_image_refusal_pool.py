@@ -132,3 +132,54 @@ async def test_a_host_that_refuses_an_image_is_named_and_the_lease_goes_elsewher
             assert pool._quarantines == 0
     finally:
         shutil.rmtree(data, ignore_errors=True)
+
+
+async def test_agent_env_skips_an_item_whose_image_is_refused_once(tmp_path: Path) -> None:
+    """An item naming a bad image: ``collect_trajectories`` skips it once with the reason (no
+    backlog, no retry: every lease of it would be refused alike), the next item with a good image
+    is scored, and no slot is quarantined."""
+    pytest.importorskip("atroposlib")
+    from atroposlib.envs.base import APIServerConfig
+
+    from atropos.agent.model import ensure_tokenizer_dir
+    from atropos.envs.agent_env import AgentEnv, AgentEnvConfig
+    from atropos.testing import by_turn, scripted_server, tool_call
+
+    layout = Layout(Path(f"/tmp/atropos-img-env-{os.getpid()}-{secrets.token_hex(3)}"))
+    bad = {"image": layout.image("bad", [BASE], User="ghost")}
+    good = {"image": layout.image("good", [BASE])}
+    Policy = scripted_server(by_turn(tool_call("read_file", path="/etc/motd"), "Done."))
+
+    class ImageItemsEnv(AgentEnv):
+        server_cls = Policy
+
+        async def get_next_item(self) -> Any:
+            return good
+
+        def build_task(self, item: Any) -> str:
+            return "Read /etc/motd."
+
+        async def verify_and_score_trajectory(self, item: Any, final_response: str, *, trajectory_id: str,
+                                              exec_tool: Any, lease: Any, agent_result: Any
+                                              ) -> tuple[float, dict[str, Any]]:
+            return 1.0, {}
+
+    cfg = AgentEnvConfig(tokenizer_name=str(ensure_tokenizer_dir()), group_size=2, use_wandb=False, wandb_name="t",
+                         slots_per_host=2, max_hosts=1, agent_max_steps=2, enabled_toolsets=["files"],
+                         ensure_scores_are_not_same=False, tool_batch_window_ms=5)
+    servers = [APIServerConfig(model_name="s", base_url="http://127.0.0.1:9/v1", api_key="x", health_check=False)]
+    env = ImageItemsEnv(cfg, servers, slurm=False, testing=False)
+    env.index = 0
+    await env.setup_sandbox()
+    try:
+        assert env.pool is not None
+        group, backlog = await env.collect_trajectories(bad)
+        assert (group, backlog) == (None, [])
+        assert env.stats["items_rejected"] == 1 and env.stats["items_backlogged"] == 0
+        assert env.rejected_items[0][0] == bad["image"] and "ghost" in env.rejected_items[0][1]
+        group, backlog = await env.collect_trajectories(good)
+        assert backlog == [] and group is not None and group["scores"] == [1.0, 1.0]
+        assert env.pool.status().quarantined == 0
+    finally:
+        await env.shutdown_sandbox()
+        shutil.rmtree(layout.root, ignore_errors=True)
