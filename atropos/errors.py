@@ -239,9 +239,10 @@ for _error, (_status, _code) in ERRORS.items():
 
 
 def exit_code(exc: AtroposSandboxError) -> int:
-    """The exit status of a command this error ended: 2 bad configuration, 3 infrastructure
+    """The exit status of a command this error ended: 2 bad configuration or a request that cannot
+    be served as asked (an image refused: as a background pool's 4xx answer exits), 3 infrastructure
     (host, isolation, cluster), 1 anything else (the CLI's EXIT_* codes)."""
-    if isinstance(exc, ConfigError):
+    if isinstance(exc, (ConfigError, ImageRejected)):
         return 2
     if isinstance(exc, (InfrastructureError, IsolationUnavailable)):
         return 3
