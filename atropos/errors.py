@@ -133,6 +133,12 @@ class ImageRejected(AtroposSandboxError):
     write through a symlink, a hard link out of its layer, a content digest that does not match)."""
 
 
+class ImageOverBudget(ImageRejected):
+    """An image does not fit its host's image store now: unpacking it would pass the store's disk
+    budget less what images in use hold. Unlike its base, not a property of the image: the host
+    does not remember it, and another host (or this one, later) may take the image."""
+
+
 class SeccompUnavailable(IsolationUnavailable):
     """libseccomp is missing or refused to build our filter; we do not start sandboxes without it."""
 
@@ -211,6 +217,7 @@ ERRORS: dict[type[AtroposSandboxError], tuple[int, str]] = {
     UnknownTemplate: (404, "unknown_template"),
     TemplateInUse: (409, "template_in_use"),
     ImageRejected: (400, "image_rejected"),
+    ImageOverBudget: (400, "image_over_budget"),
     LeaseError: (409, "lease_invalid"),
     SlotSealed: (409, "verification_phase"),
     GroupTooLarge: (400, "group_too_large"),

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from atropos.errors import ImageRejected
+from atropos.errors import ImageOverBudget, ImageRejected
 from atropos.sandbox.host.images.host_images import HostImages
 from atropos.sandbox.host.images.image_check import IMPORT_MAX_LAYERS, MAX_LOWERS
 from atropos.sandbox.host.images.layer_trees import tree_bytes
@@ -242,6 +242,8 @@ def test_a_compressed_bomb_under_a_small_budget_never_passes_it(tmp_path: Path) 
     assert all(p.stat().st_size < (1 << 20) for p in layout.blobs.iterdir())  # compressed: small
     images = HostImages(tmp_path / "store", budget_bytes=budget)
     with Watch(tmp_path / "store") as watch:
+        with pytest.raises(ImageOverBudget):
+            asyncio.run(images.get(one))
         first = rejected(images, one, "would pass the image store's budget")
         second = rejected(images, many, "would pass the image store's budget")
     assert "'bomb'" in first and f"over the {budget} bytes" in first
@@ -261,9 +263,9 @@ def test_the_budget_evicts_what_it_can_before_refusing(tmp_path: Path) -> None:
     held = asyncio.run(holder.get(a))
     message = rejected(other, b, "would pass")  # a is held by a host: 6 MiB of the 10 are taken
     assert "held by images in use" in message
+    assert other.rejected == {}  # a refusal for room is not remembered: images in use may go
     holder._unpin(held)
     holder.images.clear()
-    other.rejected.clear()  # (a refusal is remembered; the test changes what the store holds)
     asyncio.run(other.get(b))  # a is no longer in use: b fits, and a goes after the import
     assert other.disk_bytes() <= 10 << 20
     assert not held.lowers[-1].exists()
@@ -354,7 +356,7 @@ def test_a_fifo_for_a_blob_is_refused_without_blocking(tmp_path: Path) -> None:
 
 PROBE = """
 import asyncio, sys
-from atropos.errors import ImageRejected
+from atropos.errors import ImageOverBudget, ImageRejected
 from atropos.sandbox.host.images.host_images import HostImages
 try:
     asyncio.run(HostImages(__import__("pathlib").Path(sys.argv[1])).get(sys.argv[2]))

@@ -12,6 +12,7 @@ from atropos.errors import (
     AtroposSandboxError,
     AuthenticationError,
     HostUnavailable,
+    ImageOverBudget,
     ImageRejected,
     InfrastructureError,
     LeaseError,
@@ -53,7 +54,7 @@ CALL_ANSWER_GRACE_S = 30.0
 # The host's error codes this side raises as the class the host raised (atropos.errors.ERRORS).
 _BY_CODE: dict[str, type[AtroposSandboxError]] = {cls.code: cls for cls in (
     LeaseError, SlotSealed, SlotUnavailable, UnknownTemplate, TemplateInUse, TemplateSourceError,
-    TemplateBuildFailed, WorkspaceError, PathEscapeError, ImageRejected)}
+    TemplateBuildFailed, WorkspaceError, PathEscapeError, ImageRejected, ImageOverBudget)}
 
 
 class HostClient:

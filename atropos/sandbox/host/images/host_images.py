@@ -39,7 +39,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from atropos.errors import ImageRejected
+from atropos.errors import ImageOverBudget, ImageRejected
 from atropos.sandbox.contract.hostdirs import owned_dir, remove_tree
 from atropos.sandbox.host.images import userns_import
 from atropos.sandbox.host.images.image_accept import accept
@@ -99,7 +99,10 @@ class HostImages:
             return None
 
     def _refused(self, image_id: str, exc: ImageRejected) -> ImageRejected:
-        """Remember a refusal (every later lease of the image gets it at once)."""
+        """Remember a refusal (every later lease of the image gets it at once), unless it was for
+        room (``ImageOverBudget``: images in use may go)."""
+        if isinstance(exc, ImageOverBudget):
+            return exc
         self.rejected.pop(image_id, None)
         self.rejected[image_id] = str(exc)
         while len(self.rejected) > MAX_REJECTED:

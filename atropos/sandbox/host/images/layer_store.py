@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from atropos.errors import ImageRejected
+from atropos.errors import ImageOverBudget, ImageRejected
 from atropos.sandbox.contract.hostdirs import owned_dir, remove_tree
 from atropos.sandbox.host.images.layer_trees import tree_bytes
 
@@ -93,7 +93,7 @@ class ImportBudget:
     def charge(self, nbytes: int, what: str) -> None:
         self.written += nbytes
         if self.bytes_left is not None and self.written > self.bytes_left:
-            raise ImageRejected(f"unpacking would pass the image store's budget: {self.written} bytes at {what!r} "
+            raise ImageOverBudget(f"unpacking would pass the image store's budget: {self.written} bytes at {what!r} "
                                 f"({self.entries} entries so far), over the {self.bytes_left} bytes this import may "
                                 f"take{'; ' + self.context if self.context else ''}")
 

@@ -113,7 +113,7 @@ def _import(store: LayerStore, config: ImageConfig,
                 try:  # refused unless the bytes hash to this DiffID
                     store.add(stream, diff_id=diff_id, staging=stage, budget=budget)
                 except ImageRejected as exc:
-                    raise ImageRejected(f"{config.reference}: layer {i + 1} of {len(config.diff_ids)}: {exc}") \
+                    raise type(exc)(f"{config.reference}: layer {i + 1} of {len(config.diff_ids)}: {exc}") \
                         from None
             unpacked += 1
         layers = [str(store.located(d, stage)) for d in config.diff_ids]

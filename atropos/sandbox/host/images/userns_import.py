@@ -29,7 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from atropos.errors import ImageRejected
+from atropos.errors import ImageOverBudget, ImageRejected
 from atropos.sandbox.host.images.layer_store import ImportBudget
 
 CLONE_NEWUSER = 0x10000000
@@ -49,7 +49,7 @@ def import_archive(store_root: Path, archive: Path, reference: str, *, budget: I
     except ValueError:
         out = {}
     if "error" in out:
-        raise ImageRejected(str(out["error"]))
+        raise (ImageOverBudget if out.get("over_budget") else ImageRejected)(str(out["error"]))
     if proc.returncode != 0 or "config" not in out:
         tail = proc.stderr.decode(errors="replace").strip()[-800:]
         raise ImageRejected(f"{reference}: the unprivileged import failed (exit {proc.returncode}): {tail}")
@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
         imported = imported.model_copy(update={"config": accepted.config,
                                                "layers": [str(p) for p in accepted.lowers]})
     except ImageRejected as exc:
-        print(json.dumps({"error": str(exc)}))
+        print(json.dumps({"error": str(exc), "over_budget": isinstance(exc, ImageOverBudget)}))
         return 2
     print(imported.model_dump_json())
     return 0
