@@ -411,3 +411,40 @@ def test_a_refused_half_import_leaves_nothing_and_a_good_one_after_it_works(tmp_
     root = asyncio.run(images.get(good))
     assert (root.lowers[1] / "ok").read_bytes() == b"ok"
     assert stat.S_IMODE(os.stat(root.lowers[1]).st_mode) == 0o755
+
+
+# -- the unprivileged import (a Docker host's: atropos/sandbox/host/images/userns_import.py) --------
+def docker_archive(path: Path, layers: list[bytes], **config: Any) -> Path:
+    """A ``docker save`` archive (the legacy layout: manifest.json, the config, layer tars)."""
+    cfg = json.dumps({"rootfs": {"type": "layers", "diff_ids": ["sha256:" + hashlib.sha256(t).hexdigest()
+                                                                 for t in layers]},
+                      "config": {"Env": ["PATH=/bin"], **config}}).encode()
+    names = [f"l{i}/layer.tar" for i in range(len(layers))]
+    members = [("manifest.json", json.dumps([{"Config": "c.json", "RepoTags": ["x:1"], "Layers": names}]).encode()),
+               ("c.json", cfg), *zip(names, layers, strict=True)]
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_the_unprivileged_import_stages_checks_and_bounds_as_the_host_does(tmp_path: Path) -> None:
+    """The child in its own user namespace (what a Docker host, uid 1000, runs): a good archive is
+    committed with its check done; a bad User and a bomb past its budget are refused, leaving
+    nothing, the bomb as ``ImageOverBudget``."""
+    from atropos.sandbox.host.images.layer_store import ImportBudget, LayerStore
+    from atropos.sandbox.host.images.userns_import import import_archive
+
+    store = tmp_path / "store"
+    LayerStore(store, owners=False)
+    good = import_archive(store, docker_archive(tmp_path / "good.tar", [BASE], User="agent"), "good:1")
+    assert [Path(p).is_dir() for p in good["layers"]] == [True]  # type: ignore[union-attr]
+    with pytest.raises(ImageRejected, match="'ghost' is not in its /etc/passwd"):
+        import_archive(store, docker_archive(tmp_path / "bad.tar", [BASE, tar_of(("x", b"x"))], User="ghost"), "bad:1")
+    bomb = docker_archive(tmp_path / "bomb.tar", [BASE, tar_of(("big", 8 << 20))])
+    with pytest.raises(ImageOverBudget, match="would pass the image store's budget"):
+        import_archive(store, bomb, "bomb:1", budget=ImportBudget(bytes_left=4 << 20))
+    assert sorted(os.listdir(store / "layers")) == [Path(good["layers"][0]).name]  # type: ignore[index]
+    assert os.listdir(store / "tmp") == []
