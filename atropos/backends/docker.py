@@ -46,6 +46,7 @@ LABEL_BOOT = "io.atropos-sandbox.boot-id"
 LABEL_HOST = "io.atropos-sandbox.host-id"
 CONTAINER_PORT = 8080
 SLOT_UID = 1000
+IMAGE_STORE_IN_CONTAINER = "/images"  # where DockerBackendConfig.image_volume is mounted
 # image references a host resolves itself (atropos/sandbox/host/images/host_images.py), never shipped
 HOST_SIDE_REFERENCES = ("oci:", "derived:")
 
@@ -69,6 +70,12 @@ class DockerBackendConfig(ContainerSlotCaps):
     seccomp_profile: str | None = Field(None, description="path of the outer seccomp profile; default: shipped")
     egress: EgressSettings = Field(default_factory=EgressSettings, description="network slots' egress policy; "
                                    "the engine machine's own addresses are added to machine_addresses")
+    image_volume: str | None = Field(None, description="task images' layer store: a directory of the engine's "
+                                     "machine (absolute path) or a named volume, writable by uid 1000, mounted at "
+                                     "/images in every container: shared by the containers and kept across them "
+                                     "(default: none, the store is in the container's /slots tmpfs)")
+    image_store_bytes: int | None = Field(None, ge=0, description="the image store's disk budget (default: the "
+                                          "host's, 64 GiB)")
 
     @model_validator(mode="after")
     def _slot_fits(self) -> DockerBackendConfig:
@@ -165,9 +172,15 @@ class DockerBackend(Backend):
         """HostConfig of the Engine API (kept separate so tests can inspect it)."""
         c = self.cfg
         placement: dict[str, Any] = {}
+        binds: dict[str, dict[str, str]] = {}
         if cgroup is not None:
             # the container inside its budget cgroup, beside the slots' subtree mounted for it
-            placement = {"cgroup_parent": cgroup.cgroup_parent, "binds": cgroup.binds(), "cgroupns": "host"}
+            placement = {"cgroup_parent": cgroup.cgroup_parent, "cgroupns": "host"}
+            binds.update(cgroup.binds())
+        if c.image_volume is not None:
+            binds[c.image_volume] = {"bind": IMAGE_STORE_IN_CONTAINER, "mode": "rw"}
+        if binds:
+            placement["binds"] = binds
         hc: dict[str, Any] = self.client.api.create_host_config(
             **placement,
             init=True,  # a reaping PID 1: sandbox teardown leaves no zombies behind
@@ -231,7 +244,9 @@ class DockerBackend(Backend):
             # the image's entrypoint is `python3 -m atropos.sandbox`
             command=HostLaunch(host="0.0.0.0", port=CONTAINER_PORT, slots=c.slots_per_host, data_dir="/slots/data",
                                limits=c.slot_limits(), prewarm=False, egress=self.egress_settings(),
-                               token_stdin=True, **cgroup_args).args(),
+                               token_stdin=True, image_store_bytes=c.image_store_bytes,
+                               image_store=IMAGE_STORE_IN_CONTAINER if c.image_volume else None,
+                               **cgroup_args).args(),
             user=f"{SLOT_UID}:{SLOT_UID}",
             # the token's way in: stdin (no terminal, which would echo it back)
             stdin_open=True,
