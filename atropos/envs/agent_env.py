@@ -466,7 +466,7 @@ class AgentEnv(BaseEnv):
                 if group_setup:
                     template = await self.rollouts.prepare_group(item, leases)
             except Exception as exc:
-                if isinstance(exc, ImageRejected) and not leases:
+                if isinstance(exc, ImageRejected):  # its image, or the group's derived one (the finally releases)
                     return self._rejected(item, exc)
                 if not is_infrastructure(exc):
                     raise
