@@ -15,7 +15,8 @@ from atropos.errors import ImageRejected
 from atropos.sandbox.contract.client import HostClient
 
 log = logging.getLogger(__name__)
-HOST_SIDE_REFERENCES = ("oci:", "derived:")  # the host's own: an OCI layout on its disk, an image derived there
+# the host's own: an OCI layout on its disk, an image derived there, a registry's (fetched by the host)
+HOST_SIDE_REFERENCES = ("oci:", "derived:", "docker://")
 
 
 async def ship_from_engine(api: Any, not_found: type[Exception], client: HostClient, reference: str) -> None:

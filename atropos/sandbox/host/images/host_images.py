@@ -41,7 +41,7 @@ from pathlib import Path
 
 from atropos.errors import ImageOverBudget, ImageRejected
 from atropos.sandbox.contract.hostdirs import owned_dir, remove_tree
-from atropos.sandbox.host.images import userns_import
+from atropos.sandbox.host.images import registry, userns_import
 from atropos.sandbox.host.images.image_accept import accept
 from atropos.sandbox.host.images.image_check import MAX_LOWERS, check_image
 from atropos.sandbox.host.images.image_root import ImageRoot
@@ -291,6 +291,8 @@ class HostImages:
             return reference
         if reference.startswith("oci:"):
             return oci_image_id(reference)
+        if reference.startswith(registry.PREFIX):
+            return registry.registry_image_id(reference)
         if reference in self.refs and not os.path.exists(self.docker_socket):
             # uploaded (a host with no engine: the Docker backend's, whose pool ships the image
             # again whenever the engine's id for the reference changes)
@@ -349,6 +351,13 @@ class HostImages:
         with self.store.staging() as staging:
             if reference.startswith("oci:"):
                 imported = import_oci_layout(self.store, reference, staging=staging, budget=budget)
+            elif reference.startswith(registry.PREFIX):
+                fetched = self.store.root / "tmp" / f"registry-{secrets.token_hex(8)}"
+                try:
+                    imported = import_oci_layout(self.store, registry.fetch(reference, fetched), staging=staging,
+                                                 budget=budget)
+                finally:
+                    remove_tree(fetched)
             else:
                 maybe: ImportedImage | None
                 try:
