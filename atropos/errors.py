@@ -140,6 +140,12 @@ class ImageRejected(AtroposSandboxError):
     write through a symlink, a hard link out of its layer, a content digest that does not match)."""
 
 
+class ImageOverBudget(ImageRejected):
+    """An image does not fit its host's image store now: unpacking it would pass the store's disk
+    budget less what images in use hold. Unlike its base, not a property of the image: the host
+    does not remember it, and another host (or this one, later) may take the image."""
+
+
 class SeccompUnavailable(IsolationUnavailable):
     """libseccomp is missing or refused to build our filter; we do not start sandboxes without it."""
 
@@ -219,6 +225,7 @@ ERRORS: dict[type[AtroposSandboxError], tuple[int, str]] = {
     UnknownTemplate: (404, "unknown_template"),
     TemplateInUse: (409, "template_in_use"),
     ImageRejected: (400, "image_rejected"),
+    ImageOverBudget: (400, "image_over_budget"),
     LeaseError: (409, "lease_invalid"),
     SlotSealed: (409, "verification_phase"),
     GroupTooLarge: (400, "group_too_large"),
@@ -247,9 +254,10 @@ for _error, (_status, _code) in ERRORS.items():
 
 
 def exit_code(exc: AtroposSandboxError) -> int:
-    """The exit status of a command this error ended: 2 bad configuration, 3 infrastructure
+    """The exit status of a command this error ended: 2 bad configuration or a request that cannot
+    be served as asked (an image refused: as a background pool's 4xx answer exits), 3 infrastructure
     (host, isolation, cluster), 1 anything else (the CLI's EXIT_* codes)."""
-    if isinstance(exc, ConfigError):
+    if isinstance(exc, (ConfigError, ImageRejected)):
         return 2
     if isinstance(exc, (InfrastructureError, IsolationUnavailable)):
         return 3

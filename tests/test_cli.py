@@ -446,3 +446,11 @@ def test_every_script_starts_outside_pytest(script: str, tmp_path: Path) -> None
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage" in proc.stdout.lower()
+
+
+def test_an_image_reference_that_does_not_exist_is_a_usage_error_not_infrastructure(cache: dict[str, str]) -> None:
+    """``exec --image oci:DIR:TAG`` of a layout that is not there: image_rejected, exit 2 (the
+    request is wrong; 3 would tell a script the platform is down), the message naming the layout."""
+    missing = cli("exec", "--image", "oci:/nonexistent/layout:v1", "--", "true", env=cache)
+    assert missing.returncode == EXIT_USAGE, missing.stderr
+    assert "no OCI image layout at '/nonexistent/layout'" in missing.stderr and "Traceback" not in missing.stderr

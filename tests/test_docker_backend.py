@@ -263,3 +263,24 @@ async def test_an_image_rooted_slot_on_a_docker_host_behaves_as_docker_run(task_
         async with pool.leased("img-c", image=layered) as c:
             assert (await c.bash("cat /work/kept"))["stdout"] == "keep\n"
         assert exports == [layered, roots_image]
+
+
+async def test_the_image_store_on_an_operator_volume_outlives_the_containers(task_image: Any, tmp_path: Path) -> None:
+    """``DockerBackendConfig.image_volume``: the hosts' layer store in a directory of the machine
+    (not the container's tmpfs): an image shipped to one container's host is there after the
+    container is gone, owned by the containers' uid, and a later pool's host serves it from there."""
+    small = task_image("nopython")
+    volume = tmp_path / "images"
+    volume.mkdir()
+    os.chown(volume, 1000, 1000)
+    for round_ in range(2):
+        backend: Any = make_backend("docker", slots=1)
+        backend.cfg.image_volume = str(volume)
+        async with SlotPool(backend, PoolConfig(pool_id=backend.cfg.pool_id, min_hosts=1, max_hosts=1,
+                                                acquire_timeout_s=300)) as pool:
+            async with pool.leased(f"vol-{round_}", image=small) as lease:
+                out = await lease.bash("busybox true && echo ok")
+                assert out["stdout"] == "ok\n", out
+        layers = list((volume / "layers").iterdir())
+        assert layers and all(p.stat().st_uid == 1000 for p in layers)
+        assert list((volume / "images").glob("*.json"))

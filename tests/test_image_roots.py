@@ -418,9 +418,12 @@ async def test_the_store_keeps_its_budget_and_never_evicts_an_image_in_use(
     refs = [built(f"budget-{name}", f"FROM {small}\nCOPY f /{name}\n", tmp_path_factory, {"f": name * 4096})
             for name in ("a", "b")]
     store = tmp_path / "store"
-    one, two = HostImages(store, budget_bytes=1 << 40), HostImages(store, budget_bytes=1)
+    one, two = HostImages(store, budget_bytes=1 << 40), HostImages(store, budget_bytes=1 << 40)
     a = await one.get(refs[0])  # host one holds a
-    b = await two.get(refs[1])  # host two imports b: over budget, but a is held and b is its own
+    # room for b's own layer beside a (an import may not pass the budget less what images in use hold)
+    two.budget_bytes = one.disk_bytes() + (1 << 20)
+    b = await two.get(refs[1])  # host two imports b
+    two.budget_bytes = 1  # now over budget: only what no host holds may go
     assert all(p.is_dir() for p in (*a.lowers, *b.lowers))
     a.last_used -= 10_000  # host one has not used a for a long while, and no slot is on it
     one._drop_idle()

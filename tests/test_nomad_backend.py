@@ -1295,3 +1295,35 @@ def test_hosts_deny_network_slots_the_nodes_own_address() -> None:
     assert [str(a) for a in machine] == ["192.0.2.77"], args
     routes = EgressPolicy(machine_addresses=machine).routes(host_addresses=[])
     assert routes[next(n for n in routes if n.network_address == machine[0])] is False
+
+
+async def test_the_pool_ships_task_images_to_nomad_hosts(fake: FakeNomad, task_image: Any) -> None:
+    """docs/task-images.md: a Nomad task's host has no engine of its own, so the pool ships the image
+    from its machine's engine (as for a Docker container's host), once per host and image; a slot
+    leased with ``image=`` runs on it. The fake's hosts are real hosts."""
+    small = task_image("nopython")
+    backend = backend_on(fake, slots=2)
+    api, _ = backend._engine()
+    exports: list[str] = []
+    real_export = api.get_image
+
+    def export(reference: str, *args: Any, **kw: Any) -> Any:  # the engine's real export, counted
+        exports.append(reference)
+        return real_export(reference, *args, **kw)
+
+    api.get_image = export
+    async with SlotPool(backend, pool_cfg(acquire_timeout_s=300)) as pool:
+        a, b = await pool.lease_many(["n-a", "n-b"], image=small)
+        try:
+            for lease in (a, b):
+                out = await lease.bash("busybox true && command -v python3; echo $?")
+                assert out["stdout"] == "1\n", out  # the image's root: no python there
+        finally:
+            for lease in (a, b):
+                await lease.release()
+        assert exports == [small], "one shipment for the group's host"
+        host = next(iter(pool.hosts.values()))
+        assert small in [i.reference for i in await host.client.images()]
+        async with pool.leased("n-c", image=small):
+            pass
+        assert exports == [small]  # held under the engine's current id: not shipped again

@@ -20,7 +20,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import Awaitable
 from importlib import resources
 from typing import Any, Literal, TypeVar
 
@@ -30,8 +30,9 @@ from pydantic import Field, model_validator
 from atropos.backends import docker_cgroups
 from atropos.backends.base import PREWARM_DESCRIPTION, Backend, HostInfo, new_token, pid_alive
 from atropos.backends.docker_cgroups import HostCgroup
+from atropos.backends.image_shipping import ship_from_engine
 from atropos.backends.slot_caps import ContainerSlotCaps
-from atropos.errors import ConfigError, HostUnavailable, ImageRejected, IsolationUnavailable
+from atropos.errors import ConfigError, HostUnavailable, IsolationUnavailable
 from atropos.sandbox.contract import egress
 from atropos.sandbox.contract.client import HostClient
 from atropos.sandbox.contract.egress import EgressSettings
@@ -46,8 +47,8 @@ LABEL_BOOT = "io.atropos-sandbox.boot-id"
 LABEL_HOST = "io.atropos-sandbox.host-id"
 CONTAINER_PORT = 8080
 SLOT_UID = 1000
+IMAGE_STORE_IN_CONTAINER = "/images"  # where DockerBackendConfig.image_volume is mounted
 # image references a host resolves itself (atropos/sandbox/host/images/host_images.py), never shipped
-HOST_SIDE_REFERENCES = ("oci:", "derived:")
 
 
 class DockerBackendConfig(ContainerSlotCaps):
@@ -69,6 +70,12 @@ class DockerBackendConfig(ContainerSlotCaps):
     seccomp_profile: str | None = Field(None, description="path of the outer seccomp profile; default: shipped")
     egress: EgressSettings = Field(default_factory=EgressSettings, description="network slots' egress policy; "
                                    "the engine machine's own addresses are added to machine_addresses")
+    image_volume: str | None = Field(None, description="task images' layer store: a directory of the engine's "
+                                     "machine (absolute path) or a named volume, writable by uid 1000, mounted at "
+                                     "/images in every container: shared by the containers and kept across them "
+                                     "(default: none, the store is in the container's /slots tmpfs)")
+    image_store_bytes: int | None = Field(None, ge=0, description="the image store's disk budget (default: the "
+                                          "host's, 64 GiB)")
 
     @model_validator(mode="after")
     def _slot_fits(self) -> DockerBackendConfig:
@@ -165,9 +172,15 @@ class DockerBackend(Backend):
         """HostConfig of the Engine API (kept separate so tests can inspect it)."""
         c = self.cfg
         placement: dict[str, Any] = {}
+        binds: dict[str, dict[str, str]] = {}
         if cgroup is not None:
             # the container inside its budget cgroup, beside the slots' subtree mounted for it
-            placement = {"cgroup_parent": cgroup.cgroup_parent, "binds": cgroup.binds(), "cgroupns": "host"}
+            placement = {"cgroup_parent": cgroup.cgroup_parent, "cgroupns": "host"}
+            binds.update(cgroup.binds())
+        if c.image_volume is not None:
+            binds[c.image_volume] = {"bind": IMAGE_STORE_IN_CONTAINER, "mode": "rw"}
+        if binds:
+            placement["binds"] = binds
         hc: dict[str, Any] = self.client.api.create_host_config(
             **placement,
             init=True,  # a reaping PID 1: sandbox teardown leaves no zombies behind
@@ -231,7 +244,9 @@ class DockerBackend(Backend):
             # the image's entrypoint is `python3 -m atropos.sandbox`
             command=HostLaunch(host="0.0.0.0", port=CONTAINER_PORT, slots=c.slots_per_host, data_dir="/slots/data",
                                limits=c.slot_limits(), prewarm=False, egress=self.egress_settings(),
-                               token_stdin=True, **cgroup_args).args(),
+                               token_stdin=True, image_store_bytes=c.image_store_bytes,
+                               image_store=IMAGE_STORE_IN_CONTAINER if c.image_volume else None,
+                               **cgroup_args).args(),
             user=f"{SLOT_UID}:{SLOT_UID}",
             # the token's way in: stdin (no terminal, which would echo it back)
             stdin_open=True,
@@ -341,24 +356,9 @@ class DockerBackend(Backend):
         raise HostUnavailable(f"container {container.name} did not become ready: {logs.decode(errors='replace')}")
 
     async def ship_image(self, client: HostClient, reference: str) -> None:
-        """A container's host has no engine socket: stream the engine's export of ``reference``
-        (Engine API ``GET /images/{name}/get``, the bytes of ``docker save``) to the host, unless it
-        already holds the image under the id the engine gives the reference now (a tag moved to a
-        rebuilt image is shipped again)."""
-        if reference.startswith(HOST_SIDE_REFERENCES):
-            return  # the host's own (an OCI layout on its disk, an image derived there): not the engine's
-        api = self.client.api
-        try:
-            engine_id = (await asyncio.to_thread(api.inspect_image, reference))["Id"]
-        except self._docker.errors.ImageNotFound:
-            raise ImageRejected(f"the Docker engine has no image {reference!r}") from None
-        if any(i.reference == reference and i.id == engine_id for i in await client.images()):
-            return
-        chunks = await asyncio.to_thread(api.get_image, reference)  # the request is made; the body streams
-        started = time.perf_counter()
-        info = await client.upload_image(_in_thread(chunks), reference)
-        log.info("shipped image %s (%d layers) to a host in %.1f s", reference, info.layers,
-                 time.perf_counter() - started)
+        """A container's host has no engine socket: the pool's engine ships it
+        (``image_shipping.ship_from_engine``)."""
+        await ship_from_engine(self.client.api, self._docker.errors.ImageNotFound, client, reference)
 
     async def stop_host(self, host_id: str) -> None:
         self._mine.discard(host_id)
@@ -421,10 +421,3 @@ class DockerBackend(Backend):
         await asyncio.gather(*(self.stop_host(h) for h in list(self._mine)), return_exceptions=True)
 
 
-async def _in_thread(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
-    """A blocking iterator (the docker SDK's streamed body) as an async one, a chunk per thread hop."""
-    while True:
-        chunk = await asyncio.to_thread(next, chunks, b"")
-        if not chunk:
-            return
-        yield chunk

@@ -44,6 +44,8 @@ class LocalBackendConfig(SlotCaps):
     python: str = Field(default_factory=lambda: sys.executable, description="interpreter running the hosts")
     image_store: Path | None = Field(None, description="task images' layer store, shared by this machine's hosts "
                                      "(docs/task-images.md); default: images/ under data_root")
+    image_store_bytes: int | None = Field(None, ge=0, description="the image store's disk budget (default: the "
+                                          "host's, 64 GiB); an import that would pass it is refused")
 
     def build(self) -> LocalBackend:
         return LocalBackend(self)
@@ -74,7 +76,8 @@ class LocalBackend(Backend):
                             limits=self.cfg.slot_limits(), prewarm=False,  # the pool asks (Backend.prewarm)
                             parent_pid=os.getpid(), unsafe_no_isolation=self.cfg.unsafe_no_isolation,
                             unsafe_no_cgroups=self.cfg.unsafe_no_cgroups,
-                            image_store=str(self.cfg.image_store or self.cfg.data_root / "images"))
+                            image_store=str(self.cfg.image_store or self.cfg.data_root / "images"),
+                            image_store_bytes=self.cfg.image_store_bytes)
         log_path = self.root / f"{host_id}.log"
         with open(log_path, "ab") as log_file:  # noqa: ASYNC230 - a local file, opened once per host
             proc = await start_host_process(launch, token, log_file, self.cfg.python)

@@ -11,7 +11,14 @@ from pydantic import ValidationError
 from atropos.cli.exit_codes import EXIT_FAILED, EXIT_INFRA, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from atropos.cli.extras import bench_args
 from atropos.cli.parser import parser
-from atropos.errors import AtroposSandboxError, ConfigError, InfrastructureError, IsolationUnavailable, PoolReplyError
+from atropos.errors import (
+    AtroposSandboxError,
+    ConfigError,
+    ImageRejected,
+    InfrastructureError,
+    IsolationUnavailable,
+    PoolReplyError,
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
 def exit_code(exc: Exception) -> int:
     if isinstance(exc, PoolReplyError):
         return exc.exit_code
-    if isinstance(exc, (ConfigError, ValidationError)):
+    if isinstance(exc, (ConfigError, ValidationError, ImageRejected)):  # a request that cannot be served as asked
         return EXIT_USAGE
     if isinstance(exc, (InfrastructureError, IsolationUnavailable)):
         return EXIT_INFRA

@@ -50,7 +50,7 @@ from atropos.envs.env_sandbox import EnvSandbox
 from atropos.envs.score_info import ERROR_KEY, INFO_KEY, error_shares, rollout_info
 from atropos.envs.serve_pace import ServeMode, TrainerDone, say
 from atropos.envs.verifier_check import VerifierCheck, VerifierCheckResult, append_to_html, run_checks, summary_lines
-from atropos.errors import ConfigError, InfrastructureError
+from atropos.errors import ConfigError, ImageRejected, InfrastructureError
 from atropos.progress import GroupProgress
 from atropos.slots.lease import Lease, PoolTemplate
 from atropos.slots.pool import PoolStatus, SlotPool
@@ -93,6 +93,7 @@ class AgentEnv(BaseEnv):
         self._process_mode = False
         self.serve = ServeMode()  # what serve mode does differently (serve_pace.py)
         self._lost_in_a_row = 0
+        self.rejected_items: list[tuple[str, str]] = []  # (image, why) of items skipped: their image was refused
         self._grammars: dict[bool, str] = {}  # turn_grammar's two grammars, by allow_answer
         self.progress = GroupProgress()  # one stderr line per scored group (long runs show they move)
         self.verifier_results: list[VerifierCheckResult] = []
@@ -434,6 +435,14 @@ class AgentEnv(BaseEnv):
             log.warning("process mode: retrying the item (%d group(s) in a row lost to infrastructure)",
                         self._lost_in_a_row)
 
+    def _rejected(self, item: Any, exc: ImageRejected) -> tuple[None, list[Any]]:
+        """An item whose task image no host takes (docs/task-images.md, "Refused at the door"):
+        skipped once with the reason, never retried (every lease of it would be refused alike)."""
+        log.error("item skipped: its task image %r was refused (%s)", self.item_image(item), exc)
+        self.stats["items_rejected"] += 1
+        self.rejected_items.append((self.item_image(item) or "", str(exc)))
+        return None, []
+
     def _backlog(self, item: Any, why: str) -> tuple[None, list[Any]]:
         log.warning("%s; the item goes back to the backlog (not scored)", why)
         self.stats["items_backlogged"] += 1
@@ -457,6 +466,8 @@ class AgentEnv(BaseEnv):
                 if group_setup:
                     template = await self.rollouts.prepare_group(item, leases)
             except Exception as exc:
+                if isinstance(exc, ImageRejected):  # its image, or the group's derived one (the finally releases)
+                    return self._rejected(item, exc)
                 if not is_infrastructure(exc):
                     raise
                 what = "group setup failed" if leases else f"could not lease a group of {len(ids)}"

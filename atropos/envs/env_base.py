@@ -38,5 +38,5 @@ class Rollout(BaseModel):
 
 def _new_stats() -> dict[str, float]:
     return {"rollouts": 0, "tool_calls": 0, "tool_seconds": 0.0, "score_sum": 0.0, "infra_retries": 0,
-            "items_backlogged": 0, "group_setups": 0, "group_setup_seconds": 0.0, "context_budget_stops": 0,
-            "token_tracking_fallbacks": 0, "groups_dropped_same_scores": 0}
+            "items_backlogged": 0, "items_rejected": 0, "group_setups": 0, "group_setup_seconds": 0.0,
+            "context_budget_stops": 0, "token_tracking_fallbacks": 0, "groups_dropped_same_scores": 0}

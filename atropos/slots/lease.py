@@ -48,6 +48,16 @@ class PoolHost:
         # Free slots whose fresh root is a task image (kept from their last lease, prewarmed by the
         # host): a lease of that image takes one with no reset on its path. Absent: the default root.
         self.roots: dict[int, str] = {}
+        # Task images this host refused (image_rejected: a node without the image, a store it does not
+        # fit): (when, why). The pool sends such an image elsewhere while the refusal is recent.
+        self.refused: dict[str, tuple[float, str]] = {}
+
+    def refusal(self, image: str, ttl: float) -> str | None:
+        """Why this host refused ``image`` within the last ``ttl`` seconds, or None."""
+        entry = self.refused.get(image)
+        if entry is None or time.monotonic() - entry[0] > ttl:
+            return None
+        return entry[1]
 
     @property
     def id(self) -> str:

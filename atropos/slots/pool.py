@@ -19,7 +19,14 @@ from typing import Any
 
 from atropos import memstats
 from atropos.backends.base import Backend
-from atropos.errors import AtroposSandboxError, GroupTooLarge, HostUnavailable, LeaseError, SlotUnavailable
+from atropos.errors import (
+    AtroposSandboxError,
+    GroupTooLarge,
+    HostUnavailable,
+    ImageRejected,
+    LeaseError,
+    SlotUnavailable,
+)
 from atropos.sandbox.contract.protocol import ImageInfo, ResetResult
 from atropos.slots.audit import LeaseAudit
 from atropos.slots.background import Background
@@ -33,6 +40,9 @@ from atropos.slots.pool_templates import TemplateShipper
 __all__ = ["GroupTooLarge", "HostStatus", "PoolStatus", "SlotPool"]
 
 log = logging.getLogger(__name__)
+# How long the pool keeps a host's refusal of an image in mind (sending it elsewhere meanwhile): a
+# refusal for room in its store, or a node that lacked the image, may not last.
+IMAGE_REFUSAL_TTL_S = 300.0
 
 RATE_WINDOW_S = 10  # status().calls_per_s: the calls of the last this many seconds
 
@@ -145,13 +155,15 @@ class SlotPool:
                 f"(max_hosts {self.cfg.max_hosts} x {most // self.cfg.max_hosts} slots per host)")
         colocate = (template is not None or image is not None) if colocate is None else colocate
         prefer = frozenset(template.copies) if template is not None else frozenset()
+        avoid: frozenset[str] = frozenset()
         if image is not None:
             prefer = frozenset(h.id for h in self.hosts.values() if image in h.images)
+            avoid = self._refusing(image)
         if self.queue.can_take_now(len(ids)):
-            leases = self.queue._take_group(ids, network, colocate, prefer, image)
+            leases = self.queue._take_group(ids, network, colocate, prefer, image, avoid)
         else:
             leases = await self.queue._wait(ids, network, self.cfg.acquire_timeout_s if timeout is None else timeout,
-                                            colocate, prefer, image)
+                                            colocate, prefer, image, avoid)
 
         async def prepare(lease: Lease) -> None:
             if template is None and lease.image == image:  # its root already is a fresh one of it
@@ -160,12 +172,34 @@ class SlotPool:
                            lease.reset(network=True, image=image))
                 return
             if image is not None:
-                await self._ship_image(lease.host, image)
+                try:
+                    await self._ship_image(lease.host, image)
+                    await lease.reset(template, network=network or None, image=image)
+                except ImageRejected as exc:
+                    lease.host.refused[image] = (time.monotonic(), str(exc))
+                    raise
+                return
             await lease.reset(template, network=network or None, image=image)
 
         if template is not None or network or any(lease.image != image for lease in leases):
-            await self._prepare_or_release(leases, prepare)
+            try:
+                await self._prepare_or_release(leases, prepare)
+            except ImageRejected:
+                # a host refused it (a Ray node without the image): elsewhere, if a host has not
+                if image is None or self._refusing(image) == avoid:
+                    raise
+                return await self.lease_many(trajectory_ids, timeout, network=network, colocate=colocate,
+                                             image=image)
         return leases
+
+    def _refusing(self, image: str) -> frozenset[str]:
+        """Hosts that refused ``image`` lately; every host of the pool: ImageRejected now, with
+        their reasons (no slot is taken for an image no host will serve)."""
+        refusing = {h.id: why for h in self.hosts.values()
+                    if (why := h.refusal(image, IMAGE_REFUSAL_TTL_S)) is not None}
+        if self.hosts and len(refusing) == len(self.hosts):
+            raise ImageRejected(f"every host of the pool refused {image!r}: " + "; ".join(refusing.values()))
+        return frozenset(refusing)
 
     async def _enable_network(self, lease: Lease) -> None:
         result = await lease.host.guard(lease.host.client.reset(

@@ -27,6 +27,7 @@ class _Waiter:
     colocate: bool = False
     prefer: frozenset[str] = frozenset()
     image: str | None = None
+    avoid: frozenset[str] = frozenset()  # hosts that refused ``image``: taken last
 
 
 class SlotQueue:
@@ -57,11 +58,12 @@ class SlotQueue:
         self._waiters.clear()
 
     def _take(self, trajectory_id: str, network: bool, host: PoolHost | None = None,
-              image: str | None = None) -> Lease:
+              image: str | None = None, avoid: frozenset[str] = frozenset()) -> Lease:
         # Spread over hosts (most free first): calls of different trajectories then rarely
-        # share a host's CPU budget.
+        # share a host's CPU budget. A host that refused the image comes last.
         if host is None:
-            host = max((h for h in self._fleet.hosts.values() if h.free and h.leasable), key=lambda h: len(h.free))
+            host = max((h for h in self._fleet.hosts.values() if h.free and h.leasable),
+                       key=lambda h: (h.id not in avoid, len(h.free)))
         slot, token, generation, root = host.take_free(image)
         lease = Lease(self._pool, host, slot, token, generation, trajectory_id, network, image=root)
         host.hold(lease)
@@ -79,17 +81,18 @@ class SlotQueue:
                 return  # FIFO: a group at the head waits for its whole size
             self._waiters.popleft()
             waiter.future.set_result(self._take_group(waiter.ids, waiter.network, waiter.colocate, waiter.prefer,
-                                                      waiter.image))
+                                                      waiter.image, waiter.avoid))
 
     def _take_group(self, ids: list[str], network: bool, colocate: bool, prefer: frozenset[str],
-                    image: str | None = None) -> list[Lease]:
+                    image: str | None = None, avoid: frozenset[str] = frozenset()) -> list[Lease]:
         """Take one slot per id; with ``colocate`` on as few hosts as possible, preferring hosts
         in ``prefer`` (those that already hold the group's template: no shipping needed); slots
-        whose root is already ``image`` first (see ``PoolHost.take_free``)."""
+        whose root is already ``image`` first (see ``PoolHost.take_free``); hosts in ``avoid``
+        (they refused the image) last."""
         if not colocate:
-            return [self._take(t, network, image=image) for t in ids]
+            return [self._take(t, network, image=image, avoid=avoid) for t in ids]
         hosts = sorted((h for h in self._fleet.hosts.values() if h.free and h.leasable),
-                       key=lambda h: (h.id in prefer, len(h.free)), reverse=True)
+                       key=lambda h: (h.id not in avoid, h.id in prefer, len(h.free)), reverse=True)
         whole = [h for h in hosts if len(h.free) >= len(ids)]
         order = whole[:1] or hosts
         leases: list[Lease] = []
@@ -99,8 +102,9 @@ class SlotQueue:
         return leases
 
     async def _wait(self, ids: list[str], network: bool, timeout: float, colocate: bool = False,
-                    prefer: frozenset[str] = frozenset(), image: str | None = None) -> list[Lease]:
-        waiter = _Waiter(ids, network, colocate=colocate, prefer=prefer, image=image)
+                    prefer: frozenset[str] = frozenset(), image: str | None = None,
+                    avoid: frozenset[str] = frozenset()) -> list[Lease]:
+        waiter = _Waiter(ids, network, colocate=colocate, prefer=prefer, image=image, avoid=avoid)
         self._waiters.append(waiter)
         self._fleet.rescale()
         try:

@@ -17,13 +17,15 @@ from typing import Any
 import httpx
 
 from atropos.backends.base import Backend, HostInfo, new_token
+from atropos.backends.image_shipping import ship_from_engine
 from atropos.backends.nomad.allocs import Alloc, AllocDied, alloc_address, index_of, is_live, is_usable
 from atropos.backends.nomad.api import JobGone, NomadAPI, group_count
 from atropos.backends.nomad.config import NomadBackendConfig
 from atropos.backends.nomad.ledger import AllocationLedger, NameRoles
 from atropos.backends.nomad.owner import JobOwner
 from atropos.backends.nomad.start import HostStart
-from atropos.errors import ConfigError, HostUnavailable, NomadAPIError, NomadUnreachable
+from atropos.errors import ConfigError, HostUnavailable, ImageRejected, NomadAPIError, NomadUnreachable
+from atropos.sandbox.contract.client import HostClient
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,7 @@ class NomadBackend(Backend):
         self._token = new_token()  # one per pool; see the package docstring for how it travels
         self._instance = new_token()[:12]
         self.stats: dict[str, int] = dict.fromkeys(STATS, 0)
+        self._docker_client: Any = None  # the engine task images are shipped from (ship_image), once asked
         self.api = NomadAPI(self.cfg, self._instance)
         self.owner = JobOwner(self.api, self._token, self._instance, self.stats)
         self.ledger = AllocationLedger(self.cfg.spare_grace_s)
@@ -387,6 +390,32 @@ class NomadBackend(Backend):
             if self._registered:
                 return 0
             return await self.owner.claim_job_id()
+
+    async def ship_image(self, client: HostClient, reference: str) -> None:
+        """A Nomad task's host has no engine socket: the pool's machine's engine ships the image
+        (``image_shipping.ship_from_engine``), as for a Docker container's host."""
+        if not self.cfg.ship_images:
+            return
+        api, not_found = await asyncio.to_thread(self._engine)
+        await ship_from_engine(api, not_found, client, reference)
+
+    def _engine(self) -> tuple[Any, type[Exception]]:
+        """The docker SDK's low-level client of the engine images are shipped from, and its ImageNotFound."""
+        try:
+            import docker
+        except ImportError:
+            raise ImageRejected("shipping task images to Nomad hosts needs the docker package on the pool's "
+                                "machine") from None
+        if self._docker_client is None:
+            try:
+                client = (docker.DockerClient(base_url=self.cfg.docker_url) if self.cfg.docker_url
+                          else docker.from_env())
+                client.ping()
+            except docker.errors.DockerException as exc:
+                raise ImageRejected(f"no Docker engine to ship task images from (NomadBackendConfig.docker_url, "
+                                    f"else DOCKER_HOST): {exc}") from None
+            self._docker_client = client
+        return self._docker_client.api, docker.errors.ImageNotFound
 
     async def close(self) -> None:
         if self._closed:

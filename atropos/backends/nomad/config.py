@@ -61,6 +61,10 @@ class NomadBackendConfig(ContainerSlotCaps):
         None, description="a Nomad host volume (client `host_volume`, writable by uid 1000) holding the hosts' "
         "task-image layer store (docs/task-images.md): shared by the hosts of a node and kept across allocations. "
         "Default: none; the store then lives in the container's /slots tmpfs and goes with it")
+    ship_images: bool = Field(True, description="the pool ships a task image from its machine's Docker engine to a "
+                              "host before a slot is rooted on it (a Nomad task's host has no engine of its own)")
+    docker_url: str | None = Field(None, description="the Docker engine task images are shipped from; default from "
+                                   "the environment (DOCKER_HOST, as the docker CLI)")
     # -- behaviour ----------------------------------------------------------------------------
     start_timeout_s: float = Field(120.0, gt=0, description="placement + image pull + health, per host")
     connect_timeout_s: float = Field(5.0, gt=0)

@@ -12,6 +12,8 @@ from atropos.errors import (
     AtroposSandboxError,
     AuthenticationError,
     HostUnavailable,
+    ImageOverBudget,
+    ImageRejected,
     InfrastructureError,
     LeaseError,
     PathEscapeError,
@@ -53,7 +55,7 @@ CALL_ANSWER_GRACE_S = 30.0
 # The host's error codes this side raises as the class the host raised (atropos.errors.ERRORS).
 _BY_CODE: dict[str, type[AtroposSandboxError]] = {cls.code: cls for cls in (
     LeaseError, SlotSealed, SlotUnavailable, UnknownTemplate, TemplateInUse, TemplateSourceError,
-    TemplateBuildFailed, WorkspaceError, PathEscapeError)}
+    TemplateBuildFailed, WorkspaceError, PathEscapeError, ImageRejected, ImageOverBudget)}
 
 
 class HostClient:
@@ -322,8 +324,8 @@ def _raise_for(status: int, body: bytes, where: str) -> NoReturn:
     known = _BY_CODE.get(code)
     if known is not None and issubclass(known, ToolError):
         raise known(f"HTTP {status} {code}: {message}", code=code, status=status)
-    if known is not None:  # the platform's errors name the host they happened on
-        raise known(f"{where}: {message}" if issubclass(known, InfrastructureError) else message)
+    if known is not None:  # the platform's errors, and an image a host refused, name the host
+        raise known(f"{where}: {message}" if issubclass(known, (InfrastructureError, ImageRejected)) else message)
     if status >= 500:
         raise HostUnavailable(f"{where}: HTTP {status}: {message}")
     raise ToolInputError(f"HTTP {status} {code}: {message}", code=code or "tool_error", status=status)

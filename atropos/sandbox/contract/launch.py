@@ -112,6 +112,8 @@ class HostLaunch(BaseModel):
     log_level: str | None = None
     image_store: str | None = Field(None, description="task images' layer store (default: images/ beside the "
                                     "data dir)")
+    image_store_bytes: int | None = Field(None, ge=0, description="the image store's disk budget (default: the "
+                                          "host's)")
     token_stdin: bool = Field(False, description="the token arrives on stdin (start_host_process), not in the env")
     token_file: str | None = Field(None, description="the token is in this file, the host's own, mode 0400 "
                                    "(a Nomad task's secrets/token): read once at start, then removed")
@@ -141,6 +143,8 @@ class HostLaunch(BaseModel):
             args += ["--log-level", self.log_level]
         if self.image_store is not None:
             args.append(f"--image-store={self.image_store}")
+        if self.image_store_bytes is not None:
+            args.append(f"--image-store-bytes={self.image_store_bytes}")
         if self.token_stdin:
             args.append("--token-stdin")
         if self.token_file is not None:

@@ -67,7 +67,10 @@ class HostConfig(BaseModel):
         None, description="task images' layer store (docs/task-images.md); default: images/ beside the data dir, "
                           "shared by the hosts of one machine")
     image_store_bytes: int = Field(64 << 30, ge=0, description="disk budget of the image store: least recently "
-                                   "used images no host is using are evicted past it")
+                                   "used images no host is using are evicted past it, and an import that would "
+                                   "pass it is refused while it unpacks")
+    image_layer_entries: int = Field(1_000_000, ge=1, description="most members one image layer may hold (bounds "
+                                     "the time an import takes); a layer with more is refused")
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port (printed on start)")
     token: str = Field("", repr=False, description="bearer token every request must carry")

@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
                         "one machine; docs/task-images.md)")
     p.add_argument("--image-store-bytes", type=int, default=defaults.image_store_bytes,
                    help="disk budget of the image store: least recently used images no host is using are evicted")
+    p.add_argument("--image-layer-entries", type=int, default=defaults.image_layer_entries,
+                   help="most members one image layer may hold; a layer with more is refused")
     token_source = p.add_mutually_exclusive_group()
     token_source.add_argument("--token-file", type=Path, help="file holding the bearer token: ours, mode 0400 or "
                               "0600; read at start, then removed")
@@ -135,7 +137,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[HostConfig, argparse.Name
         p.error(str(exc))
     cfg = HostConfig(
         slots=args.slots, data_dir=args.data_dir, image_store=args.image_store,
-        image_store_bytes=args.image_store_bytes, host=args.host, port=args.port,
+        image_store_bytes=args.image_store_bytes, image_layer_entries=args.image_layer_entries,
+        host=args.host, port=args.port,
         token=token,
         uid_base=args.uid_base, unsafe_no_isolation=args.unsafe_no_isolation, **host_settings(slot),
         native_supervisor=args.native_supervisor,

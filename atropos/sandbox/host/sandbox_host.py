@@ -315,7 +315,8 @@ class SandboxHost:
     def images(self) -> HostImages:
         if self._images is None:
             self._images = HostImages(self.cfg.image_store or self.root.parent / "images",
-                                      budget_bytes=self.cfg.image_store_bytes)
+                                      budget_bytes=self.cfg.image_store_bytes,
+                                      layer_entries=self.cfg.image_layer_entries)
         return self._images
 
     async def prepare_image(self, reference: str) -> ImageInfo:

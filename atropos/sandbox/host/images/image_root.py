@@ -71,29 +71,39 @@ class ImageRoot:
         return self._ids
 
 
+def _id(text: str) -> int | None:
+    """A decimal uid or gid as passwd writes it (ASCII digits only: ``'٣'.isdigit()`` is true), or
+    None; anything past ten digits is out of any range (and ``int`` refuses thousands of digits)."""
+    if not text.isascii() or not text.isdigit():
+        return None
+    return int(text) if len(text) <= 10 else 1 << 40
+
+
 def resolve_user(user: str, read: Callable[[str], bytes | None]) -> tuple[int, int]:
     name, _, group = (user or "").partition(":")
     if not name or name == "root":
         uid, gid = 0, 0
-    elif name.isdigit():
-        uid = int(name)
+    elif (num := _id(name)) is not None:
+        uid = num
         entry = find_entry(read("etc/passwd"), lambda f: f[2] == name)
-        gid = int(entry[3]) if entry is not None and entry[3].isdigit() else 0
+        gid = (_id(entry[3]) if entry is not None else None) or 0
     else:
         entry = find_entry(read("etc/passwd"), lambda f: f[0] == name)
-        if entry is None or not entry[2].isdigit() or not entry[3].isdigit():
+        ids = None if entry is None else (_id(entry[2]), _id(entry[3]))
+        if ids is None or ids[0] is None or ids[1] is None:
             raise ImageRejected(f"the image's User {user!r} is not in its /etc/passwd")
-        uid, gid = int(entry[2]), int(entry[3])
+        uid, gid = ids[0], ids[1]
     if group:
-        if group.isdigit():
-            gid = int(group)
+        if (num := _id(group)) is not None:
+            gid = num
         else:
             found = find_entry(read("etc/group"), lambda f: f[0] == group)
-            if found is None or not found[2].isdigit():
+            gnum = None if found is None else _id(found[2])
+            if gnum is None:
                 raise ImageRejected(f"the image's User {user!r}: no group {group!r} in its /etc/group")
-            gid = int(found[2])
+            gid = gnum
     if uid >= 1 << 31 or gid >= 1 << 31:
-        raise ImageRejected(f"the image's User {user!r} is out of range")
+        raise ImageRejected(f"the image's User {user!r} is out of range (uid {uid}, gid {gid})")
     return uid, gid
 
 

@@ -23,6 +23,14 @@ the merged view read another path). So:
 A layer is unpacked into a temporary directory and renamed into place only when complete and its
 DiffID (the sha256 of the uncompressed tar, computed while unpacking) is the one expected: a
 refused or interrupted layer leaves nothing behind.
+
+**Bounded while unpacking.** A 2 MB gzip layer can expand to gigabytes, or to millions of empty
+files. So an import carries an ``ImportBudget``: every member is charged (a regular file its
+declared size in whole blocks, before a byte of it is written; a directory one block) and every
+layer may hold at most ``entries_per_layer`` members; past either, the layer stops and is refused
+with the numbers. An image's layers are unpacked into one staging directory (``Staging``) and
+move into the store together when the whole image is accepted (``commit``): a refused image leaves
+nothing, and no other import sees a layer of an image not yet accepted.
 """
 
 from __future__ import annotations
@@ -43,13 +51,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from atropos.errors import ImageRejected
+from atropos.errors import ImageOverBudget, ImageRejected
 from atropos.sandbox.contract.hostdirs import owned_dir, remove_tree
+from atropos.sandbox.host.images.layer_trees import tree_bytes
 
 WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
 OPAQUE_XATTRS = ("trusted.overlay.opaque", "user.overlay.opaque")
 DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+BLOCK = 4096  # what a file or directory costs on disk at least (tree_bytes counts blocks)
+DEFAULT_LAYER_ENTRIES = 1_000_000  # members of one layer (a large SWE image's biggest: ~200k)
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
@@ -61,6 +72,30 @@ class LayerInfo:
     entries: int = 0
     bytes: int = 0
     dropped: list[str] = field(default_factory=list)  # what the layer held that the store refused
+
+
+def blocks(size: int) -> int:
+    return -(-size // BLOCK) * BLOCK
+
+
+@dataclass
+class ImportBudget:
+    """What one import may write into the store (see the module doc). ``bytes_left`` None: no byte
+    accounting (the benchmark's baseline); ``context`` ends a refusal (the store's budget and what
+    images in use hold of it)."""
+
+    bytes_left: int | None = None
+    entries_per_layer: int = DEFAULT_LAYER_ENTRIES
+    context: str = ""
+    written: int = 0  # bytes charged so far, every layer of the import
+    entries: int = 0  # members so far, every layer of the import
+
+    def charge(self, nbytes: int, what: str) -> None:
+        self.written += nbytes
+        if self.bytes_left is not None and self.written > self.bytes_left:
+            raise ImageOverBudget(f"unpacking would pass the image store's budget: {self.written} bytes at {what!r} "
+                                f"({self.entries} entries so far), over the {self.bytes_left} bytes this import may "
+                                f"take{'; ' + self.context if self.context else ''}")
 
 
 class _Hashing(io.RawIOBase):
@@ -149,12 +184,13 @@ def member_parts(name: str) -> list[str]:
 
 
 class _Unpacker:
-    def __init__(self, root_fd: int, uid_shift: int, info: LayerInfo, owners: bool) -> None:
+    def __init__(self, root_fd: int, uid_shift: int, info: LayerInfo, owners: bool, budget: ImportBudget) -> None:
         self.root = root_fd
         self.shift = uid_shift
         self.info = info
         self.dirs: dict[tuple[str, ...], tarfile.TarInfo] = {}
         self.as_root = owners
+        self.budget = budget
 
     @contextlib.contextmanager
     def parent(self, parts: list[str], create: bool = True) -> Iterator[int]:
@@ -216,6 +252,12 @@ class _Unpacker:
             return  # the layer's root itself
         name = parts[-1]
         self.info.entries += 1
+        self.budget.entries += 1
+        if self.info.entries > self.budget.entries_per_layer:
+            raise ImageRejected(f"a layer holds more than {self.budget.entries_per_layer} entries (the per-layer cap; "
+                                f"{self.budget.written} bytes unpacked so far)")
+        # charged before anything is written: a member declaring gigabytes is refused whole
+        self.budget.charge(blocks(m.size) if m.isreg() else BLOCK if m.isdir() else 0, m.name)
         if name == OPAQUE:
             with self.parent(parts) as fd:
                 for attr in OPAQUE_XATTRS:
@@ -309,7 +351,7 @@ class LayerStore:
         # only our own uid (atropos/sandbox/host/images/userns_import.py), where every file is ours
         self.owners = os.geteuid() == 0 if owners is None else owners
         owned_dir(root, 0o700)
-        for sub in ("layers", "tmp"):
+        for sub in ("layers", "tmp", "sizes"):
             owned_dir(root / sub, 0o700)
 
     def path(self, diff_id: str) -> Path:
@@ -324,17 +366,69 @@ class LayerStore:
     def layers(self) -> list[str]:
         return sorted(f"sha256:{p.name}" for p in (self.root / "layers").iterdir())
 
-    def add_dir(self, source: Path, diff_id: str) -> LayerInfo:
+    def layer_bytes(self, layer: Path) -> int:
+        """Disk used by a layer dir of the store (cached beside it: a layer never changes)."""
+        cache = self.root / "sizes" / layer.name
+        with contextlib.suppress(OSError, ValueError):
+            return int(cache.read_text())
+        size = tree_bytes(layer)
+        with contextlib.suppress(OSError):
+            tmp = cache.with_name(f"{layer.name}.{secrets.token_hex(4)}")
+            tmp.write_text(str(size))
+            os.replace(tmp, cache)
+        return size
+
+    def forget_size(self, layer: Path) -> None:
+        (self.root / "sizes" / layer.name).unlink(missing_ok=True)
+
+    @contextlib.contextmanager
+    def staging(self) -> Iterator[Staging]:
+        """A staging dir for one image's new layers: ``commit`` moves them into the store; whatever
+        is still staged when the block ends (a refused image) is removed with it."""
+        stage = Staging(self.root / "tmp" / f"stage-{secrets.token_hex(8)}")
+        stage.dir.mkdir(mode=0o700)
+        try:
+            yield stage
+        finally:
+            remove_tree(stage.dir)
+
+    def located(self, diff_id: str, staging: Staging | None) -> Path:
+        """Where the layer ``diff_id`` is: staged by this import, else in the store."""
+        if staging is not None and diff_id in staging.layers:
+            return staging.layers[diff_id]
+        return self.path(diff_id)
+
+    def commit(self, staging: Staging) -> None:
+        """Move an accepted image's staged layers into the store (a layer another import put there
+        meanwhile stays: the same DiffID is the same content)."""
+        for diff_id, path in list(staging.layers.items()):
+            final = self.path(diff_id)
+            try:
+                os.rename(path, final)
+            except OSError:
+                if not final.is_dir():
+                    raise
+            del staging.layers[diff_id]
+
+    def add_dir(self, source: Path, diff_id: str, *, staging: Staging | None = None,
+                budget: ImportBudget | None = None) -> LayerInfo:
         """A layer the local engine has unpacked (its overlay2 dir: the same form as ours, 0/0
         whiteouts and opaque xattrs), copied rather than re-read from a tar, and made what ``add``
-        makes of a tar (``_sanitize_dir``). The DiffID is the engine's word for what the dir holds."""
+        makes of a tar (``_sanitize_dir``). The DiffID is the engine's word for what the dir holds.
+        The copy is charged to ``budget`` once made (the engine's own disk held it already)."""
         final = self.path(diff_id)
         if final.is_dir():
             return LayerInfo(diff_id, final)
+        if staging is not None:
+            if diff_id in staging.layers:
+                return LayerInfo(diff_id, staging.layers[diff_id])
+            final = staging.dir / final.name
         tmp = self.root / "tmp" / secrets.token_hex(8)
         try:
             subprocess.run(["cp", "-a", "--", str(source), str(tmp)], check=True, capture_output=True, timeout=3600)
             info = LayerInfo(diff_id, final, dropped=_sanitize_dir(tmp))
+            if budget is not None:
+                budget.charge(tree_bytes(tmp), f"the engine's layer {diff_id}")
             try:
                 os.rename(tmp, final)
             except OSError:
@@ -342,6 +436,8 @@ class LayerStore:
                     raise
                 remove_tree(tmp)
             os.chmod(final, 0o755)
+            if staging is not None:
+                staging.layers[diff_id] = final
             return info
         except subprocess.CalledProcessError as exc:
             remove_tree(tmp)
@@ -351,11 +447,15 @@ class LayerStore:
             remove_tree(tmp)
             raise
 
-    def add(self, stream: IO[bytes], *, diff_id: str | None = None) -> LayerInfo:
+    def add(self, stream: IO[bytes], *, diff_id: str | None = None, staging: Staging | None = None,
+            budget: ImportBudget | None = None) -> LayerInfo:
         """Unpack one layer (plain, gzip or zstd tar) unless a layer of that DiffID is already here.
-        ``diff_id``, when given, must match what the bytes hash to; the layer is refused otherwise."""
-        if diff_id is not None and self.has(diff_id):
-            return LayerInfo(diff_id, self.path(diff_id))
+        ``diff_id``, when given, must match what the bytes hash to; the layer is refused otherwise.
+        ``staging``: the layer goes there (``commit`` moves it into the store), not into the store.
+        ``budget``: what the import may still write (default: the entry cap alone)."""
+        if diff_id is not None and (self.has(diff_id) or (staging is not None and diff_id in staging.layers)):
+            return LayerInfo(diff_id, self.located(diff_id, staging))
+        budget = budget if budget is not None else ImportBudget()
         tmp = self.root / "tmp" / secrets.token_hex(8)
         tmp.mkdir(mode=0o700)
         info = LayerInfo("", tmp)
@@ -365,7 +465,7 @@ class LayerStore:
                 reader = io.BufferedReader(hashing, 1 << 20)
                 root_fd = os.open(tmp, DIR)
                 try:
-                    unpacker = _Unpacker(root_fd, self.uid_shift, info, self.owners)
+                    unpacker = _Unpacker(root_fd, self.uid_shift, info, self.owners, budget)
                     try:
                         with tarfile.open(fileobj=reader, mode="r|") as tar:
                             for member in tar:
@@ -381,6 +481,8 @@ class LayerStore:
             if diff_id is not None and digest != diff_id:
                 raise ImageRejected(f"layer content hashes to {digest}, not the expected {diff_id}")
             final = self.path(digest)
+            if staging is not None:
+                final = staging.layers[digest] = staging.dir / final.name
             info.diff_id, info.path = digest, final
             try:
                 os.rename(tmp, final)
@@ -393,6 +495,14 @@ class LayerStore:
         except BaseException:
             remove_tree(tmp)
             raise
+
+
+@dataclass
+class Staging:
+    """One import's layers not yet in the store, by DiffID (``LayerStore.staging``)."""
+
+    dir: Path
+    layers: dict[str, Path] = field(default_factory=dict)
 
 
 # What a layer dir the engine unpacked may keep: the opaque marker (overlayfs' own, as the store's

@@ -10,12 +10,15 @@ Both give the same result: the image's config as ``docker run`` applies it (``En
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import http.client
+import io
 import json
 import os
 import shutil
 import socket
+import stat
 import tarfile
 import tempfile
 from collections.abc import Callable, Iterator
@@ -26,7 +29,7 @@ from urllib.parse import quote
 from pydantic import BaseModel, ConfigDict, Field
 
 from atropos.errors import ImageRejected
-from atropos.sandbox.host.images.layer_store import LayerStore
+from atropos.sandbox.host.images.layer_store import ImportBudget, LayerStore, Staging
 
 DOCKER_SOCKET = "/var/run/docker.sock"
 MAX_JSON = 4 << 20  # a manifest or config larger than this is not an image's
@@ -42,6 +45,12 @@ class ImageConfig(BaseModel):
     env: tuple[str, ...] = ()
     working_dir: str = "/"
     user: str = ""
+    layers: tuple[str, ...] = Field((), description="the store's layers, bottom first, when not the diff_ids "
+                                    "(an image with more layers than an overlay takes: its bottom ones merged)")
+
+    @property
+    def store_layers(self) -> tuple[str, ...]:
+        return self.layers or self.diff_ids
 
     @classmethod
     def from_config(cls, reference: str, raw: dict[str, Any]) -> ImageConfig:
@@ -50,8 +59,14 @@ class ImageConfig(BaseModel):
         diff_ids = rootfs.get("diff_ids")
         if rootfs.get("type") != "layers" or not isinstance(diff_ids, list) or not diff_ids:
             raise ImageRejected(f"{reference}: the image config has no rootfs.diff_ids")
-        return cls(reference=reference, diff_ids=tuple(diff_ids), env=tuple(conf.get("Env") or ()),
-                   working_dir=conf.get("WorkingDir") or "/", user=conf.get("User") or "")
+        env, working_dir, user = conf.get("Env") or [], conf.get("WorkingDir") or "/", conf.get("User") or ""
+        if not isinstance(env, list) or not all(isinstance(e, str) for e in env):
+            raise ImageRejected(f"{reference}: the image config's Env is not a list of strings")
+        if not isinstance(working_dir, str) or not isinstance(user, str):
+            raise ImageRejected(f"{reference}: the image config's WorkingDir and User must be strings")
+        if not all(isinstance(d, str) for d in diff_ids):
+            raise ImageRejected(f"{reference}: the image config's rootfs.diff_ids are not strings")
+        return cls(reference=reference, diff_ids=tuple(diff_ids), env=tuple(env), working_dir=working_dir, user=user)
 
 
 class ImportedImage(BaseModel):
@@ -59,6 +74,8 @@ class ImportedImage(BaseModel):
     layers: list[str]  # paths in the store, bottom first
     unpacked: int  # layers unpacked by this import (0: all were already in the store)
     image_id: str = ""  # sha256 of the config, the engine's image id (set by import_docker_archive)
+    written: int = 0  # bytes charged to the import's budget (ImportBudget)
+    entries: int = 0  # layer members unpacked
 
 
 def _json(data: bytes, what: str) -> Any:
@@ -70,20 +87,45 @@ def _json(data: bytes, what: str) -> Any:
         raise ImageRejected(f"{what} is not JSON: {exc}") from None
 
 
+@contextlib.contextmanager
+def _staged(store: LayerStore, staging: Staging | None) -> Iterator[tuple[Staging, bool]]:
+    """The caller's staging, or one of our own committed when the import is done (True)."""
+    if staging is not None:
+        yield staging, False
+    else:
+        with store.staging() as own:
+            yield own, True
+
+
 def _import(store: LayerStore, config: ImageConfig,
-            open_layer: Callable[[int], contextlib.AbstractContextManager[IO[bytes]]]) -> ImportedImage:
-    """Unpack the layers of ``config`` the store lacks (``open_layer(i)`` opens the i-th, bottom first)."""
-    unpacked = 0
-    for i, diff_id in enumerate(config.diff_ids):
-        if store.has(diff_id):
-            continue
-        with open_layer(i) as stream:
-            store.add(stream, diff_id=diff_id)  # refused unless the bytes hash to this DiffID
-        unpacked += 1
-    return ImportedImage(config=config, layers=[str(store.path(d)) for d in config.diff_ids], unpacked=unpacked)
+            open_layer: Callable[[int], contextlib.AbstractContextManager[IO[bytes]]], *,
+            staging: Staging | None = None, budget: ImportBudget | None = None) -> ImportedImage:
+    """Unpack the layers of ``config`` the store lacks (``open_layer(i)`` opens the i-th, bottom
+    first) into ``staging`` (the caller checks and commits the image), or, without one, into the
+    store at once."""
+    budget = budget if budget is not None else ImportBudget()
+    with _staged(store, staging) as (stage, own):
+        unpacked = 0
+        for i, diff_id in enumerate(config.diff_ids):
+            if store.has(diff_id) or diff_id in stage.layers:
+                continue
+            with open_layer(i) as stream:
+                try:  # refused unless the bytes hash to this DiffID
+                    store.add(stream, diff_id=diff_id, staging=stage, budget=budget)
+                except ImageRejected as exc:
+                    raise type(exc)(f"{config.reference}: layer {i + 1} of {len(config.diff_ids)}: {exc}") \
+                        from None
+            unpacked += 1
+        layers = [str(store.located(d, stage)) for d in config.diff_ids]
+        if own:
+            store.commit(stage)
+            layers = [str(store.path(d)) for d in config.diff_ids]
+        return ImportedImage(config=config, layers=layers, unpacked=unpacked, written=budget.written,
+                             entries=budget.entries)
 
 
-def import_docker_archive(store: LayerStore, archive: Path, reference: str) -> ImportedImage:
+def import_docker_archive(store: LayerStore, archive: Path, reference: str, *, staging: Staging | None = None,
+                          budget: ImportBudget | None = None) -> ImportedImage:
     """An image from a ``docker save`` archive (the legacy layout, or Docker >= 25's OCI blobs with
     Docker's ``manifest.json``). The archive itself is never extracted: its members are read by name."""
     try:
@@ -121,7 +163,7 @@ def import_docker_archive(store: LayerStore, archive: Path, reference: str) -> I
                 raise ImageRejected(f"{reference}: layer {paths[i]!r} is not a regular file")
             yield f
 
-        imported = _import(store, config, open_layer)
+        imported = _import(store, config, open_layer, staging=staging, budget=budget)
         return imported.model_copy(update={"image_id": f"sha256:{hashlib.sha256(raw_config).hexdigest()}"})
 
 
@@ -166,8 +208,9 @@ def docker_image_id(reference: str, *, socket_path: str = DOCKER_SOCKET, timeout
     return image_id
 
 
-def import_from_engine_dirs(store: LayerStore, reference: str, *,
-                            socket_path: str = DOCKER_SOCKET) -> ImportedImage | None:
+def import_from_engine_dirs(store: LayerStore, reference: str, *, socket_path: str = DOCKER_SOCKET,
+                            staging: Staging | None = None, budget: ImportBudget | None = None
+                            ) -> ImportedImage | None:
     """The image as the engine on this machine has it unpacked (its overlay2 layer dirs, named by
     its own record): only the layers the store lacks are copied, where an export would stream the
     whole image (a 2 GB SWE image to add its one small layer). None when that cannot be done here
@@ -187,16 +230,22 @@ def import_from_engine_dirs(store: LayerStore, reference: str, *,
                                                      "type": "layers", "diff_ids": record["RootFS"].get("Layers")}})
     if len(dirs) != len(config.diff_ids) or not all(os.path.isdir(d) for d in dirs):
         return None
-    unpacked = 0
-    for diff_id, layer_dir in zip(reversed(config.diff_ids), dirs, strict=True):
-        if not store.has(diff_id):
-            store.add_dir(Path(layer_dir), diff_id)
-            unpacked += 1
-    return ImportedImage(config=config, layers=[str(store.path(d)) for d in config.diff_ids], unpacked=unpacked)
+    budget = budget if budget is not None else ImportBudget()
+    with _staged(store, staging) as (stage, own):
+        unpacked = 0
+        for diff_id, layer_dir in zip(reversed(config.diff_ids), dirs, strict=True):
+            if not store.has(diff_id) and diff_id not in stage.layers:
+                store.add_dir(Path(layer_dir), diff_id, staging=stage, budget=budget)
+                unpacked += 1
+        layers = [str(store.located(d, stage)) for d in config.diff_ids]
+        if own:
+            store.commit(stage)
+        return ImportedImage(config=config, layers=layers, unpacked=unpacked, written=budget.written)
 
 
 def import_from_docker(store: LayerStore, reference: str, *, socket_path: str = DOCKER_SOCKET,
-                       timeout: float = 600.0) -> ImportedImage:
+                       timeout: float = 600.0, staging: Staging | None = None,
+                       budget: ImportBudget | None = None) -> ImportedImage:
     """The image ``reference`` as the local Docker engine holds it (Engine API ``GET /images/{name}/get``,
     the bytes of ``docker save``): nothing is run, nothing pulled."""
     conn = _UnixHTTPConnection(socket_path, timeout)
@@ -209,39 +258,206 @@ def import_from_docker(store: LayerStore, reference: str, *, socket_path: str = 
         with tempfile.NamedTemporaryFile(dir=store.root / "tmp", suffix=".tar") as spool:
             shutil.copyfileobj(resp, spool, 1 << 20)
             spool.flush()
-            return import_docker_archive(store, Path(spool.name), reference)
+            return import_docker_archive(store, Path(spool.name), reference, staging=staging, budget=budget)
     finally:
         conn.close()
 
 
-def import_oci_layout(store: LayerStore, layout: Path, reference: str | None = None) -> ImportedImage:
-    """An image from an OCI image layout directory (``index.json``, ``blobs/sha256/...``): the one
-    manifest of the index, or the one whose ``org.opencontainers.image.ref.name`` is ``reference``."""
-    index = _json((layout / "index.json").read_bytes(), "index.json")
-    manifests = index.get("manifests") or []
-    if reference is not None:
-        manifests = [m for m in manifests
-                     if (m.get("annotations") or {}).get("org.opencontainers.image.ref.name") == reference]
-    if len(manifests) != 1:
-        raise ImageRejected(f"{layout}: expected one image{f' named {reference!r}' if reference else ''}, "
-                            f"found {len(manifests)}")
+OCI_REF_NAME = "org.opencontainers.image.ref.name"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+_DIR_NOFOLLOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
-    def blob(digest: str) -> Path:
+
+def parse_oci_reference(reference: str) -> tuple[Path, str | None]:
+    """``oci:DIR`` or ``oci:DIR:TAG`` (skopeo's own form) as (layout dir, tag): a DIR that exists
+    as given wins (a path may hold a colon), else the part after the last colon is the tag."""
+    body = reference.removeprefix("oci:")
+    if not body:
+        raise ImageRejected(f"{reference!r}: an OCI reference is oci:DIR or oci:DIR:TAG")
+    if os.path.isdir(body) or ":" not in body:
+        return Path(body), None
+    path, _, tag = body.rpartition(":")
+    if not tag or "/" in tag or not path:
+        return Path(body), None
+    return Path(path), tag
+
+
+class OciLayout:
+    """An OCI image layout read as hostile input: every blob opened relative to the layout's own
+    directory without following a link (``blobs``, ``sha256`` and the blob itself), refused unless a
+    regular file of a bounded size, and checked against its digest (a JSON blob before it is parsed;
+    a layer as it streams, before its layers are accepted)."""
+
+    def __init__(self, reference: str) -> None:
+        self.reference = reference
+        path, self.tag = parse_oci_reference(reference)
+        try:
+            self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the operator's path: may be a link
+        except OSError as exc:
+            raise ImageRejected(f"{reference}: no OCI image layout at {str(path)!r} ({exc.strerror})") from None
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __enter__(self) -> OciLayout:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _open(self, parts: list[str], what: str) -> tuple[int, int]:
+        """(fd, size) of a regular file of the layout, reached without following a link."""
+        fd = os.dup(self.fd)
+        part = parts[0]
+        try:
+            for part in parts[:-1]:
+                nxt = os.open(part, _DIR_NOFOLLOW, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+            part = parts[-1]
+            f = os.open(part, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+        except OSError as exc:
+            why = exc.strerror
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                with contextlib.suppress(OSError):
+                    if stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
+                        why = f"{part!r} is a symlink (not followed)"
+            raise ImageRejected(f"{self.reference}: {what} ({'/'.join(parts)}): {why}") from None
+        finally:
+            os.close(fd)
+        st = os.fstat(f)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(f)
+            raise ImageRejected(f"{self.reference}: {what} ({'/'.join(parts)}) is not a regular file")
+        return f, st.st_size
+
+    def _read_small(self, parts: list[str], what: str, digest: str | None) -> Any:
+        fd, size = self._open(parts, what)
+        try:
+            if size > MAX_JSON:  # refused on its size: never read whole
+                raise ImageRejected(f"{self.reference}: {what} is {size} bytes, more than {MAX_JSON}")
+            with os.fdopen(fd, "rb", closefd=False) as fh:
+                data = fh.read(MAX_JSON + 1)
+        finally:
+            os.close(fd)
+        if digest is not None:
+            got = f"sha256:{hashlib.sha256(data).hexdigest()}"
+            if got != digest:
+                raise ImageRejected(f"{self.reference}: {what} hashes to {got}, not its digest {digest}")
+        return _json(data, f"{self.reference}: {what}")
+
+    @staticmethod
+    def _blob_parts(digest: object) -> list[str]:
+        if not isinstance(digest, str):
+            raise ImageRejected(f"not a sha256 digest: {digest!r}")
         algo, _, hexdigest = digest.partition(":")
         if algo != "sha256" or len(hexdigest) != 64 or not all(c in "0123456789abcdef" for c in hexdigest):
-            raise ImageRejected(f"not a sha256 digest: {digest!r}")
-        return layout / "blobs" / "sha256" / hexdigest
+            raise ImageRejected(f"not a sha256 digest: {digest[:100]!r}")
+        return ["blobs", "sha256", hexdigest]
 
-    manifest = _json(blob(manifests[0]["digest"]).read_bytes(), "manifest")
-    ref = reference or str(layout)
-    config = ImageConfig.from_config(ref, _json(blob(manifest["config"]["digest"]).read_bytes(), "config"))
-    layer_descs = manifest.get("layers") or []
-    if len(layer_descs) != len(config.diff_ids):
-        raise ImageRejected(f"{ref}: manifest and config disagree on layers")
+    def manifest_digest(self) -> str:
+        """The digest of the manifest the reference names (the image's id for the store)."""
+        index = self._read_small(["index.json"], "index.json", None)
+        manifests = index.get("manifests") if isinstance(index, dict) else None
+        if not isinstance(manifests, list) or not all(isinstance(m, dict) for m in manifests):
+            raise ImageRejected(f"{self.reference}: index.json has no list of manifests")
+        tags = [str((m.get("annotations") or {}).get(OCI_REF_NAME, "")) for m in manifests
+                if isinstance(m.get("annotations") or {}, dict)]
+        if self.tag is not None:
+            chosen = [m for m in manifests if isinstance(m.get("annotations"), dict)
+                      and m["annotations"].get(OCI_REF_NAME) == self.tag]
+            if len(chosen) != 1:
+                raise ImageRejected(f"{self.reference}: the layout has {len(chosen)} images tagged {self.tag!r} "
+                                    f"(its tags: {', '.join(repr(t) for t in tags[:20] if t) or 'none'})")
+        else:
+            chosen = manifests
+            if len(chosen) != 1:
+                raise ImageRejected(f"{self.reference}: the layout holds {len(chosen)} images; name one as "
+                                    f"oci:DIR:TAG (its tags: {', '.join(repr(t) for t in tags[:20] if t) or 'none'})")
+        if chosen[0].get("mediaType") == OCI_INDEX:
+            raise ImageRejected(f"{self.reference}: names an index of several platforms, not one image (copy one "
+                                "platform's image into the layout)")
+        digest = chosen[0].get("digest")
+        self._blob_parts(digest)
+        return str(digest)
+
+    def json_blob(self, desc: object, what: str) -> Any:
+        if not isinstance(desc, dict):
+            raise ImageRejected(f"{self.reference}: the {what} descriptor is not an object")
+        digest = desc.get("digest")
+        return self._read_small(self._blob_parts(digest), what, str(digest))
 
     @contextlib.contextmanager
-    def open_layer(i: int) -> Iterator[IO[bytes]]:
-        with open(blob(layer_descs[i]["digest"]), "rb") as fh:
-            yield fh
+    def layer_blob(self, desc: object, what: str) -> Iterator[IO[bytes]]:
+        """A layer blob as a stream; after the block, the whole blob must have hashed to its
+        digest and have its descriptor's size (refused otherwise: the caller's staging drops it)."""
+        if not isinstance(desc, dict):
+            raise ImageRejected(f"{self.reference}: the {what} descriptor is not an object")
+        digest, want_size = desc.get("digest"), desc.get("size")
+        fd, size = self._open(self._blob_parts(digest), what)
+        with os.fdopen(fd, "rb") as fh:
+            if isinstance(want_size, int) and size != want_size:
+                raise ImageRejected(f"{self.reference}: {what} is {size} bytes, its descriptor says {want_size}")
+            hashing = _Digesting(fh, size)
+            yield hashing  # type: ignore[misc]
+            while hashing.read(1 << 20):
+                pass
+            got = f"sha256:{hashing.sha.hexdigest()}"
+            if got != digest:
+                raise ImageRejected(f"{self.reference}: {what} hashes to {got}, not its digest {digest}")
 
-    return _import(store, config, open_layer)
+
+class _Digesting(io.RawIOBase):
+    """Reads a file up to ``limit`` bytes (its size when opened: a file growing meanwhile is not
+    read past it), hashing every byte."""
+
+    def __init__(self, raw: IO[bytes], limit: int) -> None:
+        self.raw, self.left, self.sha = raw, limit, hashlib.sha256()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: bytearray | memoryview) -> int:  # type: ignore[override]
+        data = self.raw.read(min(len(b), self.left))
+        n = len(data)
+        b[:n] = data
+        self.left -= n
+        self.sha.update(data)
+        return n
+
+
+def oci_image_id(reference: str) -> str:
+    """The store's id of an ``oci:`` reference: its manifest's digest (refused if the reference names none)."""
+    with OciLayout(reference) as layout:
+        return f"oci:{layout.manifest_digest()}"
+
+
+def import_oci_layout(store: LayerStore, reference: str, *, staging: Staging | None = None,
+                      budget: ImportBudget | None = None) -> ImportedImage:
+    """An image from an OCI image layout directory (``index.json``, ``blobs/sha256/...``), named
+    ``oci:DIR`` (its one image) or ``oci:DIR:TAG`` (the image whose ``org.opencontainers.image.ref.name``
+    is TAG, as ``skopeo copy ... oci:DIR:TAG`` writes it). Read as hostile input (``OciLayout``)."""
+    with OciLayout(reference) as layout:
+        manifest_digest = layout.manifest_digest()
+        manifest = layout.json_blob({"digest": manifest_digest}, "manifest")
+        if not isinstance(manifest, dict):
+            raise ImageRejected(f"{reference}: the manifest is not an object")
+        config = ImageConfig.from_config(reference, _object(layout.json_blob(manifest.get("config"), "config"),
+                                                            reference))
+        layer_descs = manifest.get("layers")
+        if not isinstance(layer_descs, list) or len(layer_descs) != len(config.diff_ids):
+            raise ImageRejected(f"{reference}: manifest and config disagree on layers")
+
+        @contextlib.contextmanager
+        def open_layer(i: int) -> Iterator[IO[bytes]]:
+            with layout.layer_blob(layer_descs[i], f"layer {i + 1}") as fh:
+                yield fh
+
+        imported = _import(store, config, open_layer, staging=staging, budget=budget)
+        return imported.model_copy(update={"image_id": f"oci:{manifest_digest}"})
+
+
+def _object(raw: Any, reference: str) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise ImageRejected(f"{reference}: the image config is not an object")
+    return raw

@@ -14,8 +14,10 @@ maps to 0. A root-owned image (the SWE images: ``/testbed`` and the env are root
 ``docker run``; a file owned by another user (``_apt``, ``www-data``, a uid 1000 home) is root's
 in the slot too, and setgid groups (``shadow``, ``mail``) are root's group.
 
-Run as ``python -m atropos.sandbox.host.images.userns_import STORE ARCHIVE REFERENCE``; prints
-the ``ImportedImage`` as JSON, or ``{"error": ...}`` for an image refused.
+The child stages the image, checks it and commits it as the host does (image_accept.py), within
+the budget it is given. Run as ``python -m atropos.sandbox.host.images.userns_import STORE ARCHIVE
+REFERENCE BUDGET_JSON``; prints the ``ImportedImage`` as JSON, or ``{"error": ...}`` for an image
+refused.
 """
 
 from __future__ import annotations
@@ -27,22 +29,27 @@ import subprocess
 import sys
 from pathlib import Path
 
-from atropos.errors import ImageRejected
+from atropos.errors import ImageOverBudget, ImageRejected
+from atropos.sandbox.host.images.layer_store import ImportBudget
 
 CLONE_NEWUSER = 0x10000000
 
 
-def import_archive(store_root: Path, archive: Path, reference: str, *, timeout: float = 3600) -> dict[str, object]:
+def import_archive(store_root: Path, archive: Path, reference: str, *, budget: ImportBudget | None = None,
+                   timeout: float = 3600) -> dict[str, object]:
     """Import ``archive`` (``docker save`` bytes) into the store at ``store_root`` from a child in
     a user namespace of its own; the ``ImportedImage`` as plain data."""
-    proc = subprocess.run([sys.executable, "-m", __name__, str(store_root), str(archive), reference],
+    budget = budget if budget is not None else ImportBudget()
+    limits = json.dumps({"bytes_left": budget.bytes_left, "entries_per_layer": budget.entries_per_layer,
+                         "context": budget.context})
+    proc = subprocess.run([sys.executable, "-m", __name__, str(store_root), str(archive), reference, limits],
                           stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout)
     try:
         out = json.loads(proc.stdout.decode() or "{}")
     except ValueError:
         out = {}
     if "error" in out:
-        raise ImageRejected(str(out["error"]))
+        raise (ImageOverBudget if out.get("over_budget") else ImageRejected)(str(out["error"]))
     if proc.returncode != 0 or "config" not in out:
         tail = proc.stderr.decode(errors="replace").strip()[-800:]
         raise ImageRejected(f"{reference}: the unprivileged import failed (exit {proc.returncode}): {tail}")
@@ -61,16 +68,23 @@ def _enter_own_userns() -> None:
 
 
 def main(argv: list[str]) -> int:
-    store_root, archive, reference = argv
+    store_root, archive, reference, limits = argv
     _enter_own_userns()
     # imported only now: nothing may start a thread before the unshare
+    from atropos.sandbox.host.images.image_accept import accept
     from atropos.sandbox.host.images.layer_store import LayerStore
     from atropos.sandbox.host.images.sources import import_docker_archive
 
+    store = LayerStore(Path(store_root), owners=False)
     try:
-        imported = import_docker_archive(LayerStore(Path(store_root), owners=False), Path(archive), reference)
+        with store.staging() as staging:
+            imported = import_docker_archive(store, Path(archive), reference, staging=staging,
+                                             budget=ImportBudget(**json.loads(limits)))
+            accepted = accept(store, staging, imported.config, imported.image_id)
+        imported = imported.model_copy(update={"config": accepted.config,
+                                               "layers": [str(p) for p in accepted.lowers]})
     except ImageRejected as exc:
-        print(json.dumps({"error": str(exc)}))
+        print(json.dumps({"error": str(exc), "over_budget": isinstance(exc, ImageOverBudget)}))
         return 2
     print(imported.model_dump_json())
     return 0

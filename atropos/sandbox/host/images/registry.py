@@ -1,0 +1,67 @@
+"""Task images from a registry, through the distribution's own tool: ``skopeo`` copies
+``docker://REGISTRY/REPO:TAG`` (or ``@sha256:DIGEST``, pinned) into an OCI layout in the store's tmp
+dir, which is then imported as any OCI layout is (sources.import_oci_layout: read as hostile input).
+skopeo checks a pinned digest against what the registry sends. A registry on loopback is spoken to
+over plain HTTP (TLS would protect nothing on one machine); any other over verified TLS.
+docs/task-images.md, "Registries"."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from atropos.errors import ImageRejected
+
+PREFIX = "docker://"
+LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
+_REF = re.compile(r"^docker://([A-Za-z0-9.\-]+(?::[0-9]{1,5})?|\[::1\](?::[0-9]{1,5})?)/"
+                  r"([a-z0-9]+(?:[._\-/][a-z0-9]+)*)(?::([A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}))?"
+                  r"(?:@(sha256:[0-9a-f]{64}))?$")
+
+
+def parse(reference: str) -> tuple[str, str | None]:
+    """(registry host, pinned digest or None); ImageRejected unless a registry reference skopeo takes."""
+    m = _REF.match(reference)
+    if m is None or len(reference) > 512:
+        raise ImageRejected(f"{reference[:120]!r}: not a registry reference (docker://HOST[:PORT]/REPO[:TAG][@sha256:...])")
+    return m.group(1), m.group(4)
+
+
+def _skopeo(args: list[str], reference: str, timeout: float) -> bytes:
+    if shutil.which("skopeo") is None:
+        raise ImageRejected(f"{reference}: a registry reference needs skopeo on the host")
+    proc = subprocess.run(["skopeo", *args], capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        err = proc.stderr.decode(errors="replace").strip()[-600:]
+        if any(s in err for s in ("connection refused", "no such host", "i/o timeout", "dial tcp")):
+            raise ImageRejected(f"{reference}: the registry {parse(reference)[0]} is unreachable ({err})")
+        raise ImageRejected(f"{reference}: skopeo could not fetch it ({err})")
+    return proc.stdout
+
+
+def _tls(reference: str, flag: str) -> str:
+    """skopeo's TLS flag (``--tls-verify`` of inspect, ``--src-tls-verify`` of copy) for the registry."""
+    where = parse(reference)[0]
+    host = "[::1]" if where.startswith("[") else where.rsplit(":", 1)[0]
+    return f"{flag}={'false' if host in LOOPBACK else 'true'}"
+
+
+def registry_image_id(reference: str, timeout: float = 120.0) -> str:
+    """The store's id of a registry reference: its pinned digest, else the digest of the manifest
+    the registry serves for the tag now (a moved tag is imported again)."""
+    _, pinned = parse(reference)
+    if pinned is not None:
+        return f"registry:{pinned}"
+    raw = _skopeo(["inspect", "--raw", _tls(reference, "--tls-verify"), reference], reference, timeout)
+    return f"registry:sha256:{hashlib.sha256(raw).hexdigest()}"
+
+
+def fetch(reference: str, into: Path, timeout: float = 3600.0) -> str:
+    """Copy the image into a new OCI layout ``into``; the ``oci:`` reference of it."""
+    parse(reference)
+    _skopeo(["copy", "--quiet", _tls(reference, "--src-tls-verify"), reference, f"oci:{into}:image"], reference,
+            timeout)
+    return f"oci:{into}:image"
