@@ -51,6 +51,7 @@ if TYPE_CHECKING:
         serve,
     )
     from atropos.sandbox.inslot.inslot_files import SlotFiles, ToolFailure
+    from atropos.sandbox.inslot.inslot_protocol import check
     from atropos.sandbox.inslot.inslot_terminal import run_terminal
     from atropos.sandbox.inslot.inslot_warm import BASH, WARM_KINDS, Child, WarmInterpreter
 else:  # run from the host's lib dir, beside inslot.py (isolated mode: the dir is not on sys.path)
@@ -66,6 +67,7 @@ else:  # run from the host's lib dir, beside inslot.py (isolated mode: the dir i
         serve,
     )
     from inslot_files import SlotFiles, ToolFailure
+    from inslot_protocol import check
     from inslot_warm import BASH, WARM_KINDS, Child, WarmInterpreter
     del sys.path[0]
 
@@ -146,10 +148,8 @@ class Supervisor:
 
     def run(self, req: dict[str, Any]) -> dict[str, Any]:
         argv = [str(a) for a in req["argv"]]
-        timeout = float(req.get("timeout", 60.0))
-        cap = int(req.get("max_output", 65536))
-        hard_cap = int(req.get("hard_output", 64 << 20))
-        where = req.get("cwd") or "."
+        timeout, cap, hard_cap = req["timeout"], req["max_output"], req["hard_output"]  # checked: inslot_protocol
+        where = req["cwd"] or "."
         # The workspace root never moves while this sandbox lives (see idle): no lookup for it.
         cwd = self.root_dir if where == "." and self.root_dir is not None else self.files._resolve_dir(where)
         self.guard()  # again, right before a waiting interpreter is handed the call
@@ -160,12 +160,12 @@ class Supervisor:
             proc: Child | _PopenChild = warm.proc
             pidfd = warm.pidfd
             warm.pidfd = -1  # ours to close now
-            _limit_cpu(proc.pid, req.get("cpu_seconds"))  # before the source starts
+            _limit_cpu(proc.pid, req["cpu_seconds"])  # before the source starts
             start = time.monotonic()
             warm.go(argv[2])
         else:
             env = dict(self.env)
-            env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
+            env.update(req["env"])
             start = time.monotonic()
             try:
                 proc = _PopenChild(self._popen(argv, req, cwd, env))
@@ -174,7 +174,7 @@ class Supervisor:
                         "stderr": f"cannot start {argv[0]}: {exc.strerror}\n", "stdout_bytes": 0,
                         "stderr_bytes": 0, "stdout_truncated": False, "stderr_truncated": False,
                         "duration_ms": 0.0, "output_limited": False}
-            _limit_cpu(proc.pid, req.get("cpu_seconds"))
+            _limit_cpu(proc.pid, req["cpu_seconds"])
             pidfd = os.pidfd_open(proc.pid)
         out, err = Capture(cap), Capture(cap)
         streams = {proc.out_fd: out, proc.err_fd: err}
@@ -331,7 +331,8 @@ class Supervisor:
 
     # -- protocol --------------------------------------------------------------------------
     def ops(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
-        """The ops this supervisor answers (the tools' definitions in atropos/sandbox/contract/tools.py name them)."""
+        """The ops this supervisor answers (declared in inslot_protocol.OPS, served_by "supervisor"; the
+        tools' definitions in atropos/sandbox/contract/tools.py name them)."""
         return {
             "exec": self.run, "read_file": self.files.read_file, "write_file": self.files.write_file,
             "edit_file": self.files.edit_file, "list_dir": self.files.list_dir, "stat": self.files.stat,
@@ -347,6 +348,7 @@ class Supervisor:
             return {"ok": False, "error": {"code": "verification_phase", "message":
                     f"{op}: the slot is in its verification phase; only reading the workspace is allowed"}}
         try:
+            req = check(req)  # its op's declared fields, defaults filled in; anything else refused
             self.guard()
             return {"ok": True, "result": handler(req)}
         except ToolFailure as exc:
