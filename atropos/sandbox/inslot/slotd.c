@@ -932,8 +932,20 @@ out:
 
 static void upgrade(void) {
     clean_slate(); /* nothing of ours or the slot's survives into the Python supervisor */
-    if (dup2(rfd, 0) < 0 || dup2(wfd, 1) < 0) die("dup2");
-    execve(upgrade_argv[0], upgrade_argv, environ);
+    /* it takes the same channel: its descriptors' numbers as its last three arguments (stderr is 2) */
+    size_t n = 0;
+    while (upgrade_argv[n]) n++;
+    char **argv = xmalloc(sizeof(char *) * (n + 4));
+    memcpy(argv, upgrade_argv, sizeof(char *) * n);
+    char r[16], w[16];
+    snprintf(r, sizeof r, "%d", rfd);
+    snprintf(w, sizeof w, "%d", wfd);
+    argv[n] = r;
+    argv[n + 1] = w;
+    argv[n + 2] = "2";
+    argv[n + 3] = NULL;
+    if (fcntl(rfd, F_SETFD, 0) < 0 || fcntl(wfd, F_SETFD, 0) < 0) die("protocol descriptors");
+    execve(argv[0], argv, environ);
     die("exec of the Python supervisor");
 }
 
@@ -967,7 +979,10 @@ static long cfg_count(fields_t *f, long max) {
     return v;
 }
 
-int main(void) {
+/* The channel: the host passes it past bubblewrap's init (which keeps only its stdio, /dev/null but
+   for bwrap's stderr) as three descriptors, their numbers our last three arguments: requests (the
+   configuration first), replies, and our stderr. (host/isolation/sandbox_process.py) */
+int main(int argc, char **argv) {
     if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)) die("prctl(PR_SET_DUMPABLE)");
 #ifdef SLOTD_SANITIZED
     atexit(dumpable_for_leak_check);
@@ -986,12 +1001,22 @@ int main(void) {
         if (sig == SIGKILL || sig == SIGSTOP || sigaction(sig, NULL, &sa)) continue;
         if (sa.sa_handler == SIG_IGN) signal(sig, SIG_DFL);
     }
+    if (argc < 4) { fprintf(stderr, "slotd: usage: slotd REQUEST_FD REPLY_FD STDERR_FD\n"); return 2; }
+    rfd = atoi(argv[argc - 3]);
+    wfd = atoi(argv[argc - 2]);
+    int efd = atoi(argv[argc - 1]);
+    if (rfd < 3 || wfd < 3 || efd < 3 || fcntl(rfd, F_GETFD) < 0 || fcntl(wfd, F_GETFD) < 0 || fcntl(efd, F_GETFD) < 0) {
+        fprintf(stderr, "slotd: the channel's descriptors are not open\n");
+        return 2;
+    }
+    if (dup2(efd, 2) < 0) die("stderr");
+    close(efd);
     unsigned char hdr[4];
-    if (read_exact(0, (char *)hdr, 4)) return 0;
+    if (read_exact(rfd, (char *)hdr, 4)) return 0;
     size_t size = (size_t)hdr[0] << 24 | (size_t)hdr[1] << 16 | (size_t)hdr[2] << 8 | hdr[3];
     if (size > SLOTD_MAX_FRAME) return 2;
     char *cfg = xmalloc(size);
-    if (read_exact(0, cfg, size)) { free(cfg); return 0; }
+    if (read_exact(rfd, cfg, size)) { free(cfg); return 0; }
     fields_t f = {cfg, size, 0};
     char *mode = cfg_take(&f);
     static const struct { const char *name; int res; } names[] = {
@@ -1043,9 +1068,10 @@ int main(void) {
     base_env[n_env] = NULL;
     if (!strcmp(mode, "exec")) {
         /* exec_program.py's job (the terminal's tmux server): the limits and signal state set above,
-           stdin and stdout to /dev/null (the host's pipe ends must not survive), then the program */
+           stdio on /dev/null (none of the host's pipe ends survives: the slot's code runs beside
+           the program, as its uid), then the program */
         int null = open("/dev/null", O_RDWR);
-        if (null < 0 || dup2(null, 0) < 0 || dup2(null, 1) < 0) die("/dev/null");
+        if (null < 0 || dup2(null, 0) < 0 || dup2(null, 1) < 0 || dup2(null, 2) < 0) die("/dev/null");
         if (null > 2) close(null);
         syscall(SYS_close_range, 3, ~0U, 4 /* CLOSE_RANGE_CLOEXEC */);
         if (*workspace && chdir(workspace)) { /* an image's WorkingDir gone: where bwrap put us */ }
@@ -1059,12 +1085,10 @@ int main(void) {
     free(mode);
     last_pid_fd = open("/proc/sys/kernel/ns_last_pid", O_RDONLY | O_CLOEXEC);
     if (last_pid_fd < 0) die("/proc/sys/kernel/ns_last_pid");
-    /* the protocol pipes move to private descriptors; stdin and stdout become /dev/null, so what
-       the slot runs gets its own stdio and can never write into the protocol */
-    rfd = fcntl(0, F_DUPFD_CLOEXEC, 3);
-    wfd = fcntl(1, F_DUPFD_CLOEXEC, 3);
+    /* stdin and stdout are /dev/null (bwrap's, made sure of): what the slot runs gets its own stdio;
+       the channel's descriptors are close-on-exec below, like everything else of ours */
     int devnull = open("/dev/null", O_RDWR);
-    if (rfd < 0 || wfd < 0 || devnull < 0) die("protocol descriptors");
+    if (devnull < 0) die("/dev/null");
     dup2(devnull, 0);
     dup2(devnull, 1);
     close(devnull);
