@@ -340,7 +340,7 @@ def test_a_lib_dir_on_a_noexec_mount_gets_the_prebuilt_slotd_bound_in(monkeypatc
 
 
 def _supervisor_of(procs: dict[int, str]) -> str:
-    return "slotd" if procs[2].strip().endswith("/slotd") else "python" if "supervisor.py" in procs[2] else procs[2]
+    return "slotd" if SLOTD_ARGV.fullmatch(procs[2].strip()) else "python" if "supervisor.py" in procs[2] else procs[2]
 
 
 async def test_a_host_whose_leases_need_the_python_supervisor_starts_it_before_their_calls() -> None:

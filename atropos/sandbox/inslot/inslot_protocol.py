@@ -48,6 +48,9 @@ class Op(NamedTuple):
     native: str = ""  # slotd's kind byte for this op; "" where only the Python programs serve it
     served_by: str = "supervisor"  # supervisor | session | verifier
     optional_reply: tuple[str, ...] = ()  # keys a reply may add to ``reply``
+    # it writes files the slot's programs read: a waiting interpreter started before it must not
+    # serve a later call (its start-up read the user site, .pth files, sitecustomize)
+    writes_files: bool = False
 
 
 MiB = 1 << 20
@@ -107,14 +110,14 @@ OPS: dict[str, Op] = {op.name: op for op in (
         Field("encoding", "str", "text", choices=("text", "base64")),
         Field("append", "bool", False),
         Field("max_bytes", "int", REQUIRED, 0, 1 << 40),
-    ), ("path", "bytes_written", "size")),
+    ), ("path", "bytes_written", "size"), writes_files=True),
     Op("edit_file", (
         Field("path", "str", REQUIRED, 0, 4096),
         Field("old_string", "str", REQUIRED, 1, MAX_FRAME),
         Field("new_string", "str", REQUIRED, 0, MAX_FRAME),
         Field("replace_all", "bool", False),
         Field("max_bytes", "int", REQUIRED, 0, 1 << 40),
-    ), ("path", "replacements")),
+    ), ("path", "replacements"), writes_files=True),
     Op("list_dir", (
         Field("path", "str", ".", 0, 4096),
         Field("max_entries", "int", 1000, 1, 100_000),
