@@ -176,6 +176,9 @@ def default(op: str, name: str) -> Any:
     raise KeyError(f"{op} has no field {name!r}")
 
 
+_KNOWN = {op.name: frozenset(f.name for f in op.fields) | frozenset(ENVELOPE) for op in OPS.values()}
+
+
 class InvalidRequest(ValueError):
     """A request that does not match its op's declaration: answered as ``invalid_arguments``."""
 
@@ -231,8 +234,8 @@ def check(req: dict[str, Any]) -> dict[str, Any]:
     key the op does not declare, a missing required field, a wrong type or a value out of bounds is
     an ``InvalidRequest``; an op nobody declares, a ``KeyError`` (answered as ``unknown_op``)."""
     op = OPS[str(req.get("op"))]
-    known = {f.name for f in op.fields}
-    unknown = sorted(k for k in req if k not in known and k not in ENVELOPE)
+    known = _KNOWN[op.name]
+    unknown = sorted(k for k in req if k not in known)
     if unknown:
         raise InvalidRequest(f"{op.name}: unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
     out = {k: req[k] for k in ENVELOPE if k in req}

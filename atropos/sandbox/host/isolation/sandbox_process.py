@@ -162,12 +162,13 @@ class SandboxProcess:
             for fd in theirs:
                 os.close(fd)
         sandbox = cls(proc, label, echoes_seq=echoes_seq)
-        await sandbox._connect(*ours)
-        if first_frame is not None and sandbox._writer is not None:
-            sandbox._writer.write(first_frame)  # read before anything else (slotd's configuration): no wait
-        if not protocol and sandbox._writer is not None:
-            sandbox._writer.close()  # a plain program: its configuration, if any, and nothing more
         try:
+            await sandbox._connect(*ours)
+            assert sandbox._writer is not None
+            if first_frame is not None:
+                sandbox._writer.write(first_frame)  # read before anything else (slotd's configuration): no wait
+            if not protocol:
+                sandbox._writer.close()  # a plain program: its configuration, if any, and nothing more
             if network is not None:
                 network.spawned()
                 try:
