@@ -58,6 +58,9 @@ MAX_FRAME = 64 * MiB  # a request frame, either wire (slotd.c's and inslot_commo
 MAX_ARGV = 1 << 16
 MAX_ENV = 4096
 MAX_KEYS = 4096
+# A path's length: bounded by the frame only; a longer one than the kernel takes is the handler's
+# error to give (invalid_path, as for a fresh open), not the declaration's.
+MAX_PATH = MAX_FRAME
 MAX_OFFSET = (1 << 63) - 1  # a file offset (off_t)
 MAX_TIMEOUT = 1e7  # seconds: a deadline beyond what any host clamps to, within what a poll can count
 # The output a call keeps (head and tail) and the output that ends it: the host's defaults too
@@ -81,7 +84,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
         Field("stdin", "opt_text", None, 0, MAX_FRAME),
         Field("env", "pairs", {}, 0, MAX_ENV),
         Field("argv", "strs", REQUIRED, 1, MAX_ARGV),
-        Field("cwd", "str", ".", 0, 4096, native=False),
+        Field("cwd", "str", ".", 0, MAX_PATH, native=False),
     ), _EXEC_REPLY, native="E"),
     Op("terminal", (
         Field("input", "str", "", 0, MAX_FRAME),
@@ -98,33 +101,33 @@ OPS: dict[str, Op] = {op.name: op for op in (
     # slotd's own: it execs the Python supervisor in its place, which answers with its ready frame
     Op("upgrade", (), ("ready", "pid"), native="U", served_by="slotd"),
     Op("read_file", (
-        Field("path", "str", REQUIRED, 0, 4096),
+        Field("path", "str", REQUIRED, 0, MAX_PATH),
         Field("offset", "int", 0, 0, MAX_OFFSET),
         Field("limit", "int", 0, 0, MAX_OFFSET),
         Field("encoding", "str", "text", choices=("text", "base64")),
         Field("max_bytes", "int", REQUIRED, 0, 1 << 40),
     ), ("content", "encoding", "size"), optional_reply=("binary",)),
     Op("write_file", (
-        Field("path", "str", REQUIRED, 0, 4096),
+        Field("path", "str", REQUIRED, 0, MAX_PATH),
         Field("content", "str", REQUIRED, 0, MAX_FRAME),
         Field("encoding", "str", "text", choices=("text", "base64")),
         Field("append", "bool", False),
         Field("max_bytes", "int", REQUIRED, 0, 1 << 40),
     ), ("path", "bytes_written", "size"), writes_files=True),
     Op("edit_file", (
-        Field("path", "str", REQUIRED, 0, 4096),
+        Field("path", "str", REQUIRED, 0, MAX_PATH),
         Field("old_string", "str", REQUIRED, 1, MAX_FRAME),
         Field("new_string", "str", REQUIRED, 0, MAX_FRAME),
         Field("replace_all", "bool", False),
         Field("max_bytes", "int", REQUIRED, 0, 1 << 40),
     ), ("path", "replacements"), writes_files=True),
     Op("list_dir", (
-        Field("path", "str", ".", 0, 4096),
+        Field("path", "str", ".", 0, MAX_PATH),
         Field("max_entries", "int", 1000, 1, 100_000),
     ), ("path", "entries", "truncated", "total")),
-    Op("stat", (Field("path", "str", REQUIRED, 0, 4096),), ("path", "type", "size", "mode", "mtime")),
+    Op("stat", (Field("path", "str", REQUIRED, 0, MAX_PATH),), ("path", "type", "size", "mode", "mtime")),
     Op("archive", (
-        Field("path", "str", ".", 0, 4096),
+        Field("path", "str", ".", 0, MAX_PATH),
         Field("max_bytes", "int", REQUIRED, 0, 1 << 40),
     ), ("content", "encoding", "format", "size", "members", "skipped", "skipped_total")),
     Op("session", (
@@ -139,10 +142,10 @@ OPS: dict[str, Op] = {op.name: op for op in (
         Field("secrets", "json", {}),
         Field("args", "json", None),
         Field("timeout", "float", REQUIRED, 0, MAX_TIMEOUT),
-        Field("workspace", "str", "/workspace", 1, 4096),
+        Field("workspace", "str", "/workspace", 1, MAX_PATH),
         Field("restore", "strs", [], 0, 4096),
-        Field("pristine", "opt_str", None, 1, 4096),
-        Field("cwd", "opt_str", None, 1, 4096),
+        Field("pristine", "opt_str", None, 1, MAX_PATH),
+        Field("cwd", "opt_str", None, 1, MAX_PATH),
     ), ("log",), served_by="verifier", optional_reply=("verdict", "error")),
 )}
 
