@@ -22,6 +22,8 @@ PACKAGE = Path(errors.__file__).parent
 PRIVATE = {
     "ToolFailure": "supervisor (inside the sandbox): becomes the frame's error code",
     "VerifierTimeout": "verifier (inside the sandbox): interrupts the program",
+    "InvalidRequest": "inslot_protocol (inside the sandbox, without atropos): answered as invalid_arguments; "
+                      "the host's encoder for slotd leaves such a request to the Python supervisor",
     "SessionTimeout": "python_session (inside the sandbox): interrupts the cell",
     "SessionLost": "slot: the host answers it with a 'restarted' result",
     "SandboxLost": "slot: the host answers it with a sandbox_restarted error (or an exec result), the agent's outcome",

@@ -133,13 +133,15 @@ async def test_reply_out_of_step_with_its_request_kills_the_sandbox(tmp_path: Pa
     script.write_text(
         "import json, os, struct, sys\n"
         "F = struct.Struct('>I')\n"
+        "rfd, wfd = int(sys.argv[-3]), int(sys.argv[-2])  # the channel, as the host passes it\n"
         "def send(obj):\n"
-        "    data = json.dumps(obj).encode(); os.write(1, F.pack(len(data)) + data)\n"
+        "    data = json.dumps(obj).encode(); os.write(wfd, F.pack(len(data)) + data)\n"
         "send({'ok': True, 'result': {'ready': True}})\n"
+        "req_in = os.fdopen(rfd, 'rb')\n"
         "while True:\n"
-        "    head = sys.stdin.buffer.read(4)\n"
+        "    head = req_in.read(4)\n"
         "    if len(head) < 4: break\n"
-        "    req = json.loads(sys.stdin.buffer.read(F.unpack(head)[0]))\n"
+        "    req = json.loads(req_in.read(F.unpack(head)[0]))\n"
         "    send({'ok': True, 'result': {'answer': 'stale'}, 'seq': req['seq'] - 1})\n"
     )
     proc = await SandboxProcess.start([sys.executable, str(script)], uid=None, seccomp_path=None,

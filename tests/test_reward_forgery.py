@@ -415,11 +415,14 @@ for d in glob.glob("/proc/[0-9]*"):
     except OSError:
         continue
     if argv[0].endswith(b"bwrap"):
-        # bwrap's init: no host data in it (empty environment, public argv); the protocol pipes it
-        # holds as fds 0-2 belong to the host's uid and cannot be opened through /proc
+        # bwrap's init: no host data in it (empty environment, public argv); it holds no protocol
+        # pipe (its stdin and stdout are /dev/null; the channel is the supervisor's own), and bwrap's
+        # stderr pipe belongs to the host's uid and cannot be opened through /proc
         opened = []
         for fd, mode in ((0, os.O_RDONLY), (1, os.O_WRONLY), (2, os.O_WRONLY)):
             try:
+                if os.readlink(d + "/fd/%d" % fd) == "/dev/null":
+                    continue
                 os.close(os.open(d + "/fd/%d" % fd, mode | os.O_NONBLOCK))
                 opened.append(fd)
             except OSError:

@@ -10,7 +10,9 @@ held by tests/test_warm_interpreters.py and tests/test_slot_signals.py, which ru
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import re
 import secrets
 import shutil
 import struct
@@ -26,6 +28,7 @@ from atropos.sandbox.host import slotd_build
 from atropos.sandbox.host.isolation import slotd_wire
 from tests.conftest import IMAGE_STORE, RunningHost, leased_slot, start_host, stop_host
 
+SLOTD_ARGV = re.compile(r"/run/atropos/slotd \d+ \d+ \d+")  # its channel's descriptors
 PROCS = ("for p in /proc/[0-9]*; do"
          " printf '%s %s\\n' \"${p#/proc/}\" \"$(tr '\\0\\n' '  ' < $p/cmdline | cut -c1-200)\"; done")
 
@@ -50,16 +53,17 @@ async def test_a_slot_runs_commands_and_its_terminal_without_python(host: Runnin
     async with leased_slot(host) as slot:
         for _ in range(3):  # the first call and the warm interpreters after it
             procs = _processes((await slot.sh(PROCS))["stdout"])
-        assert procs[2].strip() == "/run/atropos/slotd"  # its argv holds nothing: the config came on stdin
+        # its argv holds nothing but its channel's descriptors: the configuration came on the channel
+        assert SLOTD_ARGV.fullmatch(procs[2].strip()), procs[2]
         assert not [cmd for cmd in procs.values() if "python" in cmd], procs
         py = await slot.ok("python", code="print(6 * 7)")
         assert py["stdout"] == "42\n"
         procs = _processes((await slot.sh(PROCS))["stdout"])
-        assert procs[2].strip() == "/run/atropos/slotd"  # the python tool is a command too
+        assert SLOTD_ARGV.fullmatch(procs[2].strip()), procs[2]  # the python tool is a command too
         term = await slot.ok("terminal", input="echo $((6 * 7))", wait_ms=5000)
         assert "42" in term["output"]
         procs = _processes((await slot.sh(PROCS))["stdout"])
-        assert procs[2].strip() == "/run/atropos/slotd"  # and so is the terminal (tmux clients)
+        assert SLOTD_ARGV.fullmatch(procs[2].strip()), procs[2]  # and so is the terminal (tmux clients)
 
 
 async def test_a_file_tool_hands_the_slot_to_the_python_supervisor(host: RunningHost) -> None:
@@ -83,7 +87,7 @@ async def test_slotd_is_not_readable_by_the_slot(host: RunningHost) -> None:
                           " if cat /proc/2/$f >/dev/null 2>&1; then echo $f; fi; done;"
                           " ls /proc/2/fd 2>&1 >/dev/null | head -1; cat /proc/2/cmdline | tr '\\0' ' '")
         assert r["stdout"].startswith("ls: cannot open directory '/proc/2/fd': Permission denied\n"), r
-        assert r["stdout"].endswith("/run/atropos/slotd "), r
+        assert SLOTD_ARGV.fullmatch(r["stdout"].splitlines()[-1].strip()), r
 
 
 # What supervisor.py and slotd must answer alike: exit codes, signals, both streams, truncation,
@@ -173,7 +177,7 @@ def _frame(body: bytes) -> bytes:
     return struct.pack(">I", len(body)) + body
 
 
-def _read(proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+def _read(proc: Channel) -> dict[str, Any]:
     import json
 
     assert proc.stdout is not None
@@ -181,8 +185,32 @@ def _read(proc: subprocess.Popen[bytes]) -> dict[str, Any]:
     return json.loads(proc.stdout.read(size))
 
 
+class Channel:
+    """slotd's channel as the host has it (host/isolation/sandbox_process.py): requests, replies and
+    stderr on descriptors of their own, their numbers slotd's last three arguments."""
+
+    def __init__(self, argv: list[str]) -> None:
+        req_r, req_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        err_r, err_w = os.pipe()
+        self.proc = subprocess.Popen([*argv, str(req_r), str(rep_w), str(err_w)], pass_fds=(req_r, rep_w, err_w),
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env={})
+        for fd in (req_r, rep_w, err_w):
+            os.close(fd)
+        self.stdin = os.fdopen(req_w, "wb")
+        self.stdout = os.fdopen(rep_r, "rb")
+        self.stderr = os.fdopen(err_r, "rb")
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        for f in (self.stdin, self.stdout, self.stderr):
+            with contextlib.suppress(OSError):
+                f.close()
+
+
 @pytest.fixture
-def slotd(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+def slotd(tmp_path: Path) -> Iterator[Channel]:
     binary = slotd_build.build()
     if binary is None:
         pytest.skip("slotd cannot be built here: no C compiler")
@@ -190,21 +218,17 @@ def slotd(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     ws.mkdir()
     bwrap = shutil.which("bwrap")
     assert bwrap, "bubblewrap is a requirement of the project (scripts/setup.sh installs it)"
-    proc = subprocess.Popen(
-        [bwrap, "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev",
-         "--bind", str(ws), "/tmp", str(binary)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={})
-    assert proc.stdin is not None
+    proc = Channel([bwrap, "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc", "--dev",
+                    "/dev", "--bind", str(ws), "/tmp", str(binary)])
     cfg = slotd_build.config_frame({"env": {"PATH": "/usr/bin:/bin"}, "workspace": "/tmp"}, {},
                                    [sys.executable, "-c", "pass"])
     proc.stdin.write(cfg)
     proc.stdin.flush()
     yield proc
-    proc.kill()
-    proc.wait()
+    proc.close()
 
 
-def _exec(proc: subprocess.Popen[bytes], payload: dict[str, Any], seq: int = 1) -> dict[str, Any]:
+def _exec(proc: Channel, payload: dict[str, Any], seq: int = 1) -> dict[str, Any]:
     assert proc.stdin is not None
     body = slotd_wire.encode_exec({"op": "exec", **payload}, seq)
     assert body is not None
@@ -213,7 +237,7 @@ def _exec(proc: subprocess.Popen[bytes], payload: dict[str, Any], seq: int = 1) 
     return slotd_wire.decode_exec(_read(proc), {"op": "exec", **payload})
 
 
-def test_slotd_reports_a_program_it_cannot_start_as_the_python_supervisor_does(slotd: subprocess.Popen[bytes]) -> None:
+def test_slotd_reports_a_program_it_cannot_start_as_the_python_supervisor_does(slotd: Channel) -> None:
     assert _read(slotd)["result"]["ready"] is True
     r = _exec(slotd, {"argv": ["no-such-program-here"], "timeout": 5})
     assert r["result"]["exit_code"] == 127
@@ -225,7 +249,7 @@ def test_slotd_reports_a_program_it_cannot_start_as_the_python_supervisor_does(s
     assert (r["result"]["stdout"], r["result"]["exit_code"]) == ("x-y\n", 5)
 
 
-def test_slotd_keeps_only_the_head_and_tail_of_a_flood(slotd: subprocess.Popen[bytes]) -> None:
+def test_slotd_keeps_only_the_head_and_tail_of_a_flood(slotd: Channel) -> None:
     _read(slotd)
     r = _exec(slotd, {"argv": ["sh", "-c", "seq 1 100000"], "timeout": 10, "max_output": 100})
     out = r["result"]
@@ -302,7 +326,8 @@ def test_a_lib_dir_on_a_noexec_mount_gets_the_prebuilt_slotd_bound_in(monkeypatc
                 async with leased_slot(running) as slot:
                     await slot.sh("true")
                     out = await slot.sh("tr '\\0' ' ' < /proc/2/cmdline; echo; echo $((6 * 7))")
-                    assert out["stdout"] == "/run/atropos/slotd \n42\n", out
+                    first, second = out["stdout"].splitlines()
+                    assert SLOTD_ARGV.fullmatch(first.strip()) and second == "42", out
                     assert (await slot.ok("write_file", path="a.txt", content="x"))  # the Python supervisor now
                     assert (await slot.sh("cat a.txt"))["stdout"] == "x"
 
@@ -315,7 +340,7 @@ def test_a_lib_dir_on_a_noexec_mount_gets_the_prebuilt_slotd_bound_in(monkeypatc
 
 
 def _supervisor_of(procs: dict[int, str]) -> str:
-    return "slotd" if procs[2].strip().endswith("/slotd") else "python" if "supervisor.py" in procs[2] else procs[2]
+    return "slotd" if SLOTD_ARGV.fullmatch(procs[2].strip()) else "python" if "supervisor.py" in procs[2] else procs[2]
 
 
 async def test_a_host_whose_leases_need_the_python_supervisor_starts_it_before_their_calls() -> None:

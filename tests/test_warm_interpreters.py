@@ -144,3 +144,21 @@ async def test_the_warm_python_looks_like_a_fresh_python_c(slot: LeasedSlot) -> 
         warm = await slot.ok("python", code=code)
         assert (warm["exit_code"], warm["stdout"], warm["stderr"]) == \
             (want["exit_code"], want["stdout"], want["stderr"]), code
+
+
+async def test_a_python_call_after_a_file_tool_wrote_starts_after_the_write(slot: LeasedSlot) -> None:
+    """The waiting python3 started before a write_file never serves the next python call (issue 37): a
+    module and a .pth written into the user site are there, as for a fresh ``python3 -c``."""
+    site = (await slot.sh("python3 -c 'import site; print(site.getusersitepackages())'"))["stdout"].strip()
+    await slot.ok("write_file", path="note.txt", content="x")  # the Python supervisor serves from here
+    assert (await slot.ok("python", code="print(1)"))["stdout"] == "1\n"  # a python3 waits for the next one
+    await asyncio.sleep(0.5)
+    await slot.ok("write_file", path=f"{site}/atropos_probe_mod.py", content="X = 42\n")
+    await slot.ok("write_file", path=f"{site}/atropos_probe.pth",
+                  content="import os; os.environ['ATROPOS_PTH'] = 'ran'\n")
+    code = "import os, atropos_probe_mod\nprint(atropos_probe_mod.X, os.environ.get('ATROPOS_PTH'))"
+    r = await slot.ok("python", code=code)
+    assert r["stdout"] == "42 ran\n", r
+    await slot.ok("edit_file", path=f"{site}/atropos_probe_mod.py", old_string="42", new_string="43")
+    r = await slot.ok("python", code="import atropos_probe_mod\nprint(atropos_probe_mod.X)")
+    assert r["stdout"] == "43\n", r

@@ -40,6 +40,7 @@ from atropos.sandbox.contract.protocol import (
     LeaseInfo,
     MaxTimeoutS,
     PrewarmResult,
+    ResetRequest,
     ResetResult,
     SealResult,
     SlotInfo,
@@ -174,13 +175,10 @@ class HostClient:
                     image: str | None = None) -> ResetResult:
         """Reset a leased slot (kept leased under a new token): to empty, to a fresh fork of ``template``,
         or to a fresh root of the task image ``image`` (imported on the host first if need be)."""
-        body: dict[str, Any] = {"lease": lease, "trajectory_id": trajectory_id, "network": network}
-        if template is not None:
-            body["template"] = template
-        if image is not None:
-            body["image"] = image
-        return ResetResult.model_validate_json(
-            await self._post_lean(f"/v1/slots/{slot}/reset", body, timeout=900 if image else 120))
+        # the host's own request model (contract/protocol.py): what it takes is what we send
+        body = ResetRequest(lease=lease, trajectory_id=trajectory_id, network=network, template=template, image=image)
+        return ResetResult.model_validate_json(await self._post_lean(
+            f"/v1/slots/{slot}/reset", body.model_dump(exclude_none=True), timeout=900 if image else 120))
 
     async def seal(self, slot: int, lease: str) -> SealResult:
         """Begin the slot's verification phase (every process of it killed; no more commands)."""

@@ -17,6 +17,7 @@ from atropos.sandbox.contract.launch import (
     SlotWorkspaceBytes,
 )
 from atropos.sandbox.contract.protocol import CallTimeouts, DefaultTimeoutS, MaxTimeoutS
+from atropos.sandbox.inslot import inslot_protocol as slot_protocol
 
 RUN_DIR_INODES = 1024  # the run dir holds the terminal's socket and log, nothing else
 
@@ -79,8 +80,11 @@ class HostConfig(BaseModel):
     )
     default_timeout_s: DefaultTimeoutS = CallTimeouts.model_fields["default_timeout_s"].default
     max_timeout_s: MaxTimeoutS = _SLOT.max_timeout_s
-    max_output_bytes: int = Field(64 << 10, ge=1024, description="kept per stream (head+tail) per call")
-    hard_output_bytes: int = Field(256 << 20, ge=1 << 20, description="a call printing more is killed")
+    # the in-slot protocol's defaults and bounds (atropos/sandbox/inslot/inslot_protocol.py), written there once
+    max_output_bytes: int = Field(slot_protocol.DEFAULT_MAX_OUTPUT, ge=1024, le=slot_protocol.MAX_OUTPUT_CAP,
+                                  description="kept per stream (head+tail) per call")
+    hard_output_bytes: int = Field(slot_protocol.DEFAULT_HARD_OUTPUT, ge=1 << 20, le=slot_protocol.MAX_HARD_OUTPUT,
+                                   description="a call printing more is killed")
     session_grace_s: float = Field(
         3.0, gt=0, le=60, description="python_session: how long code may take to stop after its timeout "
                                       "interrupt before the session is killed (and restarted empty)")

@@ -23,7 +23,6 @@ from atropos.errors import (
     ImageRejected,
     IsolationUnavailable,
     LeaseError,
-    PathEscapeError,
     SandboxRestarted,
     SlotSealed,
     SlotUnavailable,
@@ -74,6 +73,7 @@ from atropos.sandbox.host.workspace.templates import Template
 from atropos.sandbox.host.workspace.trees import delete_trash
 from atropos.sandbox.host.workspace.workspaces import Workspaces
 from atropos.sandbox.inslot import LIB_FILES
+from atropos.sandbox.inslot import inslot_protocol as slot_protocol
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -87,9 +87,6 @@ set -g default-terminal screen
 """
 
 
-# Status codes of supervisor error codes; everything else is a 400-class tool error.
-_STATUS = {"not_found": 404, "too_large": 413, PathEscapeError.code: PathEscapeError.status, "permission_denied": 403,
-           SandboxRestarted.code: SandboxRestarted.status}
 
 
 class SandboxHost:
@@ -567,7 +564,7 @@ class SandboxHost:
                 err = frame.get("error") or {}
                 code = str(err.get("code", "error"))
                 result.error = ErrorInfo(code=code, message=str(err.get("message", "")),
-                                         status=_STATUS.get(code, 400))
+                                         status=slot_protocol.status(code))
         except KeyError as exc:
             result.error = ErrorInfo(code="unknown_slot", message=str(exc.args[0]), status=404)
         except (LeaseError, ToolError, SandboxDied) as exc:  # SlotSealed is a LeaseError
@@ -596,9 +593,8 @@ class SandboxHost:
             log.info("slot %d: sandbox lost during a call: %s", slot.index, exc)
             await slot.stop_sandboxes()
             if payload.get("op") != "exec":
-                return {"ok": False, "error": {"code": SandboxRestarted.code, "message": (
-                    f"the slot's sandbox failed during this call ({exc}); it was restarted, workspace files "
-                    "are kept")}}
+                raise SandboxRestarted(f"the slot's sandbox failed during this call ({exc}); it was restarted, "
+                                       "workspace files are kept") from exc
             return {"ok": True, "result": {
                 "exit_code": None, "signal": 9, "timed_out": False, "output_limited": False, "stdout": "",
                 "stderr": "[the command killed its own sandbox; it was restarted, workspace files are kept]\n",

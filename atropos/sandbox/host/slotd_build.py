@@ -25,11 +25,26 @@ log = logging.getLogger(__name__)
 
 SLOTD = "slotd"  # its name in the host's lib dir
 CFLAGS = ("-O2", "-static", "-Wall")
+# The tests' build under AddressSanitizer and UndefinedBehaviorSanitizer (tests/test_slotd_sanitized.py):
+# dynamic, as the sanitizers' runtimes are shared libraries (a static ASan program is not supported),
+# so it runs where the host's libraries are visible: the default slot root (the host's /usr) or a
+# plain bubblewrap of the host's root, not an image root.
+SANITIZER_CFLAGS = ("-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+                    "-fno-omit-frame-pointer", "-Wall", "-DSLOTD_SANITIZED")
 _LEN = struct.Struct(">I")
 
 
+SOURCES = ("slotd.c", "slotd_protocol.h")  # the program and its generated protocol header
+
+
+def sources() -> dict[str, bytes]:
+    pkg = resources.files("atropos.sandbox.inslot")
+    return {name: pkg.joinpath(name).read_bytes() for name in SOURCES}
+
+
 def source() -> bytes:
-    return resources.files("atropos.sandbox.inslot").joinpath("slotd.c").read_bytes()
+    """What the build depends on, as one byte string (its hash names the cached binary)."""
+    return b"".join(sources().values())
 
 
 def cache_dir() -> Path:
@@ -40,20 +55,22 @@ def cache_dir() -> Path:
     return Path(xdg) / "atropos-sandbox"
 
 
-def build(out_dir: Path | None = None) -> Path | None:
-    """The slotd binary for this package's source, compiled into ``out_dir`` (default: the cache) if
-    not there yet; None (logged) when it cannot be had."""
-    prebuilt = os.environ.get("ATROPOS_SLOTD")
+def build(out_dir: Path | None = None, cflags: tuple[str, ...] = CFLAGS) -> Path | None:
+    """The slotd binary for this package's source, compiled with ``cflags`` into ``out_dir`` (default:
+    the cache) if not there yet; None (logged) when it cannot be had. ``ATROPOS_SLOTD`` stands for the
+    default build only."""
+    prebuilt = os.environ.get("ATROPOS_SLOTD") if cflags == CFLAGS else None
     if prebuilt:
         if os.access(prebuilt, os.X_OK):
             return Path(prebuilt)
         log.warning("ATROPOS_SLOTD=%s is not an executable: building slotd instead", prebuilt)
-    src = source()
+    files = sources()
+    src = b"".join(files.values())
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.warning("no C compiler: slots run the Python supervisor for every call (slower starts)")
         return None
-    key = hashlib.sha256(src + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join(cflags).encode()).hexdigest()[:16]
     target_dir = (out_dir or cache_dir() / "slotd") / key
     target = target_dir / SLOTD
     try:  # a cache this user cannot reach (a host run as another uid with root's HOME): no slotd
@@ -61,8 +78,9 @@ def build(out_dir: Path | None = None) -> Path | None:
             return target
         target_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target_dir) as tmp:
-            (Path(tmp) / "slotd.c").write_bytes(src)
-            out = subprocess.run([cc, *CFLAGS, "-o", f"{tmp}/{SLOTD}", f"{tmp}/slotd.c"], capture_output=True,
+            for name, data in files.items():
+                (Path(tmp) / name).write_bytes(data)
+            out = subprocess.run([cc, *cflags, "-o", f"{tmp}/{SLOTD}", f"{tmp}/slotd.c"], capture_output=True,
                                  timeout=120)
             if out.returncode != 0:
                 log.warning("slotd did not build (slots run the Python supervisor): %s",

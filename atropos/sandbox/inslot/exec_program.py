@@ -27,7 +27,13 @@ else:  # run from the host's lib dir, beside inslot_common.py (isolated mode: th
 def main() -> None:
     clean_signals()
     cfg = json.loads(sys.argv[1])
-    protocol_fds()  # stdin and stdout become /dev/null; the host's pipe ends do not survive the exec
+    # stdio on /dev/null: none of the host's pipe ends survives the exec (the slot's code runs beside
+    # the program, as its uid)
+    for fd in protocol_fds():
+        os.close(fd)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
     apply_limits(cfg.get("limits", {}))
     for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # Python's own ignores would outlive the exec
         signal.signal(sig, signal.SIG_DFL)

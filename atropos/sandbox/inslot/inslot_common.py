@@ -19,6 +19,7 @@ import re
 import resource
 import signal
 import struct
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -121,9 +122,14 @@ def apply_limits(limits: dict[str, int]) -> None:
 
 
 def protocol_fds() -> tuple[int, int]:
-    """Move the protocol pipes to private descriptors; stdin/stdout become /dev/null, so what the
-    slot's code runs gets its own stdio and can never write into the protocol."""
-    rfd, wfd = os.dup(0), os.dup(1)
+    """The protocol's descriptors: the request and reply pipes, whose numbers are the program's last
+    three arguments with its stderr's (the host passes them past bubblewrap's init, which never holds
+    them: host/isolation/sandbox_process.py). The stderr pipe becomes fd 2, stdin and stdout
+    /dev/null; none of them is inherited by what the slot's code runs."""
+    rfd, wfd, efd = (int(a) for a in sys.argv[-3:])
+    os.dup2(efd, 2)
+    if efd != 2:
+        os.close(efd)
     devnull = os.open(os.devnull, os.O_RDWR)
     for std in (0, 1):
         os.dup2(devnull, std)

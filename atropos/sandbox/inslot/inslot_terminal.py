@@ -64,23 +64,24 @@ def run_terminal(req: dict[str, Any], workspace: str, run_dir: str, env: dict[st
     if not is_socket:
         raise ToolFailure("terminal_unavailable", terminal_not_socket_message(sock))
     if tmux_run("has-session", "-t", "main").returncode != 0:
-        created = tmux_run("new-session", "-d", "-s", "main", "-x", str(req.get("cols", 200)),
-                           "-y", str(req.get("rows", 50)), "-c", workspace, *(shell or []))
+        created = tmux_run("new-session", "-d", "-s", "main", "-x", str(req["cols"]),
+                           "-y", str(req["rows"]), "-c", workspace, *(shell or []))
         if created.returncode != 0:
             raise ToolFailure("terminal_unavailable",
                               "cannot start the terminal: " + created.stderr.decode(errors="replace"))
         tmux_run("pipe-pane", "-O", "-t", "main", f"exec cat >> {log}")
-    for key in req.get("keys") or []:
+    # the request's fields, checked and with their defaults (inslot_protocol.check)
+    for key in req["keys"]:
         tmux_run("send-keys", "-t", "main", str(key))
-    text = req.get("input") or ""
+    text = req["input"]
     if text:
         tmux_run("send-keys", "-t", "main", "-l", "--", text)
-    enter = req.get("enter")
+    enter = req["enter"]
     if enter if enter is not None else bool(text):
         tmux_run("send-keys", "-t", "main", "Enter")
-    wait = float(req.get("wait_ms", 2000)) / 1000.0
-    settle = float(req.get("settle_ms", 300)) / 1000.0
-    offset = int(req.get("offset") or 0)
+    wait = req["wait_ms"] / 1000.0
+    settle = req["settle_ms"] / 1000.0
+    offset = req["offset"]
     size = _size(log)
     end = time.monotonic() + wait
     last_change = time.monotonic()
@@ -93,7 +94,7 @@ def run_terminal(req: dict[str, Any], workspace: str, run_dir: str, env: dict[st
                 break  # the shell is back at its prompt: the command finished
         elif now_size > offset and time.monotonic() - last_change >= settle:
             break
-    cap = int(req.get("max_output", 65536))
+    cap = req["max_output"]
     if size < offset:
         offset = 0  # the log was truncated from inside the slot: what it holds now is all new
     text_out, truncated = _read_region(log, offset, size, cap)

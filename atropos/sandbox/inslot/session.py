@@ -48,9 +48,11 @@ if TYPE_CHECKING:
         protocol_fds,
         serve,
     )
+    from atropos.sandbox.inslot.inslot_protocol import InvalidRequest, check
 else:  # run from the host's lib dir, beside inslot.py (isolated mode: the dir is not on sys.path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from inslot_common import Capture, apply_limits, clean_signals, make_undumpable, protocol_fds, serve
+    from inslot_protocol import InvalidRequest, check
     del sys.path[0]
 
 INTERRUPT_EVERY_S = 0.25
@@ -156,10 +158,8 @@ class Session:
 
     # -- one call ----------------------------------------------------------------------------
     def run(self, req: dict[str, Any]) -> dict[str, Any]:
-        code = str(req.get("code") or "")
-        timeout = float(req.get("timeout", 60.0))
-        cap = int(req.get("max_output", 65536))
-        hard_cap = int(req.get("hard_output", 64 << 20))
+        # checked against the declaration, defaults filled in (inslot_protocol.check, in _handle)
+        code, timeout, cap, hard_cap = req["code"], req["timeout"], req["max_output"], req["hard_output"]
         self.count += 1
         self.why = ""
         self.armed = False
@@ -314,6 +314,10 @@ OPS: dict[str, Callable[[Session, dict[str, Any]], Any]] = {
 def _handle(session: Session, req: dict[str, Any]) -> dict[str, Any]:
     handler = OPS.get(str(req.get("op")))
     if handler is not None:
+        try:
+            req = check(req)
+        except InvalidRequest as exc:
+            return {"ok": False, "error": {"code": "invalid_arguments", "message": str(exc)}}
         return {"ok": True, "result": handler(session, req)}
     return {"ok": False, "error": {"code": "unknown_op", "message": f"unknown op {req.get('op')!r}"}}
 

@@ -1,17 +1,19 @@
 /* slotd: the per-slot supervisor as a small static program (docs/native-supervisor.md).
  *
- * It serves the hot path of a slot's sandbox, the `exec` call (and `ping`), exactly as
- * supervisor.py's Supervisor.run does: same warm interpreters (their boot scripts come from the
- * host, made by inslot_warm.py), same process accounting (ns_last_pid marks, kill(-1) sweeps),
- * same output capture. Anything else the host asks for (a file tool, the terminal, an exec with a
- * cwd or a non-default kind) comes after an "upgrade": slotd kills every process of the sandbox
- * and execs the Python supervisor in its own place, on the same protocol pipes, for the rest of
- * the sandbox's life. A sandbox that only runs commands never starts Python.
+ * It serves the hot path of a slot's sandbox, the `exec` call, the terminal and `ping`, exactly as
+ * supervisor.py's Supervisor.run (and inslot_terminal.run_terminal) do: same warm interpreters (their
+ * boot scripts come from the host, made by inslot_warm.py), same process accounting (ns_last_pid
+ * marks, kill(-1) sweeps), same output capture. Anything else the host asks for (a file tool, an
+ * exec with a cwd, a request the declaration refuses) comes after an "upgrade": slotd kills every
+ * process of the sandbox and execs the Python supervisor in its own place, on the same protocol
+ * descriptors, for the rest of the sandbox's life. A sandbox that only runs commands never starts Python.
  *
- * Wire (host side: atropos/sandbox/host/native_supervisor.py): frames of a 4-byte big-endian
- * length and a body. Requests are not JSON: a kind byte ('E' exec, 'P' ping, 'U' upgrade), then
- * fields, each a 4-byte big-endian length and its bytes. Replies are JSON, ASCII only: captured
- * output travels as base64 of the kept head and tail bytes, and the host renders the text as
+ * Wire (host side: atropos/sandbox/host/isolation/slotd_wire.py): frames of a 4-byte big-endian
+ * length and a body. Requests are not JSON: a kind byte, the sequence number, then the op's fields
+ * in the order the protocol's one declaration gives them (atropos/sandbox/inslot/inslot_protocol.py),
+ * each a 4-byte big-endian length and its bytes; the parsers are generated from that declaration
+ * into slotd_protocol.h (scripts/gen_slotd_header.py). Replies are JSON, ASCII only: captured output
+ * travels as base64 of the kept head and tail bytes, and the host renders the text as
  * inslot_common.Capture does, so both supervisors answer a call with the same reply.
  *
  * Threat model: as supervisor.py's. It runs as the slot's uid beside the slot's code, is made
@@ -39,8 +41,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MAX_FRAME (64u << 20)
-#define MAX_ENV 4096
 #define MAX_WARM 2
 
 static int rfd = -1, wfd = -1;
@@ -50,6 +50,21 @@ static char **base_env;                /* the slot's environment for calls (NULL
 static char **upgrade_argv;            /* the Python supervisor, run in our place on upgrade */
 static char *run_dir, *term_dir;       /* the terminal's socket and log; where its shell starts */
 static char **tmux_argv, **shell_argv; /* how to run tmux; the session's command (NULL: tmux's) */
+
+#ifdef SLOTD_SANITIZED
+/* The test-only build under AddressSanitizer and UndefinedBehaviorSanitizer (slotd_build.SANITIZER_CFLAGS,
+   tests/test_slotd_sanitized.py): any report ends slotd; reports go to its stderr. */
+static struct rlimit child_as;
+static int has_child_as;
+const char *__asan_default_options(void);
+const char *__asan_default_options(void) { return "detect_leaks=1:exitcode=86:abort_on_error=0"; }
+const char *__ubsan_default_options(void);
+const char *__ubsan_default_options(void) { return "print_stacktrace=1:halt_on_error=1:exitcode=87"; }
+/* LeakSanitizer's check at exit stops the process's threads through ptrace, which a non-dumpable
+   process refuses: dumpable again for that last step only (registered after the sanitizer's own
+   handler, so it runs before it). */
+static void dumpable_for_leak_check(void) { prctl(PR_SET_DUMPABLE, 1, 0, 0, 0); }
+#endif
 
 /* ------------------------------------------------------------------ small helpers */
 
@@ -76,6 +91,13 @@ static long ns_last_pid(void) {
     if (n <= 0) return -1;
     buf[n] = 0;
     return strtol(buf, NULL, 10);
+}
+
+/* A poll timeout from milliseconds that may be out of int's range (a deadline days away): the
+   loops poll again until the deadline, so a shorter wait is harmless, an overflowing cast is not. */
+static int poll_ms(double ms) {
+    if (!(ms > 0)) return 0;
+    return ms > 3600e3 ? 3600 * 1000 : (int)ms;
 }
 
 static int pidfd_open(pid_t pid) { return (int)syscall(SYS_pidfd_open, pid, 0); }
@@ -154,7 +176,7 @@ static void send_frame(buf_t *b) {
 typedef struct { const char *p; size_t left; int bad; } fields_t;
 
 /* The next field as a NUL-terminated copy (a field holds no NUL where a string is meant:
-   the host never sends one, see native_supervisor.encode_exec). */
+   the host never sends one, see slotd_wire.encode_op). */
 static char *field(fields_t *f, size_t *len) {
     if (f->bad || f->left < 4) { f->bad = 1; return NULL; }
     const unsigned char *u = (const unsigned char *)f->p;
@@ -175,6 +197,68 @@ static long field_long(fields_t *f) {
     free(s);
     return v;
 }
+
+/* The typed readers the generated parsers use (slotd_protocol.h): a field out of its declared bounds,
+   or not a number where one is declared, makes the request malformed (f->bad). */
+static double slotd_float(fields_t *f, double lo, double hi) {
+    char *s = field(f, NULL), *end = NULL;
+    double v = s && *s ? strtod(s, &end) : 0;
+    if (!s || !*s || *end || !(v >= lo && v <= hi)) f->bad = 1; /* NaN fails the comparison too */
+    free(s);
+    return f->bad ? 0 : v;
+}
+
+static long long slotd_int(fields_t *f, long long lo, long long hi, int *present) {
+    char *s = field(f, NULL), *end = NULL;
+    if (present) *present = s && *s;
+    if (s && !*s && present) { free(s); return 0; } /* an optional field, absent */
+    errno = 0;
+    long long v = s && *s ? strtoll(s, &end, 10) : 0;
+    if (!s || !*s || *end || errno || v < lo || v > hi) f->bad = 1;
+    free(s);
+    return f->bad ? 0 : v;
+}
+
+static int slotd_bool(fields_t *f, int optional) {
+    char *s = field(f, NULL);
+    int v = !s ? 0 : !strcmp(s, "1") ? 1 : !strcmp(s, "0") ? 0 : optional && !*s ? -1 : (f->bad = 1, 0);
+    free(s);
+    return v;
+}
+
+/* A string field; `binary`: it may hold NUL bytes (its length says where it ends), else it may not. */
+static char *slotd_str(fields_t *f, size_t *len, long long lo, long long hi, int binary) {
+    char *s = field(f, len);
+    if (!s) { *len = 0; return xmalloc(1); }
+    if ((long long)*len < lo || (long long)*len > hi || (!binary && strlen(s) != *len)) f->bad = 1;
+    return s;
+}
+
+/* A count, then `per` strings per item (1: a list, 2: a map's name and value), NULL-terminated. */
+static char **slotd_strs(fields_t *f, long long *n, long long lo, long long hi, int per) {
+    *n = slotd_int(f, lo, hi, NULL);
+    if (f->bad) *n = 0;
+    long long total = *n * per;
+    char **v = xmalloc(sizeof(char *) * (size_t)(total + 1));
+    long long got = 0;
+    for (; got < total && !f->bad; got++) {
+        size_t len;
+        v[got] = field(f, &len);
+        if (v[got] && strlen(v[got]) != len) f->bad = 1;
+        if (!v[got]) break;
+    }
+    v[got] = NULL;
+    if (got < total) *n = got / per; /* what was read is freed with the rest */
+    return v;
+}
+
+static void slotd_free_strs(char **v) {
+    if (!v) return;
+    for (char **p = v; *p; p++) free(*p);
+    free(v);
+}
+
+#include "slotd_protocol.h"
 
 /* ------------------------------------------------------------------ capture */
 
@@ -287,6 +371,9 @@ static int spawn(char **argv, char **env, const char *cwd, int stdin_fd, const i
     pid_t pid = fork();
     if (pid == 0) {
         int e;
+#ifdef SLOTD_SANITIZED
+        if (has_child_as && setrlimit(RLIMIT_AS, &child_as)) goto fail;
+#endif
         if (cwd && (setsid() < 0 || chdir(cwd) < 0)) goto fail;
         if (cpu > 0) {
             struct rlimit rl = {(rlim_t)cpu, (rlim_t)cpu + 1};
@@ -485,29 +572,25 @@ static void reply_exec(long seq, int code, int timed_out, int limited, capture_t
     free(b.p);
 }
 
+/* The host encodes every request itself: a malformed one (a field missing, out of its declared
+   bounds, or more fields than the op declares) is a bug, not a call to answer. */
+static void malformed(fields_t *f, const char *op) {
+    if (!f->bad && !f->left) return;
+    fprintf(stderr, "slotd: malformed %s request\n", op);
+    _exit(112);
+}
+
 static void do_exec(fields_t *f, long seq) {
-    double timeout = 0;
-    char *s = field(f, NULL);
-    if (s) timeout = strtod(s, NULL);
-    free(s);
-    long cap = field_long(f), hard_cap = field_long(f), cpu = field_long(f);
-    size_t stdin_len = 0;
-    char *stdin_data = field(f, &stdin_len);
-    long n_env = field_long(f);
-    if (n_env < 0 || n_env > MAX_ENV) f->bad = 1;
-    char **env_pairs = xmalloc(sizeof(char *) * (size_t)(2 * (n_env > 0 ? n_env : 0) + 1));
-    for (long i = 0; i < 2 * n_env && !f->bad; i++) env_pairs[i] = field(f, NULL);
-    long argc = field_long(f);
-    if (argc < 1 || argc > 1 << 16) f->bad = 1;
-    char **argv = xmalloc(sizeof(char *) * (size_t)((argc > 0 ? argc : 0) + 1));
-    long got = 0;
-    for (; got < argc && !f->bad; got++) argv[got] = field(f, NULL);
-    if (f->bad) {
-        /* the host encodes every request itself: a bad one is a bug, not a call to answer */
-        fprintf(stderr, "slotd: malformed exec request\n");
-        _exit(112);
-    }
-    argv[argc] = NULL;
+    slotd_exec_t r;
+    slotd_parse_exec(f, &r);
+    malformed(f, "exec");
+    double timeout = r.timeout;
+    long cap = (long)r.max_output, cpu = (long)r.cpu_seconds;
+    long long hard_cap = r.hard_output;
+    size_t stdin_len = r.stdin__len;
+    char *stdin_data = r.stdin_;
+    long n_env = (long)r.env_n, argc = (long)r.argv_n;
+    char **env_pairs = r.env, **argv = r.argv;
 
     guard(); /* again, right before a waiting interpreter is handed the call */
     warm_t *w = NULL;
@@ -553,6 +636,7 @@ static void do_exec(fields_t *f, long seq) {
                 if (strlen(env_pairs[2 * j]) == klen && !strncmp(base_env[i], env_pairs[2 * j], klen)) overridden = 1;
             if (!overridden) env[n++] = base_env[i];
         }
+        size_t n_kept = n; /* the slot's own entries: env[n_kept..] are this call's, allocated here */
         for (long j = 0; j < n_env; j++) {
             int later = 0;
             for (long k = j + 1; k < n_env; k++)
@@ -578,9 +662,12 @@ static void do_exec(fields_t *f, long seq) {
         start = now();
         int e = in < 0 ? errno : spawn(argv, env, root_dir, in, keep, cpu, &proc);
         if (in >= 0) close(in);
+        /* the child has exec'd (or failed): the array and the call's own K=V strings are ours to free */
+        for (size_t i = n_kept; i < n; i++) free(env[i]);
+        free(env);
         if (e) {
             reply_exec(seq, 127, 0, 0, &out, &err, 0.0, e);
-            return;  /* (leaks a request's strings: a failed start is rare, the heap is per sandbox) */
+            goto done;
         }
         pidfd = pidfd_open(proc.pid);
     }
@@ -593,7 +680,7 @@ static void do_exec(fields_t *f, long seq) {
     while (open_fds) {
         double remaining = deadline - now();
         if (remaining <= 0) { timed_out = 1; break; }
-        int ms = exited ? 50 : (int)(remaining * 1000 + 0.999999);
+        int ms = exited ? 50 : poll_ms(remaining * 1000 + 0.999999);
         int n = poll(pf, 3, ms);
         if (n < 0) {
             if (errno == EINTR) continue;
@@ -633,11 +720,8 @@ static void do_exec(fields_t *f, long seq) {
     int code = child_wait(&proc);
     child_close(&proc);
     reply_exec(seq, code, timed_out, limited, &out, &err, (now() - start) * 1000, 0);
-    for (long i = 0; i < argc; i++) free(argv[i]);
-    free(argv);
-    for (long i = 0; i < 2 * n_env; i++) free(env_pairs[i]);
-    free(env_pairs);
-    free(stdin_data);
+done:
+    slotd_free_exec(&r);
 }
 
 /* ------------------------------------------------------------------ terminal */
@@ -676,7 +760,7 @@ static int tmux_run(const char *sock, const char **args, int *rc, buf_t *err_out
     while (open_fds) { /* communicate(): both pipes to their end */
         double remaining = deadline - now();
         if (remaining <= 0) { timed_out = 1; break; }
-        int n = poll(pf, 2, (int)(remaining * 1000 + 1));
+        int n = poll(pf, 2, poll_ms(remaining * 1000 + 1));
         if (n < 0 && errno != EINTR) break;
         for (int i = 0; i < 2 && n > 0; i++) {
             if (pf[i].fd < 0 || !pf[i].revents) continue;
@@ -689,7 +773,7 @@ static int tmux_run(const char *sock, const char **args, int *rc, buf_t *err_out
     if (!timed_out) { /* the pipes closed: wait for the client itself within what is left */
         double remaining = deadline - now();
         struct pollfd pp = {pidfd, POLLIN, 0};
-        if (pidfd >= 0 && (remaining <= 0 || poll(&pp, 1, (int)(remaining * 1000 + 1)) == 0)) timed_out = 1;
+        if (pidfd >= 0 && (remaining <= 0 || poll(&pp, 1, poll_ms(remaining * 1000 + 1)) == 0)) timed_out = 1;
     }
     if (timed_out) kill(ch.pid, SIGKILL);
     if (pidfd >= 0) close(pidfd);
@@ -743,20 +827,18 @@ static int term_tmux(long seq, const char *sock, const char **args, int *rc, buf
 }
 
 static void do_terminal(fields_t *f, long seq) {
-    size_t input_len = 0;
-    char *input = field(f, &input_len);
-    char *enter = field(f, NULL);             /* "1", "0", or "" for the default */
-    long n_keys = field_long(f);
-    if (n_keys < 0 || n_keys > 4096) f->bad = 1;
-    char **keys = xmalloc(sizeof(char *) * (size_t)(n_keys > 0 ? n_keys : 1));
-    for (long i = 0; i < n_keys && !f->bad; i++) keys[i] = field(f, NULL);
-    char *s_wait = field(f, NULL), *s_settle = field(f, NULL), *cols = field(f, NULL), *rows = field(f, NULL);
-    long offset = field_long(f), cap = field_long(f);
-    if (f->bad) {
-        fprintf(stderr, "slotd: malformed terminal request\n");
-        _exit(112);
-    }
-    double wait = strtod(s_wait, NULL) / 1000.0, settle = strtod(s_settle, NULL) / 1000.0;
+    slotd_terminal_t r;
+    slotd_parse_terminal(f, &r);
+    malformed(f, "terminal");
+    size_t input_len = r.input_len;
+    char *input = r.input, **keys = r.keys;
+    long n_keys = (long)r.keys_n;
+    long long offset = r.offset;
+    long cap = (long)r.max_output;
+    double wait = r.wait_ms / 1000.0, settle = r.settle_ms / 1000.0;
+    char cols[24], rows[24];
+    snprintf(cols, sizeof cols, "%lld", r.cols);
+    snprintf(rows, sizeof rows, "%lld", r.rows);
     clean_slate(); /* its tmux clients take pids: with no waiting interpreter alive, all are ours */
     char sock[PATH_MAX], log[PATH_MAX], pipe_cmd[PATH_MAX + 32];
     snprintf(sock, sizeof sock, "%s/tmux.sock", run_dir);
@@ -796,7 +878,7 @@ static void do_terminal(fields_t *f, long seq) {
         const char *send[] = {"send-keys", "-t", "main", "-l", "--", input, NULL};
         if (term_tmux(seq, sock, send, &rc, NULL)) goto out;
     }
-    if (*enter ? !strcmp(enter, "1") : input_len > 0) {
+    if (r.enter >= 0 ? r.enter == 1 : input_len > 0) {
         const char *send[] = {"send-keys", "-t", "main", "Enter", NULL};
         if (term_tmux(seq, sock, send, &rc, NULL)) goto out;
     }
@@ -821,14 +903,17 @@ static void do_terminal(fields_t *f, long seq) {
         if (size > offset) {
             int fd = open_log(log);
             if (fd >= 0) {
-                unsigned char *tmp = xmalloc((size_t)(size - offset) < 2 * c.half ? (size_t)(size - offset) : 2 * c.half);
-                if ((size_t)(size - offset) <= (size_t)cap) {
+                /* what the capture keeps is 2*half bytes (half = cap/2: one less than cap when cap is odd);
+                   a log part no longer than that is read whole, else its head and its tail */
+                size_t kept = 2 * c.half;
+                unsigned char *tmp = xmalloc((size_t)(size - offset) < kept ? (size_t)(size - offset) : kept);
+                if ((size_t)(size - offset) <= kept) {
                     ssize_t r = pread(fd, tmp, (size_t)(size - offset), offset);
                     if (r > 0) cap_feed(&c, tmp, (size_t)r);
                 } else {
                     ssize_t r = pread(fd, tmp, c.half, offset);
                     if (r > 0) cap_feed(&c, tmp, (size_t)r);
-                    c.total += (unsigned long long)(size - offset) - 2 * c.half; /* the skipped middle */
+                    c.total += (unsigned long long)(size - offset) - kept; /* the skipped middle */
                     r = pread(fd, tmp, c.half, size - (off_t)c.half);
                     if (r > 0) cap_feed(&c, tmp, (size_t)r);
                 }
@@ -846,28 +931,39 @@ static void do_terminal(fields_t *f, long seq) {
     }
 out:
     mark = ns_last_pid();
-    free(input);
-    free(enter);
-    for (long i = 0; i < n_keys; i++) free(keys[i]);
-    free(keys);
-    free(s_wait);
-    free(s_settle);
-    free(cols);
-    free(rows);
+    slotd_free_terminal(&r);
 }
 
 /* ------------------------------------------------------------------ start-up */
 
 static void upgrade(void) {
     clean_slate(); /* nothing of ours or the slot's survives into the Python supervisor */
-    if (dup2(rfd, 0) < 0 || dup2(wfd, 1) < 0) die("dup2");
-    execve(upgrade_argv[0], upgrade_argv, environ);
+    /* it takes the same channel: its descriptors' numbers as its last three arguments (stderr is 2) */
+    size_t n = 0;
+    while (upgrade_argv[n]) n++;
+    char **argv = xmalloc(sizeof(char *) * (n + 4));
+    memcpy(argv, upgrade_argv, sizeof(char *) * n);
+    char r[16], w[16];
+    snprintf(r, sizeof r, "%d", rfd);
+    snprintf(w, sizeof w, "%d", wfd);
+    argv[n] = r;
+    argv[n + 1] = w;
+    argv[n + 2] = "2";
+    argv[n + 3] = NULL;
+    if (fcntl(rfd, F_SETFD, 0) < 0 || fcntl(wfd, F_SETFD, 0) < 0) die("protocol descriptors");
+    execve(argv[0], argv, environ);
     die("exec of the Python supervisor");
 }
 
 static void set_limit(int resource, const char *value) {
     struct rlimit rl;
     rl.rlim_cur = rl.rlim_max = (rlim_t)strtoull(value, NULL, 10);
+#ifdef SLOTD_SANITIZED
+    /* AddressSanitizer has terabytes of shadow mapped before main: an address-space limit on slotd
+       itself would fail its next allocation. The sanitizer build (tests only) gives it to what it
+       starts instead, right before their exec (spawn), so the calls see the same limits. */
+    if (resource == RLIMIT_AS) { child_as = rl; has_child_as = 1; return; }
+#endif
     if (setrlimit(resource, &rl)) die("setrlimit");
 }
 
@@ -889,8 +985,14 @@ static long cfg_count(fields_t *f, long max) {
     return v;
 }
 
-int main(void) {
+/* The channel: the host passes it past bubblewrap's init (which keeps only its stdio, /dev/null but
+   for bwrap's stderr) as three descriptors, their numbers our last three arguments: requests (the
+   configuration first), replies, and our stderr. (host/isolation/sandbox_process.py) */
+int main(int argc, char **argv) {
     if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)) die("prctl(PR_SET_DUMPABLE)");
+#ifdef SLOTD_SANITIZED
+    atexit(dumpable_for_leak_check);
+#endif
     if (getpid() > 64) {
         /* its sweeps are kill(-1): only inside a PID namespace of its own do they stop at the sandbox */
         fprintf(stderr, "slotd: not among the first processes of a PID namespace of its own: refusing to run\n");
@@ -905,12 +1007,22 @@ int main(void) {
         if (sig == SIGKILL || sig == SIGSTOP || sigaction(sig, NULL, &sa)) continue;
         if (sa.sa_handler == SIG_IGN) signal(sig, SIG_DFL);
     }
+    if (argc < 4) { fprintf(stderr, "slotd: usage: slotd REQUEST_FD REPLY_FD STDERR_FD\n"); return 2; }
+    rfd = atoi(argv[argc - 3]);
+    wfd = atoi(argv[argc - 2]);
+    int efd = atoi(argv[argc - 1]);
+    if (rfd < 3 || wfd < 3 || efd < 3 || fcntl(rfd, F_GETFD) < 0 || fcntl(wfd, F_GETFD) < 0 || fcntl(efd, F_GETFD) < 0) {
+        fprintf(stderr, "slotd: the channel's descriptors are not open\n");
+        return 2;
+    }
+    if (dup2(efd, 2) < 0) die("stderr");
+    close(efd);
     unsigned char hdr[4];
-    if (read_exact(0, (char *)hdr, 4)) return 0;
+    if (read_exact(rfd, (char *)hdr, 4)) return 0;
     size_t size = (size_t)hdr[0] << 24 | (size_t)hdr[1] << 16 | (size_t)hdr[2] << 8 | hdr[3];
-    if (size > MAX_FRAME) return 2;
+    if (size > SLOTD_MAX_FRAME) return 2;
     char *cfg = xmalloc(size);
-    if (read_exact(0, cfg, size)) return 0;
+    if (read_exact(rfd, cfg, size)) { free(cfg); return 0; }
     fields_t f = {cfg, size, 0};
     char *mode = cfg_take(&f);
     static const struct { const char *name; int res; } names[] = {
@@ -921,8 +1033,10 @@ int main(void) {
         char *name = cfg_take(&f), *value = cfg_take(&f);
         for (size_t k = 0; k < sizeof names / sizeof names[0]; k++)
             if (!strcmp(name, names[k].name)) set_limit(names[k].res, value);
+        free(name);
+        free(value);
     }
-    long n_env = cfg_count(&f, MAX_ENV);
+    long n_env = cfg_count(&f, 4096);
     base_env = xmalloc(sizeof(char *) * (size_t)(n_env + 1));
     for (long i = 0; i < n_env; i++) base_env[i] = cfg_take(&f);
     n_warm = (int)cfg_count(&f, MAX_WARM);
@@ -950,15 +1064,20 @@ int main(void) {
         for (long i = 0; i < n_shell; i++) shell_argv[i] = cfg_take(&f);
         shell_argv[n_shell] = NULL;
     }
-    if (n_tmux < 1) { fprintf(stderr, "slotd: malformed configuration\n"); return 2; }
+    if (n_tmux < 1 || f.left) { fprintf(stderr, "slotd: malformed configuration\n"); return 2; }
+    free(cfg); /* every field is a copy */
     struct stat st;
-    if (stat(term_dir, &st) || !S_ISDIR(st.st_mode)) term_dir = "/"; /* as supervisor.py's files.cwd */
+    if (stat(term_dir, &st) || !S_ISDIR(st.st_mode)) { /* as supervisor.py's files.cwd */
+        free(term_dir);
+        term_dir = strdup("/");
+    }
     base_env[n_env] = NULL;
     if (!strcmp(mode, "exec")) {
         /* exec_program.py's job (the terminal's tmux server): the limits and signal state set above,
-           stdin and stdout to /dev/null (the host's pipe ends must not survive), then the program */
+           stdio on /dev/null (none of the host's pipe ends survives: the slot's code runs beside
+           the program, as its uid), then the program */
         int null = open("/dev/null", O_RDWR);
-        if (null < 0 || dup2(null, 0) < 0 || dup2(null, 1) < 0) die("/dev/null");
+        if (null < 0 || dup2(null, 0) < 0 || dup2(null, 1) < 0 || dup2(null, 2) < 0) die("/dev/null");
         if (null > 2) close(null);
         syscall(SYS_close_range, 3, ~0U, 4 /* CLOSE_RANGE_CLOEXEC */);
         if (*workspace && chdir(workspace)) { /* an image's WorkingDir gone: where bwrap put us */ }
@@ -968,14 +1087,14 @@ int main(void) {
     /* an image's WorkingDir that its root user removed: calls start at / (supervisor.py does the same) */
     root_dir = realpath(workspace, NULL);
     if (!root_dir) root_dir = realpath("/", NULL);
+    free(workspace);
+    free(mode);
     last_pid_fd = open("/proc/sys/kernel/ns_last_pid", O_RDONLY | O_CLOEXEC);
     if (last_pid_fd < 0) die("/proc/sys/kernel/ns_last_pid");
-    /* the protocol pipes move to private descriptors; stdin and stdout become /dev/null, so what
-       the slot runs gets its own stdio and can never write into the protocol */
-    rfd = fcntl(0, F_DUPFD_CLOEXEC, 3);
-    wfd = fcntl(1, F_DUPFD_CLOEXEC, 3);
+    /* stdin and stdout are /dev/null (bwrap's, made sure of): what the slot runs gets its own stdio;
+       the channel's descriptors are close-on-exec below, like everything else of ours */
     int devnull = open("/dev/null", O_RDWR);
-    if (rfd < 0 || wfd < 0 || devnull < 0) die("protocol descriptors");
+    if (devnull < 0) die("/dev/null");
     dup2(devnull, 0);
     dup2(devnull, 1);
     close(devnull);
@@ -992,29 +1111,41 @@ int main(void) {
     char *body = NULL;
     for (;;) {
         unsigned char hdr[4];
-        if (read_exact(rfd, (char *)hdr, 4)) return 0;
+        if (read_exact(rfd, (char *)hdr, 4)) break;
         size_t size = (size_t)hdr[0] << 24 | (size_t)hdr[1] << 16 | (size_t)hdr[2] << 8 | hdr[3];
-        if (size > MAX_FRAME || size < 1) return 0;
+        if (size > SLOTD_MAX_FRAME || size < 1) break;
         body = xmalloc(size);
-        if (read_exact(rfd, body, size)) return 0;
+        if (read_exact(rfd, body, size)) { free(body); break; }
         fields_t f = {body + 1, size - 1, 0};
         long seq = field_long(&f);
         guard();
-        if (body[0] == 'E') {
+        if (body[0] == SLOTD_OP_EXEC) {
             do_exec(&f, seq);
-        } else if (body[0] == 'T') {
+        } else if (body[0] == SLOTD_OP_TERMINAL) {
             do_terminal(&f, seq);
-        } else if (body[0] == 'P') {
+        } else if (body[0] == SLOTD_OP_PING) {
+            slotd_ping_t r;
+            slotd_parse_ping(&f, &r);
+            malformed(&f, "ping");
+            slotd_free_ping(&r);
             b.n = 0;
             b_fmt(&b, "{\"seq\":%ld,\"ok\":true,\"result\":{\"pong\":true}}", seq);
             send_frame(&b);
-        } else if (body[0] == 'U') {
+        } else if (body[0] == SLOTD_OP_UPGRADE) {
+            slotd_upgrade_t r;
+            slotd_parse_upgrade(&f, &r);
+            malformed(&f, "upgrade");
+            slotd_free_upgrade(&r);
             upgrade();
         } else {
             fprintf(stderr, "slotd: unknown request kind\n");
+            free(body);
+            free(b.p);
             return 2;
         }
         free(body);
         idle();
     }
+    free(b.p); /* the host closed the pipe (or sent what no host sends): the end of this sandbox */
+    return 0;
 }

@@ -50,8 +50,9 @@ if TYPE_CHECKING:
         serve,
     )
     from atropos.sandbox.inslot.inslot_files import SlotFiles, ToolFailure
+    from atropos.sandbox.inslot.inslot_protocol import OPS, check
     from atropos.sandbox.inslot.inslot_terminal import run_terminal
-    from atropos.sandbox.inslot.inslot_warm import BASH, WARM_KINDS, Child, WarmInterpreter, cpu_limit
+    from atropos.sandbox.inslot.inslot_warm import BASH, PYTHON, WARM_KINDS, Child, WarmInterpreter, cpu_limit
 else:  # run from the host's lib dir, beside inslot.py (isolated mode: the dir is not on sys.path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from inslot_common import (
@@ -65,7 +66,8 @@ else:  # run from the host's lib dir, beside inslot.py (isolated mode: the dir i
         serve,
     )
     from inslot_files import SlotFiles, ToolFailure
-    from inslot_warm import BASH, WARM_KINDS, Child, WarmInterpreter, cpu_limit
+    from inslot_protocol import OPS, check
+    from inslot_warm import BASH, PYTHON, WARM_KINDS, Child, WarmInterpreter, cpu_limit
     del sys.path[0]
 
 
@@ -107,6 +109,9 @@ class Supervisor:
         # has forked since: start-up code of a waiting interpreter (a .pth file, sitecustomize)
         # has not left a process behind. See `untouched`.
         self.mark: int | None = None
+        # Waiting interpreters killed but not reaped yet: one of them may hold ``mark``'s pid (see
+        # retire_python); reaped once a later start has moved the mark past it.
+        self.retired: list[WarmInterpreter] = []
 
     # -- what start-up code may leave behind -----------------------------------------------
     def untouched(self) -> bool:
@@ -146,10 +151,8 @@ class Supervisor:
 
     def run(self, req: dict[str, Any]) -> dict[str, Any]:
         argv = [str(a) for a in req["argv"]]
-        timeout = float(req.get("timeout", 60.0))
-        cap = int(req.get("max_output", 65536))
-        hard_cap = int(req.get("hard_output", 64 << 20))
-        where = req.get("cwd") or "."
+        timeout, cap, hard_cap = req["timeout"], req["max_output"], req["hard_output"]  # checked: inslot_protocol
+        where = req["cwd"] or "."
         # The workspace root never moves while this sandbox lives (see idle): no lookup for it.
         cwd = self.root_dir if where == "." and self.root_dir is not None else self.files._resolve_dir(where)
         self.guard()  # again, right before a waiting interpreter is handed the call
@@ -165,7 +168,7 @@ class Supervisor:
             warm.go(argv[2])
         else:
             env = dict(self.env)
-            env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
+            env.update(req["env"])
             start = time.monotonic()
             try:
                 proc = _PopenChild(self._popen(argv, req, cwd, env))
@@ -304,11 +307,36 @@ class Supervisor:
                     self.mark = started.proc.pid
             except (OSError, ToolFailure, subprocess.SubprocessError):
                 return  # e.g. the process limit: calls start their own
+        self._reap_retired()
 
     def _drop_warm(self) -> None:
         warm, self.warm = self.warm, {}
-        for interpreter in warm.values():
+        for interpreter in [*warm.values(), *self.retired]:
             interpreter.drop()
+        self.retired = []
+
+    def retire_python(self) -> None:
+        """After a file tool wrote: the waiting python3 started before the write (its start-up read the
+        user site, its .pth files, sitecustomize) never serves a later call, as a fresh ``python3 -c``
+        would see the files. Killed now; reaped (``_reap_retired``) only once a later start has moved
+        ``mark`` past its pid, which it holds until then (see ``untouched``). The waiting bash read
+        nothing of the workspace at its start: it stays."""
+        warm = self.warm.pop(PYTHON, None)
+        if warm is None:
+            return
+        warm.close_fds()
+        try:
+            warm.proc.kill()
+        except OSError:
+            pass
+        self.retired.append(warm)
+
+    def _reap_retired(self) -> None:
+        keep = [w for w in self.retired if self.mark == w.proc.pid]
+        for interpreter in self.retired:
+            if interpreter not in keep:
+                interpreter.drop()
+        self.retired = keep
 
     # -- tools -----------------------------------------------------------------------------
     def archive(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -331,7 +359,8 @@ class Supervisor:
 
     # -- protocol --------------------------------------------------------------------------
     def ops(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
-        """The ops this supervisor answers (the tools' definitions in atropos/sandbox/contract/tools.py name them)."""
+        """The ops this supervisor answers (declared in inslot_protocol.OPS, served_by "supervisor"; the
+        tools' definitions in atropos/sandbox/contract/tools.py name them)."""
         return {
             "exec": self.run, "read_file": self.files.read_file, "write_file": self.files.write_file,
             "edit_file": self.files.edit_file, "list_dir": self.files.list_dir, "stat": self.files.stat,
@@ -347,8 +376,12 @@ class Supervisor:
             return {"ok": False, "error": {"code": "verification_phase", "message":
                     f"{op}: the slot is in its verification phase; only reading the workspace is allowed"}}
         try:
+            req = check(req)  # its op's declared fields, defaults filled in; anything else refused
             self.guard()
-            return {"ok": True, "result": handler(req)}
+            result = handler(req)
+            if OPS[req["op"]].writes_files:
+                self.retire_python()
+            return {"ok": True, "result": result}
         except ToolFailure as exc:
             return {"ok": False, "error": {"code": exc.code, "message": str(exc)}}
         except (KeyError, TypeError, ValueError, OverflowError) as exc:

@@ -48,10 +48,12 @@ if TYPE_CHECKING:
         serve,
     )
     from atropos.sandbox.inslot.inslot_fs import read_at_most
+    from atropos.sandbox.inslot.inslot_protocol import InvalidRequest, check
 else:  # run from the host's lib dir, beside inslot.py (isolated mode: the dir is not on sys.path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from inslot_common import Capture, apply_limits, make_undumpable, protocol_fds, serve
     from inslot_fs import read_at_most
+    from inslot_protocol import InvalidRequest, check
     del sys.path[0]
 
 LOG_CAP = 16384
@@ -370,6 +372,10 @@ def main() -> None:
         if done or req.get("op") != "verify":
             return {"ok": False, "error": {"code": "invalid_request", "message": "one verify request per sandbox"}}
         done = True
+        try:
+            req = check(req)
+        except InvalidRequest as exc:
+            return {"ok": False, "error": {"code": "invalid_request", "message": str(exc)}}
         outcome = run_program({**req, "root": root})
         for stream in (sys.stdout, sys.stderr):
             try:

@@ -1,4 +1,12 @@
-"""One running slot sandbox: bubblewrap around the supervisor, spoken to over pipes."""
+"""One running slot sandbox: bubblewrap around the supervisor, spoken to over pipes.
+
+The protocol's pipes reach the sandbox's program only, never bubblewrap's init (PID 1 of every
+sandbox, which keeps its stdio for the sandbox's life: on a backend where the host runs as the slots'
+uid, the slot could open them through ``/proc/1/fd/N``). So bwrap's stdin and stdout are /dev/null,
+and the request, reply and error pipes are passed as descriptors of their own (bwrap's init closes
+every descriptor but its stdio; the program inherits them): their numbers are the program's last
+three arguments. bwrap's stderr stays a pipe for its own set-up errors until the program is ready,
+then the host closes its end: nothing of the host's is left to read or write through PID 1."""
 
 from __future__ import annotations
 
@@ -87,7 +95,11 @@ class SandboxProcess:
         self._abandoned = False
         self.companion: asyncio.subprocess.Process | None = None  # slirp4netns of a network sandbox
         self._stderr_tail = b""
-        self._stderr_task = asyncio.create_task(self._drain_stderr())
+        # the channel (see the module's docstring): connected by start()
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader: asyncio.StreamReader | None = None
+        self._err_tasks: list[asyncio.Task[None]] = []
+        self._stderr_task = asyncio.create_task(self._drain_stderr(proc.stderr))
 
     @classmethod
     async def start(
@@ -109,23 +121,28 @@ class SandboxProcess:
         With ``network`` the sandbox gets a private network (slirp4netns run as ``network_uid``)
         before anything runs inside it."""
         fds: dict[str, int] = dict(network.sandbox_fds) if network is not None else {}
+        # the channel: requests (we write), replies and the program's stderr (we read)
+        req_r, req_w = os.pipe2(os.O_CLOEXEC)
+        rep_r, rep_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        ours, theirs = (req_w, rep_r, err_r), (req_r, rep_w, err_w)
         seccomp_fd = -1
         if seccomp_path is not None:
             # bwrap consumes the descriptor's offset, so every sandbox gets a fresh one.
             seccomp_fd = fds["seccomp_fd"] = os.open(seccomp_path, os.O_RDONLY)
         placeholders = {f"{{{name}}}": str(fd) for name, fd in fds.items()}
-        argv = [placeholders.get(a, a) for a in argv]
+        argv = [*(placeholders.get(a, a) for a in argv), *map(str, theirs)]
         ids: dict[str, Any] = {}
         if uid is not None:
             ids = {"user": uid, "group": uid, "extra_groups": []}
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE if protocol else asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.PIPE,
+                stdin=asyncio.subprocess.DEVNULL,  # bwrap's init keeps its stdio: nothing of ours there
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,  # bwrap's set-up errors, until the program is ready
                 env={},  # bwrap's own PID 1 keeps this environment: it must be empty
-                pass_fds=tuple(fds.values()),
+                pass_fds=(*fds.values(), *theirs),
                 limit=MAX_FRAME,
                 # Its own process group: killed while it starts, bwrap leaves a child blocked before
                 # --die-with-parent applies; killpg reaches that child too.
@@ -136,14 +153,22 @@ class SandboxProcess:
         except OSError as exc:
             if network is not None:
                 network.close()
+            for fd in ours:
+                os.close(fd)
             raise SandboxDied(f"{label}: cannot start sandbox: {exc}") from exc
         finally:
             if seccomp_fd >= 0:
                 os.close(seccomp_fd)
+            for fd in theirs:
+                os.close(fd)
         sandbox = cls(proc, label, echoes_seq=echoes_seq)
-        if first_frame is not None and proc.stdin is not None:
-            proc.stdin.write(first_frame)  # read before anything else (slotd's configuration): no wait
         try:
+            await sandbox._connect(*ours)
+            assert sandbox._writer is not None
+            if first_frame is not None:
+                sandbox._writer.write(first_frame)  # read before anything else (slotd's configuration): no wait
+            if not protocol:
+                sandbox._writer.close()  # a plain program: its configuration, if any, and nothing more
             if network is not None:
                 network.spawned()
                 try:
@@ -152,6 +177,7 @@ class SandboxProcess:
                     network.close()
             if protocol:
                 sandbox.native = (await sandbox._read_frame(ready_timeout)).get("native") is True
+            sandbox._close_bwrap_stderr()  # set up and running: bwrap has nothing more to say
         except NetworkSetupFailed as exc:
             await sandbox.kill()
             raise SandboxDied(str(exc)) from exc
@@ -162,6 +188,29 @@ class SandboxProcess:
             sandbox._signal_group()
             raise
         return sandbox
+
+    async def _connect(self, req_w: int, rep_r: int, err_r: int) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=MAX_FRAME, loop=loop)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop),
+                                     os.fdopen(rep_r, "rb", buffering=0))
+        err = asyncio.StreamReader(loop=loop)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(err, loop=loop),
+                                     os.fdopen(err_r, "rb", buffering=0))
+        transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin,
+                                                            os.fdopen(req_w, "wb", buffering=0))
+        self._writer = asyncio.StreamWriter(transport, protocol, None, loop)
+        self._reader = reader
+        self._err_tasks.append(asyncio.create_task(self._drain_stderr(err)))
+
+    def _close_bwrap_stderr(self) -> None:
+        """The end of bwrap's stderr: its init keeps the pipe as its fd 2 for the sandbox's life, so
+        once the set-up is done the host's end goes (what the slot writes there reaches nobody)."""
+        self._stderr_task.cancel()
+        transport = getattr(self.proc, "_transport", None)
+        pipe = transport.get_pipe_transport(2) if transport is not None else None
+        if pipe is not None:
+            pipe.close()
 
     @classmethod
     def kill_all(cls) -> None:
@@ -178,8 +227,8 @@ class SandboxProcess:
     def _kill_now(self) -> None:
         """The synchronous part of a kill: the signal, and the end of the request pipe."""
         self._signal_group()
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
+        if self._writer is not None:
+            self._writer.close()
 
     @property
     def alive(self) -> bool:
@@ -208,10 +257,12 @@ class SandboxProcess:
     def pid(self) -> int:
         return self.proc.pid
 
-    async def _drain_stderr(self) -> None:
-        assert self.proc.stderr is not None
+    async def _drain_stderr(self, stream: asyncio.StreamReader | None) -> None:
+        """bwrap's set-up errors, then the program's own stderr: the tail names why a sandbox died."""
+        if stream is None:
+            return
         try:
-            while chunk := await self.proc.stderr.read(4096):
+            while chunk := await stream.read(4096):
                 self._stderr_tail = (self._stderr_tail + chunk)[-4096:]
         except (ConnectionError, asyncio.CancelledError):
             pass
@@ -220,11 +271,11 @@ class SandboxProcess:
         return self._stderr_tail.decode("utf-8", "replace").strip()
 
     async def _read_body(self) -> bytes:
-        assert self.proc.stdout is not None
-        (size,) = FRAME.unpack(await self.proc.stdout.readexactly(FRAME.size))
+        assert self._reader is not None
+        (size,) = FRAME.unpack(await self._reader.readexactly(FRAME.size))
         if size > MAX_FRAME:
             raise SandboxDied(f"{self.label}: oversized frame from sandbox ({size} bytes)")
-        return await self.proc.stdout.readexactly(size)
+        return await self._reader.readexactly(size)
 
     async def _read_frame(self, timeout: float) -> dict[str, Any]:
         try:
@@ -251,7 +302,7 @@ class SandboxProcess:
     async def request(self, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Send one request and wait for its answer; any transport failure kills the sandbox, and
         so does the caller's cancellation (see the class docstring)."""
-        if not self.alive or self.proc.stdin is None:
+        if not self.alive or self._writer is None or self._writer.is_closing():
             raise SandboxDied(f"{self.label}: sandbox is not running")
         self._seq += 1
         seq = self._seq
@@ -264,8 +315,8 @@ class SandboxProcess:
         try:
             if self.native and native is None:
                 await self._upgrade(timeout)
-            self.proc.stdin.write(FRAME.pack(len(data)) + data)
-            await self.proc.stdin.drain()
+            self._writer.write(FRAME.pack(len(data)) + data)
+            await self._writer.drain()
             frame = await self._read_frame(timeout)
             if self.echoes_seq and frame.get("seq") != seq:
                 raise SandboxDied(f"{self.label}: reply out of step with its request "
@@ -284,10 +335,10 @@ class SandboxProcess:
     async def _upgrade(self, timeout: float) -> None:
         """slotd execs the Python supervisor in its place (every process of the sandbox killed
         first); its ready frame says it serves from now on."""
-        assert self.proc.stdin is not None
+        assert self._writer is not None
         data = slotd_wire.encode_upgrade(self._seq)
-        self.proc.stdin.write(FRAME.pack(len(data)) + data)
-        await self.proc.stdin.drain()
+        self._writer.write(FRAME.pack(len(data)) + data)
+        await self._writer.drain()
         frame = await self._read_frame(max(timeout, 15.0))
         if not (frame.get("ok") and isinstance(frame.get("result"), dict) and frame["result"].get("ready")):
             raise SandboxDied(f"{self.label}: the Python supervisor did not take over")
@@ -312,5 +363,9 @@ class SandboxProcess:
                 with contextlib.suppress(ProcessLookupError):
                     self.companion.kill()
         self._stderr_task.cancel()
+        for task in self._err_tasks:
+            task.cancel()
+        if self._reader is not None:
+            self._reader.feed_eof()
 
 

@@ -1,12 +1,13 @@
 """The host's side of the wire to ``slotd``, the compiled supervisor (atropos/sandbox/inslot/slotd.c).
 
-slotd serves a slot's ``exec`` calls (and ``ping``) without Python; everything else goes to the
-Python supervisor, which slotd becomes on an "upgrade" request (docs/native-supervisor.md). This
-module decides which requests slotd can answer exactly as supervisor.py would, encodes them in
-slotd's field format, and turns its reply into the very reply supervisor.py gives: the captured
-bytes come back raw (base64 of the kept head and tail) and are rendered here by the same function
-as in the Python supervisor (``inslot_common.render_capture``).
-"""
+slotd serves a slot's ``exec`` calls, its terminal and ``ping`` without Python; everything else goes
+to the Python supervisor, which slotd becomes on an "upgrade" request (docs/native-supervisor.md).
+This module decides which requests slotd can answer exactly as supervisor.py would, encodes them in
+slotd's field format (which fields, their order and bounds: the protocol's one declaration,
+atropos/sandbox/inslot/inslot_protocol.py, from which slotd's parser is generated too), and turns
+its reply into the very reply supervisor.py gives: the captured bytes come back raw (base64 of the
+kept head and tail) and are rendered here by the same function as in the Python supervisor
+(``inslot_common.render_capture``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import os
 import struct
 from typing import Any
 
+from atropos.sandbox.inslot import inslot_protocol as P
 from atropos.sandbox.inslot.inslot_common import (
     render_capture,
     strip_ansi,
@@ -33,31 +35,79 @@ def _text(value: Any) -> bytes:
     return _field(str(value).encode())
 
 
+def _fields(f: P.Field, value: Any) -> list[bytes]:
+    """A checked field's value in slotd's form (the types of inslot_protocol.TYPES); UnicodeError or
+    ValueError where slotd cannot carry it as the Python supervisor would take it."""
+    t = f.type
+    if t in ("int", "float"):
+        return [_text(repr(value))]
+    if t == "opt_int":
+        return [_text("" if value is None else int(value))]
+    if t in ("bool", "opt_bool"):
+        return [_text("" if value is None else "1" if value else "0")]
+    if t == "opt_text":  # as supervisor.py writes it to the call's stdin: strict UTF-8
+        return [_field(value.encode() if value else b"")]
+    if t in ("str", "opt_str"):
+        raw = os.fsencode(value or "")  # as Popen and tmux's argv encode it
+        if b"\0" in raw:
+            raise ValueError("NUL")
+        return [_field(raw)]
+    if t == "strs":
+        items = [os.fsencode(v) for v in value]
+        if any(b"\0" in v for v in items):
+            raise ValueError("NUL")
+        return [_text(len(items)), *map(_field, items)]
+    if t == "pairs":
+        pairs = [(os.fsencode(k), os.fsencode(v)) for k, v in value.items()]
+        if any(b"\0" in k or b"=" in k or not k or b"\0" in v for k, v in pairs):
+            raise ValueError("an environment name or value Popen refuses")
+        return [_text(len(pairs)), *(_field(x) for pair in pairs for x in pair)]
+    raise ValueError(f"slotd cannot carry {t}")
+
+
+def encode_op(payload: dict[str, Any], seq: int) -> bytes | None:
+    """slotd's frame body for ``payload`` (its kind byte, the sequence number, then every field slotd
+    carries in the declared order), or None where the Python supervisor must answer: an op slotd does
+    not serve, a request the declaration refuses (the Python supervisor's error reply stays its own),
+    a field slotd cannot honour set to other than its default (exec's cwd), or strings Popen would
+    refuse or transform."""
+    op = P.OPS.get(str(payload.get("op")))
+    if op is None or not op.native or op.served_by != "supervisor":
+        return None
+    try:
+        req = P.check(payload)
+        out = [op.native.encode(), _text(seq)]
+        for f in op.fields:
+            if not f.native:
+                if req[f.name] and req[f.name] != f.default:
+                    return None
+                continue
+            out += _fields(f, req[f.name])
+    except (P.InvalidRequest, UnicodeError, ValueError, TypeError):
+        return None
+    return b"".join(out)
+
+
 def encode_ping(seq: int) -> bytes:
     return b"P" + _text(seq)
 
 
 def encode_upgrade(seq: int) -> bytes:
-    return b"U" + _text(seq)
+    return P.OPS["upgrade"].native.encode() + _text(seq)
 
 
 def serves(payload: dict[str, Any]) -> bool:
     """Whether slotd answers requests of this kind (what ``encode`` takes, but for strings it leaves
     to the Python supervisor): the host's record of what a lease needed (supervisor_choice.py)."""
-    op = payload.get("op")
-    return op in ("ping", "terminal") or (op == "exec" and (payload.get("cwd") or ".") == ".")
+    op = P.OPS.get(str(payload.get("op")))
+    if op is None or not op.native or op.served_by != "supervisor":
+        return False
+    return all(f.native or not payload.get(f.name) or payload.get(f.name) == f.default for f in op.fields)
 
 
 def encode(payload: dict[str, Any], seq: int) -> bytes | None:
     """slotd's form of a request, or None where supervisor.py must answer it."""
-    op = payload.get("op")
-    if op == "ping":
-        return encode_ping(seq)
-    if op == "exec":
-        return encode_exec(payload, seq)
-    if op == "terminal":
-        return encode_terminal(payload, seq)
-    return None
+    return encode_op(payload, seq)
 
 
 def decode(frame: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
@@ -71,38 +121,8 @@ def decode(frame: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def encode_exec(payload: dict[str, Any], seq: int) -> bytes | None:
-    """slotd's form of an exec request, or None where supervisor.py must answer it: a cwd other than
-    the workspace (resolved beneath it by the file tools' walk), or strings the Python supervisor
-    would refuse or transform (its error replies stay its own)."""
-    if payload.get("op") != "exec" or (payload.get("cwd") or ".") != ".":
-        return None
-    argv = payload.get("argv")
-    env = payload.get("env") or {}
-    stdin = payload.get("stdin")
-    if not isinstance(argv, list) or not argv or not isinstance(env, dict):
-        return None
-    try:
-        args = [os.fsencode(str(a)) for a in argv]  # as Popen encodes them
-        pairs = [(os.fsencode(str(k)), os.fsencode(str(v))) for k, v in env.items()]
-        data = str(stdin).encode() if stdin else b""
-        timeout = float(payload.get("timeout", 60.0))
-        cap = int(payload.get("max_output", 65536))
-        hard = int(payload.get("hard_output", 64 << 20))
-        cpu = payload.get("cpu_seconds")
-        cpu_text = str(int(cpu)) if cpu else ""
-    except (UnicodeError, TypeError, ValueError, OverflowError):
-        return None  # supervisor.py reports these as it always has
-    if any(b"\0" in a for a in args) or any(b"\0" in k or b"=" in k or not k or b"\0" in v for k, v in pairs):
-        return None  # Popen's own errors, word for word, come from supervisor.py
-    if not (0 <= cap < 1 << 40 and 0 <= hard < 1 << 62):
-        return None
-    out = [b"E", _text(seq), _text(repr(timeout)), _text(cap), _text(hard), _text(cpu_text), _field(data),
-           _text(len(pairs))]
-    for key, value in pairs:
-        out += [_field(key), _field(value)]
-    out.append(_text(len(args)))
-    out += [_field(a) for a in args]
-    return b"".join(out)
+    """slotd's form of an exec request (``encode_op``), or None where supervisor.py must answer it."""
+    return encode_op(payload, seq) if payload.get("op") == "exec" else None
 
 
 def decode_exec(frame: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
@@ -123,28 +143,6 @@ def decode_exec(frame: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any
     if "seq" in frame:
         reply["seq"] = frame["seq"]
     return reply
-
-
-def encode_terminal(payload: dict[str, Any], seq: int) -> bytes | None:
-    """The terminal request (inslot_terminal.run_terminal's fields), or None for what supervisor.py
-    reports itself (text tmux's argv cannot carry)."""
-    try:
-        text = os.fsencode(str(payload.get("input") or ""))
-        keys = [os.fsencode(str(k)) for k in payload.get("keys") or []]
-        enter = payload.get("enter")
-        wait = float(payload.get("wait_ms", 2000))
-        settle = float(payload.get("settle_ms", 300))
-        cols, rows = str(payload.get("cols", 200)), str(payload.get("rows", 50))
-        offset = int(payload.get("offset") or 0)
-        cap = int(payload.get("max_output", 65536))
-    except (UnicodeError, TypeError, ValueError, OverflowError):
-        return None
-    if b"\0" in text or any(b"\0" in k for k in keys) or "\0" in cols + rows or not (0 <= cap < 1 << 40):
-        return None
-    out = [b"T", _text(seq), _field(text), _text("" if enter is None else "1" if enter else "0"), _text(len(keys)),
-           *(_field(k) for k in keys), _text(repr(wait)), _text(repr(settle)), _text(cols), _text(rows),
-           _text(offset), _text(cap)]
-    return b"".join(out)
 
 
 def decode_terminal(frame: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,106 @@
+/* GENERATED from atropos/sandbox/inslot/inslot_protocol.py by scripts/gen_slotd_header.py: do not edit.
+ * The requests slotd serves, their fields in the declared order (tests/test_slot_protocol.py
+ * regenerates this file and compares). slotd.c defines fields_t and the slotd_* readers. */
+#ifndef SLOTD_PROTOCOL_H
+#define SLOTD_PROTOCOL_H
+
+#define SLOTD_MAX_FRAME 67108864u
+
+/* exec: timeout, max_output, hard_output, cpu_seconds, stdin, env, argv */
+#define SLOTD_OP_EXEC 'E'
+typedef struct {
+    double timeout;
+    long long max_output;
+    long long hard_output;
+    long long cpu_seconds; /* 0 when absent */
+    int has_cpu_seconds;
+    char *stdin_; /* empty when absent; may hold NUL bytes */
+    size_t stdin__len;
+    long long env_n;
+    char **env; /* 2*env_n strings: name, value, ... then NULL */
+    long long argv_n;
+    char **argv; /* argv_n strings, then NULL */
+} slotd_exec_t;
+
+static void slotd_parse_exec(fields_t *f, slotd_exec_t *r) {
+    memset(r, 0, sizeof *r);
+    r->timeout = slotd_float(f, 0.0, 10000000.0);
+    r->max_output = slotd_int(f, 0LL, 268435456LL, 0);
+    r->hard_output = slotd_int(f, 0LL, 1099511627776LL, 0);
+    r->cpu_seconds = slotd_int(f, 1LL, 2147483648LL, &r->has_cpu_seconds);
+    r->stdin_ = slotd_str(f, &r->stdin__len, 0, 67108864LL, 1);
+    r->env = slotd_strs(f, &r->env_n, 0LL, 4096LL, 2);
+    r->argv = slotd_strs(f, &r->argv_n, 1LL, 65536LL, 1);
+}
+
+static void slotd_free_exec(slotd_exec_t *r) {
+    free(r->stdin_);
+    slotd_free_strs(r->env);
+    slotd_free_strs(r->argv);
+}
+
+/* terminal: input, enter, keys, wait_ms, settle_ms, cols, rows, offset, max_output */
+#define SLOTD_OP_TERMINAL 'T'
+typedef struct {
+    char *input;
+    size_t input_len;
+    int enter; /* -1 when absent, else 0 or 1 */
+    long long keys_n;
+    char **keys; /* keys_n strings, then NULL */
+    double wait_ms;
+    double settle_ms;
+    long long cols;
+    long long rows;
+    long long offset;
+    long long max_output;
+} slotd_terminal_t;
+
+static void slotd_parse_terminal(fields_t *f, slotd_terminal_t *r) {
+    memset(r, 0, sizeof *r);
+    r->input = slotd_str(f, &r->input_len, 0LL, 67108864LL, 0);
+    r->enter = slotd_bool(f, 1);
+    r->keys = slotd_strs(f, &r->keys_n, 0LL, 4096LL, 1);
+    r->wait_ms = slotd_float(f, 0.0, 10000000000.0);
+    r->settle_ms = slotd_float(f, 0.0, 10000000000.0);
+    r->cols = slotd_int(f, 1LL, 10000LL, 0);
+    r->rows = slotd_int(f, 1LL, 10000LL, 0);
+    r->offset = slotd_int(f, 0LL, 9223372036854775807LL, 0);
+    r->max_output = slotd_int(f, 0LL, 268435456LL, 0);
+}
+
+static void slotd_free_terminal(slotd_terminal_t *r) {
+    free(r->input);
+    slotd_free_strs(r->keys);
+}
+
+/* ping: no fields */
+#define SLOTD_OP_PING 'P'
+typedef struct {
+    int unused;
+} slotd_ping_t;
+
+static void slotd_parse_ping(fields_t *f, slotd_ping_t *r) {
+    memset(r, 0, sizeof *r);
+    (void)f;
+}
+
+static void slotd_free_ping(slotd_ping_t *r) {
+    (void)r;
+}
+
+/* upgrade: no fields */
+#define SLOTD_OP_UPGRADE 'U'
+typedef struct {
+    int unused;
+} slotd_upgrade_t;
+
+static void slotd_parse_upgrade(fields_t *f, slotd_upgrade_t *r) {
+    memset(r, 0, sizeof *r);
+    (void)f;
+}
+
+static void slotd_free_upgrade(slotd_upgrade_t *r) {
+    (void)r;
+}
+
+#endif

@@ -1,0 +1,8 @@
+#!/usr/bin/env python3
+"""Regenerate atropos/sandbox/inslot/slotd_protocol.h from the slot protocol's declaration
+(atropos/sandbox/inslot/inslot_protocol.py). tests/test_slot_protocol.py fails while it is stale."""
+
+from atropos.sandbox.host.isolation import slotd_header
+
+if __name__ == "__main__":
+    print(slotd_header.write())
