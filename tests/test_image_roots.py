@@ -502,7 +502,7 @@ async def test_agent_env_on_image_items_with_a_group_setup(roots_image: str) -> 
             result = await lease.verify(
                 "import os\ndef verify(ws, secrets, args):\n"
                 "    return {'score': float(open('seen').read() == 'once\\nimage-roots\\n'"
-                " and not os.path.exists('a.txt') and os.getcwd() == '/testbed')}\n")
+                " and not os.path.exists('a.txt') and os.getcwd() == ROOT + '/testbed')}\n")
             assert result.ok and result.verdict is not None, result
             return float(result.verdict["score"]), {}
 
