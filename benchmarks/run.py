@@ -25,7 +25,7 @@ from benchmarks.common import (
 )
 
 SCENARIOS = ("call_latency", "lease", "throughput", "reset", "memory", "fleet_docker", "agent_step", "fork",
-             "peers", "ray", "fleet_sim", "slot_cycle", "image_roots")
+             "peers", "ray", "fleet_sim", "slot_cycle", "image_roots", "verify")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -791,7 +791,7 @@ def _swe_addopts(task: Any) -> str:
     the directory of the file it took)."""
     opts = " ".join(f"--deselect {i}" for i in task.tests.fail_to_pass)
     inner = " ".join(f"--deselect {i.removeprefix('tests/')}" for i in task.tests.fail_to_pass)
-    config = task.tests.pytest_config
+    config = task.tests.pytest_config or "pytest.ini"
     section = {"pyproject.toml": "[tool.pytest.ini_options]\naddopts = '%s'\n",
                "setup.cfg": "[tool:pytest]\naddopts = %s\n"}.get(config, "[pytest]\naddopts = %s\n") % opts
     return (_put(f"/testbed/{config}", section) + _put("/testbed/pytest.ini", f"[pytest]\naddopts = {opts}\n")

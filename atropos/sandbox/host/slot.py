@@ -51,6 +51,7 @@ from atropos.sandbox.host.workspace import WorkspaceError
 from atropos.sandbox.host.workspace.slot_workspace import IMAGE_MOUNT_POINTS, SlotWorkspace
 from atropos.sandbox.host.workspace.templates import Template
 from atropos.sandbox.host.workspace.trees import copy_tree
+from atropos.sandbox.host.workspace.verify_root import VerifyRoot
 from atropos.sandbox.host.workspace.workspaces import Workspaces
 from atropos.sandbox.inslot.inslot_warm import WARM_KINDS
 
@@ -118,6 +119,7 @@ class Slot:
         # the agent is gone, no command or interpreter runs again in the slot until its reset.
         self.sealed = False
         self.cgroup = cgroup  # every sandbox of the slot runs in it
+        self._verify_root: Path | None = None  # while a verifier runs on a fresh root (verify_root.py)
         self.ws = SlotWorkspace(index, cfg, uid, self.dir, self.paths, workspaces, root / "trash", cgroup,
                                 generation=lambda: self.generation)
 
@@ -250,7 +252,8 @@ class Slot:
         if self.ws.scratch:
             tmp, shm = self.ws.scratch_dirs()
             paths = dataclasses.replace(paths, tmp=tmp, shm=shm)
-        argv = image_bwrap_argv(self.cfg.bwrap, self.ws.root, paths, self.cfg.limits,
+        root = self._verify_root if verifier and self._verify_root is not None else self.ws.root
+        argv = image_bwrap_argv(self.cfg.bwrap, root, paths, self.cfg.limits,
                                 network=self.network and not verifier, seccomp_fd=-1, private_net=self.private_net,
                                 env=env, uid=image.user_ids(), verifier=verifier)
         argv[argv.index("-1")] = "{seccomp_fd}"
@@ -445,14 +448,22 @@ class Slot:
         if self.ws.image is not None:
             workspace = self.ws.image.working_dir
             image_fields = {"restore": req.restore, "pristine": IMAGE_PRISTINE, "cwd": workspace}
-        elif req.restore:
+        elif req.restore or req.fresh_root is not None:
             result.error = ErrorInfo(code="invalid_request", status=VERIFIER_FAILED,
-                                     message="restore needs a slot whose root is a task image")
+                                     message="restore and fresh_root need a slot whose root is a task image")
             return result
         proc: SandboxProcess | None = None
+        fresh = VerifyRoot(self.ws) if req.fresh_root is not None else None
         try:
             if self.ws.scratch:
                 await self.ws.renew_scratch()
+            if fresh is not None and req.fresh_root is not None:
+                try:
+                    self._verify_root = await fresh.build(req.fresh_root)
+                except (OSError, ValueError, WorkspaceError) as exc:  # the agent's tree (a full cap, a deep nest)
+                    result.error = ErrorInfo(code="fresh_root_failed", status=VERIFIER_FAILED,
+                                             message=f"the verification root could not be built: {exc}"[:500])
+                    return result
             proc = await self._start({}, f"slot {self.index} verifier", script="verifier.py", verifier=True)
             frame = await proc.request({"op": "verify", "program": req.program, "secrets": req.secrets,
                                         "args": req.args, "timeout": req.timeout_s, "workspace": workspace,
@@ -467,6 +478,10 @@ class Slot:
             if proc is not None:
                 await proc.kill()
             await self._kill_all()  # nothing the program started outlives it
+            if fresh is not None:
+                self._verify_root = None
+                await fresh.drop()
+                result.fresh_root = fresh.summary or None
             result.duration_ms = round((time.monotonic() - t0) * 1000, 3)
         answer = frame.get("result") if frame.get("ok") else None
         if not isinstance(answer, dict):
