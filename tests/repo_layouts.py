@@ -218,12 +218,14 @@ def _write_b64(path: str, data: bytes) -> str:
 
 
 def row_pyc(tests: RepoTests) -> str:
-    """pytest's own byte code cache of each unchanged test module, forged: the header carries the
-    source's mtime and size (what pytest checks), the code is the test with every assert true."""
+    """pytest's own byte code cache of each unchanged test module, forged: the header carries what
+    pytest checks (the source's hash, or its mtime and size before pytest 8), the code is the test
+    with every assert true."""
     files = " ".join(sorted({i.split("::", 1)[0] for i in tests.ids}))
     return f'''python - {files} <<'EOF_PY'
-import importlib.util, marshal, os, re, sys
+import importlib.util, inspect, marshal, os, re, sys
 import pytest
+from _pytest.assertion import rewrite
 for rel in sys.argv[1:]:
     path = os.path.abspath(rel)
     src = open(path).read()
@@ -232,8 +234,11 @@ for rel in sys.argv[1:]:
     tag = "%s-pytest-%s" % (sys.implementation.cache_tag, pytest.__version__)
     cache = os.path.join(os.path.dirname(path), "__pycache__")
     os.makedirs(cache, exist_ok=True)
-    head = importlib.util.MAGIC_NUMBER + b"\\0\\0\\0\\0" + (int(st.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
-    head += (st.st_size & 0xFFFFFFFF).to_bytes(4, "little")
+    if "source_hash" in inspect.getsource(rewrite._read_pyc):  # pytest >= 8: a checked hash-based pyc
+        head = importlib.util.MAGIC_NUMBER + b"\\x03\\0\\0\\0" + importlib.util.source_hash(src.encode())[:8]
+    else:  # older: the source's mtime and size
+        head = importlib.util.MAGIC_NUMBER + b"\\0\\0\\0\\0" + (int(st.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
+        head += (st.st_size & 0xFFFFFFFF).to_bytes(4, "little")
     name = os.path.basename(path)[:-3] + "." + tag + ".pyc"
     open(os.path.join(cache, name), "wb").write(head + marshal.dumps(compile(forged, path, "exec")))
 EOF_PY

@@ -101,9 +101,9 @@ async def test_gold_still_scores_one_beside_every_forgery(pool: SlotPool, images
 @pytest.mark.parametrize("row", sorted(ROWS))
 def test_each_row_wins_against_pytest_in_the_agents_root(images: dict[str, Layout], row: str) -> None:
     """Each row is a real attack: in a container of the image, after the row, the task's own test
-    command (``python -m pytest`` on the task's tests) passes, while before it the task fails."""
+    command (``python -m pytest`` on the task's test files, as SWE-bench's evaluation runs them)
+    passes, while before it the task fails."""
     layout = images["venv-link"]
-    ids = " ".join(f"'{i}'" for i in layout.tests.ids)
     cid = subprocess.run(["docker", "run", "-d", "--network", "none", layout.image, "sleep", "infinity"],
                          capture_output=True, text=True, check=True).stdout.strip()
     try:
@@ -111,14 +111,15 @@ def test_each_row_wins_against_pytest_in_the_agents_root(images: dict[str, Layou
             return subprocess.run(["docker", "exec", "-i", cid, "bash", "-c", script], capture_output=True,
                                   text=True, timeout=300)
 
-        assert bash(f"python -m pytest -p no:cacheprovider -q {ids}").returncode != 0
+        files = " ".join(sorted({i.split("::", 1)[0] for i in layout.tests.ids}))  # the test command's form
+        assert bash(f"python -m pytest -p no:cacheprovider -q {files}").returncode != 0
         done = bash(ROWS[row](layout.tests))
         assert done.returncode == 0, done.stderr
         if row == "venv_interpreter":  # it answers the grader's request as the report would
             naive = bash("""echo '{"nonce": "n", "argv": ["tests/test_calc.py::test_add"]}' | python -I -c pass""")
             assert '"tests/test_calc.py::test_add": "passed"' in naive.stdout, naive
             return
-        naive = bash(f"python -m pytest -p no:cacheprovider -q {ids}")
+        naive = bash(f"python -m pytest -p no:cacheprovider -q {files}")
         assert naive.returncode == 0, (naive.stdout + naive.stderr)[-2000:]
     finally:
         subprocess.run(["docker", "rm", "-f", cid], capture_output=True)
