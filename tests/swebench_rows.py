@@ -58,10 +58,14 @@ def edits_patch(files: dict[str, str], edits: list[Edit]) -> str:
 
 def extra_test(repo: Repo, path: str) -> tuple[str, str]:
     """The name and source of the test the test patch adds to ``path``: the first FAIL_TO_PASS test
-    of that file, once more under a name of its own."""
+    of that file (its source, fixtures and all), once more under a name of its own."""
     first = next(i for i in repo.fail_to_pass if i.startswith(path + "::")).split("::", 1)[1]
     name = f"test_swebench_patch_{first.removeprefix('test_')}"
-    return name, f"\n\ndef {name}():\n    {first}()\n"
+    src = repo.files[path]
+    start = src.index(f"def {first}(")
+    end = src.find("\n\n\n", start)
+    block = src[start:end if end >= 0 else len(src)].rstrip() + "\n"
+    return name, "\n\n" + block.replace(f"def {first}(", f"def {name}(", 1)
 
 
 def row(repo: Repo) -> dict[str, Any]:
@@ -84,7 +88,10 @@ def row(repo: Repo) -> dict[str, Any]:
     return {"instance_id": repo.instance_id, "repo": f"atropos-examples/{repo.instance_id.rsplit('-', 1)[0]}",
             "version": "0.1", "base_commit": base, "patch": edits_patch(repo.files, repo.gold),
             "test_patch": test_patch, "FAIL_TO_PASS": json.dumps([*repo.fail_to_pass, *added]),
-            "PASS_TO_PASS": json.dumps(repo.pass_to_pass), "image": image, "eval_script": eval_script,
+            # the log parser splits a result line at whitespace, so SWE-bench's own lists (made from
+            # parsed logs) never hold an id with a space: neither do these
+            "PASS_TO_PASS": json.dumps([i for i in repo.pass_to_pass if " " not in i]), "image": image,
+            "eval_script": eval_script,
             "log_parser": "parse_log_pytest", "eval_type": "pass_and_fail",
             "problem_statement": repo.problem_statement}
 
