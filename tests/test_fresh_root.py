@@ -185,3 +185,17 @@ async def test_a_test_patch_is_applied_over_the_images_tests(pool: SlotPool, ima
     score, info = await rollout(pool, layout, planted, tests=tests)
     assert score == 0.0, info
 
+
+
+@in_module_loop
+async def test_a_diff_the_helper_refuses_scores_zero_with_the_reason_and_the_slot_goes_on(
+        pool: SlotPool, images: dict[str, Layout]) -> None:
+    """Changes nested deeper than the helper walks: the build fails on the agent's tree, which is the
+    agent's outcome (score 0, ``fresh_root_failed``), never the host's; the slot serves the next lease."""
+    layout = images["venv-link"]
+    deep = "mkdir -p calc/" + "/".join(["d"] * 140) + " && touch calc/" + "/".join(["d"] * 140) + "/f.py"
+    score, info = await rollout(pool, layout, deep, gold=True)
+    assert score == 0.0 and info["verifier_error"] == "fresh_root_failed", info
+    assert "deeper than 128" in info["verifier_message"], info
+    score, info = await rollout(pool, layout, "", gold=True)
+    assert score == 1.0, info

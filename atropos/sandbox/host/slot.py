@@ -460,7 +460,10 @@ class Slot:
             if fresh is not None and req.fresh_root is not None:
                 try:
                     self._verify_root = await fresh.build(req.fresh_root)
-                except (OSError, ValueError, WorkspaceError) as exc:  # the agent's tree (a full cap, a deep nest)
+                except (OSError, ValueError, WorkspaceError) as exc:
+                    if isinstance(exc, WorkspaceError) and not str(exc).startswith("mount helper: "):
+                        raise  # the helper itself is gone or silent: the host's failure, retried
+                    # the helper refused the agent's tree (a full cap, a deep nest): the agent's outcome
                     result.error = ErrorInfo(code="fresh_root_failed", status=VERIFIER_FAILED,
                                              message=f"the verification root could not be built: {exc}"[:500])
                     return result
