@@ -69,7 +69,7 @@ def test_only_the_repositorys_changes_and_the_images_tests_reach_the_new_root(la
        "echo preload > etc/ld.so.preload && mv testbed/sub testbed/moved && ln -s /etc/conf testbed/out && "
        "ln -s ../../etc/conf testbed/pkg/climb && ln -s pkg/a.py testbed/inside && echo new > testbed/new.py && "
        "mkdir -p testbed/.git && echo ref > testbed/.git/HEAD && echo changed > testbed/setup.cfg && "
-       "mkfifo testbed/fifo", layers)
+       "mkfifo testbed/fifo && truncate -s 1T testbed/sparse.bin", layers)
     got, summary = fresh(layers, ["tests", "setup.cfg", "conftest.py"])
     assert got == {
         "etc/conf": "conf",  # outside the repository: the image's
@@ -79,7 +79,8 @@ def test_only_the_repositorys_changes_and_the_images_tests_reach_the_new_root(la
         "testbed/setup.cfg": "cfg",
     }, got
     assert summary["whiteouts"] == 2, summary  # gone.py, and sub (moved)
-    assert sorted(summary["dropped"]) == ["fifo", "out -> /etc/conf", "pkg/climb -> ../../etc/conf"], summary
+    assert sorted(summary["dropped"]) == ["fifo", "out -> /etc/conf", "pkg/climb -> ../../etc/conf",
+                                          "sparse.bin (sparse: 1099511627776 bytes in 0)"], summary
 
 
 def test_a_test_directory_swapped_for_a_link_becomes_the_images_again(layers: Path) -> None:
