@@ -33,7 +33,11 @@ def images() -> dict[str, Layout]:
     from tests.pool_backends import require_docker
 
     require_docker()
-    return {layout.name: layout for layout in layouts()}
+    from atropos.envs.examples.swe_tasks import task_images
+
+    swe = next(t for t in task_images() if t.instance_id == "strkit-1")  # the SWE example itself
+    return {**{layout.name: layout for layout in layouts()},
+            "swe-example": Layout("swe-example", swe.image, swe.tests, swe.gold)}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -80,9 +84,15 @@ async def test_gold_scores_one_and_no_patch_zero_on_each_layout(pool: SlotPool, 
     assert info["pass_to_pass_failed"] == [] and "verifier_error" not in info, info
 
 
+# the rows that need nothing of the layouts' repository (its helper module, its tmp_path test) also
+# run on the SWE example's own task image
+ROW_LAYOUTS = [*((name, row) for name in ("venv-link", "conda-dev") for row in sorted(ROWS)),
+               *(("swe-example", row) for row in ("outside_repo", "pyc_beside_tests", "shared_lib",
+                                                   "venv_interpreter"))]
+
+
 @in_module_loop
-@pytest.mark.parametrize("name", ["venv-link", "conda-dev"])
-@pytest.mark.parametrize("row", sorted(ROWS))
+@pytest.mark.parametrize(("name", "row"), ROW_LAYOUTS)
 async def test_a_forgery_scores_zero_on_a_fresh_root(pool: SlotPool, images: dict[str, Layout], name: str,
                                                      row: str) -> None:
     layout = images[name]
