@@ -105,3 +105,16 @@ def test_a_path_the_image_lacks_is_absent(layers: Path) -> None:
 def test_paths_that_leave_the_repository_are_refused(layers: Path) -> None:
     with pytest.raises(ValueError, match="not a relative path"):
         fresh(layers, ["../etc/conf"])
+
+
+@pytest.mark.parametrize(("repo_dir", "from_image"), [
+    ("/testbed", ["../etc/passwd"]), ("/testbed", ["/etc/passwd"]), ("/testbed", ["tests//x"]),
+    ("/", []), ("testbed", []), ("/testbed/../etc", []), ("/testbed", ["./x"])])
+def test_a_fresh_root_request_names_plain_paths_only(repo_dir: str, from_image: list[str]) -> None:
+    from pydantic import ValidationError
+
+    from atropos.sandbox.contract.protocol import FreshRoot
+
+    with pytest.raises(ValidationError):
+        FreshRoot(repo_dir=repo_dir, from_image=from_image)
+    assert FreshRoot(repo_dir="/testbed", from_image=["tests", "setup.cfg"]).repo_dir == "/testbed"
