@@ -709,8 +709,9 @@ async def test_hidden_test_files_score_a_forgery_zero(pool: SlotPool, row: str) 
 
 # -- the SWE-style example (atropos/envs/examples/swe.py): a task image's own root --------------------
 # Each row is what a policy could do with bash in the task's image (uid 0 there, the whole root
-# writable) instead of fixing the code; the verification restores the tests, the test settings and
-# everything outside the repository as the image has them (atropos/envs/repo_tests.py). Rows are
+# writable) instead of fixing the code; the verification runs on a fresh root of the image holding
+# only the agent's changes to the repository, the tests and test settings the image's
+# (atropos/envs/repo_tests.py). Rows are
 # bash scripts run at /testbed, so the same row runs through a slot's bash tool and through
 # `docker exec` of the task image (tests/test_swe_env.py, which also shows each row wins against a
 # verifier that runs `pytest` in the agent's root as it is).
@@ -794,7 +795,7 @@ def _swe_addopts(task: Any) -> str:
     the directory of the file it took)."""
     opts = " ".join(f"--deselect {i}" for i in task.tests.fail_to_pass)
     inner = " ".join(f"--deselect {i.removeprefix('tests/')}" for i in task.tests.fail_to_pass)
-    config = task.tests.pytest_config
+    config = task.tests.pytest_config or "pytest.ini"
     section = {"pyproject.toml": "[tool.pytest.ini_options]\naddopts = '%s'\n",
                "setup.cfg": "[tool:pytest]\naddopts = %s\n"}.get(config, "[pytest]\naddopts = %s\n") % opts
     return (_put(f"/testbed/{config}", section) + _put("/testbed/pytest.ini", f"[pytest]\naddopts = {opts}\n")
@@ -864,7 +865,7 @@ async def test_a_swe_forgery_scores_zero(pool: SlotPool, swe_tasks: list[Any], r
 
 @pytest.mark.docker
 async def test_the_swe_gold_patch_still_scores_one_beside_every_forgery(pool: SlotPool, swe_tasks: list[Any]) -> None:
-    """The restore takes back every forgery, not the fix (which is outside what it restores)."""
+    """The fresh root drops every forgery, not the fix (the repository's code is the agent's)."""
     task = swe_tasks[0]
     last = "fake_interpreter"  # the other rows ask the env's python where its site-packages are
     script = "".join(SWE_ROWS[row](task) for row in [*sorted(set(SWE_ROWS) - {last}), last])
@@ -874,12 +875,12 @@ async def test_the_swe_gold_patch_still_scores_one_beside_every_forgery(pool: Sl
 
 @pytest.mark.docker
 @pytest.mark.parametrize("row", ["conftest_everywhere", "edit_tests", "pth_plugin", "sitecustomize"])
-async def test_without_the_restore_these_swe_rows_win(pool: SlotPool, swe_tasks: list[Any], row: str,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """The restore is what stops them: the same verifier with nothing restored scores them 1."""
+async def test_without_the_fresh_root_these_swe_rows_win(pool: SlotPool, swe_tasks: list[Any], row: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fresh root is what stops them: the same verifier run on the agent's own root scores them 1."""
     from atropos.envs.repo_tests import RepoTests
 
-    monkeypatch.setattr(RepoTests, "restore_paths", lambda self: [])
+    monkeypatch.setattr(RepoTests, "fresh_root", lambda self: None)
     score, info = await swe_rollout(pool, swe_tasks[0], SWE_ROWS[row](swe_tasks[0]))
     assert score == 1.0, info
 

@@ -4,7 +4,7 @@ process-mode run with the project's model server.
 
 The forgery rows themselves are in tests/test_reward_forgery.py (``SWE_ROWS``, each scored 0 through
 a real pool); here each row is shown to be a real attack: run in a container of the task image, it
-makes `pytest` in the root the agent left (what an env that restores nothing would run) say every
+makes `pytest` in the root the agent left (what an env grading the agent's own root would run) say every
 test passed.
 """
 
@@ -120,7 +120,7 @@ def test_the_images_share_the_env_layer_and_a_cached_build_builds_nothing(tasks:
 def test_a_swe_forgery_wins_against_pytest_run_in_the_agents_root(tasks: list[SweTask], roots: list[Root],
                                                                   row: str) -> None:
     """Each row is a real attack: `pytest <the task's tests>` in the root the agent left (what an
-    env that does not restore would run) says every test passed."""
+    env grading the agent's own root would run) says every test passed."""
     task = by_id(tasks, "strkit-1")
     agent = Root(task.image)
     roots.append(agent)

@@ -7,10 +7,13 @@ verification sandbox:
 
 * ``kill_others()``: SIGKILL every process of the sandbox but the program (and its init), so
   nothing a child forked survives into the next child's answer;
-* ``run_child(child, argv, cwd, request, timeout, judge, python=None, env=None)``: kill the others,
-  start ``child`` (Python source) as ``python -I -c child *argv`` (``python`` an absolute path, by
-  default the runner's own interpreter; ``env`` the child's whole environment, by default the
-  runner's) in its own session with ``request`` as JSON on its stdin (stderr discarded), and
+* ``run_child(child, argv, cwd, request, timeout, judge, python=None, env=None, isolated=True)``:
+  kill the others, start ``child`` (Python source) as ``python -I -c child *argv`` (``python`` an
+  absolute path, by default the runner's own interpreter; ``env`` the child's whole environment, by
+  default the runner's; ``isolated=False`` leaves out ``-I``, so the child starts as the task's own
+  ``python -m pytest`` would: its ``PYTHON*`` variables, the working directory first on
+  ``sys.path``: for a fresh root, where nothing outside the repository is the agent's) in its own
+  session with ``request`` as JSON on its stdin (stderr discarded), and
   return ``judge(exit code, the lines it wrote on stdout)``; a hang past ``timeout``, a crash of
   the start or any exception of ``judge`` (a reply that is not JSON, one nested too deep to parse)
   is ``False``; the others are killed again, and the child reaped, before it returns. What counts
@@ -38,9 +41,10 @@ def kill_others():
         pass
 
 
-def run_child(child, argv, cwd, request, timeout, judge, python=None, env=None):
+def run_child(child, argv, cwd, request, timeout, judge, python=None, env=None, isolated=True):
     kill_others()
-    proc = subprocess.Popen([python or sys.executable, "-I", "-c", child, *argv], cwd=cwd, env=env,
+    flags = ["-I"] if isolated else []
+    proc = subprocess.Popen([python or sys.executable, *flags, "-c", child, *argv], cwd=cwd, env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:

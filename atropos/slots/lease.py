@@ -14,6 +14,7 @@ from atropos.errors import HostUnavailable, InfrastructureError, LeaseError, Res
 from atropos.sandbox.contract.client import HostClient
 from atropos.sandbox.contract.protocol import (
     CallResult,
+    FreshRoot,
     ResetResult,
     SealResult,
     TemplateInfo,
@@ -354,7 +355,8 @@ class Lease:
         return result
 
     async def verify(self, program: str, *, secrets: dict[str, str] | None = None, args: Any = None,
-                     timeout_s: float = 60.0, restore: Sequence[str] = ()) -> VerifyResult:
+                     timeout_s: float = 60.0, restore: Sequence[str] = (),
+                     fresh_root: FreshRoot | None = None) -> VerifyResult:
         """Run a verifier program against the slot's final workspace and return its verdict.
 
         ``program`` is Python source defining ``verify(workspace, secrets, args)`` that returns a
@@ -366,10 +368,14 @@ class Lease:
 
         On a slot whose root is a task image, ``restore`` names absolute paths (files or whole
         directories) put back exactly as the image has them before the program runs: what the
-        agent made of them is undone, and a path the image does not have is removed."""
+        agent made of them is undone, and a path the image does not have is removed.
+
+        ``fresh_root`` (an image root too) runs the program on a new root instead: the image's
+        layers plus only the agent's changes to one repository, the named test files from the
+        image (``FreshRoot``; docs/verification.md)."""
         self.check()
         req = VerifyRequest(lease=self.token, program=program, secrets=secrets or {}, args=args, timeout_s=timeout_s,
-                            restore=list(restore))
+                            restore=list(restore), fresh_root=fresh_root)
         result = await self._host_op(self.host.client.verify(self.slot, req))
         self.sealed = True
         return result

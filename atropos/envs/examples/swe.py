@@ -1,8 +1,8 @@
 """A SWE-style environment: every task is its own image (a repository at ``/testbed`` with a bug,
 its own interpreter env), each rollout's slot has that image as its root, and the reward is
-SWE-bench's: the task's FAIL_TO_PASS and PASS_TO_PASS tests, run in the verification phase on the
-image root with the tests and test settings restored from the image (``atropos/envs/repo_tests.py``),
-score 1 only if all pass.
+SWE-bench's: the task's FAIL_TO_PASS and PASS_TO_PASS tests, run in the verification phase on a
+fresh root of the image holding only the agent's changes to ``/testbed``, the tests and test
+settings the image's (``atropos/envs/repo_tests.py``), score 1 only if all pass.
 
 The task images are built here from the project's base image on first use (``swe_tasks.py``; the
 Docker engine's, no registry), so the env needs a Docker engine on the machine that runs it and on

@@ -39,7 +39,6 @@ PYTHON = f"{ENV_PREFIX}/bin/python"
 REPO_DIR = "/testbed"
 TEST_DISTRIBUTIONS = ("pytest", "pluggy", "iniconfig", "packaging", "pygments")
 HASH_LABEL = "org.atropos.swe-hash"
-RESTORE_LABEL = "org.atropos.swe-startup-paths"  # STARTUP_PATHS of the base, comma-separated
 PATH = f"{ENV_PREFIX}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -144,50 +143,6 @@ def _console_script(name: str) -> bytes:
     raise ConfigError(f"no console script {name!r} in {TEST_DISTRIBUTIONS}")
 
 
-# Run in the base image when the env image is built: every path the task env's interpreter reads
-# before any of the repository's code runs, besides the env itself: its standard library (and the
-# zip that would come before it on sys.path), Debian's /etc/python3.X (the stdlib's sitecustomize
-# is a link there), the dynamic loader's configuration, and the shared libraries the interpreter
-# links with every link on the way to them (a link swapped for one to a planted library counts).
-STARTUP_PATHS = r"""
-import os, subprocess, sys, sysconfig
-out = {sysconfig.get_paths()["stdlib"], "/etc/ld.so.preload", "/etc/ld.so.cache", "/etc/ld.so.conf",
-       "/etc/ld.so.conf.d", "/etc/python%d.%d" % sys.version_info[:2]}
-out.update(p for p in sys.path if p.endswith(".zip"))
-
-
-def hops(path):
-    for _ in range(40):
-        here = "/"
-        for part in os.path.dirname(path).strip("/").split("/"):
-            here = os.path.join(here, part)
-            if os.path.islink(here):
-                out.add(here)
-                here = os.path.realpath(here)
-        path = os.path.join(here, os.path.basename(path))
-        out.add(path)
-        if not os.path.islink(path):
-            return
-        path = os.path.normpath(os.path.join(os.path.dirname(path), os.readlink(path)))
-
-
-ldd = subprocess.run(["ldd", os.path.realpath(sys.executable)], capture_output=True, text=True).stdout
-for word in ldd.split():
-    if word.startswith("/"):
-        hops(word)
-print("\n".join(sorted(out)))
-"""
-
-
-def _startup_paths() -> list[str]:
-    """``STARTUP_PATHS`` of the base image (one container run, on a build only)."""
-    done = _docker("run", "--rm", "--network", "none", "--entrypoint", "/usr/bin/python3", BASE_IMAGE, "-I", "-c",
-                   STARTUP_PATHS)
-    if done.returncode != 0:
-        raise ConfigError(f"could not read {BASE_IMAGE}'s interpreter paths: {done.stderr.decode(errors='replace')}")
-    return done.stdout.decode().split()
-
-
 def _python_version() -> str:
     done = _docker("run", "--rm", "--network", "none", "--entrypoint", "/usr/bin/python3", BASE_IMAGE, "-c",
                    "import sys; print('%d.%d' % sys.version_info[:2])")
@@ -208,7 +163,7 @@ def env_image() -> str:
                   f"COPY bin/ {ENV_PREFIX}/bin/\n")
 
     def prepare(template: str) -> tuple[str, dict[str, str]]:
-        return template.replace("@VERSION@", _python_version()), {RESTORE_LABEL: ",".join(_startup_paths())}
+        return template.replace("@VERSION@", _python_version()), {}
 
     return _build("atropos-swe-env", dockerfile, context, BASE_IMAGE, prepare)
 
@@ -243,14 +198,11 @@ def task_images(repos: list[Repo] | None = None) -> list[SweTask]:
     if shutil.which("docker") is None:
         raise ConfigError("the SWE example builds its task images with the docker CLI; it is not installed")
     env_tag = env_image()
-    startup = [p for p in ((_image_labels(env_tag) or {}).get(RESTORE_LABEL) or "").split(",") if p]
     tasks = []
     for repo in repos if repos is not None else REPOS:
+        image = task_image(repo, env_tag)
         tasks.append(SweTask(
-            instance_id=repo.instance_id, image=task_image(repo, env_tag), problem_statement=repo.problem_statement,
-            gold=repo.gold,
-            tests=RepoTests(repo_dir=REPO_DIR, python=PYTHON, pytest_config=repo.pytest_config,
-                            test_files=_test_files(repo), fail_to_pass=repo.fail_to_pass,
-                            pass_to_pass=repo.pass_to_pass,
-                            system_paths=[ENV_PREFIX, *startup])))
+            instance_id=repo.instance_id, image=image, problem_statement=repo.problem_statement, gold=repo.gold,
+            tests=RepoTests.for_image(image, REPO_DIR, repo.fail_to_pass, repo.pass_to_pass,
+                                      test_files=_test_files(repo))))
     return tasks

@@ -95,6 +95,27 @@ MAX_VERIFY_PROGRAM = 1 << 20
 MAX_VERIFY_SECRETS = 16 << 20
 
 
+class FreshRoot(Wire):
+    """Verify on a new root (docs/verification.md, "A fresh root"): the image's layers, plus only the
+    agent's changes under ``repo_dir`` (caches and ``.git`` left out), plus ``from_image`` exactly as
+    the image has them. Nothing else the agent changed exists there."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    repo_dir: str = Field(pattern=r"^/[^\x00]*[^/\x00]$", max_length=4096,
+                          description="the repository, absolute (e.g. /testbed)")
+    from_image: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(
+        default_factory=list, max_length=4096,
+        description="paths relative to repo_dir taken from the image (the task's test files and test settings); "
+                    "a path the image lacks is absent")
+
+    def model_post_init(self, _: Any) -> None:
+        for path in [self.repo_dir.strip("/"), *self.from_image]:
+            parts = path.split("/")
+            if path.startswith("/") or any(p in ("", ".", "..") or "\0" in p for p in parts):
+                raise ValueError(f"fresh_root: {path!r} is not a plain path (no '..', '.', empty or absolute part)")
+
+
 class VerifySpec(Wire):
     """What a verification runs: every field ``Lease.verify`` takes, declared once for the host's
     request (``VerifyRequest``) and the ToolServer's REST body (``atropos.api.server``)."""
@@ -111,6 +132,8 @@ class VerifySpec(Wire):
                                description="on an image root: absolute paths (files or directories) put back exactly "
                                            "as the image has them before the program runs (test files, their "
                                            "configuration: the agent's edits there do not count)")
+    fresh_root: FreshRoot | None = Field(None, description="on an image root: run the program on a new root of the "
+                                                           "image plus only the agent's changes to one repository")
 
     def secrets_size(self) -> int:
         return sum(len(k) + len(v.encode()) for k, v in self.secrets.items())
@@ -131,6 +154,8 @@ class VerifyResult(Wire):
     log: str = Field("", description="tail of the program's stdout/stderr; for reading, never for scoring")
     duration_ms: float = 0.0
     separation: str = Field("", description="what the host established before the verifier started")
+    fresh_root: dict[str, Any] | None = Field(None, description="with fresh_root: what went into the verification "
+                                                                "root (files, bytes, whiteouts, dropped links)")
 
 
 class SealResult(Wire):

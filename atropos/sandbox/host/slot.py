@@ -57,6 +57,7 @@ from atropos.sandbox.host.workspace import WorkspaceError
 from atropos.sandbox.host.workspace.slot_workspace import IMAGE_MOUNT_POINTS, SlotWorkspace
 from atropos.sandbox.host.workspace.templates import Template
 from atropos.sandbox.host.workspace.trees import copy_tree
+from atropos.sandbox.host.workspace.verify_root import VerifyRoot
 from atropos.sandbox.host.workspace.workspaces import Workspaces
 from atropos.sandbox.inslot.inslot_warm import WARM_KINDS
 
@@ -133,6 +134,7 @@ class Slot:
         # the agent is gone, no command or interpreter runs again in the slot until its reset.
         self.sealed = False
         self.cgroup = cgroup  # every sandbox of the slot runs in it
+        self._verify_root: Path | None = None  # while a verifier runs on a fresh root (verify_root.py)
         self.ws = SlotWorkspace(index, cfg, uid, self.dir, self.paths, workspaces, root / "trash", cgroup,
                                 generation=lambda: self.generation)
 
@@ -493,19 +495,31 @@ class Slot:
         workspace = str(self.paths.workspace) if self.cfg.unsafe_no_isolation else WORKSPACE
         image_fields: dict[str, Any] = {}
         if self.ws.image is not None:
-            # the runner's paths: the slot's root is at CHECKED_ROOT of its own (host-made) root
+            # the runner's paths: the checked root (the slot's, or a fresh one) is at CHECKED_ROOT of
+            # the runner's own (host-made) root
             workspace = CHECKED_ROOT + self.ws.image.working_dir.rstrip("/")
             image_fields = {"restore": req.restore, "pristine": CHECKED_ROOT + IMAGE_PRISTINE, "cwd": workspace}
-        elif req.restore:
+        elif req.restore or req.fresh_root is not None:
             result.error = ErrorInfo(code="invalid_request", status=VERIFIER_FAILED,
-                                     message="restore needs a slot whose root is a task image")
+                                     message="restore and fresh_root need a slot whose root is a task image")
             return result
         proc: SandboxProcess | None = None
+        fresh = VerifyRoot(self.ws) if req.fresh_root is not None else None
         try:
             if self.ws.scratch:
                 await self.ws.renew_scratch()
+            if fresh is not None and req.fresh_root is not None:
+                try:
+                    self._verify_root = await fresh.build(req.fresh_root)
+                except (OSError, ValueError, WorkspaceError) as exc:
+                    if isinstance(exc, WorkspaceError) and not str(exc).startswith("mount helper: "):
+                        raise  # the helper itself is gone or silent: the host's failure, retried
+                    # the helper refused the agent's tree (a full cap, a deep nest): the agent's outcome
+                    result.error = ErrorInfo(code="fresh_root_failed", status=VERIFIER_FAILED,
+                                             message=f"the verification root could not be built: {exc}"[:500])
+                    return result
             if self.ws.image is not None:
-                proc = await self._start_image_verifier(self.ws.image, self.ws.root)
+                proc = await self._start_image_verifier(self.ws.image, self._verify_root or self.ws.root)
             else:
                 proc = await self._start({}, f"slot {self.index} verifier", script="verifier.py", verifier=True)
             frame = await proc.request({"op": "verify", "program": req.program, "secrets": req.secrets,
@@ -521,6 +535,10 @@ class Slot:
             if proc is not None:
                 await proc.kill()
             await self._kill_all()  # nothing the program started outlives it
+            if fresh is not None:
+                self._verify_root = None
+                await fresh.drop()
+                result.fresh_root = fresh.summary or None
             result.duration_ms = round((time.monotonic() - t0) * 1000, 3)
         answer = frame.get("result") if frame.get("ok") else None
         if not isinstance(answer, dict):

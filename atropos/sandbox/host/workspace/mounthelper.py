@@ -65,6 +65,23 @@ class _MountAttr(ctypes.Structure):
                 ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
 
 
+def _repo_diff() -> Any:
+    """``repo_diff.py`` beside this file (the helper runs with ``-I``: its directory is not on
+    ``sys.path``), loaded once."""
+    global _REPO_DIFF
+    if _REPO_DIFF is None:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location(
+            "atropos_repo_diff", os.path.join(os.path.dirname(os.path.abspath(__file__)), "repo_diff.py"))
+        assert spec is not None and spec.loader is not None
+        _REPO_DIFF = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_REPO_DIFF)
+    return _REPO_DIFF
+
+
+_REPO_DIFF: Any = None
+
+
 def _check(ret: int, what: str) -> int:
     if ret < 0:
         err = ctypes.get_errno()
@@ -339,10 +356,9 @@ class Helper:
             opts = f"lowerdir={':'.join(names)},upperdir=upper,workdir=work,volatile"
             opts += ",userxattr" if self.mode == "userns" else ",redirect_dir=on,metacopy=off,index=off"
             here = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            result: dict[str, Any] = {}
             try:
                 os.chdir(layers)
-                _check(_libc.mount(b"overlay", target.encode(), b"overlay", MS_NOSUID | MS_NODEV, opts.encode()),
-                       f"mount image overlay on {target}")
                 pristine = os.path.join(layers, "pristine")
                 if len(names) > 1:  # an overlay without upper needs two lowers at least
                     ro = f"lowerdir={':'.join(names)}" + (",userxattr" if self.mode == "userns" else "")
@@ -350,15 +366,21 @@ class Helper:
                                        MS_NOSUID | MS_NODEV | MS_RDONLY, ro.encode()), "mount the pristine image")
                 else:
                     self.bind(os.path.join(layers, names[0]), pristine, True)
+                if req.get("diff") is not None:  # a verification root: the agent's repository changes only
+                    result["diff"] = _repo_diff().build(req["diff"], upper=os.path.join(layers, "upper"),
+                                                        pristine=pristine, userns=self.mode == "userns")
+                _check(_libc.mount(b"overlay", target.encode(), b"overlay", MS_NOSUID | MS_NODEV, opts.encode()),
+                       f"mount image overlay on {target}")
             finally:
                 os.fchdir(here)
                 os.close(here)
             self.image_mount_points(target, owner, list(req.get("binds", [])), pristine)
-        except OSError:
+        except (OSError, ValueError):
             self.umount(target)
+            self.umount(os.path.join(layers, "pristine"))
             self.umount(layers)
             raise
-        return {}
+        return result
 
     def image_mount_points(self, root: str, owner: int | None, binds: list[dict[str, Any]], pristine: str) -> None:
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)

@@ -17,6 +17,7 @@ from atropos.sandbox.host.workspace import TOOL_PATH
 log = logging.getLogger(__name__)
 
 HELPER = Path(__file__).with_name("mounthelper.py")
+REPO_DIFF = Path(__file__).with_name("repo_diff.py")  # loaded by the helper from beside its copy
 
 
 # -- mountinfo ---------------------------------------------------------------------------------

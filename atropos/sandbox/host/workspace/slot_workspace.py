@@ -88,6 +88,10 @@ class SlotWorkspace:
         """``p`` as mountinfo and the mount helper spell it: its parent's symlinks resolved."""
         return os.path.join(self._realpath(p.parent), p.name)
 
+    def helper_path(self, p: Path) -> str:
+        """``p`` as the mount helper names it (see ``_real``)."""
+        return self._real(p)
+
     def _realpath(self, d: Path) -> str:
         # Resolved once per directory: the parents of what a slot mounts are the slot's own dir, its
         # layers' dir and the host's lib dir, all made by the host, where a slot never writes. A
@@ -152,6 +156,9 @@ class SlotWorkspace:
     def _scratch_mounts(self) -> list[dict[str, Any]]:
         return [{"target": self._real(target), "quota": quota} for target, quota in
                 zip((self.paths.run_dir, *self.scratch_dirs()), self.cfg.limits.scratch_quotas(self.uid), strict=True)]
+
+    def mount_trash(self) -> Path:
+        return self._mount_trash()
 
     def _mount_trash(self) -> Path:
         assert self.workspaces is not None
@@ -246,13 +253,20 @@ class SlotWorkspace:
         self.image = image
         self.ws_kind = "image"
         self.capped = True  # before the await: a half-done mount is still unmounted by a drop
+        await ns.call(self.image_root_request(image, self.ov, self.root, (uid, gid)))
+
+    def image_root_request(self, image: ImageRoot, layers: Path, target: Path,
+                           ids: tuple[int, int]) -> dict[str, Any]:
+        """The mount helper's ``image_root`` request for a root of ``image`` on ``target`` (its
+        layers, upper and work dirs in a capped tmpfs on ``layers``): the slot's own root, or a
+        verification root (host/workspace/verify_root.py)."""
         quota = self.cfg.limits.workspace_quota(self.uid) or {"bytes": IMAGE_UPPER_BYTES,
                                                                "inodes": IMAGE_UPPER_INODES, "uid": self.uid}
         binds = [{"source": self._real(self.paths.lib_dir), "dest": "lib"}, {"source": "/usr", "dest": "usr"},
                  {"source": self._real(self.paths.run_dir), "dest": "term", "ro": False}]
-        await ns.call({"op": "image_root", "layers": self._real(self.ov), "target": self._real(self.root),
-                       "lowers": [str(p) for p in reversed(image.lowers)], "quota": quota, "binds": binds,
-                       "idmap": [uid, self.uid, gid] if ns.mode == "root" and self.uid is not None else None})
+        idmap = [ids[0], self.uid, ids[1]] if self.ns().mode == "root" and self.uid is not None else None
+        return {"op": "image_root", "layers": self._real(layers), "target": self._real(target),
+                "lowers": [str(p) for p in reversed(image.lowers)], "quota": quota, "binds": binds, "idmap": idmap}
 
     def verify(self) -> str:
         """What a finished reset must show (see docs/templates.md, "What a reset verifies")."""

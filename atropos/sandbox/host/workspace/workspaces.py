@@ -18,7 +18,7 @@ from atropos.errors import TemplateBuildFailed, TemplateSourceError, WorkspaceEr
 from atropos.sandbox.contract.hostdirs import remove_tree
 from atropos.sandbox.host.child_process import killed_if_left
 from atropos.sandbox.host.workspace import TOOL_PATH
-from atropos.sandbox.host.workspace.mountns import HELPER, MountNamespace
+from atropos.sandbox.host.workspace.mountns import HELPER, REPO_DIFF, MountNamespace
 from atropos.sandbox.host.workspace.templates import Template, TemplateStore, source_dir_allowed
 from atropos.sandbox.host.workspace.trees import TreeSummary, copy_tree, run_tool, walk_tree
 
@@ -101,10 +101,12 @@ class Workspaces:
         # The helper is stdlib-only: run it with the sandbox's system python from a copy in the
         # data dir, both reachable by whatever uid the host runs as.
         script = self.root / "mounthelper.py"
-        tmp = script.with_name(script.name + ".tmp")
-        tmp.write_bytes(HELPER.read_bytes())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, script)
+        for source in (REPO_DIFF, HELPER):  # the helper loads repo_diff.py from beside itself
+            target = self.root / source.name
+            tmp = target.with_name(target.name + ".tmp")
+            tmp.write_bytes(source.read_bytes())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, target)
         ns = MountNamespace("root" if os.geteuid() == 0 else "userns", nsenter, self.cfg.python, script)
         await ns.start()
         return ns
