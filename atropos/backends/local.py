@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from atropos.backends.base import PREWARM_DESCRIPTION, Backend, HostInfo, new_token, pid_alive
+from atropos.backends.base import PREWARM_DESCRIPTION, Backend, HostInfo, new_token, pid_alive, user_pool_id
 from atropos.backends.slot_caps import SlotCaps
 from atropos.errors import HostUnavailable, IsolationUnavailable
 from atropos.sandbox.contract.hostdirs import (
@@ -34,7 +34,7 @@ class LocalBackendConfig(SlotCaps):
 
     kind: Literal["local"] = "local"
     data_root: Path = Field(default_factory=lambda: default_data_dir() / "local")
-    pool_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    pool_id: str = Field(default_factory=user_pool_id, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     port: int = Field(0, ge=0, le=65535, description="port each host listens on (127.0.0.1); 0 = any free port. "
                                                      "A fixed port allows one host at a time")
     prewarm: bool = Field(True, description=PREWARM_DESCRIPTION)

@@ -48,7 +48,7 @@ from typing import IO, Any, Literal
 
 from pydantic import Field
 
-from atropos.backends.base import PREWARM_DESCRIPTION, Backend, HostInfo, new_token, pid_alive
+from atropos.backends.base import PREWARM_DESCRIPTION, Backend, HostInfo, new_token, pid_alive, user_pool_id
 from atropos.backends.slot_caps import SlotCaps
 from atropos.errors import ConfigError, HostUnavailable, IsolationUnavailable
 
@@ -71,7 +71,7 @@ class RayBackendConfig(SlotCaps):
     address: str | None = Field(None, description="Ray cluster (host:port, 'auto', ray://...); default $RAY_ADDRESS, "
                                                   "else a Ray started in this process on 127.0.0.1")
     namespace: str = Field("atropos-sandbox", min_length=1, description="Ray namespace of the host actors")
-    pool_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    pool_id: str = Field(default_factory=user_pool_id, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     prewarm: bool = Field(True, description=PREWARM_DESCRIPTION)
     start_timeout_s: float = Field(120.0, gt=0, description="placement + host start, per host")
     resource: str = Field("atropos_sandbox", min_length=1,

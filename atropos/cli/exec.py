@@ -39,6 +39,13 @@ def tool_args(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_exec(args: argparse.Namespace) -> int:
     """One tool call in a fresh lease: through a running pool if one is up, else an ephemeral one."""
     call_args = tool_args(args)
+    if args.old_image:
+        if args.task_image and args.task_image != args.old_image:
+            raise ConfigError("exec: --image (the old spelling of --task-image) and --task-image disagree; "
+                              "give --task-image only")
+        print("warning: `exec --image` is now `exec --task-image` (the task image the slot's / is made of); "
+              "--image names the sandbox image in serve, pool up and nomad render", file=sys.stderr)
+        args.task_image = args.old_image
     pool_id, asked = pool_id_of(args)
     state = read_state(pool_id)
     if state is not None:
@@ -46,7 +53,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
             return _exec_in_pool(http, args, call_args)
     if asked:  # a pool named by flag, env or config that is not up: never silently run elsewhere
         raise InfrastructureError(f"no pool {pool_id!r} is up (start one with `atropos-sandbox pool up`)")
-    return asyncio.run(_exec_ephemeral(args.tool, call_args, args.timeout, args.network, args.image))
+    return asyncio.run(_exec_ephemeral(args.tool, call_args, args.timeout, args.network, args.task_image))
 
 
 def _exec_in_pool(http: PoolHttp, args: argparse.Namespace, call_args: dict[str, Any]) -> int:
@@ -55,7 +62,7 @@ def _exec_in_pool(http: PoolHttp, args: argparse.Namespace, call_args: dict[str,
         return print_call(str(body.get("content", "")), None, bool(body.get("ok")))
     lease = http.request("POST", "/v1/slots", json={"trajectory_id": f"cli-exec-{secrets.token_hex(4)}",
                                                     "network": args.network, "timeout_s": args.lease_timeout,
-                                                    **({"image": args.image} if args.image else {})})
+                                                    **({"image": args.task_image} if args.task_image else {})})
     lease_id = str(lease["lease_id"])
     try:
         out = http.request("POST", f"/v1/slots/{lease_id}/call",

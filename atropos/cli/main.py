@@ -11,7 +11,14 @@ from pydantic import ValidationError
 from atropos.cli.exit_codes import EXIT_FAILED, EXIT_INFRA, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from atropos.cli.extras import bench_args
 from atropos.cli.parser import parser
-from atropos.errors import AtroposSandboxError, ConfigError, InfrastructureError, IsolationUnavailable, PoolReplyError
+from atropos.errors import (
+    AtroposSandboxError,
+    ConfigError,
+    InfrastructureError,
+    IsolationUnavailable,
+    PoolReplyError,
+    ToolError,
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,6 +55,10 @@ def exit_code(exc: Exception) -> int:
         return EXIT_USAGE
     if isinstance(exc, (InfrastructureError, IsolationUnavailable)):
         return EXIT_INFRA
+    if isinstance(exc, AtroposSandboxError) and type(exc) is not ToolError and 400 <= exc.status < 500:
+        # A request refused as wrong (bad arguments, a path outside the slot, a rejected image, an unknown
+        # template): usage, by the same rule as a background pool's answer (PoolReplyError).
+        return PoolReplyError(exc.status, exc.code, "").exit_code
     return EXIT_FAILED
 
 

@@ -72,15 +72,10 @@ class ServeSettings(BaseModel):
 
 
 def default_pool_id() -> str:
-    """``cli-<user>``: the login name of this process's uid (not $USER, which anyone can set), its
-    characters outside ``[A-Za-z0-9_.-]`` replaced; ``cli-<uid>`` for a uid without a name."""
-    import pwd
+    """``cli-<user>`` (``atropos.backends.base.user_pool_id``)."""
+    from atropos.backends.base import user_pool_id
 
-    try:
-        name = pwd.getpwuid(os.getuid()).pw_name
-    except KeyError:
-        name = str(os.getuid())
-    return ("cli-" + "".join(c if c.isalnum() or c in "_.-" else "-" for c in name))[:64]
+    return user_pool_id("cli")
 
 
 def state_dir() -> Path:
