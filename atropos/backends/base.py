@@ -27,6 +27,9 @@ class HostInfo(BaseModel):
     token: str = Field(repr=False)
     slots: int
     labels: dict[str, str] = Field(default_factory=dict)
+    log: str | None = Field(None, description="where the host's own log is: a file path on the pool's machine, "
+                                              "else how to read it (e.g. `docker logs ID`); every failure of "
+                                              "this host the pool reports names it")
 
 
 # The one meaning of every backend config's ``prewarm`` (local, docker, ray): the backend starts its

@@ -278,7 +278,8 @@ class DockerBackend(Backend):
             raise
         log.info("docker host %s ready at %s", host_id, address)
         return HostInfo(id=host_id, address=address, token=token, slots=self.cfg.slots_per_host,
-                        labels={"backend": "docker", "container": container.id[:12]})
+                        labels={"backend": "docker", "container": container.id[:12]},
+                        log=f"docker logs {container.id[:12]}")
 
     @staticmethod
     async def _run_to_completion(work: Awaitable[T]) -> T:

@@ -88,12 +88,13 @@ class LocalBackend(Backend):
             ready = {}
         if ready.get("event") != "ready":
             await self.stop_host(host_id)
-            raise self._start_error(_tail(log_path))
+            raise self._start_error(_tail(log_path), log_path)
         log.info("local host %s ready on port %s (%d slots)", host_id, ready["port"], self.cfg.slots_per_host)
         return HostInfo(id=host_id, address=f"http://127.0.0.1:{ready['port']}", token=token,
-                        slots=self.cfg.slots_per_host, labels={"backend": "local", "pid": str(proc.pid)})
+                        slots=self.cfg.slots_per_host, labels={"backend": "local", "pid": str(proc.pid)},
+                        log=str(log_path))
 
-    def _start_error(self, tail: str) -> IsolationUnavailable | HostUnavailable:
+    def _start_error(self, tail: str, log_path: Path | None = None) -> IsolationUnavailable | HostUnavailable:
         """Why a host did not come up, from the end of its log.
 
         Only the line ``__main__`` prints for an isolation failure (``error: isolation unavailable:
@@ -108,7 +109,8 @@ class LocalBackend(Backend):
         if self.cfg.port and ("Address already in use" in tail or "[Errno 98]" in tail):
             return HostUnavailable(f"local sandbox host failed to start: port {self.cfg.port} on 127.0.0.1 is "
                                    "already in use (LocalBackendConfig.port; 0 picks a free one)")
-        return HostUnavailable(f"local sandbox host failed to start: {tail}")
+        where = f" (host log: {log_path})" if log_path is not None else ""
+        return HostUnavailable(f"local sandbox host failed to start{where}: {tail}")
 
     async def stop_host(self, host_id: str) -> None:
         proc = self._procs.get(host_id)

@@ -136,10 +136,12 @@ class HostActor:
         except (asyncio.TimeoutError, ValueError):
             ready = {}
         if ready.get("event") != "ready":
+            # the log's end first: stop() removes the log with the host's directory
+            tail = self._tail()
             await self.stop()
-            return {"error": self._tail()}
+            return {"error": f"{tail}\n(host log on node {ip}: {self.log_path}, removed with the host)"}
         return {"address": f"http://{_url_host(ip)}:{ready['port']}", "pid": self.proc.pid, "node_ip": ip,
-                "node_id": ray.get_runtime_context().get_node_id()}
+                "node_id": ray.get_runtime_context().get_node_id(), "log": str(self.log_path)}
 
     async def _sweep(self, root: Path) -> None:
         from atropos.sandbox.contract.cgroupfs import remove_stale_slot_cgroups
@@ -378,7 +380,8 @@ class RayBackend(Backend):
         log.info("ray host %s ready at %s on node %s", name, ready["address"], ready["node_id"][:12])
         return HostInfo(id=name, address=ready["address"], token=token, slots=c.slots_per_host,
                         labels={"backend": "ray", "node": ready["node_id"], "node_ip": ready["node_ip"],
-                                "pid": str(ready["pid"])})
+                                "pid": str(ready["pid"])},
+                        log=f"{ready['log']} on node {ready['node_ip']}" if ready.get("log") else None)
 
     def _placement_hint(self) -> str:
         try:

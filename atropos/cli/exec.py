@@ -11,7 +11,7 @@ import shlex
 import sys
 from typing import Any
 
-from atropos.cli.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_TIMED_OUT
+from atropos.cli.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_TIMED_OUT, EXIT_USAGE
 from atropos.cli.pool_client import PoolHttp, connection
 from atropos.cli.pool_state import read_state
 from atropos.cli.settings import pool_id_of
@@ -72,7 +72,9 @@ def _exec_in_pool(http: PoolHttp, args: argparse.Namespace, call_args: dict[str,
             http.request("DELETE", f"/v1/slots/{lease_id}")
         except AtroposSandboxError as exc:  # never mask the call's own outcome; the pool reaps idle leases
             print(f"warning: could not release the lease: {exc}", file=sys.stderr)
-    return print_call(str(out.get("content", "")), out.get("result"), bool(out.get("ok")))
+    error = out.get("error")
+    return print_call(str(out.get("content", "")), out.get("result"), bool(out.get("ok")),
+                      str(error.get("code")) if isinstance(error, dict) else None)
 
 
 async def _exec_ephemeral(tool: str, call_args: dict[str, Any], timeout: float | None, network: bool,
@@ -87,17 +89,29 @@ async def _exec_ephemeral(tool: str, call_args: dict[str, Any], timeout: float |
         async with pool.leased("cli-exec", network=network, image=image) as lease:
             result = await lease.call(tool, call_args, timeout_s=timeout)
     ok, text = format_result(tool, result)
-    return print_call(text, result.result, ok)
+    return print_call(text, result.result, ok, result.error.code if result.error else None)
 
 
-def print_call(text: str, result: dict[str, Any] | None, ok: bool) -> int:
-    """Print a call's outcome; the exit code: bash's own status (124 timed out, 128+N killed by N)."""
+def _refusal_codes() -> set[str]:
+    """The error codes of a call refused as wrong (a path outside the slot, bad arguments, ...): exit 2,
+    as the help says, where a tool that ran and failed (a missing file) is 1."""
+    from atropos.errors import ERRORS, ToolError
+
+    return {code for cls, (status, code) in ERRORS.items()
+            if cls is not ToolError and 400 <= status < 500 and status not in (409, 429, 499)}
+
+
+def print_call(text: str, result: dict[str, Any] | None, ok: bool, error_code: str | None = None) -> int:
+    """Print a call's outcome; the exit code: bash's own status (124 timed out, 128+N killed by N);
+    else 0, 2 for a refused call, 1 for a failed one."""
     if result and "stdout" in result:
         sys.stdout.write(result.get("stdout") or "")
         sys.stderr.write(result.get("stderr") or "")
         return _bash_status(result)
     print(text, file=sys.stdout if ok else sys.stderr)
-    return EXIT_OK if ok else EXIT_FAILED
+    if ok:
+        return EXIT_OK
+    return EXIT_USAGE if error_code in _refusal_codes() else EXIT_FAILED
 
 
 def _bash_status(result: dict[str, Any]) -> int:
