@@ -297,6 +297,29 @@ async def test_a_resource_no_node_offers_is_said_at_once(cluster: RayCluster) ->
         assert not backend.actor_names()
 
 
+async def test_a_host_that_fails_to_start_shows_its_log_and_a_missing_interpreter_its_path(
+        cluster: RayCluster, tmp_path: Path) -> None:
+    """A worker Python without the project (the host dies at import) is reported with the end of the
+    host's log (read before the actor removes it), and one that does not exist by its path."""
+    missing = str(tmp_path / "no-such-python")
+    backend = make_backend(cluster, slots=1, prewarm=False, python=missing)
+    with pytest.raises(HostUnavailable) as err:
+        async with SlotPool(backend, pool_cfg(min_hosts=1, max_hosts=1)):
+            pass
+    assert missing in str(err.value) and "cannot be run" in str(err.value), str(err.value)
+
+    bare = tmp_path / "bare-python"  # an interpreter that cannot import atropos: the host dies at once
+    bare.write_text("#!/bin/sh\necho 'ModuleNotFoundError: No module named atropos (bare python)' >&2\nexit 1\n")
+    bare.chmod(0o755)
+    backend = make_backend(cluster, slots=1, prewarm=False, python=str(bare))
+    with pytest.raises(HostUnavailable) as err:
+        async with SlotPool(backend, pool_cfg(min_hosts=1, max_hosts=1)):
+            pass
+    msg = str(err.value)
+    assert "No module named atropos (bare python)" in msg and "(no log)" not in msg, msg
+    assert "host log on node" in msg, msg
+
+
 def test_serve_with_an_unreachable_ray_address_fails_at_once_and_announces_nothing(tmp_path: Path) -> None:
     import socket
 
