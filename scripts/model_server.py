@@ -729,7 +729,9 @@ def bench_engine(engine: str, max_tokens: int, runs: int) -> dict:
     port = _free_port()
     ns = argparse.Namespace(host="127.0.0.1", port=port, n_ctx=2048, n_threads=None, extra=[], verbose=False,
                             engine=engine, timeout=180.0)  # fmt: skip
-    if cmd_start(ns) != 0:
+    with contextlib.redirect_stdout(sys.stderr):  # start prints the URL; bench's stdout is its JSON alone
+        started = cmd_start(ns)
+    if started != 0:
         raise EnsureError(f"the {engine} engine did not start")
     body = {"model": MODEL_ALIAS, "messages": [{"role": "user", "content": BENCH_PROMPT}],
             "temperature": 0.0, "max_tokens": max_tokens}  # fmt: skip
