@@ -98,3 +98,25 @@ def test_a_same_user_process_cannot_read_serves_environment_or_memory(tmp_path: 
     finally:
         control.kill()
         _stop(proc)
+
+
+async def test_the_host_token_waits_until_the_host_is_non_dumpable(tmp_path: Path) -> None:
+    """The pidfd_getfd route: a host's stdin pipe holds its token only after the host said it is
+    non-dumpable. A 'host' that never says so (here a script that just drains its stdin) gets nothing,
+    and the real host says so as its very first line (then the ready line follows as before)."""
+    from atropos.sandbox.contract.launch import UNDUMPABLE_LINE, HostLaunch, start_host_process
+
+    got = tmp_path / "stdin-received"
+    fake = tmp_path / "fake-python"
+    fake.write_text(f"#!/bin/sh\ncat > {got}\n")
+    fake.chmod(0o755)
+    launch = HostLaunch(slots=1, data_dir=str(tmp_path / "data"))
+    with open(tmp_path / "log", "wb") as log:
+        proc = await start_host_process(launch, "the-host-token", log, python=str(fake), undumpable_timeout_s=2)
+    await proc.wait()
+    assert got.read_bytes() == b""  # the pipe was closed with no token on it
+
+    first = subprocess.run([sys.executable, "-c", "import sys; from atropos.sandbox.host.main import main; "
+                            "main(['--token-stdin', '--port', '0', '--slots', '1', '--data-dir', sys.argv[1]])",
+                            str(tmp_path / "real")], input=b"", capture_output=True, timeout=120)
+    assert first.stdout.decode().startswith(UNDUMPABLE_LINE), (first.stdout, first.stderr[-2000:])
