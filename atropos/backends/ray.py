@@ -194,10 +194,34 @@ def _probe_address(address: str) -> None:
     if not sep or not port.isdigit():
         return
     try:
-        socket.create_connection((host.strip("[]"), int(port)), ADDRESS_PROBE_S).close()
+        conn = socket.create_connection((host.strip("[]"), int(port)), ADDRESS_PROBE_S)
     except OSError as exc:
         raise HostUnavailable(f"cannot reach the Ray cluster at {address}: {exc.strerror or exc} (is `ray start "
                               "--head` running there, and is this the GCS port, 6379 by default?)") from None
+    with conn:
+        answer = _http_answer(conn)
+    if answer:
+        # e.g. the dashboard (8265): ray.init would wait on it for minutes
+        raise HostUnavailable(f"{address} is not Ray's control service (GCS): an HTTP/1 server answered there "
+                              f"({answer}). Give the GCS address (`ray start --head --port`, 6379 by default; "
+                              "the dashboard's is 8265), or ray://host:10001 for Ray Client") from None
+
+
+def _http_answer(conn: socket.socket) -> str:
+    """What an HTTP/1 server at the other end says to a plain request (its status line and Server
+    header), or "" for anything else: Ray's GCS and Ray Client speak gRPC (HTTP/2 only) and close or
+    answer in binary."""
+    try:
+        conn.settimeout(ADDRESS_PROBE_S)
+        conn.sendall(b"GET / HTTP/1.0\r\nHost: ray-probe\r\n\r\n")
+        head = conn.recv(1024)
+    except OSError:
+        return ""
+    if not head.startswith(b"HTTP/"):
+        return ""
+    lines = head.decode("latin-1").split("\r\n")
+    server = next((ln.split(":", 1)[1].strip() for ln in lines[1:] if ln.lower().startswith("server:")), "")
+    return lines[0] + (f", Server: {server}" if server else "")
 
 
 def _locked_log(path: Path) -> IO[bytes]:
