@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up a fresh Debian/Ubuntu machine (as root) for atropos-sandbox: system packages and the venv.
-# Idempotent and quiet when everything is already there. Usage: bash scripts/setup.sh [--dev]
+# Idempotent and quiet when everything is already there. Usage: bash scripts/setup.sh [--dev | --system-only]
+# --system-only: the system packages alone (scripts/demo.sh fetches the model while the venv installs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,6 +32,8 @@ if [[ "$(id -u)" -eq 0 && -c /dev/net/tun && "$(stat -c %a /dev/net/tun)" != "66
     say "chmod 0666 /dev/net/tun (the udev default; slots' private networks need it)"
     chmod 0666 /dev/net/tun
 fi
+
+[[ "${1:-}" == "--system-only" ]] && exit 0
 
 PY="${PYTHON:-python3}"
 if [[ ! -x .venv/bin/python ]]; then

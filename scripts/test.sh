@@ -19,7 +19,7 @@ if ! bash scripts/build_image.sh; then
     echo "[test] Docker unavailable: Docker tests will be skipped" >&2
 fi
 
-echo "[test] model server (built once, cached under ~/.cache/atropos-sandbox)" >&2
+echo "[test] model server (prebuilt llama.cpp + the model, fetched once, cached under ~/.cache/atropos-sandbox)" >&2
 python3 scripts/model_server.py ensure
 
 echo "[test] ruff" >&2

@@ -449,8 +449,54 @@ def test_every_script_starts_outside_pytest(script: str, tmp_path: Path) -> None
 
 
 def test_an_image_reference_that_does_not_exist_is_a_usage_error_not_infrastructure(cache: dict[str, str]) -> None:
-    """``exec --image oci:DIR:TAG`` of a layout that is not there: image_rejected, exit 2 (the
+    """``exec --task-image oci:DIR:TAG`` of a layout that is not there: image_rejected, exit 2 (the
     request is wrong; 3 would tell a script the platform is down), the message naming the layout."""
-    missing = cli("exec", "--image", "oci:/nonexistent/layout:v1", "--", "true", env=cache)
+    missing = cli("exec", "--task-image", "oci:/nonexistent/layout:v1", "--", "true", env=cache)
     assert missing.returncode == EXIT_USAGE, missing.stderr
     assert "no OCI image layout at '/nonexistent/layout'" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_a_refused_request_exits_2_without_a_pool_too(cache: dict[str, str]) -> None:
+    """The ephemeral exec (no pool up) answers as the help says: a request refused as wrong is 2, a tool
+    call that ran and failed is 1."""
+    escape = cli("exec", "--tool", "read_file", "--args", '{"path": "../../etc/passwd"}', env=cache)
+    assert escape.returncode == EXIT_USAGE, (escape.returncode, escape.stderr)
+    assert escape.stderr.startswith("error (path_escape): ") and "Traceback" not in escape.stderr
+    missing = cli("exec", "--tool", "read_file", "--args", '{"path": "nope.txt"}', env=cache)
+    assert missing.returncode == 1, (missing.returncode, missing.stderr)
+
+
+def test_exec_task_image_flag_and_the_old_spelling(cache: dict[str, str], tmp_path: Path) -> None:
+    """`exec --task-image` is the task image (`--image` names the sandbox image in serve/pool up); the old
+    `exec --image` still works, with a warning naming the new flag."""
+    help_text = cli("exec", "--help", env=cache).stdout
+    assert "--task-image" in help_text and "--image " not in help_text
+    bogus = f"oci:{tmp_path / 'no-such-layout'}"
+    new = cli("exec", "--task-image", bogus, "--", "true", env=cache)
+    old = cli("exec", "--image", bogus, "--", "true", env=cache)
+    assert new.returncode == old.returncode != 0, (new.stderr, old.stderr)
+    assert "--task-image" in old.stderr and "--task-image" not in new.stderr
+    # a layout that is not there is the request's fault (image_rejected), named, not a host failure
+    for run in (new, old):
+        assert run.returncode == EXIT_USAGE and "no OCI image layout at" in run.stderr, run.stderr
+    both = cli("exec", "--image", bogus, "--task-image", bogus + "x", "--", "true", env=cache)
+    assert both.returncode == EXIT_USAGE and "disagree" in both.stderr
+
+
+def test_the_python_api_default_pool_id_is_per_user() -> None:
+    import pwd
+
+    from atropos.backends.local import LocalBackendConfig
+    from atropos.cli.settings import default_pool_id
+    from atropos.slots.config import PoolConfig
+
+    user = pwd.getpwuid(os.getuid()).pw_name
+    assert PoolConfig().pool_id == LocalBackendConfig().pool_id == f"py-{user}"
+    assert default_pool_id() == f"cli-{user}"
+
+
+def test_no_framework_warning_on_import() -> None:
+    r = subprocess.run([sys.executable, "-c", "import atropos.envs, transformers"], capture_output=True, text=True,
+                       env={k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"},
+                       timeout=120)
+    assert r.returncode == 0 and "None of PyTorch" not in r.stderr, r.stderr

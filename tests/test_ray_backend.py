@@ -297,6 +297,58 @@ async def test_a_resource_no_node_offers_is_said_at_once(cluster: RayCluster) ->
         assert not backend.actor_names()
 
 
+async def test_a_host_that_fails_to_start_shows_its_log_and_a_missing_interpreter_its_path(
+        cluster: RayCluster, tmp_path: Path) -> None:
+    """A worker Python without the project (the host dies at import) is reported with the end of the
+    host's log (read before the actor removes it), and one that does not exist by its path."""
+    missing = str(tmp_path / "no-such-python")
+    backend = make_backend(cluster, slots=1, prewarm=False, python=missing)
+    with pytest.raises(HostUnavailable) as err:
+        async with SlotPool(backend, pool_cfg(min_hosts=1, max_hosts=1)):
+            pass
+    assert missing in str(err.value) and "cannot be run" in str(err.value), str(err.value)
+
+    bare = tmp_path / "bare-python"  # an interpreter that cannot import atropos: the host dies at once
+    bare.write_text("#!/bin/sh\necho 'ModuleNotFoundError: No module named atropos (bare python)' >&2\nexit 1\n")
+    bare.chmod(0o755)
+    backend = make_backend(cluster, slots=1, prewarm=False, python=str(bare))
+    with pytest.raises(HostUnavailable) as err:
+        async with SlotPool(backend, pool_cfg(min_hosts=1, max_hosts=1)):
+            pass
+    msg = str(err.value)
+    assert "No module named atropos (bare python)" in msg and "(no log)" not in msg, msg
+    assert "host log on node" in msg, msg
+
+
+def test_the_address_probe_lets_a_real_gcs_through(cluster: RayCluster) -> None:
+    from atropos.backends.ray import _probe_address
+
+    _probe_address(cluster.address)  # a gRPC server: no HTTP/1 answer, no error
+
+
+def test_serve_with_an_http_server_at_the_ray_address_says_what_answered(tmp_path: Path) -> None:
+    """The dashboard's port (an HTTP server) given as the cluster's address: refused at once, naming what
+    answered, instead of ray.init waiting on it for minutes."""
+    import http.server
+    import threading
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    port = httpd.server_address[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ATROPOS_", "RAY_ADDRESS"))}
+    env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), PYTHONPATH=str(REPO), ATROPOS_TOOLSERVER_TOKEN="t" * 32)
+    try:
+        out = subprocess.run([sys.executable, "-m", "atropos.cli", "serve", "--backend", "ray", "--ray-address",
+                              f"127.0.0.1:{port}", "--port", "0"], capture_output=True, text=True, timeout=120,
+                             env=env, cwd=REPO)
+    finally:
+        httpd.shutdown()
+    assert out.returncode == 3, (out.returncode, out.stderr[-3000:])
+    assert f"127.0.0.1:{port} is not Ray's control service (GCS): an HTTP/1 server answered" in out.stderr, \
+        out.stderr[-3000:]
+    assert "SimpleHTTP" in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
 def test_serve_with_an_unreachable_ray_address_fails_at_once_and_announces_nothing(tmp_path: Path) -> None:
     import socket
 

@@ -27,6 +27,9 @@ class HostInfo(BaseModel):
     token: str = Field(repr=False)
     slots: int
     labels: dict[str, str] = Field(default_factory=dict)
+    log: str | None = Field(None, description="where the host's own log is: a file path on the pool's machine, "
+                                              "else how to read it (e.g. `docker logs ID`); every failure of "
+                                              "this host the pool reports names it")
 
 
 # The one meaning of every backend config's ``prewarm`` (local, docker, ray): the backend starts its
@@ -36,6 +39,22 @@ PREWARM_DESCRIPTION = (
     "once its whole initial fleet is up, so prewarming never competes with the hosts still starting, "
     "and a later host (scale-up, replacement) as soon as it is ready; the sandboxes then start in the "
     "background (a call to a slot still warming waits for it). Off: each slot's sandbox starts on first use")
+
+
+def user_pool_id(prefix: str = "py") -> str:
+    """``<prefix>-<user>``, the default pool id: the login name of this process's uid (not $USER, which
+    anyone can set), characters outside ``[A-Za-z0-9_.-]`` replaced; the uid for a uid without a name.
+    Per user, because a pool's id names its hosts, containers and state, and a pool reaps what carries
+    its id: two users of one machine must never share one. The CLI's pools are ``cli-<user>``, the
+    Python API's ``py-<user>``, so neither reaps the other's."""
+    import os
+    import pwd
+
+    try:
+        name = pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        name = str(os.getuid())
+    return (prefix + "-" + "".join(c if c.isalnum() or c in "_.-" else "-" for c in name))[:64]
 
 
 def new_token() -> str:

@@ -28,7 +28,7 @@ import httpx
 from pydantic import Field, model_validator
 
 from atropos.backends import docker_cgroups
-from atropos.backends.base import PREWARM_DESCRIPTION, Backend, HostInfo, new_token, pid_alive
+from atropos.backends.base import PREWARM_DESCRIPTION, Backend, HostInfo, new_token, pid_alive, user_pool_id
 from atropos.backends.docker_cgroups import HostCgroup
 from atropos.backends.image_shipping import ship_from_engine
 from atropos.backends.slot_caps import ContainerSlotCaps
@@ -56,7 +56,7 @@ class DockerBackendConfig(ContainerSlotCaps):
 
     kind: Literal["docker"] = "docker"
     image: str = "atropos-sandbox:dev"
-    pool_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    pool_id: str = Field(default_factory=user_pool_id, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     cpus: float = Field(2.0, gt=0)
     memory_bytes: int = Field(4 << 30, ge=256 << 20)
     pids_limit: int = Field(4096, ge=64)
@@ -293,7 +293,8 @@ class DockerBackend(Backend):
             raise
         log.info("docker host %s ready at %s", host_id, address)
         return HostInfo(id=host_id, address=address, token=token, slots=self.cfg.slots_per_host,
-                        labels={"backend": "docker", "container": container.id[:12]})
+                        labels={"backend": "docker", "container": container.id[:12]},
+                        log=f"docker logs {container.id[:12]}")
 
     @staticmethod
     async def _run_to_completion(work: Awaitable[T]) -> T:

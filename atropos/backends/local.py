@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from atropos.backends.base import PREWARM_DESCRIPTION, Backend, HostInfo, new_token, pid_alive
+from atropos.backends.base import PREWARM_DESCRIPTION, Backend, HostInfo, new_token, pid_alive, user_pool_id
 from atropos.backends.slot_caps import SlotCaps
 from atropos.errors import HostUnavailable, IsolationUnavailable
 from atropos.sandbox.contract.hostdirs import (
@@ -34,7 +34,7 @@ class LocalBackendConfig(SlotCaps):
 
     kind: Literal["local"] = "local"
     data_root: Path = Field(default_factory=lambda: default_data_dir() / "local")
-    pool_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    pool_id: str = Field(default_factory=user_pool_id, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     port: int = Field(0, ge=0, le=65535, description="port each host listens on (127.0.0.1); 0 = any free port. "
                                                      "A fixed port allows one host at a time")
     prewarm: bool = Field(True, description=PREWARM_DESCRIPTION)
@@ -91,12 +91,13 @@ class LocalBackend(Backend):
             ready = {}
         if ready.get("event") != "ready":
             await self.stop_host(host_id)
-            raise self._start_error(_tail(log_path))
+            raise self._start_error(_tail(log_path), log_path)
         log.info("local host %s ready on port %s (%d slots)", host_id, ready["port"], self.cfg.slots_per_host)
         return HostInfo(id=host_id, address=f"http://127.0.0.1:{ready['port']}", token=token,
-                        slots=self.cfg.slots_per_host, labels={"backend": "local", "pid": str(proc.pid)})
+                        slots=self.cfg.slots_per_host, labels={"backend": "local", "pid": str(proc.pid)},
+                        log=str(log_path))
 
-    def _start_error(self, tail: str) -> IsolationUnavailable | HostUnavailable:
+    def _start_error(self, tail: str, log_path: Path | None = None) -> IsolationUnavailable | HostUnavailable:
         """Why a host did not come up, from the end of its log.
 
         Only the line ``__main__`` prints for an isolation failure (``error: isolation unavailable:
@@ -111,7 +112,8 @@ class LocalBackend(Backend):
         if self.cfg.port and ("Address already in use" in tail or "[Errno 98]" in tail):
             return HostUnavailable(f"local sandbox host failed to start: port {self.cfg.port} on 127.0.0.1 is "
                                    "already in use (LocalBackendConfig.port; 0 picks a free one)")
-        return HostUnavailable(f"local sandbox host failed to start: {tail}")
+        where = f" (host log: {log_path})" if log_path is not None else ""
+        return HostUnavailable(f"local sandbox host failed to start{where}: {tail}")
 
     async def stop_host(self, host_id: str) -> None:
         proc = self._procs.get(host_id)

@@ -48,7 +48,7 @@ from typing import IO, Any, Literal
 
 from pydantic import Field
 
-from atropos.backends.base import PREWARM_DESCRIPTION, Backend, HostInfo, new_token, pid_alive
+from atropos.backends.base import PREWARM_DESCRIPTION, Backend, HostInfo, new_token, pid_alive, user_pool_id
 from atropos.backends.slot_caps import SlotCaps
 from atropos.errors import ConfigError, HostUnavailable, IsolationUnavailable
 
@@ -71,7 +71,7 @@ class RayBackendConfig(SlotCaps):
     address: str | None = Field(None, description="Ray cluster (host:port, 'auto', ray://...); default $RAY_ADDRESS, "
                                                   "else a Ray started in this process on 127.0.0.1")
     namespace: str = Field("atropos-sandbox", min_length=1, description="Ray namespace of the host actors")
-    pool_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    pool_id: str = Field(default_factory=user_pool_id, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     prewarm: bool = Field(True, description=PREWARM_DESCRIPTION)
     start_timeout_s: float = Field(120.0, gt=0, description="placement + host start, per host")
     resource: str = Field("atropos_sandbox", min_length=1,
@@ -136,10 +136,12 @@ class HostActor:
         except (asyncio.TimeoutError, ValueError):
             ready = {}
         if ready.get("event") != "ready":
+            # the log's end first: stop() removes the log with the host's directory
+            tail = self._tail()
             await self.stop()
-            return {"error": self._tail()}
+            return {"error": f"{tail}\n(host log on node {ip}: {self.log_path}, removed with the host)"}
         return {"address": f"http://{_url_host(ip)}:{ready['port']}", "pid": self.proc.pid, "node_ip": ip,
-                "node_id": ray.get_runtime_context().get_node_id()}
+                "node_id": ray.get_runtime_context().get_node_id(), "log": str(self.log_path)}
 
     async def _sweep(self, root: Path) -> None:
         from atropos.sandbox.contract.cgroupfs import remove_stale_slot_cgroups
@@ -192,10 +194,34 @@ def _probe_address(address: str) -> None:
     if not sep or not port.isdigit():
         return
     try:
-        socket.create_connection((host.strip("[]"), int(port)), ADDRESS_PROBE_S).close()
+        conn = socket.create_connection((host.strip("[]"), int(port)), ADDRESS_PROBE_S)
     except OSError as exc:
         raise HostUnavailable(f"cannot reach the Ray cluster at {address}: {exc.strerror or exc} (is `ray start "
                               "--head` running there, and is this the GCS port, 6379 by default?)") from None
+    with conn:
+        answer = _http_answer(conn)
+    if answer:
+        # e.g. the dashboard (8265): ray.init would wait on it for minutes
+        raise HostUnavailable(f"{address} is not Ray's control service (GCS): an HTTP/1 server answered there "
+                              f"({answer}). Give the GCS address (`ray start --head --port`, 6379 by default; "
+                              "the dashboard's is 8265), or ray://host:10001 for Ray Client") from None
+
+
+def _http_answer(conn: socket.socket) -> str:
+    """What an HTTP/1 server at the other end says to a plain request (its status line and Server
+    header), or "" for anything else: Ray's GCS and Ray Client speak gRPC (HTTP/2 only) and close or
+    answer in binary."""
+    try:
+        conn.settimeout(ADDRESS_PROBE_S)
+        conn.sendall(b"GET / HTTP/1.0\r\nHost: ray-probe\r\n\r\n")
+        head = conn.recv(1024)
+    except OSError:
+        return ""
+    if not head.startswith(b"HTTP/"):
+        return ""
+    lines = head.decode("latin-1").split("\r\n")
+    server = next((ln.split(":", 1)[1].strip() for ln in lines[1:] if ln.lower().startswith("server:")), "")
+    return lines[0] + (f", Server: {server}" if server else "")
 
 
 def _locked_log(path: Path) -> IO[bytes]:
@@ -378,7 +404,8 @@ class RayBackend(Backend):
         log.info("ray host %s ready at %s on node %s", name, ready["address"], ready["node_id"][:12])
         return HostInfo(id=name, address=ready["address"], token=token, slots=c.slots_per_host,
                         labels={"backend": "ray", "node": ready["node_id"], "node_ip": ready["node_ip"],
-                                "pid": str(ready["pid"])})
+                                "pid": str(ready["pid"])},
+                        log=f"{ready['log']} on node {ready['node_ip']}" if ready.get("log") else None)
 
     def _placement_hint(self) -> str:
         try:

@@ -11,7 +11,7 @@ import shlex
 import sys
 from typing import Any
 
-from atropos.cli.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_TIMED_OUT
+from atropos.cli.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_TIMED_OUT, EXIT_USAGE
 from atropos.cli.pool_client import PoolHttp, connection
 from atropos.cli.pool_state import read_state
 from atropos.cli.settings import pool_id_of
@@ -39,6 +39,13 @@ def tool_args(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_exec(args: argparse.Namespace) -> int:
     """One tool call in a fresh lease: through a running pool if one is up, else an ephemeral one."""
     call_args = tool_args(args)
+    if args.old_image:
+        if args.task_image and args.task_image != args.old_image:
+            raise ConfigError("exec: --image (the old spelling of --task-image) and --task-image disagree; "
+                              "give --task-image only")
+        print("warning: `exec --image` is now `exec --task-image` (the task image the slot's / is made of); "
+              "--image names the sandbox image in serve, pool up and nomad render", file=sys.stderr)
+        args.task_image = args.old_image
     pool_id, asked = pool_id_of(args)
     state = read_state(pool_id)
     if state is not None:
@@ -46,7 +53,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
             return _exec_in_pool(http, args, call_args)
     if asked:  # a pool named by flag, env or config that is not up: never silently run elsewhere
         raise InfrastructureError(f"no pool {pool_id!r} is up (start one with `atropos-sandbox pool up`)")
-    return asyncio.run(_exec_ephemeral(args.tool, call_args, args.timeout, args.network, args.image))
+    return asyncio.run(_exec_ephemeral(args.tool, call_args, args.timeout, args.network, args.task_image))
 
 
 def _exec_in_pool(http: PoolHttp, args: argparse.Namespace, call_args: dict[str, Any]) -> int:
@@ -55,7 +62,7 @@ def _exec_in_pool(http: PoolHttp, args: argparse.Namespace, call_args: dict[str,
         return print_call(str(body.get("content", "")), None, bool(body.get("ok")))
     lease = http.request("POST", "/v1/slots", json={"trajectory_id": f"cli-exec-{secrets.token_hex(4)}",
                                                     "network": args.network, "timeout_s": args.lease_timeout,
-                                                    **({"image": args.image} if args.image else {})})
+                                                    **({"image": args.task_image} if args.task_image else {})})
     lease_id = str(lease["lease_id"])
     try:
         out = http.request("POST", f"/v1/slots/{lease_id}/call",
@@ -65,7 +72,9 @@ def _exec_in_pool(http: PoolHttp, args: argparse.Namespace, call_args: dict[str,
             http.request("DELETE", f"/v1/slots/{lease_id}")
         except AtroposSandboxError as exc:  # never mask the call's own outcome; the pool reaps idle leases
             print(f"warning: could not release the lease: {exc}", file=sys.stderr)
-    return print_call(str(out.get("content", "")), out.get("result"), bool(out.get("ok")))
+    error = out.get("error")
+    return print_call(str(out.get("content", "")), out.get("result"), bool(out.get("ok")),
+                      str(error.get("code")) if isinstance(error, dict) else None)
 
 
 async def _exec_ephemeral(tool: str, call_args: dict[str, Any], timeout: float | None, network: bool,
@@ -80,17 +89,29 @@ async def _exec_ephemeral(tool: str, call_args: dict[str, Any], timeout: float |
         async with pool.leased("cli-exec", network=network, image=image) as lease:
             result = await lease.call(tool, call_args, timeout_s=timeout)
     ok, text = format_result(tool, result)
-    return print_call(text, result.result, ok)
+    return print_call(text, result.result, ok, result.error.code if result.error else None)
 
 
-def print_call(text: str, result: dict[str, Any] | None, ok: bool) -> int:
-    """Print a call's outcome; the exit code: bash's own status (124 timed out, 128+N killed by N)."""
+def _refusal_codes() -> set[str]:
+    """The error codes of a call refused as wrong (a path outside the slot, bad arguments, ...): exit 2,
+    as the help says, where a tool that ran and failed (a missing file) is 1."""
+    from atropos.errors import ERRORS, ToolError
+
+    return {code for cls, (status, code) in ERRORS.items()
+            if cls is not ToolError and 400 <= status < 500 and status not in (409, 429, 499)}
+
+
+def print_call(text: str, result: dict[str, Any] | None, ok: bool, error_code: str | None = None) -> int:
+    """Print a call's outcome; the exit code: bash's own status (124 timed out, 128+N killed by N);
+    else 0, 2 for a refused call, 1 for a failed one."""
     if result and "stdout" in result:
         sys.stdout.write(result.get("stdout") or "")
         sys.stderr.write(result.get("stderr") or "")
         return _bash_status(result)
     print(text, file=sys.stdout if ok else sys.stderr)
-    return EXIT_OK if ok else EXIT_FAILED
+    if ok:
+        return EXIT_OK
+    return EXIT_USAGE if error_code in _refusal_codes() else EXIT_FAILED
 
 
 def _bash_status(result: dict[str, Any]) -> int:

@@ -18,6 +18,7 @@ from atropos.errors import (
     InfrastructureError,
     IsolationUnavailable,
     PoolReplyError,
+    ToolError,
 )
 
 
@@ -55,6 +56,10 @@ def exit_code(exc: Exception) -> int:
         return EXIT_USAGE
     if isinstance(exc, (InfrastructureError, IsolationUnavailable)):
         return EXIT_INFRA
+    if isinstance(exc, AtroposSandboxError) and type(exc) is not ToolError and 400 <= exc.status < 500:
+        # A request refused as wrong (bad arguments, a path outside the slot, a rejected image, an unknown
+        # template): usage, by the same rule as a background pool's answer (PoolReplyError).
+        return PoolReplyError(exc.status, exc.code, "").exit_code
     return EXIT_FAILED
 
 

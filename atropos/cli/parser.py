@@ -133,7 +133,7 @@ def _add_exec(sub: Any) -> None:
                   "Run one tool call in a fresh lease: in the background pool if it is up, else in an "
                   "ephemeral local one. For bash, the exit status is the command's own.",
                   "examples:\n  atropos-sandbox exec -- 'python3 -V'\n"
-                  "  atropos-sandbox exec --image repo/task:tag -- 'cd /testbed && git status'\n"
+                  "  atropos-sandbox exec --task-image repo/task:tag -- 'cd /testbed && git status'\n"
                   "  atropos-sandbox exec --tool read_file --args '{\"path\": \"a.txt\"}'\n"
                   "  atropos-sandbox exec --tool web_search --args '{\"query\": \"tar\"}'   (needs a pool)")
     ex.add_argument("--tool", default="bash", help="tool name (default bash)")
@@ -142,8 +142,11 @@ def _add_exec(sub: Any) -> None:
     ex.add_argument("--lease-timeout", dest="lease_timeout", type=float, default=60.0,
                     help="pool: seconds to wait for a free slot (default 60)")
     ex.add_argument("--network", action="store_true", help="let the call reach the network")
-    ex.add_argument("--image", help="run in a slot whose / is this task image (a Docker engine reference, "
-                                    "or oci:PATH; docs/task-images.md)")
+    ex.add_argument("--task-image", dest="task_image",
+                    help="run in a slot whose / is this task image (a Docker engine reference, or oci:PATH; "
+                         "docs/task-images.md). Not --image: that flag names the sandbox image elsewhere")
+    # The old spelling: accepted with a warning (cmd_exec), hidden from the help.
+    ex.add_argument("--image", dest="old_image", help=argparse.SUPPRESS)
     add_pool_flags(ex)
     ex.add_argument("command", nargs="*", help="the bash command")
     ex.set_defaults(func=cmd_exec)

@@ -74,8 +74,10 @@ def _spawn(s: ServeSettings) -> subprocess.Popen[bytes]:
     write_private(files["settings"], s.model_dump_json(indent=2))
     write_private(files["token"], token)
     child_env = {k: v for k, v in os.environ.items() if not k.startswith(SETTINGS_ENV_PREFIX)}
-    child_env[TOKEN_ENV] = token
-    argv = [sys.executable, "-m", "atropos.cli", "serve", "--config", str(files["settings"])]
+    child_env.pop(TOKEN_ENV, None)
+    # the token by its private file, never the environment (readable by our user's processes)
+    argv = [sys.executable, "-m", "atropos.cli", "serve", "--config", str(files["settings"]),
+            "--token-file", str(files["token"])]
     with open(files["log"], "ab") as log_file:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
                                 env=child_env, start_new_session=True)

@@ -18,8 +18,9 @@ from typing import Any
 
 from atropos.backends.base import BackendKind
 from atropos.cli.exit_codes import EXIT_INFRA, EXIT_OK
-from atropos.cli.settings import TOKEN_ENV, ServeSettings, load_settings, setup_logging
+from atropos.cli.settings import TOKEN_ENV, ServeSettings, load_settings, read_private_token, setup_logging
 from atropos.errors import ConfigError, InfrastructureError
+from atropos.sandbox.contract.launch import make_undumpable
 
 log = logging.getLogger("atropos.cli")
 
@@ -73,14 +74,17 @@ def build_app(s: ServeSettings, token: str | None, pool: Any = None) -> Any:
 
 
 def resolve_token(s: ServeSettings) -> str | None:
+    """--token-file, else $ATROPOS_TOOLSERVER_TOKEN."""
     token = os.environ.get(TOKEN_ENV)
+    if s.token_file is not None:
+        token = read_private_token(s.token_file)
     if s.allow_no_auth:
         if s.listen_host not in ("127.0.0.1", "::1", "localhost"):
             raise ConfigError("--allow-no-auth is only allowed on a loopback address")
         return token
     if not token:
-        raise ConfigError(f"set ${TOKEN_ENV} (the bearer token clients must send), or use --allow-no-auth "
-                          "on loopback for development")
+        raise ConfigError(f"give --token-file (or set ${TOKEN_ENV}): the bearer token clients must send; or use "
+                          "--allow-no-auth on loopback for development")
     return token
 
 
@@ -118,9 +122,13 @@ def client_url(host: str, port: int) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     from atropos.request_deadline import server_config
 
+    # first: our environment may hold the ToolServer's token and our memory will hold every host's; no
+    # process of our user (a Ray job, a slot's helper run as us) may read them (root still can)
+    make_undumpable()
     s = load_settings(args)
     setup_logging(s)
     token = resolve_token(s)
+    os.environ.pop(TOKEN_ENV, None)  # nothing we start inherits it
     pool = build_pool(s)
     app = build_app(s, token, pool)
     sock = bind_socket(s.listen_host, s.port)

@@ -50,6 +50,8 @@ class ServeSettings(BaseModel):
     # hosts, containers or logs unless they ask for it with the same --pool-id
     pool_id: str = Field(default_factory=lambda: default_pool_id(), pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     allow_no_auth: bool = False
+    # the ToolServer's token from a private file (as hosts read theirs), not from the environment
+    token_file: Path | None = None
     metrics_need_token: bool = False
     web_provider: Literal["offline", "http", "none"] = "offline"
     corpus_dir: Path | None = None
@@ -72,15 +74,33 @@ class ServeSettings(BaseModel):
 
 
 def default_pool_id() -> str:
-    """``cli-<user>``: the login name of this process's uid (not $USER, which anyone can set), its
-    characters outside ``[A-Za-z0-9_.-]`` replaced; ``cli-<uid>`` for a uid without a name."""
-    import pwd
+    """``cli-<user>`` (``atropos.backends.base.user_pool_id``)."""
+    from atropos.backends.base import user_pool_id
+
+    return user_pool_id("cli")
+
+
+def read_private_token(path: Path) -> str:
+    """The token in ``path``: refused unless it is a regular file of ours that no group or other user
+    can read (a token others could read is no secret). The file stays: a pool's token file is also how
+    the CLI's clients reach it."""
+    import errno
+    import stat
 
     try:
-        name = pwd.getpwuid(os.getuid()).pw_name
-    except KeyError:
-        name = str(os.getuid())
-    return ("cli-" + "".join(c if c.isalnum() or c in "_.-" else "-" for c in name))[:64]
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        why = "a symbolic link" if exc.errno == errno.ELOOP else f"cannot open it ({exc.strerror})"
+        raise ConfigError(f"--token-file {path}: {why}") from None
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise ConfigError(f"--token-file {path}: must be a regular file of this user with no group or other "
+                              f"permissions (chmod 600); it is mode {stat.filemode(st.st_mode)}, uid {st.st_uid}")
+        token = fh.read(4096).decode("utf-8", "replace").strip()
+    if not token:
+        raise ConfigError(f"--token-file {path} is empty")
+    return token
 
 
 def state_dir() -> Path:
@@ -170,6 +190,9 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
                  choices=["offline", "http", "none"])
     setting_flag(p, "corpus_dir", "offline search corpus (default: built-in)", type=Path)
     setting_flag(p, "web_base_url", "http provider: the API base URL")
+    setting_flag(p, "token_file", f"read the ToolServer's bearer token from this file (mode 0600, ours) instead of "
+                 f"${TOKEN_ENV}: a file only our user reads, where an environment is readable by every process "
+                 "of the same user until serve makes itself non-dumpable")
     setting_flag(p, "allow_no_auth", "DEVELOPMENT: no token (only on a loopback address)",
                  action="store_true", default=None)
     setting_flag(p, "metrics_need_token",

@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
+from atropos.backends.base import user_pool_id
 from atropos.renamed import accept_renamed
 
 # old name -> name (one setting had two names: the wait for a free slot)
@@ -14,7 +15,8 @@ RENAMED = {"lease_timeout_s": "acquire_timeout_s"}
 
 
 class PoolConfig(BaseModel):
-    pool_id: str = Field("default", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="names this pool's hosts")
+    pool_id: str = Field(default_factory=user_pool_id, pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+                         description="names this pool's hosts (default py-<user>: per user, as the CLI's cli-<user>)")
     min_hosts: int = Field(1, ge=0)
     max_hosts: int = Field(4, ge=1)
     acquire_timeout_s: float = Field(300.0, gt=0, description="default wait for a free slot (lease_timeout_s "

@@ -70,7 +70,7 @@ class HostFleet:
         try:
             t0 = time.perf_counter()
             info = await self.backend.start_host()
-            client = HostClient(info.address, info.token)
+            client = HostClient(info.address, info.token, log=info.log)
             host = PoolHost(info, client)
             # the host's own limits (its health reply), before any call: the client's read deadline
             # follows what this host may take per call, whatever its backend configured

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Sequence
 from typing import Any, NoReturn
 
@@ -68,8 +69,13 @@ class HostClient:
         max_timeout_s: MaxTimeoutS = DEFAULT_MAX_TIMEOUT_S,
         connect_timeout_s: float = 5.0,
         max_connections: int = 256,
+        log: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        # Where the host's own log is (a file on this machine, or how to read it: HostInfo.log): every
+        # failure of this host names it, and a host's unexplained 500 quotes its last lines.
+        self.log = log
+        self.where = f"{self.base_url} (host log: {log})" if log else self.base_url
         # What the host may take per call, until it says (every health reply carries its limits).
         self.timeouts = CallTimeouts(max_timeout_s=max_timeout_s)
         self._connect_timeout = connect_timeout_s
@@ -111,9 +117,9 @@ class HostClient:
         try:
             resp = await self._http.request(method, url, timeout=self._timeout(timeout), **kw)
         except httpx.TransportError as exc:
-            raise HostUnavailable(f"{self.base_url}: {type(exc).__name__}: {exc}") from exc
+            raise HostUnavailable(f"{self.where}: {type(exc).__name__}: {exc}") from exc
         if resp.status_code >= 400:
-            _raise_for(resp.status_code, resp.content, self.base_url)
+            _raise_for(resp.status_code, resp.content, self.where, self.log)
         return resp
 
     async def _post_lean(self, path: str, body: dict[str, Any], *, timeout: float) -> bytes:
@@ -124,9 +130,9 @@ class HostClient:
             resp = await self._calls.request("POST", path, json.dumps(body, separators=(",", ":")).encode(),
                                              timeout=timeout)
         except TransportError as exc:
-            raise HostUnavailable(f"{self.base_url}: {exc}") from exc
+            raise HostUnavailable(f"{self.where}: {exc}") from exc
         if resp.status >= 400:
-            _raise_for(resp.status, resp.body, self.base_url)
+            _raise_for(resp.status, resp.body, self.where, self.log)
         return resp.body
 
     # -- API -------------------------------------------------------------------------------
@@ -134,11 +140,11 @@ class HostClient:
         try:
             resp = await self._http.get("/v1/health", timeout=self._timeout(timeout))
         except httpx.TransportError as exc:
-            raise HostUnavailable(f"{self.base_url}: {type(exc).__name__}: {exc}") from exc
+            raise HostUnavailable(f"{self.where}: {type(exc).__name__}: {exc}") from exc
         if resp.status_code == 401:
-            _raise_for(resp.status_code, resp.content, self.base_url)
+            _raise_for(resp.status_code, resp.content, self.where, self.log)
         if resp.status_code not in (200, 503):
-            raise HostUnavailable(f"{self.base_url}: health answered {resp.status_code}")
+            raise HostUnavailable(f"{self.where}: health answered {resp.status_code}")
         info = HealthInfo.model_validate_json(resp.content)
         if info.timeouts is not None:  # the host's own limits, not this client's assumption
             self.timeouts = info.timeouts
@@ -253,11 +259,11 @@ class HostClient:
                                          timeout=self._timeout(timeout)) as resp:
                 if resp.status_code >= 400:
                     await resp.aread()
-                    _raise_for(resp.status_code, resp.content, self.base_url)
+                    _raise_for(resp.status_code, resp.content, self.where, self.log)
                 async for chunk in resp.aiter_raw():
                     yield chunk
         except httpx.TransportError as exc:
-            raise HostUnavailable(f"{self.base_url}: {type(exc).__name__}: {exc}") from exc
+            raise HostUnavailable(f"{self.where}: {type(exc).__name__}: {exc}") from exc
 
     async def release(self, slot: int, lease: str) -> ResetResult:
         return ResetResult.model_validate_json(
@@ -268,9 +274,9 @@ class HostClient:
         try:
             resp = await self._calls.request("POST", "/v1/call", call.model_dump_json().encode(), timeout=timeout)
         except TransportError as exc:
-            raise HostUnavailable(f"{self.base_url}: {exc}") from exc
+            raise HostUnavailable(f"{self.where}: {exc}") from exc
         if resp.status >= 400:
-            _raise_for(resp.status, resp.body, self.base_url)
+            _raise_for(resp.status, resp.body, self.where, self.log)
         return CallResult.model_validate_json(resp.body)
 
     async def call_batch(self, calls: Sequence[ToolCall]) -> AsyncIterator[CallResult]:
@@ -280,7 +286,7 @@ class HostClient:
         try:
             async with self._calls.stream("POST", "/v1/calls", body.encode(), timeout=timeout) as resp:
                 if resp.status >= 400:
-                    _raise_for(resp.status, await resp.read(), self.base_url)
+                    _raise_for(resp.status, await resp.read(), self.where, self.log)
                 pending = b""
                 async for chunk in resp.chunks():
                     pending += chunk
@@ -291,7 +297,7 @@ class HostClient:
                 if pending.strip():
                     yield CallResult.model_validate_json(pending)
         except TransportError as exc:
-            raise HostUnavailable(f"{self.base_url}: {exc}") from exc
+            raise HostUnavailable(f"{self.where}: {exc}") from exc
 
     async def read_bytes(self, slot: int, lease: str, path: str) -> bytes:
         resp = await self._send("GET", f"/v1/slots/{slot}/files", params={"path": path},
@@ -310,7 +316,23 @@ class HostClient:
         return resp.content
 
 
-def _raise_for(status: int, body: bytes, where: str) -> NoReturn:
+def _log_tail(log: str | None, lines: int = 12, limit: int = 1500) -> str:
+    """The last lines of a host log that is a file on this machine ("" otherwise), for a 500 the host
+    explained nowhere else."""
+    if not log or not log.startswith("/"):
+        return ""
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 16384))
+            text = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    tail = "\n".join(text.strip().splitlines()[-lines:])[-limit:]
+    return f"\n--- last lines of {log} ---\n{tail}" if tail else ""
+
+
+def _raise_for(status: int, body: bytes, where: str, log: str | None = None) -> NoReturn:
     text = body.decode("utf-8", "replace")
     try:
         err = json.loads(body).get("error", {})
@@ -325,5 +347,5 @@ def _raise_for(status: int, body: bytes, where: str) -> NoReturn:
     if known is not None:  # the platform's errors, and an image a host refused, name the host
         raise known(f"{where}: {message}" if issubclass(known, (InfrastructureError, ImageRejected)) else message)
     if status >= 500:
-        raise HostUnavailable(f"{where}: HTTP {status}: {message}")
+        raise HostUnavailable(f"{where}: HTTP {status}: {message}{_log_tail(log)}")
     raise ToolInputError(f"HTTP {status} {code}: {message}", code=code or "tool_error", status=status)

@@ -30,6 +30,7 @@ from typing import IO, Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from atropos.errors import HostUnavailable
 from atropos.sandbox.contract.egress import EgressSettings
 from atropos.sandbox.contract.protocol import DEFAULT_MAX_TIMEOUT_S, MaxTimeoutS
 from atropos.sandbox.inslot.inslot_common import make_undumpable as make_undumpable  # the host and the Ray actor too
@@ -156,6 +157,10 @@ class HostLaunch(BaseModel):
         return [python or sys.executable, "-m", HOST_MODULE, *self.args()]
 
 
+# The host's first stdout line when its token comes on stdin: it is non-dumpable now (host/main.py).
+UNDUMPABLE_LINE = '{"event": "undumpable"}\n'
+
+
 def host_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a host process: ``base`` (default ours) without the CLI's settings
     variables (nor a host token: it never travels in an environment this module builds)."""
@@ -164,17 +169,32 @@ def host_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 async def start_host_process(launch: HostLaunch, token: str, stderr: IO[bytes],
-                             python: str | None = None) -> asyncio.subprocess.Process:
+                             python: str | None = None, undumpable_timeout_s: float = 60.0,
+                             ) -> asyncio.subprocess.Process:
     """Start ``python -m atropos.sandbox`` for ``launch`` in a session of its own, its token
-    written on its stdin (a pipe closed at once); its stdout is a pipe for the ready line."""
-    proc = await asyncio.create_subprocess_exec(
-        *launch.model_copy(update={"token_stdin": True}).argv(python), stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, stderr=stderr, env=host_env(), start_new_session=True)
-    assert proc.stdin is not None
-    # far below a pipe's buffer: the write never waits for the host. A host that died at once
-    # (a bad interpreter) is reported by the caller from its log, not as a broken pipe here.
-    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-        proc.stdin.write(token.encode() + b"\n")
-        await proc.stdin.drain()
+    written on its stdin (a pipe closed at once) only once the host has said it is non-dumpable
+    (``UNDUMPABLE_LINE`` on its stdout: before that, a process of the same user could take the pipe
+    with pidfd_getfd and read the token); its stdout is then a pipe for the ready line.
+
+    An interpreter that does not exist is named (``HostUnavailable``); a host that dies before it
+    says it is non-dumpable gets no token, and the caller reports it from its log."""
+    argv = launch.model_copy(update={"token_stdin": True}).argv(python)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=stderr, env=host_env(),
+            start_new_session=True)
+    except (FileNotFoundError, PermissionError) as exc:
+        raise HostUnavailable(f"the host's interpreter {argv[0]!r} cannot be run ({exc.strerror}): set the "
+                              "backend config's python to an interpreter with atropos-sandbox installed") from None
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        first = await asyncio.wait_for(proc.stdout.readline(), undumpable_timeout_s)
+    except asyncio.TimeoutError:
+        first = b""
+    if first == UNDUMPABLE_LINE.encode():
+        # far below a pipe's buffer: the write never waits for the host
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            proc.stdin.write(token.encode() + b"\n")
+            await proc.stdin.drain()
     proc.stdin.close()
     return proc

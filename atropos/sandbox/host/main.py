@@ -37,7 +37,7 @@ from atropos.request_deadline import server_config
 from atropos.sandbox.contract import egress
 from atropos.sandbox.contract.hostdirs import kill_processes_naming
 from atropos.sandbox.contract.launch import HOST_TOKEN_ENV as TOKEN_ENV
-from atropos.sandbox.contract.launch import SlotLimits
+from atropos.sandbox.contract.launch import UNDUMPABLE_LINE, SlotLimits
 from atropos.sandbox.host.config import HostConfig, Limits, host_settings
 from atropos.sandbox.host.isolation.sandbox_process import SandboxProcess
 from atropos.sandbox.host.sandbox_host import SandboxHost
@@ -247,6 +247,12 @@ def main(argv: list[str] | None = None) -> None:
     make_undumpable()
     # before any thread exists (arenas are made per thread on first contention): see memstats
     memstats.set_arena_max(memstats.HOST_ARENA_MAX)
+    if "--token-stdin" in (sys.argv[1:] if argv is None else argv):
+        # ...and say so: the launcher writes the token on our stdin only after this line
+        # (start_host_process), so no same-user process can take the pipe (pidfd_getfd) while we
+        # were still dumpable
+        sys.stdout.write(UNDUMPABLE_LINE)
+        sys.stdout.flush()
     cfg, args = parse_args(argv)
     # the same redacting handler as the pool side: a host's stderr lands in the pool's logs
     configure(level=args.log_level, json_lines=args.log_json)

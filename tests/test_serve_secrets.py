@@ -1,0 +1,122 @@
+"""`atropos-sandbox serve`'s own secrets: the ToolServer token comes from a private file (--token-file),
+and the serve process is non-dumpable, so another process of the same user can read neither its
+environment (where $ATROPOS_TOOLSERVER_TOKEN may still arrive) nor its memory (every host token).
+
+The attack needs a user without CAP_SYS_PTRACE (root with it reads any process): serve, the thief and
+a control process all run as root with every capability dropped (setpriv), which is a same-user
+neighbour exactly. serve runs with no host (--min-hosts 0): the secrets at stake here are its own."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import free_port, wait_for_http
+
+REPO = Path(__file__).resolve().parents[1]
+TOKEN = "serve-secret-" + "x" * 30
+
+
+NO_CAPS = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--"]
+
+
+def _serve(tmp_path: Path, extra: list[str], env: dict[str, str],
+           prefix: list[str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("ATROPOS_SANDBOX_", "ATROPOS_TOOLSERVER_"))}
+    proc = subprocess.Popen(
+        [*(prefix or []), sys.executable, "-m", "atropos.cli", "serve", "--port", str(port), "--min-hosts", "0",
+         *extra],
+        env={**base, "XDG_CACHE_HOME": str(tmp_path / "cache"), "HOME": str(tmp_path), **env}, cwd=REPO,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_http(url + "/healthz", proc, timeout=120)
+    except AssertionError:
+        proc.kill()
+        raise AssertionError(proc.communicate()[1].decode()[-3000:]) from None
+    return proc, url
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def test_serve_reads_its_token_from_a_private_file(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    proc, url = _serve(tmp_path, ["--token-file", str(token_file)], {})
+    try:
+        assert httpx.get(url + "/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+        assert httpx.get(url + "/v1/status").status_code == 401
+        assert token_file.read_text().strip() == TOKEN  # kept: `pool up`'s clients read it too
+    finally:
+        _stop(proc)
+    token_file.chmod(0o644)
+    refused = subprocess.run([sys.executable, "-m", "atropos.cli", "serve", "--token-file", str(token_file)],
+                             capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert refused.returncode == 2 and "chmod 600" in refused.stderr, refused.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv(1) to run serve and the thief as a capability-less same user")
+def test_a_same_user_process_cannot_read_serves_environment_or_memory(tmp_path: Path) -> None:
+    env = {"ATROPOS_TOOLSERVER_TOKEN": TOKEN}
+    proc, _url = _serve(tmp_path, [], env, prefix=NO_CAPS)
+    # the control: a dumpable process of the same user with the same environment
+    control = subprocess.Popen([*NO_CAPS, "sleep", "60"], env={**os.environ, **env})
+    try:
+        time.sleep(0.5)
+        thief = ("import sys\n"
+                 "for pid in sys.argv[1:]:\n"
+                 "    for what in ('environ', 'mem'):\n"
+                 "        try:\n"
+                 "            data = open(f'/proc/{pid}/' + what, 'rb').read(1 << 16) if what == 'environ' else "
+                 "open(f'/proc/{pid}/mem', 'rb').read(1)\n"
+                 "            print(pid, what, 'READ', b'" + TOKEN + "' in data)\n"
+                 "        except OSError as e:\n"
+                 "            print(pid, what, 'DENIED', e.errno)\n")
+        r = subprocess.run([*NO_CAPS, sys.executable, "-c", thief, str(proc.pid), str(control.pid)],
+                           capture_output=True, text=True, timeout=60)
+        lines = r.stdout.splitlines()
+        assert f"{control.pid} environ READ True" in lines, r.stdout + r.stderr  # the attack works...
+        assert f"{proc.pid} environ DENIED 13" in lines, r.stdout + r.stderr  # ...not against serve
+        assert f"{proc.pid} mem DENIED 13" in lines, r.stdout + r.stderr
+    finally:
+        control.kill()
+        _stop(proc)
+
+
+async def test_the_host_token_waits_until_the_host_is_non_dumpable(tmp_path: Path) -> None:
+    """The pidfd_getfd route: a host's stdin pipe holds its token only after the host said it is
+    non-dumpable. A 'host' that never says so (here a script that just drains its stdin) gets nothing,
+    and the real host says so as its very first line (then the ready line follows as before)."""
+    from atropos.sandbox.contract.launch import UNDUMPABLE_LINE, HostLaunch, start_host_process
+
+    got = tmp_path / "stdin-received"
+    fake = tmp_path / "fake-python"
+    fake.write_text(f"#!/bin/sh\ncat > {got}\n")
+    fake.chmod(0o755)
+    launch = HostLaunch(slots=1, data_dir=str(tmp_path / "data"))
+    with open(tmp_path / "log", "wb") as log:
+        proc = await start_host_process(launch, "the-host-token", log, python=str(fake), undumpable_timeout_s=2)
+    await proc.wait()
+    assert got.read_bytes() == b""  # the pipe was closed with no token on it
+
+    first = subprocess.run([sys.executable, "-c", "import sys; from atropos.sandbox.host.main import main; "
+                            "main(['--token-stdin', '--port', '0', '--slots', '1', '--data-dir', sys.argv[1]])",
+                            str(tmp_path / "real")], input=b"", capture_output=True, timeout=120)
+    assert first.stdout.decode().startswith(UNDUMPABLE_LINE), (first.stdout, first.stderr[-2000:])
