@@ -42,7 +42,8 @@ if [[ ! -x .venv/bin/python ]]; then
 fi
 extras="${1:-}"
 spec=".[env]"
-[[ "$extras" == "--dev" ]] && spec=".[dev,env]"
+# the official swebench package grades SWE-bench rows beside our verdicts in the tests (tests/test_swebench.py)
+[[ "$extras" == "--dev" ]] && spec=".[dev,env,swebench]"
 stamp=".venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)${extras}"
 if [[ ! -f "$stamp" ]]; then
     say "installing the project into .venv ($spec)"

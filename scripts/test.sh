@@ -7,9 +7,15 @@ cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1
 
 bash scripts/setup.sh --dev
-if ! command -v chromium >/dev/null 2>&1 && [[ "$(id -u)" -eq 0 ]]; then
-    echo "[test] installing chromium (status page test)" >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+# chromium: the status page test; skopeo + docker-registry: registry references against a registry
+# the test serves on loopback (tests/test_image_registry.py)
+test_pkgs=()
+command -v chromium >/dev/null 2>&1 || test_pkgs+=(chromium)
+command -v skopeo >/dev/null 2>&1 || test_pkgs+=(skopeo)
+[[ -x /usr/bin/docker-registry ]] || test_pkgs+=(docker-registry)
+if ((${#test_pkgs[@]})) && [[ "$(id -u)" -eq 0 ]]; then
+    echo "[test] installing ${test_pkgs[*]} (tests only)" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${test_pkgs[@]}" >/dev/null
 fi
 if ! bash scripts/build_image.sh; then
     if [[ "${CI:-}" == "true" ]]; then

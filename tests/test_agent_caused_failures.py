@@ -122,6 +122,15 @@ async def test_a_supervisor_the_slots_code_broke_fails_the_call_for_the_agent(
         assert result.error.code == SandboxRestarted.code and result.error.status < 500, result.error
         assert "restarted" in result.error.message
         assert lease.host.id in pool.hosts and not pool.status().lost_hosts  # the host was not blamed
+        # After the seal the host reads the workspace through a Python supervisor started at once
+        # (no hand-over): its start on the root the agent broke is the agent's too (before: 503
+        # sandbox_failed, which an env retries as the platform's failure).
+        await lease.seal()
+        sealed = await lease.call("read_file", {"path": "/etc/hostname"})
+        assert not sealed.ok and sealed.error is not None, sealed
+        assert sealed.error.code == SandboxRestarted.code and sealed.error.status < 500, sealed.error
+        assert "could not start again" in sealed.error.message
+        assert lease.host.id in pool.hosts and not pool.status().lost_hosts
 
 
 async def test_the_error_is_the_agents_in_the_one_table() -> None:

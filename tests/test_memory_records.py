@@ -6,7 +6,7 @@ Counted, not timed, and not RSS (which glibc's free lists blur): a real local po
 warm-up, then every list, dict, set and deque of the pool process and of each host process has its
 length noted (``atropos.memstats``: in-process for the pool, the host's token-gated
 ``POST /v1/debug/memory`` for a host), the live objects of the record types a trajectory creates
-are counted, and ``ATROPOS_MEMORY_TRAJECTORIES`` (default 1,500) more trajectories of mixed tools
+are counted, and ``ATROPOS_MEMORY_TRAJECTORIES`` (default 800) more trajectories of mixed tools
 run. Then no container may have grown by more than a fixed slack (a per-trajectory record grows by
 one per trajectory: hundreds here), and no record type, asyncio task count, open fd count or
 thread count may either.
@@ -27,11 +27,11 @@ from tests.pool_backends import local_pool
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-TRAJECTORIES = int(os.environ.get("ATROPOS_MEMORY_TRAJECTORIES", "1500"))
+TRAJECTORIES = int(os.environ.get("ATROPOS_MEMORY_TRAJECTORIES", "800"))
 # fills what is bounded but not yet full (rate windows, warm paths, pooled connections)
 WARMUP = int(os.environ.get("ATROPOS_MEMORY_WARMUP", "300"))
 CONCURRENCY = 8
-# A leak grows one entry (or object) per trajectory or per call: 1,500 here. What may differ between
+# A leak grows one entry (or object) per trajectory or per call: 800 here. What may differ between
 # two quiet moments without a leak: in-flight state, pooled connections, cached sandboxes per slot.
 SLACK = 64
 # Bounded by their owner's own rule, so they may fill during the run: asyncio drops cancelled timer

@@ -110,7 +110,9 @@ import os, subprocess
 
 
 def verify(workspace, secrets, args):
-    with open("/tmp/eval.sh", "w") as fh:
+    # the script where the checked root's programs see /tmp/eval.sh (ROOT: that root, as the runner
+    # sees it; the runner's own /tmp is not theirs)
+    with open(os.path.join(ROOT, "tmp/eval.sh"), "w") as fh:
         fh.write(args["eval_script"])
     env = dict(args["env"])
     env.setdefault("HOME", "/root")

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from atropos.errors import ImageRejected, ToolError
+from atropos.errors import ImageRejected, SandboxRestarted, ToolError
 from atropos.sandbox.contract.hostdirs import remove_tree
 from atropos.sandbox.contract.protocol import (
     ErrorInfo,
@@ -103,6 +103,9 @@ class Slot:
         self.index = index
         self.choice = choice or SupervisorChoice()  # the host's, shared by its slots
         self._agent_sandbox = False  # the sandbox is the agent phase's (not the sealed one)
+        # the lease's code has run in the slot since its root was made: on an image root it may have
+        # changed anything a new sandbox's start reads (ensure_sandbox)
+        self._agent_ran = False
         # the compiled supervisor's host path (slotd_build.install): the lib dir's copy, or a binary
         # bound in from elsewhere; None: the Python supervisor serves every call
         self.slotd = slotd
@@ -338,9 +341,22 @@ class Slot:
     async def ensure_sandbox(self) -> SandboxProcess:
         if self.sandbox is None or not self.sandbox.alive:
             # sealed: a supervisor that reads the workspace for the host and never starts anything
-            self.sandbox = await self._start({"sealed": True} if self.sealed else {}, f"slot {self.index}")
+            try:
+                self.sandbox = await self._start({"sealed": True} if self.sealed else {}, f"slot {self.index}")
+            except SandboxDied as exc:
+                raise self._start_failure(exc) from exc
             self._agent_sandbox = not self.sealed  # its requests are the agent's: they count for the choice
         return self.sandbox
+
+    def _start_failure(self, exc: SandboxDied) -> Exception:
+        """Whose failure a sandbox that could not start is. On an image root where the lease's code
+        has run, the agent could have rewritten every file a start reads (the loader's preload list,
+        the libraries the Python supervisor loads): the agent's outcome, never an infrastructure
+        retry. Otherwise nothing of the lease's code was on the way: the host's."""
+        if self.ws.image is None or not self._agent_ran:
+            return exc
+        return SandboxRestarted(f"the slot's sandbox could not start again on the root its code changed ({exc}); "
+                                "workspace files are kept")
 
     async def ensure_terminal(self) -> None:
         sock = self.ws.view(self.paths.run_dir) / "tmux.sock"
@@ -383,7 +399,11 @@ class Slot:
         if started:
             if self.session is not None:
                 await self.session.kill()  # it died between calls: reap it before starting another
-            self.session = await self._start({}, f"slot {self.index} python session", script="session.py")
+            try:
+                self.session = await self._start({}, f"slot {self.index} python session", script="session.py")
+            except SandboxDied as exc:
+                raise self._start_failure(exc) from exc
+        self._agent_ran = True
         proc = self.session
         assert proc is not None
         # The driver interrupts the code itself at its timeout; the grace is how long the code
@@ -409,6 +429,7 @@ class Slot:
             await self.ensure_terminal()
             payload = {**payload, "offset": self.term_offset}
         sandbox = await self.ensure_sandbox()
+        self._agent_ran = self._agent_ran or not self.sealed
         try:
             frame = await sandbox.request(payload, timeout)
         except SandboxDied as exc:
@@ -467,6 +488,7 @@ class Slot:
             self.quarantine(f"reset failed: {self._failure(exc, 'during reset')}")
             return False, self.detail
         self.generation += 1
+        self._agent_ran = False
         self.sealed = False
         self.lease_token = None
         self.trajectory_id = None
