@@ -837,7 +837,13 @@ def _sandbox_supervisors(host_pid: int, workspace_marker: str) -> list[int]:
             and ("supervisor.py" in cmd or cmd.startswith("/run/atropos/slotd")) and any(under(p, b) for b in bwraps)]
 
 
-async def test_a_frozen_sandbox_is_an_infrastructure_error_not_an_observation() -> None:
+async def test_a_frozen_sandbox_fails_the_call_for_the_agent_and_is_renewed() -> None:
+    """A supervisor that stops answering mid-call (frozen here from outside; the slot's own code can
+    stop it just as well: same uid, same PID namespace, and the host cannot tell who did) fails that
+    call for the agent (``sandbox_restarted``, an observation it reads), never as the platform's: a
+    policy that froze its supervisor whenever it was failing would otherwise turn its rollout into an
+    infrastructure retry (issue 35). The sandbox is renewed: the next call works, files kept, and the
+    host is not blamed."""
     backend = LocalBackend(LocalBackendConfig(slots_per_host=1, pool_id=f"frz{secrets.token_hex(3)}",
                                               data_root=DATA_ROOT, max_timeout_s=120))
     pool = SlotPool(backend, PoolConfig(min_hosts=1, max_hosts=1, health_interval_s=0.5, acquire_timeout_s=60))
@@ -853,9 +859,12 @@ async def test_a_frozen_sandbox_is_an_infrastructure_error_not_an_observation() 
         stopped = _sandbox_supervisors(host_pid, f"/slots/{lease.slot}/ws")
         assert stopped, "found no supervisor to freeze"
         for pid in stopped:
-            os.kill(pid, signal.SIGSTOP)  # the platform's fault: nothing of the trajectory runs in there now
-        with pytest.raises(InfrastructureError):
-            await ex.execute("t", AgentToolCall(id="r", name="read_file", arguments={"path": "f.txt"}))
+            os.kill(pid, signal.SIGSTOP)
+        failed = await ex.execute("t", AgentToolCall(id="r", name="read_file", arguments={"path": "f.txt"}))
+        assert not failed.ok and "sandbox_restarted" in failed.content, failed
+        again = await ex.execute("t", AgentToolCall(id="r2", name="read_file", arguments={"path": "f.txt"}))
+        assert again.ok and "warm" in again.content, again
+        assert lease.host.id in pool.hosts and not pool.status().lost_hosts
     finally:
         for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
