@@ -238,9 +238,11 @@ def import_from_engine_dirs(store: LayerStore, reference: str, *, socket_path: s
                 store.add_dir(Path(layer_dir), diff_id, staging=stage, budget=budget)
                 unpacked += 1
         layers = [str(store.located(d, stage)) for d in config.diff_ids]
-        if own:
+        if own:  # committed: the layers are in the store now, no longer where they were staged
             store.commit(stage)
-        return ImportedImage(config=config, layers=layers, unpacked=unpacked, written=budget.written)
+            layers = [str(store.path(d)) for d in config.diff_ids]
+        return ImportedImage(config=config, layers=layers, unpacked=unpacked, written=budget.written,
+                             entries=budget.entries)
 
 
 def import_from_docker(store: LayerStore, reference: str, *, socket_path: str = DOCKER_SOCKET,
