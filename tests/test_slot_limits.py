@@ -301,7 +301,9 @@ async def _docker_host_output(**config: object) -> tuple[dict[str, object], str]
         container = await asyncio.to_thread(backend.client.containers.get, info.id)  # type: ignore[attr-defined]
         out = (await asyncio.to_thread(container.logs, stdout=True, stderr=False)).decode()
         err = (await asyncio.to_thread(container.logs, stdout=False, stderr=True)).decode()
-        return json.loads(out.splitlines()[0]), err
+        # the host's first line says it is non-dumpable (before its token is sent: launch.py), then ready
+        events = [json.loads(line) for line in out.splitlines() if line.strip()]
+        return next((e for e in events if e.get("event") != "undumpable"), {}), err
     finally:
         await backend.close()
 

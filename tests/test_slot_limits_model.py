@@ -82,7 +82,8 @@ def test_the_launch_flags_round_trip_every_field(monkeypatch: pytest.MonkeyPatch
     token sources exclude each other: one launch each)."""
     launch = HostLaunch(host="127.0.0.2", port=4567, slots=3, data_dir="/srv/d", limits=ODD, prewarm=False,
                         parent_pid=4321, unsafe_no_isolation=True, cgroup_dir="/sys/fs/cgroup/x",
-                        unsafe_no_cgroups=True, log_level="DEBUG", image_store="/srv/images", **token_source,
+                        unsafe_no_cgroups=True, log_level="DEBUG", image_store="/srv/images", image_store_bytes=3 << 30,
+                        **token_source,
                         egress=EgressSettings(deny=tuple(parse_networks(["203.0.113.0/24"]))))
     read: list[str] = []
     monkeypatch.setattr(host_main, "read_token_file", lambda path: read.append(str(path)) or "t0ken")
@@ -94,6 +95,7 @@ def test_the_launch_flags_round_trip_every_field(monkeypatch: pytest.MonkeyPatch
         "unsafe_no_isolation": cfg.unsafe_no_isolation, "unsafe_no_cgroups": cfg.unsafe_no_cgroups,
         "cgroup_dir": str(cfg.cgroup_dir), "log_level": args.log_level, "token_stdin": args.token_stdin,
         "token_file": str(args.token_file) if args.token_file else None, "image_store": str(cfg.image_store),
+        "image_store_bytes": cfg.image_store_bytes,
         "egress": launch.egress if cfg.egress == launch.egress.policy() else cfg.egress,
     }
     assert set(arrived) == set(HostLaunch.model_fields), "a HostLaunch field this test does not follow"
