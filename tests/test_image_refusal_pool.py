@@ -5,6 +5,7 @@ takes is served (its bottom layers merged) rather than refused."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import shutil
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from atropos.errors import ImageRejected
+from atropos.errors import ImageRejected, SlotUnavailable
 from tests.test_image_import_limits import BASE, Layout, tar_of
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="image roots need the root host's mount helper here")
@@ -82,12 +83,13 @@ async def test_an_image_of_600_layers_is_served(pool_and_layout: tuple[object, L
     assert pool._quarantines == 0  # type: ignore[attr-defined]
 
 
-async def test_a_host_that_refuses_an_image_is_named_and_the_lease_goes_elsewhere() -> None:
+async def test_a_host_that_refuses_an_image_is_named_and_the_lease_waits_for_another() -> None:
     """Two hosts, one of which cannot take the image (its store's budget is too small: what a Ray
-    node without room or without the image answers alike): the refusal names that host, the lease is
-    placed on the other, and later leases of the image go there first; no slot is quarantined.
-    (While only the refusing host has a free slot, a lease of the image is refused rather than
-    waiting for the other: docs/task-images.md.)"""
+    node without room or without the image answers alike). While only the refusing host has a free
+    slot, a lease of the image is refused there (the refusal names that host), then waits in its turn
+    for the other host rather than failing; a lease of the default root queued behind it takes the
+    refusing host's slot meanwhile (one the image's lease cannot use). Later leases of the image go to
+    the accepting host only, though the refusing one is as free; no slot is quarantined."""
     from atropos.backends.local import LocalBackend, LocalBackendConfig
     from atropos.slots.config import PoolConfig
     from atropos.slots.pool import SlotPool
@@ -113,18 +115,29 @@ async def test_a_host_that_refuses_an_image_is_named_and_the_lease_goes_elsewher
             held = [await pool.lease("hold-a"), await pool.lease("hold-b")]  # both hosts' one slot
             on_big = next(lease for lease in held if lease.host is not small)
             await pool.release(next(lease for lease in held if lease.host is small))
-            # only the small host is free: it refuses, and the refusal names it
-            with pytest.raises(ImageRejected, match="would pass the image store's budget") as refused:
-                await pool.lease("first", timeout=5, image=ref)
-            assert small.info.address in str(refused.value)
+            # only the small host is free: it refuses (naming itself), and the lease waits for the big one
+            first = asyncio.create_task(pool.lease("first", timeout=120, image=ref))
+            await wait_for(lambda: small.refusal(ref, 3600) is not None and pool.queue.waiting() == 1)
             why = small.refusal(ref, 3600)
-            assert why is not None and small.info.address in why
+            assert why is not None and small.info.address in why and "would pass the image store's budget" in why
+            # behind it, a default lease takes the slot the image's lease cannot use
+            other = await asyncio.wait_for(pool.lease("other", timeout=60), 60)
+            assert other.host is small and not first.done()
             await pool.release(on_big)
+            lease = await asyncio.wait_for(first, 120)
+            assert lease.host is on_big.host and lease.image == ref
+            await pool.release(lease)
+            await pool.release(other)
             for i in range(4):  # the big host's slot from now on, though the small one is as free
                 async with pool.leased(f"t{i}", image=ref) as lease:
                     assert lease.host is on_big.host
                     out = await lease.call("read_file", {"path": "/etc/motd"})
                     assert out.result is not None and out.result["content"] == "base\n"
+            # a lease that finds no accepting host in time says which free slots it could not use
+            hold = await pool.lease("hold-big", image=ref)
+            with pytest.raises(SlotUnavailable, match=f"1 of them on hosts that refused .*{small.id}"):
+                await pool.lease("late", timeout=1, image=ref)
+            await pool.release(hold)
             # asked of the small host directly: the same clear refusal, naming it
             with pytest.raises(ImageRejected, match="would pass the image store's budget") as info:
                 await small.client.prepare_image(ref)
@@ -132,6 +145,14 @@ async def test_a_host_that_refuses_an_image_is_named_and_the_lease_goes_elsewher
             assert pool._quarantines == 0
     finally:
         shutil.rmtree(data, ignore_errors=True)
+
+
+async def wait_for(cond: Any, timeout: float = 120) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        assert loop.time() < end, "condition not met in time"
+        await asyncio.sleep(0.05)
 
 
 async def test_agent_env_skips_an_item_whose_image_is_refused_once(tmp_path: Path) -> None:

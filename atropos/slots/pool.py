@@ -59,7 +59,7 @@ class SlotPool:
         self.audit = LeaseAudit(self.cfg.audit_path)
         self.background = Background()
         self.fleet = HostFleet(backend, self.cfg, self.audit, self.background,
-                               on_capacity=lambda: self.queue._grant_waiters(), demand=lambda: self.queue.waiting())
+                               on_capacity=lambda: self.queue._grant_waiters(), demand=lambda: self.queue.demand())
         self.queue = SlotQueue(self, self.fleet, self.audit, release=self._begin_release)
         self.templates = TemplateShipper(self.fleet)
         self._calls_total = 0
@@ -159,7 +159,7 @@ class SlotPool:
         if image is not None:
             prefer = frozenset(h.id for h in self.hosts.values() if image in h.images)
             avoid = self._refusing(image)
-        if self.queue.can_take_now(len(ids)):
+        if self.queue.can_take_now(len(ids), avoid):
             leases = self.queue._take_group(ids, network, colocate, prefer, image, avoid)
         else:
             leases = await self.queue._wait(ids, network, self.cfg.acquire_timeout_s if timeout is None else timeout,
@@ -176,8 +176,12 @@ class SlotPool:
                     await self._ship_image(lease.host, image)
                     await lease.reset(template, network=network or None, image=image)
                 except ImageRejected as exc:
-                    lease.host.refused[image] = (time.monotonic(), str(exc))
-                    raise
+                    # named by where it ran (a Ray or Nomad node): the host's address alone may be
+                    # a loopback one, the same on every node
+                    node = lease.host.info.labels.get("node")
+                    named = type(exc)(f"host {lease.host.id}" + (f" on node {node}" if node else "") + f": {exc}")
+                    lease.host.refused[image] = (time.monotonic(), str(named))
+                    raise named from None
                 return
             await lease.reset(template, network=network or None, image=image)
 

@@ -51,9 +51,9 @@ class HostFleet:
         """Demand changed (a request waits, a host died): run a scaling step now, not at the next tick."""
         self._scale.set()
 
-    def free_count(self) -> int:
-        """Slots that could be leased right now, on hosts that take leases."""
-        return sum(len(h.free) for h in self.hosts.values() if h.leasable)
+    def free_count(self, avoid: frozenset[str] = frozenset()) -> int:
+        """Slots that could be leased right now, on hosts that take leases (and are not in ``avoid``)."""
+        return sum(len(h.free) for h in self.hosts.values() if h.leasable and h.id not in avoid)
 
     def forget_all(self) -> list[PoolHost]:
         """The pool stops: forget every host and return them (the pool fails their leases before it
