@@ -284,3 +284,54 @@ async def test_the_image_store_on_an_operator_volume_outlives_the_containers(tas
         layers = list((volume / "layers").iterdir())
         assert layers and all(p.stat().st_uid == 1000 for p in layers)
         assert list((volume / "images").glob("*.json"))
+
+
+async def test_a_group_setup_on_a_docker_host_becomes_an_image_within_the_budget(roots_image: str,
+                                                                                 tmp_path: Path) -> None:
+    """docs/task-images.md, "A group's setup, once", on the Docker backend: the container's host
+    (uid 1000, no capability) makes the setup slot's root an image of its own (the kernel's
+    whiteouts copied in a user namespace of its own, the files its uid as the store's are); the
+    other rollout of the group starts from it and its reset goes back to it; the derived layer is
+    charged to the store's budget: a setup that wrote past it is refused (``image_over_budget``) and
+    the slot keeps its root."""
+    from atropos.errors import ImageOverBudget
+
+    backend: Any = make_backend("docker", slots=2)
+    volume = tmp_path / "images"  # on disk: the 160 MiB copy refused below is not the container's memory
+    volume.mkdir()
+    os.chown(volume, 1000, 1000)
+    backend.cfg.image_volume = str(volume)
+    backend.cfg.image_store_bytes = 320 << 20  # room for the image (~200 MiB unpacked), not for 160 MiB more
+    listing = ("find / -xdev \\( -path /proc -o -path /tmp -o -path /dev \\) -prune -o -printf '%p %u %m\\n' "
+               "| sort | md5sum")
+    async with SlotPool(backend, PoolConfig(pool_id=backend.cfg.pool_id, min_hosts=1, max_hosts=1,
+                                            acquire_timeout_s=300)) as pool:
+        setup, rollout = await pool.lease_many(["derive-a", "derive-b"], image=roots_image)
+        try:
+            await setup.bash("echo setup > /testbed/setup.txt; rm /testbed/a.txt; mv /testbed/tests /testbed/t2; "
+                             "rm -rf /opt/tool && mkdir /opt/tool && echo new > /opt/tool/only; "
+                             "chmod 4711 /testbed/setup.txt")
+            want = (await setup.bash(listing))["stdout"]
+            derived = await setup.derive_image()
+            assert derived.startswith("derived:")
+            assert (await setup.bash(listing))["stdout"] == want  # the setup's slot continues on it
+            await rollout.reset(image=derived)
+            assert (await rollout.bash(listing))["stdout"] == want
+            out = await rollout.bash("cat /testbed/setup.txt; ls /opt/tool; test -e /testbed/a.txt; echo $?; "
+                                     "stat -c '%U %a' /testbed/setup.txt")
+            assert out["stdout"] == "setup\nonly\n1\nroot 4711\n", out
+            await rollout.bash("rm -rf /testbed")
+            await rollout.reset(image=derived)
+            assert (await rollout.bash(listing))["stdout"] == want
+            host = next(iter(pool.hosts.values()))
+            held = {i.reference: i for i in await host.client.images()}
+            assert derived in held and held[derived].layers == held[roots_image].layers + 1
+
+            await setup.bash("head -c 167772160 /dev/urandom > /testbed/big.bin")
+            with pytest.raises(ImageOverBudget, match="budget"):
+                await setup.derive_image()
+            out = await setup.bash("ls -s --block-size=1M /testbed/big.bin; cat /testbed/setup.txt")
+            assert out["stdout"] == "160 /testbed/big.bin\nsetup\n", out  # its root is untouched
+        finally:
+            for lease in (setup, rollout):
+                await lease.release()

@@ -1318,10 +1318,16 @@ async def test_the_pool_ships_task_images_to_nomad_hosts(fake: FakeNomad, task_i
             for lease in (a, b):
                 out = await lease.bash("busybox true && command -v python3; echo $?")
                 assert out["stdout"] == "1\n", out  # the image's root: no python there
+            # a group's setup made an image on the host (derive_image), the other rollout's root
+            await a.bash("echo setup > /setup.txt")
+            derived = await a.derive_image()
+            await b.reset(image=derived)
+            out = await b.bash("cat /setup.txt; command -v python3; echo $?")
+            assert out["stdout"] == "setup\n1\n", out
         finally:
             for lease in (a, b):
                 await lease.release()
-        assert exports == [small], "one shipment for the group's host"
+        assert exports == [small], "one shipment for the group's host (a derived image is the host's own)"
         host = next(iter(pool.hosts.values()))
         assert small in [i.reference for i in await host.client.images()]
         async with pool.leased("n-c", image=small):

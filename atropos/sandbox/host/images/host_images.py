@@ -405,10 +405,17 @@ class HostImages:
             "layers": (*parent.config.layers, key) if parent.config.layers else ()})
         try:
             entries = [str(upper / n) for n in sorted(os.listdir(upper)) if n not in skip]
-            if entries:
-                subprocess.run(["cp", "-a", "--", *entries, str(tmp)], check=True, capture_output=True, timeout=3600)
-            if owner is not None:
-                shift_owner(tmp, owner, 0)
+            if os.geteuid() != 0:  # an unprivileged host (Docker, Nomad): the copy in a user namespace
+                # of its own (mknod of the kernel's whiteouts); the slot's files are already the
+                # host's uid, the store's owner of every file
+                if entries:
+                    userns_import.copy_tree(entries, tmp)
+            else:
+                if entries:
+                    subprocess.run(["cp", "-a", "--", *entries, str(tmp)], check=True, capture_output=True,
+                                   timeout=3600)
+                if owner is not None:
+                    shift_owner(tmp, owner, 0)
             os.chmod(tmp, os.lstat(upper).st_mode & 0o7777)
             candidate = ImageRoot(reference, config, (*parent.lowers, tmp))
             check_image(candidate)  # its passwd is the slot's now: the User must still resolve

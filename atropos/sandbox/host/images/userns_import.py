@@ -18,6 +18,10 @@ The child stages the image, checks it and commits it as the host does (image_acc
 the budget it is given. Run as ``python -m atropos.sandbox.host.images.userns_import STORE ARCHIVE
 REFERENCE BUDGET_JSON``; prints the ``ImportedImage`` as JSON, or ``{"error": ...}`` for an image
 refused.
+
+The same child copies a slot's writable layer into a derived image's layer (``copy_tree``; run as
+``python -m atropos.sandbox.host.images.userns_import --copy DEST SOURCE...``): that layer holds the
+kernel's whiteouts too, and its files are the host's uid already (the slot's 0), as the store's are.
 """
 
 from __future__ import annotations
@@ -56,6 +60,16 @@ def import_archive(store_root: Path, archive: Path, reference: str, *, budget: I
     return dict(out)
 
 
+def copy_tree(entries: list[str], dest: Path, *, timeout: float = 3600) -> None:
+    """``cp -a ENTRIES DEST`` from a child in a user namespace of its own (whiteouts kept, owners the
+    host's uid as they were). Raises ``OSError`` with cp's own words when the copy fails."""
+    proc = subprocess.run([sys.executable, "-m", __name__, "--copy", str(dest), *entries],
+                          stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise OSError(f"copying the slot's layer failed (exit {proc.returncode}): "
+                      f"{proc.stderr.decode(errors='replace').strip()[-800:]}")
+
+
 def _enter_own_userns() -> None:
     uid, gid = os.getuid(), os.getgid()
     libc = ctypes.CDLL(None, use_errno=True)
@@ -68,6 +82,10 @@ def _enter_own_userns() -> None:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--copy"]:
+        _enter_own_userns()
+        dest, *entries = argv[1:]
+        return subprocess.run(["cp", "-a", "--", *entries, dest], stdin=subprocess.DEVNULL).returncode
     store_root, archive, reference, limits = argv
     _enter_own_userns()
     # imported only now: nothing may start a thread before the unshare
