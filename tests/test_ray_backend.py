@@ -472,6 +472,99 @@ async def test_an_image_rooted_slot_on_ray_hosts_behaves_as_docker_run(cluster: 
         assert {p.name: p.stat().st_ino for p in (store / "layers").iterdir()} == unpacked
 
 
+class EngineWithoutImages:
+    """What a node's Docker engine that lacks every image answers (Engine API: ``GET
+    /images/{name}/json`` is 404 ``No such image``), on a unix socket: the engine of a node nobody
+    ``docker load``-ed the image on. Every request it got is kept."""
+
+    def __init__(self, path: Path) -> None:
+        import http.server
+        import socketserver
+        import threading
+
+        seen = self.requests = []  # type: list[str]
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                seen.append(self.path)
+                name = self.path.split("/")[2] if self.path.startswith("/images/") else self.path
+                body = json.dumps({"message": f"No such image: {name}"}).encode()
+                self.send_response(404)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_POST = do_GET
+
+            def address_string(self) -> str:
+                return "unix"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+            daemon_threads = True
+
+        self.server = Server(str(path), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+async def test_a_node_without_the_image_is_named_and_its_leases_go_to_a_node_with_it(
+        cluster: RayCluster, task_image: Any, tmp_path: Path) -> None:
+    """docs/task-images.md, "On the Ray and Docker backends": two sandbox nodes, one whose engine
+    (``DOCKER_HOST`` of that node) lacks the image. A lease of the image while only that node's host
+    is free is refused there, the refusal naming the node; the lease then waits in its turn for the
+    node that has the image (never failing for it), and gets a slot there; later leases of the image
+    never go to the node that refused it, though its host is as free; the default root is still
+    served there; nothing is quarantined."""
+    ref = task_image("nopython")
+    sock = tmp_path / "engine.sock"
+    engine = EngineWithoutImages(sock)
+    resource = "atropos_sandbox_img"
+    good = cluster.cluster.add_node(num_cpus=1, resources={resource: 1}, node_ip_address="127.0.0.1")
+    bare = cluster.cluster.add_node(num_cpus=1, resources={resource: 1}, node_ip_address="127.0.0.1",
+                                    env_vars={"DOCKER_HOST": f"unix://{sock}"})
+    try:
+        cluster.cluster.wait_for_nodes()
+        backend = make_backend(cluster, slots=1, prewarm=False, resource=resource, resource_per_host=1.0)
+        async with SlotPool(backend, pool_cfg(min_hosts=2, max_hosts=2)) as pool:
+            by_node = {h.info.labels["node"]: h for h in pool.hosts.values()}
+            assert set(by_node) == {good.node_id, bare.node_id}
+            on_good, on_bare = by_node[good.node_id], by_node[bare.node_id]
+            held = [await pool.lease("hold-1"), await pool.lease("hold-2")]  # both hosts' one slot
+            await next(lease for lease in held if lease.host is on_bare).release()
+            holding_good = next(lease for lease in held if lease.host is on_good)
+            first = asyncio.create_task(pool.lease("first", timeout=300, image=ref))
+            await poll(lambda: on_bare.refusal(ref, 3600) is not None and pool.queue.waiting() == 1,
+                       "the bare node's refusal, then the lease waiting")
+            why = on_bare.refusal(ref, 3600)
+            assert why is not None and bare.node_id in why and "has no image" in why, why
+            assert any(ref.split(":")[0].replace("/", "%2F") in r for r in engine.requests)  # asked its engine
+            assert not first.done()
+            await holding_good.release()
+            lease = await asyncio.wait_for(first, 300)
+            assert lease.host is on_good
+            assert (await lease.bash("busybox echo ok"))["stdout"] == "ok\n"
+            await lease.release()
+            for i in range(3):  # both free: the image only where it can be served
+                async with pool.leased(f"again-{i}", image=ref) as again:
+                    assert again.host is on_good
+            async with pool.leased("default-on-bare", timeout=120) as plain:  # the default root anywhere
+                out = await plain.bash("echo ok")
+                assert out["stdout"] == "ok\n"
+            assert pool._quarantines == 0
+    finally:
+        engine.close()
+        cluster.cluster.remove_node(bare)
+        cluster.cluster.remove_node(good)
+
+
 # -- beside a trainer ------------------------------------------------------------------------------
 async def test_a_zero_cpu_sandbox_node_gets_hosts_but_no_trainer_tasks(cluster: RayCluster) -> None:
     """docs/ray.md's setting: a sandbox node started with ``--num-cpus=0`` and the pool with

@@ -60,6 +60,7 @@ from atropos.sandbox.host.host_setup import (
 )
 from atropos.sandbox.host.images.host_images import HostImages
 from atropos.sandbox.host.images.image_root import ImageRoot
+from atropos.sandbox.host.images.sources import engine_socket
 from atropos.sandbox.host.inslot_bytecode import compile_lib
 from atropos.sandbox.host.isolation import seccomp
 from atropos.sandbox.host.isolation.cgroups import SlotCgroups
@@ -312,7 +313,7 @@ class SandboxHost:
     def images(self) -> HostImages:
         if self._images is None:
             self._images = HostImages(self.cfg.image_store or self.root.parent / "images",
-                                      budget_bytes=self.cfg.image_store_bytes,
+                                      docker_socket=engine_socket(), budget_bytes=self.cfg.image_store_bytes,
                                       layer_entries=self.cfg.image_layer_entries)
         return self._images
 

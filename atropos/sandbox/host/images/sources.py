@@ -32,6 +32,14 @@ from atropos.errors import ImageRejected
 from atropos.sandbox.host.images.layer_store import ImportBudget, LayerStore, Staging
 
 DOCKER_SOCKET = "/var/run/docker.sock"
+
+
+def engine_socket(environ: dict[str, str] | None = None) -> str:
+    """The local engine's socket, found as the docker CLI finds it: ``DOCKER_HOST=unix://PATH``
+    (a rootless engine, or a node's own), else the default. Another scheme is not a local engine's
+    socket: the default then."""
+    url = (os.environ if environ is None else environ).get("DOCKER_HOST", "")
+    return url[len("unix://"):] if url.startswith("unix://") and len(url) > len("unix://") else DOCKER_SOCKET
 MAX_JSON = 4 << 20  # a manifest or config larger than this is not an image's
 
 
