@@ -598,3 +598,37 @@ def test_layers_copied_from_the_engine_equal_the_exported_ones(tmp_path: Path, t
     assert got.config == want.config and got.unpacked == want.unpacked
     for a, b in zip(got.layers, want.layers, strict=True):
         assert _tree(Path(a)) == _tree(Path(b)), a
+
+
+async def test_a_derived_image_counts_against_the_budget_and_goes_once_unused(tmp_path: Path,
+                                                                              task_image: Any) -> None:
+    """docs/task-images.md, "Where images live": a derived image's layer is charged to the store's
+    budget (one past what the images in use leave is refused, and leaves nothing), and once no host
+    uses it, it is evicted like any image (its parent, in use, stays); its reference then says so."""
+    from atropos.errors import ImageOverBudget, ImageRejected
+    from atropos.sandbox.host.images.host_images import HostImages
+
+    store = tmp_path / "store"
+    images = HostImages(store, budget_bytes=1 << 40)
+    parent = await images.get(task_image("nopython"))
+    upper = tmp_path / "upper"  # what a slot's writable layer holds after a group's setup
+    upper.mkdir()
+    (upper / "setup.txt").write_bytes(os.urandom(1 << 20))
+    images.budget_bytes = images.disk_bytes() + (4 << 20)
+    derived = await asyncio.to_thread(images.derive, parent, upper, None, frozenset())
+    assert derived.lowers[:-1] == parent.lowers and (derived.lowers[-1] / "setup.txt").stat().st_size == 1 << 20
+    (upper / "big.bin").write_bytes(os.urandom(8 << 20))  # past what the held images leave
+    before = sorted(p.name for p in (store / "layers").iterdir())
+    with pytest.raises(ImageOverBudget, match="budget"):
+        await asyncio.to_thread(images.derive, parent, upper, None, frozenset())
+    assert sorted(p.name for p in (store / "layers").iterdir()) == before
+    assert not list((store / "tmp").glob("derive-*"))  # nothing left of the refused copy
+    images.budget_bytes = images.disk_bytes() - 1  # over budget now: what no host uses may go
+    images.trim()
+    assert derived.lowers[-1].is_dir()  # still in use: it stays
+    images.images[derived.image_id].last_used -= 10_000  # unused for long, no slot on it
+    images._drop_idle()
+    images.trim()
+    assert not derived.lowers[-1].exists() and all(p.is_dir() for p in parent.lowers)
+    with pytest.raises(ImageRejected, match="no longer in the image store"):
+        await images.get(derived.image_id)
