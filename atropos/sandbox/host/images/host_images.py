@@ -409,7 +409,7 @@ class HostImages:
                 # of its own (mknod of the kernel's whiteouts); the slot's files are already the
                 # host's uid, the store's owner of every file
                 if entries:
-                    userns_import.copy_tree(entries, tmp)
+                    userns_import.copy_tree(upper, [os.path.basename(e) for e in entries], tmp)
             else:
                 if entries:
                     subprocess.run(["cp", "-a", "--", *entries, str(tmp)], check=True, capture_output=True,

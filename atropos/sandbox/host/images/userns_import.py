@@ -20,7 +20,7 @@ REFERENCE BUDGET_JSON``; prints the ``ImportedImage`` as JSON, or ``{"error": ..
 refused.
 
 The same child copies a slot's writable layer into a derived image's layer (``copy_tree``; run as
-``python -m atropos.sandbox.host.images.userns_import --copy DEST SOURCE...``): that layer holds the
+``python -m atropos.sandbox.host.images.userns_import --copy DEST FD NAME...``): that layer holds the
 kernel's whiteouts too, and its files are the host's uid already (the slot's 0), as the store's are.
 """
 
@@ -60,11 +60,18 @@ def import_archive(store_root: Path, archive: Path, reference: str, *, budget: I
     return dict(out)
 
 
-def copy_tree(entries: list[str], dest: Path, *, timeout: float = 3600) -> None:
-    """``cp -a ENTRIES DEST`` from a child in a user namespace of its own (whiteouts kept, owners the
-    host's uid as they were). Raises ``OSError`` with cp's own words when the copy fails."""
-    proc = subprocess.run([sys.executable, "-m", __name__, "--copy", str(dest), *entries],
-                          stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout)
+def copy_tree(source: Path, names: list[str], dest: Path, *, timeout: float = 3600) -> None:
+    """``cp -a`` of the entries ``names`` of the directory ``source`` into ``dest``, from a child in
+    a user namespace of its own (whiteouts kept, owners the host's uid as they were). ``source`` is
+    opened here and handed to the child as a descriptor it changes into: a slot's layer is reached
+    through the mount helper's ``/proc/PID/root``, which a process in another user namespace may not
+    walk. Raises ``OSError`` with cp's own words when the copy fails."""
+    fd = os.open(source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        proc = subprocess.run([sys.executable, "-m", __name__, "--copy", str(dest), str(fd), *names],
+                              stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout, pass_fds=(fd,))
+    finally:
+        os.close(fd)
     if proc.returncode != 0:
         raise OSError(f"copying the slot's layer failed (exit {proc.returncode}): "
                       f"{proc.stderr.decode(errors='replace').strip()[-800:]}")
@@ -84,8 +91,10 @@ def _enter_own_userns() -> None:
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--copy"]:
         _enter_own_userns()
-        dest, *entries = argv[1:]
-        return subprocess.run(["cp", "-a", "--", *entries, dest], stdin=subprocess.DEVNULL).returncode
+        dest, fd, *names = argv[1:]
+        os.fchdir(int(fd))
+        os.close(int(fd))
+        return subprocess.run(["cp", "-a", "--", *names, dest], stdin=subprocess.DEVNULL).returncode
     store_root, archive, reference, limits = argv
     _enter_own_userns()
     # imported only now: nothing may start a thread before the unshare
