@@ -9,7 +9,17 @@ as skopeo writes them. Each round imports it into a fresh store (staging, digest
 image check, the commit). Rates are the image's uncompressed file bytes and layer entries over the
 import's wall time.
 
-``python -m benchmarks.scenario_image_import [--quick]``
+**First call on a never-seen ~1 GB image** (``--first-call``, on unless ``--no-first-call``): an
+image built here ``FROM atropos-sandbox-base:bookworm`` plus four layers of random (incompressible)
+data, ~1 GB in all (``--image-mb``), kept by the engine under a tag naming its recipe (built once per
+machine). Per round, a local pool with a fresh layer store is started (untimed), then
+``pool.lease(id, image=REF)`` + the first bash ``true`` is timed: the host asks the engine for the
+image, copies its layers from the engine's own dirs into the store (sanitized, charged to the
+budget), checks it, mounts the root and starts the sandbox. The baseline, interleaved round by
+round: ``docker run -d REF sleep`` + ``docker exec true`` of the same image on the same engine (a
+container per task; the engine already holds the image, as it does for the pool).
+
+``python -m benchmarks.scenario_image_import [--quick] [--no-first-call] [--image-mb 1024]``
 """
 
 from __future__ import annotations
@@ -22,11 +32,13 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 import tarfile
 import time
 from pathlib import Path
 
-from benchmarks.common import Row, ScenarioResult, bench_dir, scenario_main
+from benchmarks.common import Row, ScenarioResult, bench_dir, docker_problem, scenario_main
 
 NAME = "image_import"
 
@@ -100,6 +112,71 @@ def _import(store: Path, reference: str, accounting: bool) -> float:
     return took
 
 
+BASE = "atropos-sandbox-base:bookworm"
+LAYERS = 4  # the random data's layers (the base's own on top: 5 in all)
+
+
+def build_big_image(megabytes: int) -> str:
+    """``atropos-bench/import-big:<recipe>``: the base plus LAYERS layers of random data,
+    ``megabytes`` in all with the base; built unless the engine holds it (a few minutes once)."""
+    base_mb = int(subprocess.run(["docker", "image", "inspect", "-f", "{{.Size}}", BASE], capture_output=True,
+                                 text=True, check=True).stdout.strip()) >> 20
+    per_layer = max(1, (megabytes - base_mb) // LAYERS)
+    runs = "\n".join(f"RUN head -c {per_layer}M /dev/urandom > /data/layer{i}.bin" for i in range(LAYERS))
+    dockerfile = f"FROM {BASE}\nRUN mkdir /data /testbed\n{runs}\nWORKDIR /testbed\n"
+    tag = f"atropos-bench/import-big:{hashlib.sha256(dockerfile.encode()).hexdigest()[:12]}"
+    if subprocess.run(["docker", "image", "inspect", tag], capture_output=True).returncode != 0:
+        proc = subprocess.run(["docker", "build", "-q", "-t", tag, "-"], input=dockerfile, text=True,
+                              capture_output=True, timeout=3600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"docker build of {tag} failed: {proc.stderr.strip()[-500:]}")
+    return tag
+
+
+async def part_first_call(res: ScenarioResult, megabytes: int, rounds: int) -> None:
+    """The first call on a never-seen big image, beside ``docker run`` + ``exec`` of it (see the module doc)."""
+    from benchmarks.scenario_image_roots import _pool_id, docker_first_exec, started
+
+    problem = docker_problem()
+    if problem is not None:
+        res.notes.append(f"first call on a never-seen image: skipped ({problem})")
+        return
+    if os.geteuid() != 0:
+        res.notes.append("first call on a never-seen image: skipped (image roots need the root host here)")
+        return
+    t0 = time.perf_counter()
+    image = await asyncio.to_thread(build_big_image, megabytes)
+    size = int(subprocess.run(["docker", "image", "inspect", "-f", "{{.Size}}", image], capture_output=True,
+                              text=True, check=True).stdout.strip())
+    res.notes.append(f"big image {image}: {size / 1e6:,.0f} MB, {LAYERS + 1} layers (built or found in "
+                     f"{time.perf_counter() - t0:.0f} s)")
+    ours: list[float] = []
+    docker: list[float] = []
+    for i in range(rounds):
+        for which in (("ours", "docker") if i % 2 == 0 else ("docker", "ours")):
+            if which == "docker":
+                docker.append(await asyncio.to_thread(docker_first_exec, image))
+                continue
+            async with started(_pool_id("big"), 1) as pool:
+                t = time.perf_counter()
+                lease = await pool.lease(f"big-{i}", image=image)
+                try:
+                    out = await lease.bash("true")
+                    ours.append((time.perf_counter() - t) * 1e3)
+                    assert out.exit_code == 0, out
+                finally:
+                    await pool.release(lease)
+    base = Row("docker run -d + docker exec true (same image)", docker,
+               base="docker run -d + docker exec true (same image)")  # this part's own baseline
+    first = Row("lease + first true, never-seen image (fresh store)", ours, base=base.name)
+    res.rows += [base, first,
+                 Row("import rate of the big image (image bytes / first call p50)",
+                     value=size / 1e6 / (first.p50 / 1e3), unit="MB/s")]
+    res.notes.append(f"first call on a never-seen {size / 1e6:,.0f} MB image: {first.p50 / base.p50:.1f}x "
+                     "docker run + exec of the same image (same run, interleaved); the import is paid once "
+                     "per host's store, a held image's first call is image_roots' row")
+
+
 async def run(quick: bool) -> ScenarioResult:
     small_files, large_files, large_size = (5_000, 8, 4 << 20) if quick else (20_000, 32, 4 << 20)
     rounds = 3 if quick else 8
@@ -131,8 +208,20 @@ async def run(quick: bool) -> ScenarioResult:
     finally:
         shutil.rmtree(root, ignore_errors=True)
         os.sync()
+    if FIRST_CALL:
+        await part_first_call(res, IMAGE_MB, 2 if quick else 3)
     return res
 
 
+FIRST_CALL = "--no-first-call" not in sys.argv
+IMAGE_MB = int(sys.argv[sys.argv.index("--image-mb") + 1]) if "--image-mb" in sys.argv else 1024
+
+
 if __name__ == "__main__":
+    for flag in ("--no-first-call",):
+        if flag in sys.argv:
+            sys.argv.remove(flag)
+    if "--image-mb" in sys.argv:
+        at = sys.argv.index("--image-mb")
+        del sys.argv[at:at + 2]
     scenario_main(NAME, run)
