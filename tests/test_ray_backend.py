@@ -555,9 +555,12 @@ async def test_a_node_without_the_image_is_named_and_its_leases_go_to_a_node_wit
             for i in range(3):  # both free: the image only where it can be served
                 async with pool.leased(f"again-{i}", image=ref) as again:
                     assert again.host is on_good
-            async with pool.leased("default-on-bare", timeout=120) as plain:  # the default root anywhere
-                out = await plain.bash("echo ok")
-                assert out["stdout"] == "ok\n"
+            # the default root is still served on the node that refused the image
+            plain = [await pool.lease("plain-1", timeout=120), await pool.lease("plain-2", timeout=120)]
+            assert {lease.host for lease in plain} == {on_good, on_bare}
+            for lease in plain:
+                assert (await lease.bash("echo ok"))["stdout"] == "ok\n"
+                await lease.release()
             assert pool._quarantines == 0
     finally:
         engine.close()
