@@ -29,7 +29,9 @@ from benchmarks.common import Row, ScenarioResult, scenario_main, summarize
 from benchmarks.fake_fleet import FakeFleetBackend, shard_backend
 
 NAME = "pool_shards"
-HOSTS = 100
+# The fleet by default; POOL_SHARDS_HOSTS / _TRAJECTORIES / _LAYOUTS (comma lists; "pool" for
+# the in-process SlotPool) scale it down for a machine too loaded to start 10,000 slots (README).
+HOSTS = int(os.environ.get("POOL_SHARDS_HOSTS", "100"))
 SLOTS = 100
 CALLS_PER_LEASE = 8
 HOSTS_PER_FLEET_PROCESS = 25
@@ -171,8 +173,9 @@ async def _mode(shards: int | None, sizes: tuple[int, ...], warm_s: float, secon
 
 async def run(quick: bool) -> ScenarioResult:
     warm_s, seconds = (3.0, 4.0) if quick else (5.0, 10.0)
-    sizes = (1000, 10000)
-    layouts: list[int | None] = [None, 1, 2, 4]
+    sizes = tuple(int(n) for n in os.environ.get("POOL_SHARDS_TRAJECTORIES", "1000,10000").split(","))
+    layouts: list[int | None] = [None if x == "pool" else int(x)
+                                 for x in os.environ.get("POOL_SHARDS_LAYOUTS", "pool,1,2,4").split(",")]
     res = ScenarioResult(NAME, f"a trainer's trajectories on a simulated fleet of {HOSTS} x {SLOTS} slots, "
                                "one pool vs pool shards",
                          params={"hosts": HOSTS, "slots_per_host": SLOTS, "calls_per_lease": CALLS_PER_LEASE,
