@@ -103,6 +103,12 @@ class FakeFleetBackend(Backend):
         self._used.clear()
 
 
+def shard_backend(ports: list[list[int]], token: str, slots: int, index: int, pool_id: str) -> FakeFleetBackend:
+    """Shard ``index`` of a sharded pool (atropos/slots/shards.py) gets the fake hosts ``ports[index]``
+    (a BackendFactory once the first three arguments are bound with functools.partial)."""
+    return FakeFleetBackend(ports[index], token, slots)
+
+
 async def _main(hosts: int, slots: int, token: str) -> None:
     servers, ports = [], []
     for _ in range(hosts):

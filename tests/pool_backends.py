@@ -75,6 +75,12 @@ def make_backend(kind: str, slots: int, pool_id: str | None = None) -> Backend:
     return build_backend(settings, environ={}, **overrides)  # environ={}: no NOMAD_* of the machine
 
 
+def local_shard_backend(slots: int, index: int, pool_id: str) -> Backend:
+    """Shard ``index``'s backend of a ShardedPool (atropos/slots/shards.py): real local sandbox hosts
+    under the shard's own pool id (a module the shard process can import, unlike a test file)."""
+    return make_backend("local", slots=slots, pool_id=pool_id)
+
+
 def pool_cfg(**kw: Any) -> PoolConfig:
     """The tests' pool settings: one host, frequent probes, a generous wait for a slot (``kw`` wins)."""
     base: dict[str, Any] = {"min_hosts": 1, "max_hosts": 1, "health_interval_s": 0.5, "acquire_timeout_s": 120}

@@ -78,17 +78,25 @@ class SlotPool:
         return self.background.spawn(coro)
 
     # -- lifecycle -------------------------------------------------------------------------
-    async def start(self) -> None:
+    async def start(self, *, step: int | None = None) -> None:
         """Reap what crashed earlier pools left, start ``min_hosts`` hosts and the health and scaling
-        loops. Raises the first error only when no host could start."""
+        loops. Raises the first error only when no host could start.
+
+        ``step``: start the hosts that many at a time (each start leases every slot of its host at
+        once: 100 hosts x 64 slots started together open 6,400 connections and time out connecting;
+        benchmarks/README.md, "The limit")."""
         reaped = await self.backend.reap_orphans()
         if reaped:
             log.info("reaped %d orphaned host(s) of earlier pools", reaped)
         self.background.start()
         # No host prewarms while others still start (on a shared machine the first hosts' sandboxes
         # would take the CPU the last ones need to come up): the fleet is asked once all of it is up.
-        results = await asyncio.gather(*(self.fleet._add_host(prewarm=False) for _ in range(self.cfg.min_hosts)),
-                                       return_exceptions=True)
+        step = step or self.cfg.min_hosts
+        results: list[PoolHost | BaseException] = []
+        for first in range(0, self.cfg.min_hosts, max(step, 1)):
+            results += await asyncio.gather(
+                *(self.fleet._add_host(prewarm=False) for _ in range(min(step, self.cfg.min_hosts - first))),
+                return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors and len(errors) == len(results):
             await self.stop()

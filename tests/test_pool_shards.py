@@ -1,0 +1,144 @@
+"""A pool sharded over processes (atropos/slots/shards.py, issue 38 item 5): each lease lives in one
+shard and its calls, release and status go to that shard; waiting is FIFO across shards; a shard
+that dies fails its calls at once with HostUnavailable naming it, and the others go on. Real shard
+processes on the local backend (real sandbox hosts)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import signal
+from typing import Any
+
+import pytest
+
+from atropos.errors import (
+    ERRORS,
+    HostUnavailable,
+    InfrastructureError,
+    LeaseError,
+    NomadAPIError,
+    PathEscapeError,
+    PoolReplyError,
+    SlotUnavailable,
+    ToolError,
+)
+from atropos.slots.shard_channel import error_from, error_tuple
+from atropos.slots.shards import ShardedPool
+from tests.pool_backends import local_shard_backend, pool_cfg
+
+SLOTS = 2
+
+
+def sharded(shards: int = 2, **kw: Any) -> ShardedPool:
+    return ShardedPool(functools.partial(local_shard_backend, SLOTS), pool_cfg(**kw), shards=shards)
+
+
+async def _calls_by_shard(pool: ShardedPool) -> dict[str, int]:
+    return {s.pool_id: s.calls_total for s in (await pool.status()).shards}
+
+
+def test_errors_cross_the_channel_as_their_own_class() -> None:
+    for cls in ERRORS:
+        if cls in (PoolReplyError, NomadAPIError):
+            continue
+        back = error_from(error_tuple(cls("why")))
+        assert type(back) is cls and str(back) == "why"
+    # a class with a constructor of its own comes back as its nearest base: the same family
+    nomad = error_from(error_tuple(NomadAPIError("GET", "/v1/jobs", 500, "down")))
+    assert type(nomad) is HostUnavailable and "/v1/jobs" in str(nomad)
+    tool = error_from(error_tuple(PathEscapeError("out", code="path_escape", status=403)))
+    assert isinstance(tool, PathEscapeError) and (tool.code, tool.status) == ("path_escape", 403)
+    # what is not an error of the package's table comes back as the platform's, never lost
+    other = error_from(error_tuple(RuntimeError("boom")))
+    assert isinstance(other, InfrastructureError) and "RuntimeError: boom" in str(other)
+    replied = error_from(error_tuple(PoolReplyError(503, "no_free_slot", "x")))
+    assert "no_free_slot" in str(replied)
+
+
+async def test_a_lease_lives_in_one_shard_and_its_calls_and_release_go_there() -> None:
+    async with sharded() as pool:
+        assert [s.slots for s in pool.shards] == [SLOTS, SLOTS]
+        leases = [await pool.lease(f"t{i}") for i in range(2 * SLOTS)]
+        # every slot of both shards, each slot once
+        assert sorted(lease.shard.index for lease in leases) == [0, 0, 1, 1]
+        assert len({lease.key for lease in leases}) == len(leases)
+        status = await pool.status()
+        assert [s.leased for s in status.shards] == [SLOTS, SLOTS] and status.double_leased == 0
+
+        first = next(lease for lease in leases if lease.shard.index == 0)
+        before = await _calls_by_shard(pool)
+        out = await first.bash("echo $((6 * 7))")
+        assert out.stdout.strip() == "42" and out.exit_code == 0
+        after = await _calls_by_shard(pool)
+        shard0, shard1 = (s.pool_id for s in status.shards)
+        assert after[shard0] == before[shard0] + 1 and after[shard1] == before[shard1]
+
+        # a tool's refusal comes back as the pool's would: ToolError with the host's code
+        with pytest.raises(ToolError) as refused:
+            await first.read_file("../../etc/passwd")
+        assert refused.value.code == "path_escape"
+
+        await first.release()
+        await first.release()  # idempotent
+        status = await pool.status()
+        assert [s.leased for s in status.shards] == [SLOTS - 1, SLOTS]
+        with pytest.raises(LeaseError):
+            await first.bash("true")
+        # the freed slot is the only room: the next lease goes to the shard that released it
+        again = await pool.lease("t-again")
+        assert again.shard.index == 0
+        for lease in [*leases[1:], again]:
+            await lease.release()
+        assert (await pool.status()).leased == 0
+
+
+async def test_waiting_is_fifo_across_shards() -> None:
+    async with sharded() as pool:
+        held = [await pool.lease(f"h{i}") for i in range(2 * SLOTS)]
+        first = asyncio.ensure_future(pool.lease("w1"))
+        await asyncio.sleep(0)
+        second = asyncio.ensure_future(pool.lease("w2"))
+        await asyncio.sleep(0.2)
+        assert not first.done() and not second.done()
+        # the slot freed in shard 1 goes to the first waiter, whichever shard it is in
+        freed = next(lease for lease in held if lease.shard.index == 1)
+        await freed.release()
+        got = await first
+        assert got.shard.index == 1 and not second.done()
+        with pytest.raises(SlotUnavailable):
+            await pool.lease("w3", timeout=0.3)
+        await got.release()
+        last = await second
+        assert last.shard.index == 1
+        for lease in [*held, last]:
+            await lease.release()
+
+
+async def test_a_dead_shard_fails_its_calls_fast_and_the_others_go_on() -> None:
+    async with sharded() as pool:
+        victim = await pool.lease("victim")
+        other = await pool.lease("other")
+        assert victim.shard.index != other.shard.index
+        running = asyncio.ensure_future(victim.bash("sleep 300"))
+        await asyncio.sleep(0.5)
+        assert not running.done()
+        os.kill(victim.shard.proc.pid, signal.SIGKILL)
+        with pytest.raises(HostUnavailable) as died:
+            await asyncio.wait_for(running, 60)  # a bound for a broken test, not a measurement
+        assert f"pool shard {victim.shard.index}" in str(died.value)
+        with pytest.raises(HostUnavailable, match="pool shard"):
+            await victim.bash("true")
+        await victim.release()  # nothing to send: ends quietly
+        status = await pool.status()
+        assert list(status.dead) == [victim.shard.index] and "exit code -9" in status.dead[victim.shard.index]
+        assert len(status.shards) == 1
+        # the live shard serves on, and new leases go only to it
+        assert (await other.bash("echo ok")).stdout.strip() == "ok"
+        extra = await pool.lease("extra")
+        assert extra.shard is other.shard
+        with pytest.raises(SlotUnavailable):  # its room is all there is now
+            await pool.lease("more", timeout=0.3)
+        await extra.release()
+        await other.release()
