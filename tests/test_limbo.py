@@ -29,6 +29,7 @@ from atropos.slots.config import PoolConfig
 from atropos.slots.lease import Lease
 from atropos.slots.pool import SlotPool
 from tests.pool_backends import make_backend
+from tests.served import serve_on_loopback
 
 TOKEN = "limbo-token-123"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -37,18 +38,9 @@ WAIT_S = 60.0  # generous bound for polls on a busy machine
 
 
 async def _serve(app: object, read_timeout_s: float) -> AsyncIterator[tuple[str, uvicorn.Server]]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(server_config(app, read_timeout_s, log_level="warning", lifespan="on"))
-    task = asyncio.create_task(srv.serve(sockets=[sock]))
-    while not srv.started:
-        await asyncio.sleep(0.05)
-        if task.done():
-            task.result()
-    yield f"127.0.0.1:{port}", srv
-    srv.should_exit = True
-    await task
+    config = server_config(app, read_timeout_s, log_level="warning", lifespan="on")
+    async with serve_on_loopback(app, config) as (url, srv):
+        yield url.removeprefix("http://"), srv
 
 
 @pytest.fixture

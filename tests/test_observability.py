@@ -10,7 +10,6 @@ import logging
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -20,7 +19,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from atropos.api.externals import web_externals
@@ -34,6 +32,7 @@ from atropos.slots.pool import PoolStatus, SlotPool
 from atropos.tools.registry import ToolRegistry
 from atropos.tools.web import OfflineCorpusProvider
 from tests.pool_backends import make_backend
+from tests.served import serve_on_loopback
 
 TOKEN = "observability-token-0123456789"
 
@@ -50,15 +49,8 @@ async def served() -> AsyncIterator[Served]:
     pool = SlotPool(make_backend("local", slots=3), PoolConfig(min_hosts=1, max_hosts=1))
     app = create_tool_server(pool, ToolServerSettings(token=TOKEN), registry=ToolRegistry.default(with_web=True),
                              externals=web_externals(OfflineCorpusProvider()), manage_pool=True)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    task = asyncio.create_task(srv.serve(sockets=[sock]))
-    while not srv.started:
-        await asyncio.sleep(0.05)
-    yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", pool, app)
-    srv.should_exit = True
-    await task
+    async with serve_on_loopback(app) as (url, _):
+        yield Served(url, pool, app)
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ from atropos.errors import SlotSealed, ToolError
 from atropos.slots.lease import Lease
 from atropos.slots.pool import SlotPool
 from tests.pool_backends import local_pool
+from tests.served import serve_on_loopback
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -525,24 +526,12 @@ async def test_the_verification_phase_api(pool: SlotPool) -> None:
 
 
 async def test_the_rest_slot_api_verifies(pool: SlotPool) -> None:
-    import socket
-
     import httpx
-    import uvicorn
 
     from atropos.api.server import ToolServerSettings, create_tool_server
 
     app = create_tool_server(pool, ToolServerSettings(token="t0ken-forgery"), manage_pool=False)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    task = asyncio.create_task(srv.serve(sockets=[sock]))
-    try:
-        while not srv.started:
-            await asyncio.sleep(0.05)
-            if task.done():
-                task.result()
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    async with serve_on_loopback(app) as (url, _):
         async with httpx.AsyncClient(base_url=url, headers={"Authorization": "Bearer t0ken-forgery"},
                                      timeout=120) as http:
             lease_id = (await http.post("/v1/slots", json={"trajectory_id": "rest-verify"})).json()["lease_id"]
@@ -556,9 +545,6 @@ async def test_the_rest_slot_api_verifies(pool: SlotPool) -> None:
             assert refused.json()["error"]["code"] == "verification_phase"
             assert (await http.post(f"/v1/slots/{lease_id}/seal")).status_code == 200
             assert (await http.delete(f"/v1/slots/{lease_id}")).json() == {"released": True}
-    finally:
-        srv.should_exit = True
-        await task
 
 
 # -- AgentEnv: every rollout is sealed before verify_and_score_trajectory ---------------------------
@@ -1047,24 +1033,13 @@ async def test_the_rest_route_restores_and_refuses_what_it_does_not_know(pool: S
     """REST rows: the agent makes the failing test pass by editing it; the REST verify's ``restore``
     (silently dropped before: the edited test scored 1) puts it back, and a misspelt field
     (``restroe``) is refused with 422 instead of verifying without it."""
-    import socket
-
     import httpx
-    import uvicorn
 
     from atropos.api.server import ToolServerSettings, create_tool_server
 
     app = create_tool_server(pool, ToolServerSettings(token="t0ken-rest-rows"), manage_pool=False)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    task = asyncio.create_task(srv.serve(sockets=[sock]))
-    try:
-        while not srv.started:
-            await asyncio.sleep(0.05)
-            if task.done():
-                task.result()
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=180,
+    async with serve_on_loopback(app) as (url, _):
+        async with httpx.AsyncClient(base_url=url, timeout=180,
                                      headers={"Authorization": "Bearer t0ken-rest-rows"}) as http:
             leased = await http.post("/v1/slots", json={"trajectory_id": "rest-rows", "image": task_image("pyenv")})
             lease_id = leased.json()["lease_id"]
@@ -1081,6 +1056,3 @@ async def test_the_rest_route_restores_and_refuses_what_it_does_not_know(pool: S
             result = verified.json()
             assert result["ok"] and result["score"] == 0.0 and "1 failed" in result["verdict"]["tail"], result
             assert (await http.delete(f"/v1/slots/{lease_id}")).json() == {"released": True}
-    finally:
-        srv.should_exit = True
-        await task

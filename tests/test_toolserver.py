@@ -5,20 +5,19 @@ from __future__ import annotations
 import asyncio
 import io
 import re
-import socket
 import tarfile
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from atropos.api.server import InvokeResponse, ToolServerSettings, create_tool_server
 from atropos.slots.config import PoolConfig
 from atropos.slots.pool import SlotPool
 from atropos.tools.registry import ToolRegistry
 from tests.pool_backends import make_backend
+from tests.served import serve_on_loopback
 
 TOKEN = "test-token-123"
 
@@ -41,18 +40,8 @@ async def server() -> AsyncIterator[str]:
     pool = SlotPool(make_backend("local", slots=2), PoolConfig(min_hosts=1, max_hosts=1))
     app = create_tool_server(pool, ToolServerSettings(token=TOKEN, max_body_bytes=1 << 20), registry=_registry(),
                              externals={"echo_external": _echo_tool}, manage_pool=True)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    task = asyncio.create_task(srv.serve(sockets=[sock]))
-    while not srv.started:
-        await asyncio.sleep(0.05)
-        if task.done():
-            task.result()
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    await task
+    async with serve_on_loopback(app) as (url, _):
+        yield url
 
 
 async def test_raw_http_client_drives_a_slot_from_lease_to_release(server: str) -> None:
@@ -195,16 +184,7 @@ async def test_slot_call_route_answers_like_its_schema_says() -> None:
     pool = SlotPool(make_backend("local", slots=2), PoolConfig(min_hosts=1, max_hosts=1))
     app = create_tool_server(pool, ToolServerSettings(token=TOKEN, max_body_bytes=4096, max_concurrency=1),
                              manage_pool=True)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    task = asyncio.create_task(srv.serve(sockets=[sock]))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    try:
-        while not srv.started:
-            await asyncio.sleep(0.05)
-            if task.done():
-                task.result()
+    async with serve_on_loopback(app) as (url, _):
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
             body = {"tool": "bash", "args": {"command": "echo ok"}}
             assert (await http.post("/v1/slots/x/call", json=body)).status_code == 401
@@ -250,9 +230,6 @@ async def test_slot_call_route_answers_like_its_schema_says() -> None:
             assert 'route="/v1/slots/{lease_id}/call",status="429"' in metrics_text.replace(
                 'method="POST",', "")
             await http.delete(f"/v1/slots/{lid}")
-    finally:
-        srv.should_exit = True
-        await task
 
 
 def _statuses_agree(resp: httpx.Response) -> None:
