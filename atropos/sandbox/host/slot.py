@@ -254,7 +254,8 @@ class Slot:
             return [*argv, program], slotd_build.config_frame(exec_cfg, {}, list(sup_cfg["exec"]), mode="exec")
         env = sup_cfg["env"]
         warm = {kind: boot("{go}", "{src}", env) for kind, boot in WARM_KINDS.items()}  # type: ignore[arg-type]
-        slotd_cfg = {**sup_cfg, "workspace": sup_cfg.get("cwd") or sup_cfg.get("workspace", "/workspace")}
+        slotd_cfg = {**sup_cfg, "workspace": sup_cfg.get("cwd") or sup_cfg.get("workspace", "/workspace"),
+                     "files_workspace": sup_cfg.get("workspace", "/workspace")}
         return [*argv, program], slotd_build.config_frame(slotd_cfg, warm, python)
 
     def _image_argv(self, image: ImageRoot, extra: dict[str, Any], script: str,
