@@ -90,6 +90,18 @@ async def test_file_tools_are_served_by_slotd_itself(host: RunningHost) -> None:
 
 
 MEM_CAP = 256 << 20
+HOLDER = """import os, time
+held = [b"x" * int(open("size").read())]
+i = 0
+while True:
+    if not os.path.exists("grown") and os.path.exists("more"):
+        held.append(b"y" * int(open("more").read()))
+        open("grown", "w").close()
+    open("beat.tmp", "w").write(str(i))
+    i += 1
+    os.rename("beat.tmp", "beat")
+    time.sleep(0.05)
+"""
 
 
 @pytest.fixture(scope="module")
@@ -101,30 +113,41 @@ def capped_host() -> Iterator[RunningHost]:
     stop_host(running)
 
 
+def _slot_memory(host: RunningHost) -> int:
+    """What the one slot of ``host`` holds now: its memory cgroup's usage (v1 or v2), read on the host."""
+    from atropos.sandbox.contract.cgroupfs import own_cgroups
+
+    own = own_cgroups(str(host.proc.pid))
+    v1 = Path("/sys/fs/cgroup/memory") / own.get("memory", "/").lstrip("/") / f"atropos-{host.proc.pid}"
+    v2 = Path("/sys/fs/cgroup") / own.get("", "/").lstrip("/") / f"atropos-{host.proc.pid}"
+    for found in [*v1.glob("slot-*/memory.usage_in_bytes"), *v2.glob("slot-*/memory.current")]:
+        return int(found.read_text())
+    raise AssertionError(f"no slot memory cgroup under {v1} or {v2}")
+
+
 @pytest.mark.skipif(not Path("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists()
                     and not Path("/sys/fs/cgroup/cgroup.controllers").exists(),
                     reason="no cgroup hierarchy mounted at /sys/fs/cgroup: no memory cap per slot")
 async def test_a_program_near_its_memory_cap_survives_the_first_file_calls(capped_host: RunningHost) -> None:
-    """The file tools start nothing in the slot (before, the first one started the Python supervisor,
-    ~25 MiB, inside the slot's memory cap, and the kernel's OOM killer took the slot's largest
-    process): a program holding all but 40 MiB of the slot's memory, running in the slot's terminal
-    (a call's own processes end with the call), runs on through every file tool."""
+    """The file tools start nothing in the slot (before, the first one started the Python supervisor
+    inside the slot's memory cap, ~6 MiB more, and the kernel's OOM killer took the slot's largest
+    process): a program in the slot's terminal (a call's own processes end with the call) grown to
+    within 3 MiB of the slot's cap, measured on the host, runs on through every file tool."""
     async with leased_slot(capped_host) as slot:
-        hold = MEM_CAP - (40 << 20)
-        await slot.sh("printf '%s\\n' 'import time' 'b = b\"x\" * int(open(\"size\").read())' 'i = 0'"
-                      " 'while True:' '    open(\"beat.tmp\", \"w\").write(str(i)); i += 1'"
-                      " '    __import__(\"os\").rename(\"beat.tmp\", \"beat\"); time.sleep(0.05)' > holder.py;"
-                      f" echo {hold} > size")
+        await slot.sh(f"rm -f more grown beat; printf '%s' '{HOLDER}' > holder.py; echo {MEM_CAP - (32 << 20)} > size")
         await slot.ok("terminal", input="python3 holder.py", wait_ms=500)
         started = await slot.sh("for i in $(seq 300); do [ -e beat ] && break; sleep 0.1; done; cat beat")
         assert started["stdout"].isdigit(), started
+        await slot.sh(f"echo {MEM_CAP - _slot_memory(capped_host) - (3 << 20)} > more;"
+                      " for i in $(seq 300); do [ -e grown ] && break; sleep 0.1; done")
+        assert _slot_memory(capped_host) > MEM_CAP - (5 << 20)  # near the cap: the test means something
+        beat = (await slot.ok("read_file", path="beat"))["content"]  # file calls only from here on
         await slot.ok("write_file", path="f.txt", content="data")
-        assert (await slot.ok("read_file", path="f.txt"))["content"] == "data"
         await slot.ok("edit_file", path="f.txt", old_string="data", new_string="more")
         await slot.ok("list_dir", path=".")
         await slot.ok("stat", path="f.txt")
-        beats = await slot.sh("a=$(cat beat); sleep 1; b=$(cat beat); echo $((b > a))")
-        assert beats["stdout"] == "1\n", beats  # still beating: not killed
+        await asyncio.sleep(1)
+        assert int((await slot.ok("read_file", path="beat"))["content"]) > int(beat)  # still beating
 
 
 async def test_slotd_is_not_readable_by_the_slot(host: RunningHost) -> None:
