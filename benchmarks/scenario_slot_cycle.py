@@ -18,7 +18,7 @@ each phase bracketed by samples of
   misses what a killed pid namespace never reported.
 
 Variants: ``lease, 1 x bash true, release``; ``lease, 10 x bash true, release``; ``lease, 1 x bash
-true + 1 x write_file, release`` (a file tool: slotd hands the sandbox over to the Python supervisor,
+true + 1 x write_file, release`` (a file tool, served by slotd itself since issue 37,
 docs/native-supervisor.md; that call's wall time is a row of its own); ``lease, 1 x terminal,
 release`` (the terminal's first use starts tmux). Each row's samples are one value per round: CPU ms
 per trajectory of that round.
@@ -207,8 +207,8 @@ FIRST_FILE_MS: list[float] = []  # wall time of each trajectory's first file-too
 
 
 async def one_true_one_file(lease: Any) -> None:
-    """A trajectory that also uses a file tool: with slotd, its first file call hands the sandbox over
-    to the Python supervisor (docs/native-supervisor.md), on that call's path."""
+    """A trajectory that also uses a file tool (slotd serves it: before issue 37 the first file call
+    handed the sandbox over to the Python supervisor on that call's path, docs/native-supervisor.md)."""
     await one_true(lease)
     t0 = time.perf_counter()
     out = await lease.call("write_file", {"path": "notes.txt", "content": "x"})
@@ -259,8 +259,8 @@ async def run(quick: bool) -> ScenarioResult:
         ("lease, 1 x bash true, release", one_true, 20.0),
         ("lease, 10 x bash true, release", ten_true, None),
         ("lease, 1 x terminal, release", one_terminal, 40.0),
-        # last: its leases need the Python supervisor, which new sandboxes then start with
-        # (host/supervisor_choice.py), so a variant after it would begin on Python supervisors
+        # last: before issue 37 its leases needed the Python supervisor, which new sandboxes then
+        # started with (host/supervisor_choice.py); kept last so figures compare with earlier runs
         ("lease, 1 x bash true + 1 x write_file, release", one_true_one_file, None),
     ]
     pool = local_pool(f"bench-cycle-{time.monotonic_ns() % 10**6}", 1, SLOTS)
@@ -300,8 +300,8 @@ async def run(quick: bool) -> ScenarioResult:
                                 note="immune to other load; misses kernel threads' deferred work"))
             if calls is one_true_one_file and len(FIRST_FILE_MS) > SLOTS:  # round 0 (warm-up) not counted
                 res.rows.append(Row("  its write_file call, wall ms (16 at a time)", FIRST_FILE_MS[SLOTS:],
-                                    note="the first file tool of a lease: slotd hands over to the Python "
-                                         "supervisor on this call's path"))
+                                    note="the first file tool of a lease (slotd serves it; before issue 37, a "
+                                         "hand-over to the Python supervisor on this call's path)"))
                 FIRST_FILE_MS.clear()
             per = tally.trajectories or 1
             for phase in PHASES:

@@ -98,6 +98,7 @@ PYTHON: dict[str, str] = {
     "last_value_atexit": ("import atexit, sys\natexit.register(lambda: print('atexit', repr(sys.last_value)))\n"
                           "raise ValueError('seen at exit')"),
     "excepthook_missing": "import sys\ndel sys.excepthook\n1/0",
+    "excepthook_none": "import sys\nsys.excepthook = None\n1/0",  # called, and fails: not missing
     "excepthook_raises": "import sys\ndef h(*a):\n    raise RuntimeError('hook')\nsys.excepthook = h\n1/0",
     "excepthook_custom": ("import sys\n"
                           "sys.excepthook = lambda t, v, tb: print('hooked', t.__name__, tb.tb_frame.f_code.co_name)\n"
@@ -129,7 +130,8 @@ EXPECTED: dict[tuple[str, str], str] = {
     ("python", "getframe1"): "the code runs two frames below the interpreter's top",
     ("python", "stack_depth"): "the code runs two frames below the interpreter's top",
     ("python", "print_stack"): "the code runs two frames below the interpreter's top",
-    ("python", "recursion"): "the code runs two frames below the interpreter's top",
+    ("python", "recursion"): "the code runs two frames and exec's own level below the interpreter's top: "
+                             "recursion stops three levels earlier",
     ("python", "warn_stacklevel2"): "the code runs two frames below the interpreter's top",
 }
 

@@ -40,12 +40,13 @@ def test_slotd_reads_every_field_it_carries() -> None:
         assert f"slotd_parse_{op.name}(" in source, f"slotd.c never parses {op.name}"
         assert f"SLOTD_OP_{op.name.upper()}" in source, f"slotd.c never dispatches {op.name}"
         for f in op.fields:
-            if f.native:
+            if P.carried(f):
                 assert re.search(rf"\br\.{re.escape(slotd_header.member(f.name))}\b", source), (
                     f"slotd.c does not read {op.name}.{f.name} (declared as carried to slotd)")
 
 
-_HANDLERS = {"supervisor": ("supervisor.py", "inslot_files.py", "inslot_terminal.py", "inslot_archive.py"),
+_HANDLERS = {"supervisor": ("supervisor.py", "inslot_files.py", "inslot_file_replies.py", "inslot_terminal.py",
+                            "inslot_archive.py"),
              "session": ("session.py",), "verifier": ("verifier.py",)}
 
 

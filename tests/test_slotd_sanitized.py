@@ -31,7 +31,7 @@ from atropos.sandbox.host import slotd_build
 from atropos.sandbox.host.isolation import slotd_wire
 from atropos.sandbox.inslot.inslot_warm import WARM_KINDS
 from tests.conftest import IMAGE_STORE, RunningHost, leased_slot, start_host, stop_host
-from tests.test_slotd import CASES
+from tests.test_slotd import CASES, _file_session
 
 REPORTS = (b"AddressSanitizer", b"LeakSanitizer", b"runtime error", b"UndefinedBehaviorSanitizer")
 
@@ -157,6 +157,9 @@ def test_a_session_of_valid_requests_is_clean_and_leaks_nothing(rig: Rig) -> Non
         frames.append(_exec(["no-such-program"], seq, env={"C": "z"}))
     seq += 1
     frames.append(_exec(["python3", "-c", "print(6 * 7)"], seq, max_output=7))
+    for i, req in enumerate(_FILE_REQUESTS * 3):  # the file tools, their successes and failures
+        seq += 1
+        frames.append(_file(req, seq, i))
     seq += 1
     frames.append(_frame(slotd_wire.encode_ping(seq)))
     run = rig.run(b"".join(frames))
@@ -164,6 +167,30 @@ def test_a_session_of_valid_requests_is_clean_and_leaks_nothing(rig: Rig) -> Non
     assert run.returncode == 0
     replies = run.replies()
     assert len(replies) == seq + 1  # the ready frame and one reply per request
+
+
+_FILE_REQUESTS: list[dict[str, Any]] = [
+    {"op": "write_file", "path": "d/e/f{i}.txt", "content": "caf\u00e9 one\nx\u0000 two {i}\n"},
+    {"op": "write_file", "path": "d/e/f{i}.txt", "content": "AAEC", "encoding": "base64", "append": True},
+    {"op": "read_file", "path": "d/e/f{i}.txt"},
+    {"op": "read_file", "path": "/tmp/d/e/f{i}.txt", "offset": 3, "limit": 5},
+    {"op": "edit_file", "path": "d/e/f0.txt", "old_string": "one", "new_string": "ONE{i}"},
+    {"op": "edit_file", "path": "d/e/f{i}.txt", "old_string": "\u00e9", "new_string": "e", "replace_all": True},
+    {"op": "edit_file", "path": "d/e/f{i}.txt", "old_string": "absent", "new_string": ""},
+    {"op": "list_dir", "path": "d/e"}, {"op": "list_dir", "path": ""}, {"op": "stat", "path": "d/e/f{i}.txt"},
+    {"op": "read_file", "path": "missing/x"}, {"op": "read_file", "path": "/etc/passwd"},
+    {"op": "read_file", "path": "d"}, {"op": "read_file", "path": ""}, {"op": "stat", "path": "../x"},
+    {"op": "write_file", "path": "d/e/f{i}.txt/under", "content": "x"},
+]
+
+
+def _file(req: dict[str, Any], seq: int, i: int) -> bytes:
+    req = {k: v.replace("{i}", str(i)) if isinstance(v, str) else v for k, v in req.items()}
+    if req["op"] in ("read_file", "write_file", "edit_file"):
+        req["max_bytes"] = 1 << 20
+    body = slotd_wire.encode(req, seq)
+    assert body is not None, req
+    return _frame(body)
 
 
 @pytest.mark.parametrize("cap", [0, 1, 2, 3, 7, 100, 101, 4097])
@@ -238,7 +265,8 @@ def test_the_frame_fuzzer_finds_nothing(rig: Rig) -> None:
     rng = random.Random(37)
     rig.log(b"log line\n" * 50)
     valid = [_exec(["/bin/bash", "-c", "echo hi"], 2), _exec(["sh", "-c", "cat"], 2, stdin="abc", env={"K": "v"}),
-             _terminal(2, 101), _frame(slotd_wire.encode_ping(2)), _frame(slotd_wire.encode_upgrade(2))]
+             _terminal(2, 101), _frame(slotd_wire.encode_ping(2)), _frame(slotd_wire.encode_upgrade(2)),
+             *(_file(req, 2, 0) for req in _FILE_REQUESTS[:10])]
     cases = _hostile_frames() + [m for v in valid for m in _mutations(v, rng)]
     warmup = _exec(["/bin/bash", "-c", "true"], 1)
     config = rig.config()
@@ -296,3 +324,12 @@ async def test_the_sanitizer_build_answers_the_equality_cases(sanitized_host: Ru
     ours = await _sanitized_reply(sanitized_host, tool, args)
     reference = await _sanitized_reply(host, tool, args)  # the same calls (pids included) on the real build
     assert ours == reference
+
+
+async def test_the_sanitizer_build_answers_the_file_tools_alike(sanitized_host: RunningHost, host: RunningHost) -> None:
+    """The file tools' session of tests/test_slotd.py (every reply, then the workspace) on the sanitizer
+    build and on the real one; the same slotd serves throughout (a report would have ended it)."""
+    ours, before, after = await _file_session(sanitized_host)
+    reference, _, _ = await _file_session(host)
+    assert ours == reference
+    assert "/run/atropos/slotd " in before and after == before

@@ -29,6 +29,7 @@ from atropos.sandbox.host.images.host_images import HostImages
 from atropos.sandbox.host.images.image_root import ImageRoot
 from atropos.sandbox.host.inslot_bytecode import entry
 from atropos.sandbox.host.isolation.bwrap import (
+    IMAGE_HOST_USR,
     IMAGE_LIB_DIR,
     IMAGE_PRISTINE,
     IMAGE_RUN_DIR,
@@ -254,7 +255,8 @@ class Slot:
             return [*argv, program], slotd_build.config_frame(exec_cfg, {}, list(sup_cfg["exec"]), mode="exec")
         env = sup_cfg["env"]
         warm = {kind: boot("{go}", "{src}", env) for kind, boot in WARM_KINDS.items()}  # type: ignore[arg-type]
-        slotd_cfg = {**sup_cfg, "workspace": sup_cfg.get("cwd") or sup_cfg.get("workspace", "/workspace")}
+        slotd_cfg = {**sup_cfg, "workspace": sup_cfg.get("cwd") or sup_cfg.get("workspace", "/workspace"),
+                     "files_workspace": sup_cfg.get("workspace", "/workspace")}
         return [*argv, program], slotd_build.config_frame(slotd_cfg, warm, python)
 
     def _image_argv(self, image: ImageRoot, extra: dict[str, Any], script: str,
@@ -373,7 +375,8 @@ class Slot:
         if self.ws.image is not None:  # the host's tmux (an image rarely has one), on the image's bash
             run_dir, lib_dir, tmux = IMAGE_RUN_DIR, IMAGE_LIB_DIR, list(host_program(TMUX))
             extra["env"] = {**self.ws.image.env(), "SHELL": "/bin/bash", "TERM": SANDBOX_ENV["TERM"],
-                            "PS1": SANDBOX_ENV["PS1"], "TERMINFO_DIRS": "/.atropos/usr/share/terminfo:/lib/terminfo"}
+                            "PS1": SANDBOX_ENV["PS1"],
+                            "TERMINFO_DIRS": f"{IMAGE_HOST_USR}/share/terminfo:/lib/terminfo"}
         if os.path.lexists(sock):  # noqa: ASYNC240 - one lstat; whatever the slot left there goes
             await asyncio.to_thread(remove_tree, sock)
         exec_argv = [*tmux, "-D", "-S", f"{run_dir}/tmux.sock", "-f", f"{lib_dir}/tmux.conf"]

@@ -135,6 +135,8 @@ def config_frame(cfg: dict[str, Any], warm: dict[str, str], python_argv: list[st
                          str(cfg.get("workspace", "/workspace")), str(len(python_argv)), *python_argv,
                          str(cfg.get("run_dir", "/run/term")),
                          str(cfg.get("cwd") or cfg.get("workspace", "/workspace")),
-                         str(len(tmux)), *tmux, str(len(shell)), *shell]
+                         str(len(tmux)), *tmux, str(len(shell)), *shell,
+                         # the file tools' workspace and cwd (supervisor.py's SlotFiles(workspace, cwd))
+                         str(cfg.get("files_workspace") or cfg.get("workspace") or "/"), str(cfg.get("cwd") or "")]
     body = b"".join(_LEN.pack(len(data)) + data for data in (os.fsencode(f) for f in fields))
     return _LEN.pack(len(body)) + body

@@ -7,7 +7,6 @@ Standard library only; copied into the host's lib dir beside ``supervisor.py`` (
 
 from __future__ import annotations
 
-import base64
 import ctypes
 import errno
 import os
@@ -17,23 +16,39 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from atropos.sandbox.inslot.inslot_file_replies import (
+        ToolFailure,
+        escape_failure,
+        failure,
+        kind,
+        os_failure,
+        read_result,
+        shown_path,
+        stat_result,
+        write_content,
+    )
     from atropos.sandbox.inslot.inslot_fs import read_at_most
 else:  # run from the host's lib dir beside inslot_fs.py (see supervisor.py)
+    from inslot_file_replies import (
+        ToolFailure,
+        escape_failure,
+        failure,
+        kind,
+        os_failure,
+        read_result,
+        shown_path,
+        stat_result,
+        write_content,
+    )
     from inslot_fs import read_at_most
+
+__all__ = ["SlotFiles", "ToolFailure"]  # ToolFailure: the in-slot tools import it from here
 
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_BENEATH = 0x08
 RESOLVE_IN_ROOT = 0x10
 SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}.get(os.uname().machine)
 MAX_OFFSET = (1 << 63) - 1  # off_t
-
-
-class ToolFailure(Exception):
-    """An error the model should read; ``code`` is stable for programs."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class _OpenHow(ctypes.Structure):
@@ -51,7 +66,7 @@ def _openat2(dir_fd: int, path: str, flags: int, mode: int = 0o644, resolve: int
     would open, or is an error."""
     raw = path.encode("utf-8", "replace")
     if b"\0" in raw:
-        raise ToolFailure("invalid_path", "path contains a NUL byte")
+        raise failure("nul", path)
     if SYS_OPENAT2 is None:
         raise ToolFailure("unsupported", "openat2 is not available on this architecture")
     how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, resolve | RESOLVE_NO_MAGICLINKS)
@@ -64,30 +79,6 @@ def _openat2(dir_fd: int, path: str, flags: int, mode: int = 0o644, resolve: int
         if err != errno.EAGAIN:
             break
     raise OSError(err, os.strerror(err), path)
-
-
-def _os_failure(exc: OSError, path: str) -> ToolFailure:
-    codes = {
-        errno.ENOENT: ("not_found", f"{path}: no such file or directory"),
-        errno.ENOTDIR: ("not_found", f"{path}: a path component is not a directory"),
-        errno.EISDIR: ("is_directory", f"{path}: is a directory"),
-        errno.EACCES: ("permission_denied", f"{path}: permission denied"),
-        errno.EPERM: ("permission_denied", f"{path}: operation not permitted"),
-        errno.ENAMETOOLONG: ("invalid_path", f"path too long ({len(path)} characters)"),
-        errno.ELOOP: ("invalid_path", f"{path}: too many levels of symbolic links"),
-        errno.EXDEV: ("path_escape", f"{path}: leaves the workspace (through '..' or an absolute "
-                                     "symlink); file tools reach only files under the workspace"),
-        errno.ENOSPC: ("no_space", f"{path}: no space left in the workspace"),
-        errno.EFBIG: ("too_large", f"{path}: file size limit reached"),
-        errno.EEXIST: ("exists", f"{path}: already exists"),
-        errno.ENXIO: ("not_regular", f"{path}: not a regular file (a FIFO or device)"),
-    }
-    code, message = codes.get(exc.errno or 0, ("os_error", f"{path}: {exc.strerror}"))
-    return ToolFailure(code, message)
-
-
-
-_CONTROL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f]")
 
 
 class SlotFiles:
@@ -110,7 +101,7 @@ class SlotFiles:
         (the workspace as the slot's processes see it) is ``x``; any other absolute path is outside
         the workspace and refused, never re-rooted into it."""
         if not isinstance(path, str) or not path:
-            raise ToolFailure("invalid_path", "path must be a non-empty string")
+            raise failure("empty", "")
         if not path.startswith("/"):
             if self.cwd is None:
                 return path
@@ -122,8 +113,7 @@ class SlotFiles:
         inside = root if root.endswith("/") else root + "/"
         if norm.startswith(inside):
             return norm[len(inside):]
-        raise ToolFailure("path_escape", f"{path}: outside the workspace; file tools reach only {root} and "
-                                         f"what is under it (give a path relative to {root}, or {root}/...)")
+        raise escape_failure(path, self.workspace)
 
     def _shown(self, fd: int, rel: str) -> str:
         """The path bash would use for the file open at ``fd``: what a result reports as written."""
@@ -131,10 +121,7 @@ class SlotFiles:
             real = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             real = ""
-        root = self.workspace.rstrip("/")
-        if real == root or real.startswith(root + "/"):
-            return real
-        return os.path.normpath(os.path.join(root, rel))
+        return shown_path(real, rel, self.workspace)
 
     def _open(self, path: str, flags: int, mode: int = 0o644) -> int:
         return self._open_rel(self._rel(path), flags, mode, shown=path)
@@ -145,7 +132,7 @@ class SlotFiles:
         try:
             fd = _openat2(root, rel, flags, mode, self.resolve)
         except OSError as exc:
-            raise _os_failure(exc, rel if shown is None else shown) from None
+            raise os_failure(exc, rel if shown is None else shown) from None
         finally:
             os.close(root)
         if self.workspace == "/" and not flags & os.O_PATH:
@@ -158,8 +145,7 @@ class SlotFiles:
                 real = ""
             if real == "/proc" or real.startswith("/proc/"):
                 os.close(fd)
-                raise ToolFailure("not_regular", f"{rel if shown is None else shown}: /proc is not for the file "
-                                                 "tools (use bash)")
+                raise failure("proc", rel if shown is None else shown)
         return fd
 
     def _resolve_dir(self, path: str) -> str:
@@ -189,7 +175,7 @@ class SlotFiles:
             except FileExistsError:
                 pass
             except OSError as exc:
-                raise _os_failure(exc, prefix) from None
+                raise os_failure(exc, prefix) from None
             finally:
                 os.close(pfd)
 
@@ -200,16 +186,12 @@ class SlotFiles:
         try:
             st = os.fstat(fd)
             if stat.S_ISDIR(st.st_mode):
-                raise ToolFailure("is_directory", f"{path}: is a directory (use list_dir)")
+                raise failure("is_directory", path)
             if not stat.S_ISREG(st.st_mode):
-                raise ToolFailure("not_regular", f"{path}: not a regular file")
+                raise failure("not_regular", path)
             want = max(st.st_size - offset, 0) if limit <= 0 else limit
             if want > max_bytes:
-                raise ToolFailure(
-                    "too_large",
-                    f"{path}: {st.st_size} bytes, over the read limit of {max_bytes} bytes; "
-                    "pass offset/limit to read part of it",
-                )
+                raise failure("too_large", path, st.st_size, max_bytes)
             os.lseek(fd, offset, os.SEEK_SET)
             return read_at_most(fd, want), st.st_size
         finally:
@@ -219,21 +201,11 @@ class SlotFiles:
         data, size = self._read_regular(
             req["path"], int(req.get("offset") or 0), int(req.get("limit") or 0), int(req["max_bytes"])
         )
-        if req.get("encoding") == "base64" or _CONTROL.search(data):
-            # Control bytes would each become a 6-byte JSON escape: binary goes as base64.
-            return {"content": base64.b64encode(data).decode(), "encoding": "base64", "size": size,
-                    "binary": req.get("encoding") != "base64"}
-        try:
-            return {"content": data.decode("utf-8"), "encoding": "text", "size": size}
-        except UnicodeDecodeError:
-            return {"content": base64.b64encode(data).decode(), "encoding": "base64", "size": size, "binary": True}
+        return read_result(data, size, req["encoding"])
 
     def write_file(self, req: dict[str, Any]) -> dict[str, Any]:
         path = req["path"]
-        data = base64.b64decode(req["content"]) if req.get("encoding") == "base64" else req["content"].encode()
-        if len(data) > int(req["max_bytes"]):
-            raise ToolFailure("too_large", f"content is {len(data)} bytes, over the write limit of "
-                                           f"{req['max_bytes']} bytes")
+        data = write_content(req)
         rel = self._rel(path)
         self._make_parents(rel)
         flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY
@@ -241,13 +213,13 @@ class SlotFiles:
         fd = self._open(path, flags)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ToolFailure("not_regular", f"{path}: not a regular file")
+                raise failure("not_regular", path)
             view = memoryview(data)
             while view:
                 try:
                     n = os.write(fd, view)
                 except OSError as exc:
-                    raise _os_failure(exc, path) from None
+                    raise os_failure(exc, path) from None
                 view = view[n:]
             return {"path": self._shown(fd, rel), "bytes_written": len(data), "size": os.fstat(fd).st_size}
         finally:
@@ -261,16 +233,12 @@ class SlotFiles:
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError:
-            raise ToolFailure("not_text", f"{path}: not UTF-8 text; use write_file") from None
+            raise failure("not_text", path) from None
         count = text.count(old)
         if count == 0:
-            raise ToolFailure("no_match", f"{path}: old_string not found")
+            raise failure("no_match", path)
         if count > 1 and not req.get("replace_all"):
-            raise ToolFailure(
-                "ambiguous_match",
-                f"{path}: old_string occurs {count} times; add surrounding context to make it unique "
-                "or set replace_all",
-            )
+            raise failure("ambiguous_match", path, count)
         updated = text.replace(old, new) if req.get("replace_all") else text.replace(old, new, 1)
         shown = self._replace_file(path, updated.encode())
         return {"path": shown, "replacements": count if req.get("replace_all") else 1}
@@ -289,7 +257,7 @@ class SlotFiles:
                 # opened for writing only to be refused a file we may not write, as in place editing was
                 fd = _openat2(root, rel_in, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY, resolve=self.resolve)
             except OSError as exc:
-                raise _os_failure(exc, path) from None
+                raise os_failure(exc, path) from None
             try:
                 st = os.fstat(fd)
                 # Where `path` really is (a symlink is edited at its target, as in place editing
@@ -298,11 +266,11 @@ class SlotFiles:
             finally:
                 os.close(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise ToolFailure("not_regular", f"{path}: not a regular file")
+                raise failure("not_regular", path)
             rel = os.path.relpath(real, os.readlink(f"/proc/self/fd/{root}"))
             parent, name = os.path.split(rel)
             if rel.startswith("..") or not name:
-                raise ToolFailure("path_escape", f"{path}: resolves outside the workspace")
+                raise failure("resolved_escape", path)
             try:
                 dir_fd = _openat2(root, parent or ".", os.O_PATH | os.O_DIRECTORY, resolve=self.resolve)
                 tmp_name = f".{name[:200]}.edit-{os.getpid()}-{time.monotonic_ns()}"
@@ -319,7 +287,7 @@ class SlotFiles:
                 tmp_name = None
                 return os.path.normpath(os.path.join(self.workspace, rel))
             except OSError as exc:
-                raise _os_failure(exc, path) from None
+                raise os_failure(exc, path) from None
         finally:
             if tmp_name is not None and dir_fd >= 0:
                 try:
@@ -343,7 +311,7 @@ class SlotFiles:
                     st = os.stat(name, dir_fd=fd, follow_symlinks=False)
                 except OSError:
                     continue
-                entries.append({"name": name, "type": _kind(st.st_mode), "size": st.st_size})
+                entries.append({"name": name, "type": kind(st.st_mode), "size": st.st_size})
         finally:
             os.close(fd)
         return {"path": shown, "entries": entries, "truncated": len(names) > limit, "total": len(names)}
@@ -356,17 +324,4 @@ class SlotFiles:
             shown = self._shown(fd, self._rel(path))
         finally:
             os.close(fd)
-        return {"path": shown, "type": _kind(st.st_mode), "size": st.st_size,
-                "mode": oct(stat.S_IMODE(st.st_mode)), "mtime": st.st_mtime}
-
-
-
-def _kind(mode: int) -> str:
-    if stat.S_ISREG(mode):
-        return "file"
-    if stat.S_ISDIR(mode):
-        return "dir"
-    if stat.S_ISLNK(mode):
-        return "symlink"
-    return "other"
-
+        return stat_result(shown, st.st_mode, st.st_size, st.st_mtime)

@@ -39,6 +39,13 @@ class Field(NamedTuple):
     # supervisor: slotd cannot honour it, e.g. a cwd other than the workspace)
     native: bool = True
     choices: tuple[Any, ...] = ()
+    # the host applies it to slotd's answer (slotd never sees it): read_file's encoding, list_dir's
+    # max_entries, write_file's encoding and max_bytes (checked before the frame is sent)
+    host: bool = False
+    # on slotd's wire: the bytes the Python supervisor would work on, NUL allowed (a path, edit's
+    # strings: strict UTF-8, as inslot_files encodes them; write_file's content: decoded by its
+    # encoding); a value without them (a lone surrogate) goes to the Python supervisor
+    raw: bool = False
 
 
 class Op(NamedTuple):
@@ -100,32 +107,36 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("ping", (), ("pong",), native="P"),
     # slotd's own: it execs the Python supervisor in its place, which answers with its ready frame
     Op("upgrade", (), ("ready", "pid"), native="U", served_by="slotd"),
+    # The file tools: slotd does their system calls (the same ones, in the same order, as
+    # inslot_files.SlotFiles) and the host renders the answer with inslot_files' own functions
+    # (host/isolation/slotd_wire.py): no Python start on a slot's first file call.
     Op("read_file", (
-        Field("path", "str", REQUIRED, 0, MAX_PATH),
+        Field("path", "str", REQUIRED, 0, MAX_PATH, raw=True),
         Field("offset", "int", 0, 0, MAX_OFFSET),
         Field("limit", "int", 0, 0, MAX_OFFSET),
-        Field("encoding", "str", "text", choices=("text", "base64")),
+        Field("encoding", "str", "text", choices=("text", "base64"), host=True),
         Field("max_bytes", "int", REQUIRED, 0, 1 << 40),
-    ), ("content", "encoding", "size"), optional_reply=("binary",)),
+    ), ("content", "encoding", "size"), optional_reply=("binary",), native="R"),
     Op("write_file", (
-        Field("path", "str", REQUIRED, 0, MAX_PATH),
-        Field("content", "str", REQUIRED, 0, MAX_FRAME),
-        Field("encoding", "str", "text", choices=("text", "base64")),
+        Field("path", "str", REQUIRED, 0, MAX_PATH, raw=True),
+        Field("content", "str", REQUIRED, 0, MAX_FRAME, raw=True),
+        Field("encoding", "str", "text", choices=("text", "base64"), host=True),
         Field("append", "bool", False),
-        Field("max_bytes", "int", REQUIRED, 0, 1 << 40),
-    ), ("path", "bytes_written", "size"), writes_files=True),
+        Field("max_bytes", "int", REQUIRED, 0, 1 << 40, host=True),
+    ), ("path", "bytes_written", "size"), writes_files=True, native="W"),
     Op("edit_file", (
-        Field("path", "str", REQUIRED, 0, MAX_PATH),
-        Field("old_string", "str", REQUIRED, 1, MAX_FRAME),
-        Field("new_string", "str", REQUIRED, 0, MAX_FRAME),
+        Field("path", "str", REQUIRED, 0, MAX_PATH, raw=True),
+        Field("old_string", "str", REQUIRED, 1, MAX_FRAME, raw=True),
+        Field("new_string", "str", REQUIRED, 0, MAX_FRAME, raw=True),
         Field("replace_all", "bool", False),
         Field("max_bytes", "int", REQUIRED, 0, 1 << 40),
-    ), ("path", "replacements"), writes_files=True),
+    ), ("path", "replacements"), writes_files=True, native="D"),
     Op("list_dir", (
-        Field("path", "str", ".", 0, MAX_PATH),
-        Field("max_entries", "int", 1000, 1, 100_000),
-    ), ("path", "entries", "truncated", "total")),
-    Op("stat", (Field("path", "str", REQUIRED, 0, MAX_PATH),), ("path", "type", "size", "mode", "mtime")),
+        Field("path", "str", ".", 0, MAX_PATH, raw=True),
+        Field("max_entries", "int", 1000, 1, 100_000, host=True),
+    ), ("path", "entries", "truncated", "total"), native="L"),
+    Op("stat", (Field("path", "str", REQUIRED, 0, MAX_PATH, raw=True),), ("path", "type", "size", "mode", "mtime"),
+       native="S"),
     Op("archive", (
         Field("path", "str", ".", 0, MAX_PATH),
         Field("max_bytes", "int", REQUIRED, 0, 1 << 40),
@@ -170,6 +181,11 @@ ERRORS: dict[str, int] = {
 def status(code: str) -> int:
     """The HTTP status of an in-slot error code (an unknown one is a 400-class tool error)."""
     return ERRORS.get(code, 400)
+
+
+def carried(f: Field) -> bool:
+    """Whether slotd's frame holds the field (slotd_wire.encode_op writes it, slotd_protocol.h reads it)."""
+    return f.native and not f.host
 
 
 def default(op: str, name: str) -> Any:

@@ -41,7 +41,8 @@ def _python_boot(go_fd: int, src_fd: int, env: dict[str, str]) -> str:
     # uncaught exception is reported as the interpreter reports it (Python/pythonrun.c,
     # _PyErr_PrintEx): sys.last_* set first (atexit handlers read them), then sys.excepthook without
     # the bootstrap's frame, outside any exception handler (an exception raised by the hook chains
-    # onto nothing), "Error in sys.excepthook" or "sys.excepthook is missing" as there; exit status 1.
+    # onto nothing), "Error in sys.excepthook" or "sys.excepthook is missing" as there (a hook set to
+    # None is called, and fails, as there: only a deleted one is missing); exit status 1.
     # SystemExit propagates to the interpreter as usual.
     return f"""def _atropos_boot():
     import os, sys
@@ -70,8 +71,8 @@ def _python_boot(go_fd: int, src_fd: int, env: dict[str, str]) -> str:
     sys.last_type, sys.last_value, sys.last_traceback = type(error), error, error.__traceback__
     if sys.version_info >= (3, 12):
         sys.last_exc = error
-    hook = getattr(sys, "excepthook", None)
-    if hook is None:
+    hook = getattr(sys, "excepthook", parts)  # parts: a sentinel (None is a hook that fails, as there)
+    if hook is parts:
         sys.stderr.write("sys.excepthook is missing\\n")
         sys.__excepthook__(type(error), error, error.__traceback__)
     else:
@@ -92,11 +93,11 @@ def _python_boot(go_fd: int, src_fd: int, env: dict[str, str]) -> str:
     # An uncaught KeyboardInterrupt ends python3 by SIGINT once atexit handlers ran (Modules/main.c):
     # it must leave the code the interpreter runs, so it passes through the interpreter's printer,
     # which this one-shot hook silences, putting back what the real report set.
-    tb, hook = error.__traceback__, getattr(sys, "excepthook", None)
+    tb, hook = error.__traceback__, getattr(sys, "excepthook", parts)
     def _quiet(*_):
         error.__traceback__ = sys.last_traceback = tb
         sys.last_value = error
-        if hook is None:
+        if hook is parts:
             del sys.excepthook
         else:
             sys.excepthook = hook

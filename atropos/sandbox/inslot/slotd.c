@@ -21,6 +21,7 @@
  * call survives it), not itself from its own slot.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -934,6 +935,557 @@ out:
     slotd_free_terminal(&r);
 }
 
+/* ------------------------------------------------------------------ file tools */
+/* inslot_files.py's SlotFiles, served here so that a slot's first file call starts no Python
+   (docs/native-supervisor.md): the same system calls in the same order (openat2 strictly beneath
+   the workspace, the same flags, the same checks), the raw outcome sent back, and the host renders
+   the reply and composes every message with the Python supervisor's own functions
+   (inslot_file_replies.py, in slotd_wire.decode_files).
+   Text rules the host cannot apply after the fact (edit's strict UTF-8 and its matching) are here. */
+
+#ifndef SYS_openat2
+#define SYS_openat2 437
+#endif
+#define RESOLVE_NO_MAGICLINKS 0x02
+#define RESOLVE_BENEATH 0x08
+#define RESOLVE_IN_ROOT 0x10
+
+static char *files_ws;  /* SlotFiles.workspace: the workspace as the slot sees it ("/" for an image root) */
+static char *files_cwd; /* SlotFiles.cwd: NULL, or an image's WorkingDir ("/" when it is gone) */
+
+typedef struct { uint64_t flags, mode, resolve; } open_how_t;
+
+/* A failed file call: what failed and how (the host writes the message, as inslot_files does). */
+typedef struct { const char *kind; int err; char *name; size_t name_n; long long num; } fs_fail_t;
+
+static void fs_set(fs_fail_t *x, const char *kind, int err) { x->kind = kind; x->err = err; }
+
+/* inslot_files._openat2: `path` (n bytes) strictly beneath `dir_fd`; -1 with x set on failure. */
+static int fs_openat2(int dir_fd, const char *path, size_t n, int flags, mode_t mode, fs_fail_t *x) {
+    if (memchr(path, 0, n)) { fs_set(x, "nul", 0); return -1; }
+    open_how_t how = {(uint64_t)(flags | O_CLOEXEC), (flags & O_CREAT) ? mode : 0,
+                      (uint64_t)((strcmp(files_ws, "/") ? RESOLVE_BENEATH : RESOLVE_IN_ROOT) | RESOLVE_NO_MAGICLINKS)};
+    char *z = xmalloc(n + 1); /* the callers' paths are counted, not always NUL-terminated */
+    memcpy(z, path, n);
+    z[n] = 0;
+    long fd = -1;
+    for (int i = 0; i < 64; i++) {
+        fd = syscall(SYS_openat2, dir_fd, z, &how, sizeof how);
+        if (fd >= 0 || errno != EAGAIN) break; /* EAGAIN: a rename raced a ".." step; the kernel asks for a retry */
+    }
+    int e = errno;
+    free(z);
+    if (fd >= 0) return (int)fd;
+    fs_set(x, "os", e);
+    return -1;
+}
+
+static int fs_root(fs_fail_t *x) {
+    int fd = open(files_ws, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) fs_set(x, "raw", errno);
+    return fd;
+}
+
+/* SlotFiles._rel: `path` relative to the workspace (malloc'd, its length in *out_n), or NULL with x
+   set ("empty", "escape"). */
+static char *fs_rel(const char *path, size_t n, size_t *out_n, fs_fail_t *x) {
+    if (!n) { fs_set(x, "empty", 0); return NULL; }
+    if (path[0] != '/' && !files_cwd) {
+        char *r = xmalloc(n + 1);
+        memcpy(r, path, n);
+        r[n] = 0;
+        *out_n = n;
+        return r;
+    }
+    size_t cn = path[0] != '/' ? strlen(files_cwd) + 1 : 0;
+    char *full = xmalloc(cn + n + 1), *norm = xmalloc(cn + n + 1);
+    if (cn) { memcpy(full, files_cwd, cn - 1); full[cn - 1] = '/'; }
+    memcpy(full + cn, path, n);
+    size_t fn = cn + n, nn = 0;
+    for (size_t i = 0; i < fn; i++) /* re.sub("/+", "/") */
+        if (!(full[i] == '/' && nn && norm[nn - 1] == '/')) norm[nn++] = full[i];
+    free(full);
+    size_t rn = strlen(files_ws);
+    while (rn && files_ws[rn - 1] == '/') rn--;
+    const char *root = rn ? files_ws : "/";
+    if (!rn) rn = 1;
+    char *r = NULL;
+    if ((nn == rn || (nn == rn + 1 && norm[rn] == '/')) && !memcmp(norm, root, rn)) {
+        r = strdup(".");
+        *out_n = 1;
+    } else {
+        size_t in = root[rn - 1] == '/' ? rn : rn + 1; /* root + "/" */
+        if (nn >= in && !memcmp(norm, root, rn) && norm[in - 1] == '/') {
+            r = xmalloc(nn - in + 1);
+            memcpy(r, norm + in, nn - in);
+            r[nn - in] = 0;
+            *out_n = nn - in;
+        } else {
+            fs_set(x, "escape", 0);
+        }
+    }
+    free(norm);
+    return r;
+}
+
+static char *fd_path(int fd) {
+    char link[64], *out = xmalloc(PATH_MAX + 1);
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, out, PATH_MAX);
+    out[n > 0 ? n : 0] = 0;
+    return out;
+}
+
+/* SlotFiles._open_rel */
+static int fs_open_rel(const char *rel, size_t n, int flags, mode_t mode, fs_fail_t *x) {
+    int root = fs_root(x);
+    if (root < 0) return -1;
+    int fd = fs_openat2(root, rel, n, flags, mode, x);
+    close(root);
+    if (fd >= 0 && !strcmp(files_ws, "/") && !(flags & O_PATH)) {
+        /* an image root reaches /proc, where "self" is this supervisor: not for the file tools */
+        char *real = fd_path(fd);
+        int proc = !strcmp(real, "/proc") || !strncmp(real, "/proc/", 6);
+        free(real);
+        if (proc) { close(fd); fs_set(x, "proc", 0); return -1; }
+    }
+    return fd;
+}
+
+/* SlotFiles._open: -1 with x set, else the descriptor and `path`'s rel (malloc'd) in *rel. */
+static int fs_open(const char *path, size_t n, int flags, mode_t mode, char **rel, size_t *rel_n, fs_fail_t *x) {
+    *rel = fs_rel(path, n, rel_n, x);
+    if (!*rel) return -1;
+    return fs_open_rel(*rel, *rel_n, flags, mode, x);
+}
+
+static void fs_reply_fail(long seq, fs_fail_t *x) {
+    buf_t b = {0};
+    b_fmt(&b, "{\"seq\":%ld,\"ok\":false,\"native\":true,\"fs\":{\"fail\":\"%s\",\"errno\":%d,\"num\":%lld", seq,
+          x->kind, x->err, x->num);
+    if (x->name) { b_str(&b, ",\"name\":\""); b_b64(&b, (unsigned char *)x->name, x->name_n); b_str(&b, "\""); }
+    b_str(&b, "}}");
+    send_frame(&b);
+    free(b.p);
+    free(x->name);
+}
+
+static void b_b64s(buf_t *b, const char *key, const char *s, size_t n) {
+    b_fmt(b, ",\"%s\":\"", key);
+    b_b64(b, (const unsigned char *)s, n);
+    b_str(b, "\"");
+}
+
+/* SlotFiles._read_regular: the bytes (malloc'd, *len) and the file's size, or NULL with x set. */
+static char *fs_read_regular(const char *path, size_t n, long long offset, long long limit, long long max_bytes,
+                             size_t *len, long long *size, fs_fail_t *x) {
+    char *rel;
+    size_t rel_n;
+    int fd = fs_open(path, n, O_RDONLY | O_NONBLOCK | O_NOCTTY, 0644, &rel, &rel_n, x);
+    free(rel);
+    if (fd < 0) return NULL;
+    struct stat st;
+    char *data = NULL;
+    if (fstat(fd, &st)) { fs_set(x, "raw", errno); goto out; }
+    if (S_ISDIR(st.st_mode)) { fs_set(x, "is_directory", 0); goto out; }
+    if (!S_ISREG(st.st_mode)) { fs_set(x, "not_regular", 0); goto out; }
+    long long want = limit <= 0 ? (st.st_size - offset > 0 ? st.st_size - offset : 0) : limit;
+    *size = st.st_size;
+    if (want > max_bytes) { fs_set(x, "too_large", 0); x->num = st.st_size; goto out; }
+    if (lseek(fd, (off_t)offset, SEEK_SET) < 0) { fs_set(x, "raw", errno); goto out; }
+    /* inslot_fs.read_at_most: chunks of 1 MiB, so a file that grows meanwhile costs no more than asked */
+    size_t got = 0, cap = 0;
+    while ((long long)got < want) {
+        size_t chunk = want - (long long)got < (1 << 20) ? (size_t)(want - (long long)got) : (1 << 20);
+        if (got + chunk > cap) {
+            cap = got + chunk;
+            char *p = realloc(data, cap);
+            if (!p) die("realloc");
+            data = p;
+        }
+        ssize_t r = read(fd, data + got, chunk);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) { fs_set(x, "raw", errno); free(data); data = NULL; goto out; }
+        if (!r) break;
+        got += (size_t)r;
+    }
+    if (!data) data = xmalloc(1);
+    *len = got;
+out:
+    close(fd);
+    return data;
+}
+
+static void do_read_file(fields_t *f, long seq) {
+    slotd_read_file_t r;
+    slotd_parse_read_file(f, &r);
+    malformed(f, "read_file");
+    fs_fail_t x = {0};
+    size_t len = 0;
+    long long size = 0;
+    char *data = fs_read_regular(r.path, r.path_len, r.offset, r.limit, r.max_bytes, &len, &size, &x);
+    if (!data) {
+        fs_reply_fail(seq, &x);
+    } else {
+        buf_t b = {0};
+        b_fmt(&b, "{\"seq\":%ld,\"ok\":true,\"native\":true,\"fs\":{\"size\":%lld", seq, size);
+        b_b64s(&b, "data", data, len);
+        b_str(&b, "}}");
+        send_frame(&b);
+        free(b.p);
+        free(data);
+    }
+    slotd_free_read_file(&r);
+}
+
+/* A write of all `n` bytes; SIGXFSZ ignored meanwhile, as in Python (the file size limit is an
+   EFBIG for the tool, not the end of the supervisor), and restored before any call forks. */
+static int write_file_all(int fd, const char *p, size_t n) {
+    signal(SIGXFSZ, SIG_IGN);
+    int e = 0;
+    while (n) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0) { e = errno; break; }
+        p += w;
+        n -= (size_t)w;
+    }
+    signal(SIGXFSZ, SIG_DFL);
+    return e;
+}
+
+/* SlotFiles._make_parents */
+static int fs_make_parents(const char *rel, size_t n, fs_fail_t *x) {
+    /* the parts, "" and "." left out, and the last one too */
+    size_t *starts = xmalloc(sizeof(size_t) * (n / 2 + 1)), *lens = xmalloc(sizeof(size_t) * (n / 2 + 1)), np = 0;
+    for (size_t i = 0; i < n;) {
+        size_t j = i;
+        while (j < n && rel[j] != '/') j++;
+        if (!(j == i || (j - i == 1 && rel[i] == '.'))) {
+            starts[np] = i;
+            lens[np++] = j - i;
+        }
+        i = j + 1;
+    }
+    if (np) np--;
+    char *prefix = xmalloc(n + 1);
+    size_t pn = 0;
+    int rc = 0;
+    for (size_t k = 0; k < np; k++) {
+        size_t parent_n = pn;
+        if (pn) prefix[pn++] = '/';
+        memcpy(prefix + pn, rel + starts[k], lens[k]);
+        pn += lens[k];
+        fs_fail_t y = {0};
+        int fd = fs_open_rel(prefix, pn, O_PATH | O_DIRECTORY, 0644, &y);
+        if (fd >= 0) { close(fd); continue; }
+        if (strcmp(y.kind, "os") || (y.err != ENOENT && y.err != ENOTDIR)) {
+            *x = y;
+            x->name = xmalloc(pn + 1);
+            memcpy(x->name, prefix, pn);
+            x->name_n = pn;
+            rc = -1;
+            break;
+        }
+        /* the parent: prefix.rsplit("/", 1)[0], or "." */
+        const char *par = parent_n ? prefix : ".";
+        size_t par_n = parent_n ? parent_n : 1;
+        int pfd = fs_open_rel(par, par_n, O_PATH | O_DIRECTORY, 0644, x);
+        if (pfd < 0) {
+            x->name = xmalloc(par_n + 1);
+            memcpy(x->name, par, par_n);
+            x->name_n = par_n;
+            rc = -1;
+            break;
+        }
+        char *part = strndup(rel + starts[k], lens[k]);
+        int e = mkdirat(pfd, part, 0755) ? errno : 0;
+        free(part);
+        close(pfd);
+        if (e && e != EEXIST) {
+            fs_set(x, "os", e);
+            x->name = xmalloc(pn + 1);
+            memcpy(x->name, prefix, pn);
+            x->name_n = pn;
+            rc = -1;
+            break;
+        }
+    }
+    free(prefix);
+    free(starts);
+    free(lens);
+    return rc;
+}
+
+static int do_write_file(fields_t *f, long seq) {
+    slotd_write_file_t r;
+    slotd_parse_write_file(f, &r);
+    malformed(f, "write_file");
+    fs_fail_t x = {0};
+    size_t rel_n = 0;
+    char *rel = fs_rel(r.path, r.path_len, &rel_n, &x), *rel2 = NULL;
+    int fd = -1;
+    struct stat st;
+    if (!rel || fs_make_parents(rel, rel_n, &x)) goto fail;
+    int flags = O_WRONLY | O_CREAT | O_NONBLOCK | O_NOCTTY | (r.append ? O_APPEND : O_TRUNC);
+    fd = fs_open(r.path, r.path_len, flags, 0644, &rel2, &rel_n, &x);
+    if (fd < 0) goto fail;
+    if (fstat(fd, &st)) { fs_set(&x, "raw", errno); goto fail; }
+    if (!S_ISREG(st.st_mode)) { fs_set(&x, "not_regular", 0); goto fail; }
+    int e = write_file_all(fd, r.content, r.content_len);
+    if (e) { fs_set(&x, "os", e); goto fail; }
+    if (fstat(fd, &st)) { fs_set(&x, "raw", errno); goto fail; }
+    char *real = fd_path(fd);
+    buf_t b = {0};
+    b_fmt(&b, "{\"seq\":%ld,\"ok\":true,\"native\":true,\"fs\":{\"size\":%lld", seq, (long long)st.st_size);
+    b_b64s(&b, "real", real, strlen(real));
+    b_b64s(&b, "rel", rel, strlen(rel));
+    b_str(&b, "}}");
+    send_frame(&b);
+    free(b.p);
+    free(real);
+    int ok = 1;
+    if (0) {
+    fail:
+        fs_reply_fail(seq, &x);
+        ok = 0;
+    }
+    if (fd >= 0) close(fd);
+    free(rel);
+    free(rel2);
+    slotd_free_write_file(&r);
+    return ok;
+}
+
+/* One code point of `s` (n bytes) at *i as Python's UTF-8 decoder takes it; -1 (and one byte
+   consumed: surrogateescape's one character) for a byte that starts no valid sequence. */
+static long utf8_next(const unsigned char *s, size_t n, size_t *i) {
+    unsigned c = s[*i];
+    size_t k;
+    long cp, lo;
+    if (c < 0x80) { (*i)++; return c; }
+    if (c >= 0xc2 && c <= 0xdf) { k = 1; cp = c & 0x1f; lo = 0x80; }
+    else if (c >= 0xe0 && c <= 0xef) { k = 2; cp = c & 0x0f; lo = 0x800; }
+    else if (c >= 0xf0 && c <= 0xf4) { k = 3; cp = c & 0x07; lo = 0x10000; }
+    else { (*i)++; return -1; }
+    for (size_t j = 1; j <= k; j++) {
+        if (*i + j >= n || (s[*i + j] & 0xc0) != 0x80) { (*i)++; return -1; }
+        cp = cp << 6 | (s[*i + j] & 0x3f);
+    }
+    if (cp < lo || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) { (*i)++; return -1; }
+    *i += k + 1;
+    return cp;
+}
+
+static int utf8_valid(const char *s, size_t n) {
+    for (size_t i = 0; i < n;)
+        if (utf8_next((const unsigned char *)s, n, &i) < 0) return 0;
+    return 1;
+}
+
+/* SlotFiles._replace_file: `data` written in full beside the file, renamed over it (mode kept);
+   the file's path relative to the workspace's real path in *out (malloc'd), or -1 with x set. */
+static int fs_replace_file(const char *path, size_t n, const char *data, size_t len, char **out, fs_fail_t *x) {
+    size_t rel_n;
+    char *rel_in = fs_rel(path, n, &rel_n, x), *real = NULL, *root_real = NULL, *tmp = NULL;
+    if (!rel_in) return -1;
+    int root = fs_root(x), dir_fd = -1, rc = -1;
+    if (root < 0) { free(rel_in); return -1; }
+    int fd = fs_openat2(root, rel_in, rel_n, O_WRONLY | O_NONBLOCK | O_NOCTTY, 0644, x);
+    if (fd < 0) goto out;
+    struct stat st;
+    if (fstat(fd, &st)) { fs_set(x, "os", errno); close(fd); goto out; }
+    real = fd_path(fd);
+    close(fd);
+    if (!S_ISREG(st.st_mode)) { fs_set(x, "not_regular", 0); goto out; }
+    root_real = fd_path(root);
+    size_t rr = strlen(root_real);
+    const char *rel;
+    if (!strcmp(root_real, "/")) rel = real + 1;
+    else if (!strncmp(real, root_real, rr) && real[rr] == '/') rel = real + rr + 1;
+    else { fs_set(x, "resolved_escape", 0); goto out; }
+    const char *slash = strrchr(rel, '/');
+    const char *name = slash ? slash + 1 : rel;
+    if (!*rel || !*name) { fs_set(x, "resolved_escape", 0); goto out; }
+    char *parent = slash ? strndup(rel, (size_t)(slash - rel)) : strdup(".");
+    dir_fd = fs_openat2(root, parent, strlen(parent), O_PATH | O_DIRECTORY, 0644, x);
+    free(parent);
+    if (dir_fd < 0) goto out;
+    /* f".{name[:200]}.edit-{pid}-{monotonic_ns}": 200 characters as Python counts them */
+    size_t nn = strlen(name), cut = 0;
+    for (int c = 0; c < 200 && cut < nn; c++) utf8_next((const unsigned char *)name, nn, &cut);
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    tmp = xmalloc(cut + 64);
+    snprintf(tmp, cut + 64, ".%.*s.edit-%d-%lld", (int)cut, name, (int)getpid(),
+             (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec);
+    int tfd = openat(dir_fd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (tfd < 0) { fs_set(x, "os", errno); free(tmp); tmp = NULL; goto out; }
+    int e = write_file_all(tfd, data, len);
+    if (!e && fchmod(tfd, st.st_mode & 07777)) e = errno;
+    close(tfd);
+    if (!e && renameat(dir_fd, tmp, dir_fd, name)) e = errno;
+    if (e) { fs_set(x, "os", e); goto out; }
+    free(tmp);
+    tmp = NULL;
+    *out = strdup(rel);
+    rc = 0;
+out:
+    if (tmp && dir_fd >= 0) unlinkat(dir_fd, tmp, 0);
+    free(tmp);
+    if (dir_fd >= 0) close(dir_fd);
+    close(root);
+    free(real);
+    free(root_real);
+    free(rel_in);
+    return rc;
+}
+
+/* Where `needle` occurs in `hay` from `from` on (memmem), or NULL. */
+static const char *find(const char *hay, size_t n, size_t from, const char *needle, size_t m) {
+    return from <= n ? memmem(hay + from, n - from, needle, m) : NULL;
+}
+
+static int do_edit_file(fields_t *f, long seq) {
+    slotd_edit_file_t r;
+    slotd_parse_edit_file(f, &r);
+    malformed(f, "edit_file");
+    fs_fail_t x = {0};
+    size_t len = 0;
+    long long size = 0, count = 0;
+    char *out = NULL, *updated = NULL;
+    char *data = fs_read_regular(r.path, r.path_len, 0, 0, r.max_bytes, &len, &size, &x);
+    if (!data) goto fail;
+    /* the file as text (strict UTF-8), then str.count and str.replace: on valid UTF-8 with a valid
+       UTF-8 needle (the host sends old_string strictly encoded) a byte match is a character match */
+    if (!utf8_valid(data, len)) { fs_set(&x, "not_text", 0); goto fail; }
+    const char *old = r.old_string, *new_ = r.new_string;
+    size_t on = r.old_string_len, nn = r.new_string_len;
+    for (const char *p = find(data, len, 0, old, on); p; p = find(data, len, (size_t)(p - data) + on, old, on))
+        count++;
+    if (!count) { fs_set(&x, "no_match", 0); goto fail; }
+    if (count > 1 && !r.replace_all) { fs_set(&x, "ambiguous_match", 0); x.num = count; goto fail; }
+    long long times = r.replace_all ? count : 1;
+    size_t un = len - (size_t)times * on + (size_t)times * nn, at = 0, o = 0;
+    updated = xmalloc(un + 1);
+    for (long long k = 0; k < times; k++) {
+        const char *p = find(data, len, at, old, on);
+        size_t pre = (size_t)(p - data) - at;
+        memcpy(updated + o, data + at, pre);
+        o += pre;
+        memcpy(updated + o, new_, nn);
+        o += nn;
+        at = (size_t)(p - data) + on;
+    }
+    memcpy(updated + o, data + at, len - at);
+    if (fs_replace_file(r.path, r.path_len, updated, un, &out, &x)) goto fail;
+    {
+        buf_t b = {0};
+        b_fmt(&b, "{\"seq\":%ld,\"ok\":true,\"native\":true,\"fs\":{\"count\":%lld", seq, count);
+        b_b64s(&b, "rel", out, strlen(out));
+        b_str(&b, "}}");
+        send_frame(&b);
+        free(b.p);
+    }
+    int ok = 1;
+    if (0) {
+    fail:
+        fs_reply_fail(seq, &x);
+        ok = 0;
+    }
+    free(out);
+    free(updated);
+    free(data);
+    slotd_free_edit_file(&r);
+    return ok;
+}
+
+static void do_list_dir(fields_t *f, long seq) {
+    slotd_list_dir_t r;
+    slotd_parse_list_dir(f, &r);
+    malformed(f, "list_dir");
+    fs_fail_t x = {0};
+    char *rel = NULL;
+    size_t rel_n;
+    const char *path = r.path_len ? r.path : "."; /* req.get("path") or "." */
+    int fd = fs_open(path, r.path_len ? r.path_len : 1, O_RDONLY | O_DIRECTORY, 0644, &rel, &rel_n, &x);
+    if (fd < 0) {
+        fs_reply_fail(seq, &x);
+    } else {
+        /* os.listdir(fd) then os.stat(name, dir_fd=fd, follow_symlinks=False) of each: the host sorts
+           as Python sorts the names and keeps max_entries of them (a failed stat is left out) */
+        char *real = fd_path(fd);
+        buf_t b = {0};
+        b_fmt(&b, "{\"seq\":%ld,\"ok\":true,\"native\":true,\"fs\":{\"entries\":[", seq);
+        int dfd = dup(fd);
+        DIR *d = dfd >= 0 ? fdopendir(dfd) : NULL;
+        int first = 1, e = 0;
+        if (!d) {
+            e = errno;
+            if (dfd >= 0) close(dfd);
+        } else {
+            struct dirent *de;
+            errno = 0;
+            while ((de = readdir(d))) {
+                if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
+                struct stat st;
+                b_str(&b, first ? "[\"" : ",[\"");
+                first = 0;
+                b_b64(&b, (unsigned char *)de->d_name, strlen(de->d_name));
+                if (fstatat(fd, de->d_name, &st, AT_SYMLINK_NOFOLLOW)) b_str(&b, "\",-1,0]");
+                else b_fmt(&b, "\",%u,%lld]", (unsigned)st.st_mode, (long long)st.st_size);
+                errno = 0;
+            }
+            e = errno;
+            closedir(d);
+        }
+        b_str(&b, "]");
+        b_b64s(&b, "real", real, strlen(real));
+        b_b64s(&b, "rel", rel, rel_n);
+        b_str(&b, "}}");
+        if (e) {
+            fs_set(&x, "raw", e);
+            fs_reply_fail(seq, &x);
+        } else {
+            send_frame(&b);
+        }
+        free(b.p);
+        free(real);
+        close(fd);
+    }
+    free(rel);
+    slotd_free_list_dir(&r);
+}
+
+static void do_stat(fields_t *f, long seq) {
+    slotd_stat_t r;
+    slotd_parse_stat(f, &r);
+    malformed(f, "stat");
+    fs_fail_t x = {0};
+    char *rel = NULL;
+    size_t rel_n;
+    int fd = fs_open(r.path, r.path_len, O_PATH | O_NOFOLLOW, 0644, &rel, &rel_n, &x);
+    struct stat st;
+    if (fd >= 0 && fstat(fd, &st)) { fs_set(&x, "raw", errno); close(fd); fd = -1; }
+    if (fd < 0) {
+        fs_reply_fail(seq, &x);
+    } else {
+        char *real = fd_path(fd);
+        buf_t b = {0};
+        b_fmt(&b, "{\"seq\":%ld,\"ok\":true,\"native\":true,\"fs\":{\"mode\":%u,\"size\":%lld,\"mtime\":[%lld,%ld]", seq,
+              (unsigned)st.st_mode, (long long)st.st_size, (long long)st.st_mtim.tv_sec, (long)st.st_mtim.tv_nsec);
+        b_b64s(&b, "real", real, strlen(real));
+        b_b64s(&b, "rel", rel, rel_n);
+        b_str(&b, "}}");
+        send_frame(&b);
+        free(b.p);
+        free(real);
+        close(fd);
+    }
+    free(rel);
+    slotd_free_stat(&r);
+}
+
 /* ------------------------------------------------------------------ start-up */
 
 static void upgrade(void) {
@@ -969,7 +1521,8 @@ static void set_limit(int resource, const char *value) {
 
 /* Its configuration is the first frame on stdin, not its argv (which any process of the slot can
    read in /proc): fields MODE ("serve", or "exec": run the program in our place), NLIMITS, (NAME VALUE)..., NENV, (K=V)..., NWARM, (KIND BOOT)...,
-   WORKSPACE, NARGS, the Python supervisor's argv (the program, for "exec")...
+   WORKSPACE, NARGS, the Python supervisor's argv (the program, for "exec")..., RUN_DIR, TERM_DIR,
+   NTMUX, (ARG)..., NSHELL, (ARG)..., FILES_WORKSPACE, FILES_CWD (empty: none)
    (host side: slotd_build.config_frame). */
 static char *cfg_take(fields_t *f) {
     char *s = field(f, NULL);
@@ -1064,7 +1617,9 @@ int main(int argc, char **argv) {
         for (long i = 0; i < n_shell; i++) shell_argv[i] = cfg_take(&f);
         shell_argv[n_shell] = NULL;
     }
-    if (n_tmux < 1 || f.left) { fprintf(stderr, "slotd: malformed configuration\n"); return 2; }
+    files_ws = cfg_take(&f);
+    files_cwd = cfg_take(&f);
+    if (n_tmux < 1 || f.left || !*files_ws) { fprintf(stderr, "slotd: malformed configuration\n"); return 2; }
     free(cfg); /* every field is a copy */
     struct stat st;
     if (stat(term_dir, &st) || !S_ISDIR(st.st_mode)) { /* as supervisor.py's files.cwd */
@@ -1072,6 +1627,13 @@ int main(int argc, char **argv) {
         term_dir = strdup("/");
     }
     base_env[n_env] = NULL;
+    if (!*files_cwd) {
+        free(files_cwd);
+        files_cwd = NULL;
+    } else if (stat(files_cwd, &st) || !S_ISDIR(st.st_mode)) { /* supervisor.py's files.cwd, as above */
+        free(files_cwd);
+        files_cwd = strdup("/");
+    }
     if (!strcmp(mode, "exec")) {
         /* exec_program.py's job (the terminal's tmux server): the limits and signal state set above,
            stdio on /dev/null (none of the host's pipe ends survives: the slot's code runs beside
@@ -1104,7 +1666,10 @@ int main(int argc, char **argv) {
     fcntl(wfd, F_SETFD, FD_CLOEXEC);
 
     buf_t b = {0};
-    b_fmt(&b, "{\"ok\":true,\"native\":true,\"result\":{\"ready\":true,\"pid\":%d}}", (int)getpid());
+    /* the file tools' workspace: the host words their replies' paths and messages from it */
+    b_fmt(&b, "{\"ok\":true,\"native\":true,\"files_workspace\":\"");
+    b_b64(&b, (const unsigned char *)files_ws, strlen(files_ws));
+    b_fmt(&b, "\",\"result\":{\"ready\":true,\"pid\":%d}}", (int)getpid());
     send_frame(&b);
     b.n = 0;
     idle(); /* mark is unset: the first idle starts from a clean slate, as supervisor.py's */
@@ -1131,6 +1696,19 @@ int main(int argc, char **argv) {
             b.n = 0;
             b_fmt(&b, "{\"seq\":%ld,\"ok\":true,\"result\":{\"pong\":true}}", seq);
             send_frame(&b);
+        } else if (body[0] == SLOTD_OP_READ_FILE) {
+            do_read_file(&f, seq);
+        } else if (body[0] == SLOTD_OP_WRITE_FILE || body[0] == SLOTD_OP_EDIT_FILE) {
+            int ok = body[0] == SLOTD_OP_WRITE_FILE ? do_write_file(&f, seq) : do_edit_file(&f, seq);
+            /* writes_files: the waiting python3 started before the write never serves a later call
+               (its start-up read the user site, .pth files, sitecustomize; supervisor.py's
+               retire_python); idle() starts another. The waiting bash read nothing: it stays. */
+            for (int i = 0; ok && i < n_warm; i++)
+                if (strcmp(warm[i].kind, "/bin/bash")) warm_drop(&warm[i]);
+        } else if (body[0] == SLOTD_OP_LIST_DIR) {
+            do_list_dir(&f, seq);
+        } else if (body[0] == SLOTD_OP_STAT) {
+            do_stat(&f, seq);
         } else if (body[0] == SLOTD_OP_UPGRADE) {
             slotd_upgrade_t r;
             slotd_parse_upgrade(&f, &r);

@@ -103,4 +103,108 @@ static void slotd_free_upgrade(slotd_upgrade_t *r) {
     (void)r;
 }
 
+/* read_file: path, offset, limit, max_bytes */
+#define SLOTD_OP_READ_FILE 'R'
+typedef struct {
+    char *path; /* may hold NUL bytes */
+    size_t path_len;
+    long long offset;
+    long long limit;
+    long long max_bytes;
+} slotd_read_file_t;
+
+static void slotd_parse_read_file(fields_t *f, slotd_read_file_t *r) {
+    memset(r, 0, sizeof *r);
+    r->path = slotd_str(f, &r->path_len, 0LL, 67108864LL, 1);
+    r->offset = slotd_int(f, 0LL, 9223372036854775807LL, 0);
+    r->limit = slotd_int(f, 0LL, 9223372036854775807LL, 0);
+    r->max_bytes = slotd_int(f, 0LL, 1099511627776LL, 0);
+}
+
+static void slotd_free_read_file(slotd_read_file_t *r) {
+    free(r->path);
+}
+
+/* write_file: path, content, append */
+#define SLOTD_OP_WRITE_FILE 'W'
+typedef struct {
+    char *path; /* may hold NUL bytes */
+    size_t path_len;
+    char *content; /* may hold NUL bytes */
+    size_t content_len;
+    int append;
+} slotd_write_file_t;
+
+static void slotd_parse_write_file(fields_t *f, slotd_write_file_t *r) {
+    memset(r, 0, sizeof *r);
+    r->path = slotd_str(f, &r->path_len, 0LL, 67108864LL, 1);
+    r->content = slotd_str(f, &r->content_len, 0LL, 67108864LL, 1);
+    r->append = slotd_bool(f, 0);
+}
+
+static void slotd_free_write_file(slotd_write_file_t *r) {
+    free(r->path);
+    free(r->content);
+}
+
+/* edit_file: path, old_string, new_string, replace_all, max_bytes */
+#define SLOTD_OP_EDIT_FILE 'D'
+typedef struct {
+    char *path; /* may hold NUL bytes */
+    size_t path_len;
+    char *old_string; /* may hold NUL bytes */
+    size_t old_string_len;
+    char *new_string; /* may hold NUL bytes */
+    size_t new_string_len;
+    int replace_all;
+    long long max_bytes;
+} slotd_edit_file_t;
+
+static void slotd_parse_edit_file(fields_t *f, slotd_edit_file_t *r) {
+    memset(r, 0, sizeof *r);
+    r->path = slotd_str(f, &r->path_len, 0LL, 67108864LL, 1);
+    r->old_string = slotd_str(f, &r->old_string_len, 1LL, 67108864LL, 1);
+    r->new_string = slotd_str(f, &r->new_string_len, 0LL, 67108864LL, 1);
+    r->replace_all = slotd_bool(f, 0);
+    r->max_bytes = slotd_int(f, 0LL, 1099511627776LL, 0);
+}
+
+static void slotd_free_edit_file(slotd_edit_file_t *r) {
+    free(r->path);
+    free(r->old_string);
+    free(r->new_string);
+}
+
+/* list_dir: path */
+#define SLOTD_OP_LIST_DIR 'L'
+typedef struct {
+    char *path; /* may hold NUL bytes */
+    size_t path_len;
+} slotd_list_dir_t;
+
+static void slotd_parse_list_dir(fields_t *f, slotd_list_dir_t *r) {
+    memset(r, 0, sizeof *r);
+    r->path = slotd_str(f, &r->path_len, 0LL, 67108864LL, 1);
+}
+
+static void slotd_free_list_dir(slotd_list_dir_t *r) {
+    free(r->path);
+}
+
+/* stat: path */
+#define SLOTD_OP_STAT 'S'
+typedef struct {
+    char *path; /* may hold NUL bytes */
+    size_t path_len;
+} slotd_stat_t;
+
+static void slotd_parse_stat(fields_t *f, slotd_stat_t *r) {
+    memset(r, 0, sizeof *r);
+    r->path = slotd_str(f, &r->path_len, 0LL, 67108864LL, 1);
+}
+
+static void slotd_free_stat(slotd_stat_t *r) {
+    free(r->path);
+}
+
 #endif

@@ -89,6 +89,7 @@ class SandboxProcess:
         # slotd, the compiled supervisor, serves this sandbox until a request only the Python one
         # answers (see slotd_wire): then it becomes that one, for good.
         self.native = False
+        self.files_workspace = "/workspace"  # the file tools' workspace, as slotd's ready frame names it
         # Some request of this sandbox was one only the Python supervisor answers, whichever served it
         # (the host's supervisor_choice counts it).
         self.needed_python = False
@@ -176,7 +177,10 @@ class SandboxProcess:
                 finally:
                     network.close()
             if protocol:
-                sandbox.native = (await sandbox._read_frame(ready_timeout)).get("native") is True
+                ready = await sandbox._read_frame(ready_timeout)
+                sandbox.native = ready.get("native") is True
+                if sandbox.native and isinstance(ready.get("files_workspace"), str):
+                    sandbox.files_workspace = slotd_wire.b64_text(ready["files_workspace"])
             sandbox._close_bwrap_stderr()  # set up and running: bwrap has nothing more to say
         except NetworkSetupFailed as exc:
             await sandbox.kill()
@@ -321,7 +325,7 @@ class SandboxProcess:
             if self.echoes_seq and frame.get("seq") != seq:
                 raise SandboxDied(f"{self.label}: reply out of step with its request "
                                   f"(sequence {frame.get('seq')!r}, expected {seq})")
-            return slotd_wire.decode(frame, payload) if native is not None else frame
+            return slotd_wire.decode(frame, payload, self.files_workspace) if native is not None else frame
         except asyncio.CancelledError:
             # Mid-write or mid-call: either way the pipe no longer lines up with our requests.
             self.abandon()

@@ -37,7 +37,7 @@ def _members(f: P.Field) -> list[str]:
         "opt_int": [f"long long {m}; /* 0 when absent */", f"int has_{m};"],
         "bool": [f"int {m};"],
         "opt_bool": [f"int {m}; /* -1 when absent, else 0 or 1 */"],
-        "str": [f"char *{m};", f"size_t {m}_len;"],
+        "str": [f"char *{m};{' /* may hold NUL bytes */' if f.raw else ''}", f"size_t {m}_len;"],
         "opt_str": [f"char *{m}; /* empty when absent */", f"size_t {m}_len;"],
         "opt_text": [f"char *{m}; /* empty when absent; may hold NUL bytes */", f"size_t {m}_len;"],
         "strs": [f"long long {m}_n;", f"char **{m}; /* {m}_n strings, then NULL */"],
@@ -59,6 +59,8 @@ def _parse(f: P.Field) -> list[str]:
         return [f"r->{m} = slotd_bool(f, 0);"]
     if f.type == "opt_bool":
         return [f"r->{m} = slotd_bool(f, 1);"]
+    if f.type == "str" and f.raw:  # bytes that may hold NUL (inslot_protocol.Field.raw)
+        return [f"r->{m} = slotd_str(f, &r->{m}_len, {n_lo}, {n_hi}, 1);"]
     if f.type in ("str", "opt_str"):
         return [f"r->{m} = slotd_str(f, &r->{m}_len, {n_lo if f.type == 'str' else '0'}, {n_hi}, 0);"]
     if f.type == "opt_text":
@@ -92,7 +94,7 @@ def c_header() -> str:
     for op in P.OPS.values():
         if not op.native:
             continue
-        carried = [f for f in op.fields if f.native]
+        carried = [f for f in op.fields if P.carried(f)]
         name = op.name
         out += ["", f"/* {name}: {', '.join(f.name for f in carried) or 'no fields'} */",
                 f"#define SLOTD_OP_{name.upper()} '{op.native}'", "typedef struct {"]

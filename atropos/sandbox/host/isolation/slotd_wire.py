@@ -16,6 +16,7 @@ import os
 import struct
 from typing import Any
 
+from atropos.sandbox.inslot import inslot_file_replies as F
 from atropos.sandbox.inslot import inslot_protocol as P
 from atropos.sandbox.inslot.inslot_common import (
     render_capture,
@@ -65,6 +66,17 @@ def _fields(f: P.Field, value: Any) -> list[bytes]:
     raise ValueError(f"slotd cannot carry {t}")
 
 
+def _raw(op: str, f: P.Field, req: dict[str, Any]) -> bytes:
+    """A ``raw`` field's bytes: what the Python supervisor's handler works on. write_file's content
+    decoded by its encoding and checked against max_bytes (inslot_file_replies.write_content: a refusal, a
+    ToolFailure, is the Python supervisor's to answer), any other text strictly UTF-8 (as
+    inslot_files opens a path and compares edit's strings: a lone surrogate is a UnicodeError, and the
+    Python supervisor's to answer)."""
+    if op == "write_file" and f.name == "content":
+        return F.write_content(req)
+    return str(req[f.name]).encode()
+
+
 def encode_op(payload: dict[str, Any], seq: int) -> bytes | None:
     """slotd's frame body for ``payload`` (its kind byte, the sequence number, then every field slotd
     carries in the declared order), or None where the Python supervisor must answer: an op slotd does
@@ -78,12 +90,14 @@ def encode_op(payload: dict[str, Any], seq: int) -> bytes | None:
         req = P.check(payload)
         out = [op.native.encode(), _text(seq)]
         for f in op.fields:
+            if f.host:
+                continue
             if not f.native:
                 if req[f.name] and req[f.name] != f.default:
                     return None
                 continue
-            out += _fields(f, req[f.name])
-    except (P.InvalidRequest, UnicodeError, ValueError, TypeError):
+            out += [_field(_raw(op.name, f, req))] if f.raw else _fields(f, req[f.name])
+    except (P.InvalidRequest, UnicodeError, ValueError, TypeError, F.ToolFailure):
         return None
     return b"".join(out)
 
@@ -110,14 +124,73 @@ def encode(payload: dict[str, Any], seq: int) -> bytes | None:
     return encode_op(payload, seq)
 
 
-def decode(frame: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
-    """supervisor.py's reply to ``payload``, from slotd's ``frame``."""
+def decode(frame: dict[str, Any], payload: dict[str, Any], workspace: str = "/workspace") -> dict[str, Any]:
+    """supervisor.py's reply to ``payload``, from slotd's ``frame``; ``workspace``: the file tools'
+    (as slotd's ready frame names it)."""
     op = payload.get("op")
     if op == "exec":
         return decode_exec(frame, payload)
     if op == "terminal":
         return decode_terminal(frame)
+    if "fs" in frame:
+        return decode_files(frame, P.check(payload), workspace)
     return frame
+
+
+def b64_text(value: Any) -> str:
+    return os.fsdecode(base64.b64decode(value or ""))
+
+
+def decode_files(frame: dict[str, Any], req: dict[str, Any], workspace: str) -> dict[str, Any]:
+    """The file tool's reply as inslot_files.SlotFiles gives it, from slotd's raw outcome: its
+    bytes, its stat fields and the paths the kernel resolved, or what failed (an errno, or which of
+    SlotFiles' own checks), worded here by inslot_files' own functions."""
+    fs, op, path = frame["fs"], req["op"], req["path"]
+    reply: dict[str, Any]
+    if not frame.get("ok"):
+        why, err = fs["fail"], int(fs.get("errno") or 0)
+        name = b64_text(fs["name"]) if "name" in fs else path
+        if why == "os":
+            exc = F.os_failure(OSError(err, os.strerror(err)), name)
+            error = {"code": exc.code, "message": str(exc)}
+        elif why == "raw":  # an OSError SlotFiles does not word (an fstat's): the supervisor's os_error
+            error = {"code": "os_error", "message": str(OSError(err, os.strerror(err)))}
+        else:
+            if why == "escape":
+                exc = F.escape_failure(path, workspace)
+            elif why == "too_large":
+                exc = F.failure(why, path, int(fs["num"]), int(req["max_bytes"]))
+            elif why == "ambiguous_match":
+                exc = F.failure(why, path, int(fs["num"]))
+            else:
+                exc = F.failure(why, path)
+            error = {"code": exc.code, "message": str(exc)}
+        reply = {"ok": False, "error": error}
+    else:
+        result: dict[str, Any]
+        if op == "read_file":
+            result = F.read_result(base64.b64decode(fs["data"]), int(fs["size"]), req["encoding"])
+        elif op == "write_file":
+            result = {"path": F.shown_path(b64_text(fs["real"]), b64_text(fs["rel"]), workspace),
+                      "bytes_written": len(F.write_content(req)), "size": int(fs["size"])}
+        elif op == "edit_file":
+            result = {"path": os.path.normpath(os.path.join(workspace, b64_text(fs["rel"]))),
+                      "replacements": int(fs["count"]) if req["replace_all"] else 1}
+        elif op == "stat":
+            sec, nsec = fs["mtime"]
+            mtime = float(sec) + int(nsec) * 1e-9  # os.stat_result.st_mtime, as CPython computes it
+            result = F.stat_result(F.shown_path(b64_text(fs["real"]), b64_text(fs["rel"]), workspace), int(fs["mode"]),
+                                   int(fs["size"]), mtime)
+        else:  # list_dir: sorted(os.listdir(fd)), the first max_entries stat'ed, a failed stat left out
+            names = sorted((os.fsdecode(base64.b64decode(n)), mode, size) for n, mode, size in fs["entries"])
+            limit = int(req["max_entries"])
+            entries = [{"name": n, "type": F.kind(mode), "size": size} for n, mode, size in names[:limit] if mode >= 0]
+            result = {"path": F.shown_path(b64_text(fs["real"]), b64_text(fs["rel"]), workspace), "entries": entries,
+                      "truncated": len(names) > limit, "total": len(names)}
+        reply = {"ok": True, "result": result}
+    if "seq" in frame:
+        reply["seq"] = frame["seq"]
+    return reply
 
 
 def encode_exec(payload: dict[str, Any], seq: int) -> bytes | None:

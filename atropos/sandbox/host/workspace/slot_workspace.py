@@ -15,7 +15,7 @@ from typing import Any
 from atropos.sandbox.contract.protocol import WorkspaceKind
 from atropos.sandbox.host.config import HostConfig
 from atropos.sandbox.host.images.image_root import ImageRoot
-from atropos.sandbox.host.isolation.bwrap import SandboxPaths
+from atropos.sandbox.host.isolation.bwrap import IMAGE_HELPERS, SandboxPaths
 from atropos.sandbox.host.isolation.cgroups import SlotCgroup
 from atropos.sandbox.host.workspace import WorkspaceError
 from atropos.sandbox.host.workspace.mountns import MountNamespace
@@ -402,7 +402,7 @@ class SlotWorkspace:
 IMAGE_UPPER_BYTES = 4 << 30
 IMAGE_UPPER_INODES = 1 << 20
 # What the mount helper makes in a fresh image root's upper layer (see mounthelper.image_mount_points).
-IMAGE_MOUNT_POINTS = frozenset({"tmp", "dev", "proc", ".atropos", "sys"})
+IMAGE_MOUNT_POINTS = frozenset({"tmp", "dev", "proc", IMAGE_HELPERS.lstrip("/"), "sys"})
 
 
 def _page_round(n: int) -> int:
