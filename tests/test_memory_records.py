@@ -15,9 +15,13 @@ thread count may either.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import secrets
+import sys
 from collections import deque
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,9 +45,10 @@ SLACK = 64
 # to ~2x its live timers plus 100 cancelled ones.
 BOUNDED_OWNERS = {"asyncio.unix_events._UnixSelectorEventLoop._scheduled"}
 
+AUDIT_EVENT = "atropos.slots.audit.AuditEvent"
 # The records a trajectory creates, by process: none may outlive its trajectory.
 POOL_RECORDS = [
-    "atropos.slots.lease.Lease", "atropos.slots.audit.AuditEvent", "_asyncio.Task", "_asyncio.Future",
+    "atropos.slots.lease.Lease", AUDIT_EVENT, "_asyncio.Task", "_asyncio.Future",
     "atropos.sandbox.contract.http1._Connection", "atropos.tools.executor._Request",
     "atropos.sandbox.contract.protocol.CallResult", "atropos.sandbox.contract.protocol.ToolCall",
     "atropos.sandbox.contract.protocol.ResetResult", "atropos.tools.executor.ToolOutcome",
@@ -118,13 +123,20 @@ async def test_no_record_grows_with_trajectories() -> None:
             await run(ex, WARMUP, TRAJECTORIES)
             await quiet(pool)
             after = await measure(pool, "diff")
-            keep = pool.audit.keep
-            # the audit's window of recent events fills up to ``keep`` (2,048: 1,024 trajectories):
-            # each event is two tracked objects (the model and its set of fields set)
+            # the audit's window of recent events fills up to ``keep`` (256 here: full in the warm-up;
+            # 2,048 by default): each event is two tracked objects (the model and its set of fields set)
             window_growth = 2 * (len(pool.audit.events) - window)
+            windows = (window, len(pool.audit.events))
         finally:
             await ex.close()
     problems = []
+    # Live AuditEvents beyond this pool's window are held by something else: a second list of them, a
+    # lease or a metric keeping its event. The count is process-wide: in a whole-suite pytest process
+    # another test's pool may hold some (82 in CI's run, in both samples: 682 = 600 + 82 at the
+    # baseline, 2,130 = 2,048 + 82 at the end), so what is checked is their growth.
+    outside = [r.types[AUDIT_EVENT] - n for r, n in zip((before["pool"], after["pool"]), windows, strict=True)]
+    if outside[1] - outside[0] > SLACK:
+        problems.append(f"pool: AuditEvents held outside the audit's window grew {outside[0]} -> {outside[1]}")
     for label, now in after.items():
         base = before[label]
         for c in now.containers:
@@ -132,8 +144,6 @@ async def test_no_record_grows_with_trajectories() -> None:
                 continue
             problems.append(f"{label}: {c.owner} ({c.type}) grew by {c.growth} entries to {c.length}")
         for name, n in now.types.items():
-            if name == "atropos.slots.audit.AuditEvent" and n <= keep + SLACK:  # the audit's window of recent events
-                continue
             if n - base.types.get(name, 0) > SLACK:
                 problems.append(f"{label}: {base.types.get(name, 0)} -> {n} live {name}")
         for what in ("asyncio_tasks", "open_fds", "threads"):
@@ -173,3 +183,34 @@ def test_the_call_rate_keeps_no_record_per_call() -> None:
     grown = memstats.report(memstats.MemoryRequest(containers="diff", min_growth=SLACK)).containers
     assert not [c for c in grown if "SlotPool" in c.owner], grown
     assert pool.status().calls_per_s == 5000.0  # all of them within the last 10 s
+
+
+def _soak_module() -> Any:
+    spec = importlib.util.spec_from_file_location("soak_under_test", Path(__file__).resolve().parent.parent
+                                                  / "scripts" / "soak.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_soak_keeps_no_record_per_trajectory() -> None:
+    """The soak's own figures live in the pool's process, so they are in its RSS slope: its latency
+    reservoirs (a list of floats filling to 10,000, the lease-wait one only at trajectory 10,000: ~320
+    KB read as the pool's growth) and its memory samples (a list, ~1.2 KB each) may not grow in memory
+    with the run. 20,000 values and 2,000 samples later nothing of them is larger, and the
+    percentiles and the samples read back are still right."""
+    soak = _soak_module()
+    lat, samples = soak.Reservoir(size=1000), soak.SampleLog()
+    memstats.report(memstats.MemoryRequest(containers="start"))
+    for n in range(20_000):
+        lat.append(float(n % 100))
+    for n in range(2_000):
+        samples.append(soak.Sample(float(n), n, {"pool": 60_000 + n, "host0": 50_000}, {"pool": 40_000}))
+    grown = memstats.report(memstats.MemoryRequest(containers="diff", min_growth=SLACK)).containers
+    assert not [c for c in grown if c.owner.startswith("soak_under_test.") or c.length >= 1000], grown
+    assert len(lat.values) == 1000 and 40 <= soak.percentile(lat.values, 0.5) <= 60
+    back = samples.load()
+    assert len(back) == 2000 and back[-1].rss_kb == {"pool": 61_999, "host0": 50_000}
+    assert soak.slope([(s.trajectories, s.rss_kb["pool"]) for s in back]) == pytest.approx(1.0)
