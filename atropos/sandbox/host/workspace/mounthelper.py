@@ -143,22 +143,26 @@ class Helper:
     def _empty_namespace(self) -> int:
         """An fd of a copy of our mount namespace as it is now (the host's mounts, none of a slot)."""
         rfd, wfd = os.pipe()
+        hold_r, hold_w = os.pipe()
         pid = os.fork()
         if pid == 0:  # pragma: no cover - child
             try:
                 os.close(rfd)
+                os.close(hold_w)
                 if _libc.unshare(CLONE_NEWNS) == 0:
                     os.write(wfd, b"k")
+                    os.read(hold_r, 1)  # until the helper holds the namespace (an exited task has no ns links)
             finally:
                 os._exit(0)
         os.close(wfd)
+        os.close(hold_r)
         try:
             if os.read(rfd, 1) != b"k":
                 raise OSError(errno.EPERM, "no mount namespace for the slots could be made")
-            # the child sits in its exit path until we reap it below: its namespace is still there
-            return os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+            return os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)  # it lives as long as this fd
         finally:
             os.close(rfd)
+            os.close(hold_w)
             os.waitpid(pid, 0)
 
     def slot_namespace(self, index: int) -> SlotNamespace:
