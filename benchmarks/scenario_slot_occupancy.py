@@ -78,12 +78,20 @@ def _mount_lines(host_pid: int, slot: int) -> tuple[int, int]:
 
 
 async def _settle(client: Any, timeout: float = 60.0) -> None:
-    """Until every slot's sandbox runs (the host's prewarm after start and after the others' leases)."""
-    deadline = time.monotonic() + timeout
+    """Until every slot's sandbox runs (the host's prewarm after start and after the others'
+    leases), or no more came up for 5 s (a prewarm that timed out on a loaded machine is not retried
+    until that slot's next lease)."""
+    deadline, best, since = time.monotonic() + timeout, -1, time.monotonic()
     while time.monotonic() < deadline:
-        if all(s.sandbox_running for s in await client.slots()):
+        slots = await client.slots()
+        running = sum(s.sandbox_running for s in slots)
+        if running == len(slots):
             return
-        await asyncio.sleep(0.02)
+        if running > best:
+            best, since = running, time.monotonic()
+        elif time.monotonic() - since > 5.0:
+            return
+        await asyncio.sleep(0.1)
 
 
 async def _cycles(pool: Any, counter: TreeCounter, image: str | None, n: int, tag: str, perf: PerfTree | None
