@@ -176,8 +176,9 @@ async def run(quick: bool) -> ScenarioResult:
                 by[(root, occupied)] = row
                 res.rows.append(row)
                 res.rows.append(Row(f"{label} (machine CPU ms)", machine,
+                                    base=f"{root}, 0 other slots leased (machine CPU ms)",
                                     note="every process on the machine: other load lands here"))
-                res.rows.append(Row(f"{label} (wall ms)", wall))
+                res.rows.append(Row(f"{label} (wall ms)", wall, base=f"{root}, 0 other slots leased (wall ms)"))
         done = True
     finally:
         await pool.stop()
