@@ -321,8 +321,6 @@ class Helper:
     # -- requests --------------------------------------------------------------------------
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
         op = req.get("op")
-        if req.get("slot") is not None:  # a slot's mounts: made in that slot's own namespace
-            return self.slot_namespace(int(req["slot"])).call({k: v for k, v in req.items() if k != "slot"})
         if op == "ping":
             return {"pong": True}
         if op == "fork":
@@ -341,7 +339,9 @@ class Helper:
         if op == "settle":  # every deferred unmount done (tests, and a host that stops)
             self.deferred.join()
             for ns in self.slots.values():
-                ns.call({"op": "settle"})
+                reply = ns.call({"op": "settle"})
+                if not reply.get("ok"):
+                    raise OSError(errno.EIO, str(reply.get("error")))
             return {}
         if op == "probe":
             return self.probe(req["dir"], req.get("idmap"), req.get("quota"))
@@ -560,23 +560,18 @@ class SlotNamespace:
         return cls(index, pid, ours)
 
     def call(self, req: dict[str, Any]) -> dict[str, Any]:
+        """The namespace's reply to ``req`` as it is (its error, if any, passed on unchanged)."""
         try:
             self.sock.sendall((json.dumps(req) + "\n").encode())
             line = self.rfile.readline()
         except OSError as exc:
-            raise Forwarded(f"slot {self.index}'s mount namespace: {exc}") from None
+            return {"ok": False, "error": f"slot {self.index}'s mount namespace: {exc}"}
         if not line:
-            raise Forwarded(f"slot {self.index}'s mount namespace is gone")
-        reply = json.loads(line)
-        if not reply.get("ok"):
-            raise Forwarded(str(reply.get("error")))
-        result: dict[str, Any] = reply["result"]
-        result["ns_pid"] = self.pid
-        return result
-
-
-class Forwarded(Exception):
-    """A slot namespace's error reply, passed on as it is."""
+            return {"ok": False, "error": f"slot {self.index}'s mount namespace is gone"}
+        reply: dict[str, Any] = json.loads(line)
+        if reply.get("ok"):
+            reply["result"]["ns_pid"] = self.pid
+        return reply
 
 
 def _real_dir(dir_fd: int, name: str) -> None:
@@ -610,15 +605,17 @@ def serve(helper: Helper, inp: Any, out: Any) -> None:
     """Answer JSON-line requests in order until EOF."""
     for line in inp:
         req: dict[str, Any] = {}
+        reply: dict[str, Any]
         try:
             req = json.loads(line)
             helper.last_request = time.monotonic()
-            t0 = time.perf_counter()
-            result = helper.handle(req)
-            result["ms"] = round((time.perf_counter() - t0) * 1000, 3)
-            reply: dict[str, Any] = {"ok": True, "result": result}
-        except Forwarded as exc:
-            reply = {"ok": False, "error": str(exc)}
+            if req.get("slot") is not None:  # a slot's mounts: made in that slot's own namespace
+                reply = helper.slot_namespace(int(req["slot"])).call({k: v for k, v in req.items() if k != "slot"})
+            else:
+                t0 = time.perf_counter()
+                result = helper.handle(req)
+                result["ms"] = round((time.perf_counter() - t0) * 1000, 3)
+                reply = {"ok": True, "result": result}
         except (OSError, KeyError, TypeError, ValueError) as exc:
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         reply["id"] = req.get("id") if isinstance(req, dict) else None
