@@ -14,7 +14,7 @@ stream (``pool.upload_template``). Then:
   is wrapped on the instance; benchmark-side instrumentation only).
 * disk per idle fork: what the slots hold before and after one round of 16 forks, divided by 16,
   measured where the forks' layers are: the used bytes of every tmpfs mounted under the host's
-  ``slots/`` in the workspace mount namespace (read through the mount helper's ``/proc/PID/root``;
+  ``slots/`` in the workspace mount namespaces (read through each slot namespace's ``/proc/PID/root``;
   each slot's upper layer lives there) plus the allocated blocks under ``slots/`` on disk. The
   measurement checks itself: 20 MB written into one fork must show up as >= 19 MB more.
 * reset of a fork that wrote 1,000 files: one leased fork; each iteration fills it with one bash
@@ -138,27 +138,35 @@ async def _tar_stream(path: Path) -> AsyncIterator[bytes]:
         raise RuntimeError("tar of the template failed")
 
 
-def _helper_pid(host_pid: int) -> int | None:
-    """The host's workspace mount helper (its mount namespace holds the slots' layers)."""
+def _helper_pids(host_pid: int) -> list[int]:
+    """The host's workspace mount helper and its forks (each slot's mount namespace holds that
+    slot's layers)."""
+    found = []
     for pid in process_tree([host_pid]):
         try:
             if b"mounthelper" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return pid
+                found.append(pid)
         except OSError:
             continue
-    return None
+    return found
 
 
-def _slot_bytes(slots_dir: Path, helper: int | None) -> int:
+def _slot_bytes(slots_dir: Path, host_pid: int | None) -> int:
     """Bytes the slots hold: used bytes of the tmpfs mounts under ``slots_dir`` inside the workspace
-    namespace (upper layers, capped workspaces), plus blocks allocated under it on disk."""
+    namespaces (upper layers, capped workspaces), plus blocks allocated under it on disk."""
     from atropos.sandbox.host.workspace.mountns import read_mountinfo
 
     total = _blocks(slots_dir)
-    if helper is not None:
-        prefix = os.path.realpath(slots_dir) + "/"
-        for mount in read_mountinfo(helper):
-            if mount.fstype == "tmpfs" and mount.mountpoint.startswith(prefix):
+    prefix = os.path.realpath(slots_dir) + "/"
+    seen = set()
+    for helper in [] if host_pid is None else _helper_pids(host_pid):
+        try:
+            mounts = read_mountinfo(helper)
+        except OSError:  # a fork that came and went
+            continue
+        for mount in mounts:
+            if mount.fstype == "tmpfs" and mount.mountpoint.startswith(prefix) and mount.mountpoint not in seen:
+                seen.add(mount.mountpoint)
                 st = os.statvfs(f"/proc/{helper}/root{mount.mountpoint}")
                 total += (st.f_blocks - st.f_bfree) * st.f_frsize
     return total
@@ -218,8 +226,8 @@ async def run(quick: bool) -> ScenarioResult:
         host.client.reset = recording_reset
         slots_dir = data_dir / "slots"
         host_pid = pool.backend.pid(host.id)
-        helper = _helper_pid(host_pid) if host_pid is not None else None
-        if helper is None:
+        helper = host_pid  # the helper and its slots' namespaces are looked up at each count
+        if helper is None or not _helper_pids(helper):
             res.notes.append("no workspace mount helper found: disk per fork counts on-disk blocks only")
         for r in range(rounds + 1):  # round 0 is a warm-up (first sandboxes in the namespace)
             await _settle(host.client)  # forks start from a warm, idle pool (all sandboxes prewarmed)

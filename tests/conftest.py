@@ -109,25 +109,47 @@ class RunningHost:
 
 
 def helper_pid(data_dir: Path) -> int:
-    """The host's workspace mount helper (its mount namespace holds the slots' capped tmpfs
-    workspaces and the forks' overlays)."""
+    """The host's workspace mount helper (the process that makes the slots' capped tmpfs
+    workspaces and the forks' overlays, each slot's in its own namespace: ``slot_ns_pid``)."""
     script = str(Path(os.path.realpath(data_dir)) / "mounthelper.py").encode()
+    found = []
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
                 if script in Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0"):
-                    return int(name)
+                    found.append(int(name))
             except OSError:
                 continue
+    for pid in found:  # not one of its forks (a slot's namespace, an idmap user namespace)
+        try:
+            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) not in found:
+                return pid
+        except (OSError, IndexError, ValueError):
+            continue
     raise AssertionError("no mount helper running for this host")
+
+
+def slot_ns_pid(data_dir: Path, slot: int) -> int:
+    """The process holding slot ``slot``'s own mount namespace (a fork of the mount helper)."""
+    helper = helper_pid(data_dir)
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                stat = Path(f"/proc/{name}/stat").read_text()
+            except OSError:
+                continue
+            comm, rest = stat.split("(", 1)[1].rsplit(")", 1)
+            if comm == f"slotns-{slot}" and int(rest.split()[1]) == helper:
+                return int(name)
+    raise AssertionError(f"no mount namespace for slot {slot}")
 
 
 def slot_path(data_dir: Path, slot: int, sub: str = "ws") -> Path:
     """Host-side path of what slot ``slot`` sees as its workspace (``ws``) or run dir (``run``):
-    through the mount helper's namespace, where the slot's capped tmpfs is mounted."""
+    through the slot's own mount namespace, where its capped tmpfs is mounted."""
     real = Path(os.path.realpath(data_dir)) / "slots" / str(slot) / sub
     try:
-        return Path(f"/proc/{helper_pid(data_dir)}/root{real}")
+        return Path(f"/proc/{slot_ns_pid(data_dir, slot)}/root{real}")
     except AssertionError:  # no helper: an uncapped host (--workspace-bytes 0, no isolation)
         return real
 

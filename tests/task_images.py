@@ -15,6 +15,8 @@ build context.
 - ``nopython``: no Python at all: ``FROM scratch``, a static bash and a static busybox;
 - ``layered``: whiteouts and opaque directories across layers;
 - ``many-<i>`` (``build_many(n)``): n images sharing the base layer, one tiny unique layer each;
+- ``deep``: ``DEEP_LAYERS`` (40) layers, one tiny file each past the base's (the slot cycle on a
+  deep image, benchmarks/scenario_slot_occupancy.py);
 - ``musl``: a musl root: musl's loader and libc (no glibc), a program linked against them.
 
 ``.venv/bin/python -m tests.task_images build [NAME ...] [--many N]`` builds them from the repository
@@ -449,9 +451,21 @@ ENV TASK_ID=layered
 """)
 
 
+DEEP_LAYERS = 40  # a SWE-style image's depth (20-40 layers): what each slot of it mounts
+
+
+def _deep() -> Recipe:
+    """``DEEP_LAYERS`` layers: the base's, then one ``COPY`` of a tiny file each (no container is
+    started to make them: a few seconds to build)."""
+    extra = DEEP_LAYERS - 1
+    files = {f"layer/{i:02d}": f"layer {i}\n" for i in range(extra)}
+    copies = "".join(f"COPY layer/{i:02d} /layers/{i:02d}\n" for i in range(extra))
+    return Recipe(name="deep", dockerfile=f"FROM {BASE_IMAGE}\n{copies}ENV TASK_ID=deep\n", files=files)
+
+
 RECIPES: dict[str, Callable[[], Recipe]] = {
     "pyenv": _pyenv, "syspkg": _syspkg, "nopython": _nopython, "layered": _layered, "musl": _musl,
-    "preload": _preload,
+    "preload": _preload, "deep": _deep,
 }
 
 

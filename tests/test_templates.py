@@ -29,7 +29,7 @@ from atropos.sandbox.contract.client import HostClient
 from atropos.sandbox.contract.protocol import HealthInfo, TemplateInfo
 from atropos.sandbox.host.workspace.mountns import read_mountinfo
 from atropos.sandbox.host.workspace.trees import walk_tree
-from tests.conftest import LeasedSlot, RunningHost, helper_pid, slot_path, start_host, stop_host
+from tests.conftest import LeasedSlot, RunningHost, slot_ns_pid, slot_path, start_host, stop_host
 
 DIGEST = ("find . -mindepth 1 -printf '%y %m %P -> %l\\n' | LC_ALL=C sort | sha256sum | cut -c1-16; "
           "find . -type f -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum | sha256sum | cut -c1-16")
@@ -301,7 +301,7 @@ async def test_templates_are_immutable_while_in_use(client: HostClient, source: 
         # ...nor see it from inside its sandbox; its view of the template is a read-only, idmapped layer
         out = await s.sh(f"ls {tree} 2>&1; touch /proc/self/x 2>&1; true")
         assert "No such file" in out["stdout"]
-        mounts = [m for m in read_mountinfo(helper_pid(ov_host.data_dir)) if m.mountpoint.endswith(
+        mounts = [m for m in read_mountinfo(slot_ns_pid(ov_host.data_dir, s.lease.slot)) if m.mountpoint.endswith(
             f"/slots/{s.lease.slot}/ov/lower")]
         assert len(mounts) == 1 and {"ro", "idmapped", "nosuid", "nodev"} <= set(mounts[0].options.split(","))
         # writes through the fork never reach it

@@ -1,4 +1,4 @@
-"""The mount helper: holds every workspace overlay of one sandbox host in a private mount namespace.
+"""The mount helper: holds every workspace overlay of one sandbox host in private mount namespaces.
 
 Started by the host (``python3 -I -S mounthelper.py MODE HOST_PID``); speaks JSON lines on
 stdin/stdout, one request at a time. Standard library only.
@@ -8,6 +8,13 @@ process (the host runs threads), and mounts made in the host's own namespace wou
 crashed host. Here the kernel removes every mount when the namespace dies, i.e. when this
 helper and every sandbox started inside it (``nsenter``) are gone; sandboxes die with the host
 (bwrap ``--die-with-parent``) and this helper too (parent-death signal, EOF on stdin).
+
+Each slot's mounts live in a mount namespace of their own (``SlotNamespace``: a forked child of
+this helper serving the slot's requests), copied from the helper's namespace as it was before any
+slot mounted anything. A sandbox starts in its slot's namespace, so bubblewrap, which formats
+``/proc/self/mountinfo`` once per bind it makes and copies the whole table on unshare, walks the
+host's few mounts and that slot's own, never every slot's (a host of 48 image slots of 40 layers
+holds thousands); and no slot's namespace holds another slot's mounts at all.
 
 MODE ``root``: the host is uid 0. A new mount namespace only; lower layers are *idmapped*
 read-only clones of the template (template owner uid -> slot uid), so each slot's agent owns
@@ -28,6 +35,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -99,6 +107,11 @@ class Helper:
         self.deferred: queue.Queue[str] = queue.Queue()
         self._spare = 0
         self.last_request = 0.0
+        self.host_pid = 0
+        # The helper's mount namespace as it was before any slot mounted anything (an nsfs fd keeps
+        # it alive with no process in it): each slot's namespace is a copy of it.
+        self.template_ns = -1
+        self.slots: dict[int, SlotNamespace] = {}
 
     # -- namespaces ------------------------------------------------------------------------
     def enter(self, host_pid: int) -> None:
@@ -119,8 +132,44 @@ class Helper:
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != host_pid:
             sys.exit(0)
+        self.host_pid = host_pid
+        self.template_ns = self._empty_namespace()
         # only now: unshare() refuses a process that has more than one thread
+        self.start_thread()
+
+    def start_thread(self) -> None:
         threading.Thread(target=self._unmount_deferred, daemon=True).start()
+
+    def _empty_namespace(self) -> int:
+        """An fd of a copy of our mount namespace as it is now (the host's mounts, none of a slot)."""
+        rfd, wfd = os.pipe()
+        hold_r, hold_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            try:
+                os.close(rfd)
+                os.close(hold_w)
+                if _libc.unshare(CLONE_NEWNS) == 0:
+                    os.write(wfd, b"k")
+                    os.read(hold_r, 1)  # until the helper holds the namespace (an exited task has no ns links)
+            finally:
+                os._exit(0)
+        os.close(wfd)
+        os.close(hold_r)
+        try:
+            if os.read(rfd, 1) != b"k":
+                raise OSError(errno.EPERM, "no mount namespace for the slots could be made")
+            return os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)  # it lives as long as this fd
+        finally:
+            os.close(rfd)
+            os.close(hold_w)
+            os.waitpid(pid, 0)
+
+    def slot_namespace(self, index: int) -> SlotNamespace:
+        ns = self.slots.get(index)
+        if ns is None:
+            ns = self.slots[index] = SlotNamespace.start(self, index)
+        return ns
 
     def idmap_userns(self, owner: int, uid: int, group: int | None = None) -> int:
         """A user namespace mapping ``owner`` -> ``uid`` (uids; gids too, or ``group`` -> ``uid``),
@@ -289,6 +338,10 @@ class Helper:
             return {}
         if op == "settle":  # every deferred unmount done (tests, and a host that stops)
             self.deferred.join()
+            for ns in self.slots.values():
+                reply = ns.call({"op": "settle"})
+                if not reply.get("ok"):
+                    raise OSError(errno.EIO, str(reply.get("error")))
             return {}
         if op == "probe":
             return self.probe(req["dir"], req.get("idmap"), req.get("quota"))
@@ -462,6 +515,65 @@ class Helper:
         return {"fork_ms": round(ms, 3)}
 
 
+class SlotNamespace:
+    """One slot's mount namespace and the process that makes its mounts (a fork of the helper: the
+    same code, single-threaded when it switches namespace, which ``setns`` requires). Reached only
+    over its socket by the helper; it dies with the helper (parent-death signal, EOF)."""
+
+    def __init__(self, index: int, pid: int, sock: socket.socket) -> None:
+        self.index, self.pid, self.sock = index, pid, sock
+        self.rfile = sock.makefile("r", encoding="utf-8")
+
+    @classmethod
+    def start(cls, helper: Helper, index: int) -> SlotNamespace:
+        ours, theirs = socket.socketpair()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            try:
+                ours.close()
+                for other in helper.slots.values():
+                    other.sock.close()
+                _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+                if os.getppid() != parent:
+                    os._exit(0)
+                null = os.open(os.devnull, os.O_RDWR)
+                os.dup2(null, 0)  # the helper's pipes to the host are the helper's alone: its
+                os.dup2(null, 1)  # stdout reaches EOF when it exits, whatever we hold
+                _check(_libc.setns(helper.template_ns, CLONE_NEWNS), "setns(slot template)")
+                _check(_libc.unshare(CLONE_NEWNS), "unshare(slot mount namespace)")
+                os.close(helper.template_ns)
+                _libc.prctl(15, f"slotns-{index}".encode(), 0, 0, 0)  # PR_SET_NAME: tests and ps find it
+                mine = Helper(helper.mode)
+                mine.userns_fds = dict(helper.userns_fds)
+                mine.start_thread()
+                fh = theirs.makefile("rw", encoding="utf-8")
+                serve(mine, fh, fh)
+            except BaseException as exc:  # the child must never return into the helper's loop
+                try:
+                    theirs.sendall((json.dumps({"ok": False, "error": f"slot namespace: {exc}"}) + "\n").encode())
+                except OSError:
+                    pass
+            finally:
+                os._exit(0)
+        theirs.close()
+        return cls(index, pid, ours)
+
+    def call(self, req: dict[str, Any]) -> dict[str, Any]:
+        """The namespace's reply to ``req`` as it is (its error, if any, passed on unchanged)."""
+        try:
+            self.sock.sendall((json.dumps(req) + "\n").encode())
+            line = self.rfile.readline()
+        except OSError as exc:
+            return {"ok": False, "error": f"slot {self.index}'s mount namespace: {exc}"}
+        if not line:
+            return {"ok": False, "error": f"slot {self.index}'s mount namespace is gone"}
+        reply: dict[str, Any] = json.loads(line)
+        if reply.get("ok"):
+            reply["result"]["ns_pid"] = self.pid
+        return reply
+
+
 def _real_dir(dir_fd: int, name: str) -> None:
     """``name`` in ``dir_fd`` is a real directory afterwards: whatever else is there (a symlink, a
     file) is removed first; nothing is followed."""
@@ -489,6 +601,28 @@ def _write(path: str, text: str) -> None:
         fh.write(text)
 
 
+def serve(helper: Helper, inp: Any, out: Any) -> None:
+    """Answer JSON-line requests in order until EOF."""
+    for line in inp:
+        req: dict[str, Any] = {}
+        reply: dict[str, Any]
+        try:
+            req = json.loads(line)
+            helper.last_request = time.monotonic()
+            if req.get("slot") is not None:  # a slot's mounts: made in that slot's own namespace
+                reply = helper.slot_namespace(int(req["slot"])).call({k: v for k, v in req.items() if k != "slot"})
+            else:
+                t0 = time.perf_counter()
+                result = helper.handle(req)
+                result["ms"] = round((time.perf_counter() - t0) * 1000, 3)
+                reply = {"ok": True, "result": result}
+        except (OSError, KeyError, TypeError, ValueError) as exc:
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        reply["id"] = req.get("id") if isinstance(req, dict) else None
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+
+
 def main() -> None:
     mode, host_pid = sys.argv[1], int(sys.argv[2])
     helper = Helper(mode)
@@ -501,20 +635,7 @@ def main() -> None:
         return
     out.write(json.dumps({"ok": True, "result": {"ready": True, "pid": os.getpid()}}) + "\n")
     out.flush()
-    for line in sys.stdin:
-        req: dict[str, Any] = {}
-        try:
-            req = json.loads(line)
-            helper.last_request = time.monotonic()
-            t0 = time.perf_counter()
-            result = helper.handle(req)
-            result["ms"] = round((time.perf_counter() - t0) * 1000, 3)
-            reply: dict[str, Any] = {"ok": True, "result": result}
-        except (OSError, KeyError, TypeError, ValueError) as exc:
-            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        reply["id"] = req.get("id") if isinstance(req, dict) else None
-        out.write(json.dumps(reply) + "\n")
-        out.flush()
+    serve(helper, sys.stdin, out)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The workspace mount namespace as the host sees it: ``/proc/PID/mountinfo`` parsed, and the
-client of the mount helper process (``mounthelper.py``) that holds every slot's mounts."""
+"""The workspace mount namespaces as the host sees them: ``/proc/PID/mountinfo`` parsed, and the
+client of the mount helper process (``mounthelper.py``) that makes every slot's mounts, each slot's
+in a mount namespace of its own (``SlotMountNamespace``)."""
 
 from __future__ import annotations
 
@@ -72,13 +73,42 @@ def read_mountinfo(pid: int | str = "self", under: str | None = None) -> list[Mo
     return entries
 
 
-# -- the mount namespace -----------------------------------------------------------------------
-class MountNamespace:
+# -- the mount namespaces ----------------------------------------------------------------------
+class NamespaceView:
+    """A mount namespace as the host reaches it: through a process inside it (``pid``)."""
+
+    mode: Literal["root", "userns"]
+    nsenter: str
+    pid: int
+
+    def mounts(self, under: str | None = None) -> list[MountEntry]:
+        """The namespace's mounts (with ``under``: only those whose mount point starts with it)."""
+        return read_mountinfo(self.pid, under) if self.pid else []
+
+    def proc_path(self, path: Path) -> str:
+        """The path as seen inside the namespace (for the host, which lives outside it)."""
+        if not self.pid:
+            raise WorkspaceError("the mount namespace is not made yet")
+        return f"/proc/{self.pid}/root{path}"
+
+    def launcher(self, uid: int | None) -> list[str]:
+        """argv prefix that starts a program inside the namespace (dropping to ``uid`` as root)."""
+        if not self.pid:
+            raise WorkspaceError("the mount namespace is not made yet")
+        if self.mode == "root":
+            assert uid is not None, "a root host always runs slots as their own uid"
+            return [self.nsenter, f"--mount=/proc/{self.pid}/ns/mnt", f"--setuid={uid}", f"--setgid={uid}", "--"]
+        return [self.nsenter, f"--user=/proc/{self.pid}/ns/user", f"--mount=/proc/{self.pid}/ns/mnt",
+                "--preserve-credentials", "--"]
+
+
+class MountNamespace(NamespaceView):
     """Client of the mount helper process (one per host)."""
 
     def __init__(self, mode: Literal["root", "userns"], nsenter: str, python: str, script: Path) -> None:
         self.mode = mode
         self.nsenter = nsenter
+        self.slots: dict[int, SlotMountNamespace] = {}
         self.python = python
         self.script = script
         self.proc: asyncio.subprocess.Process | None = None
@@ -161,21 +191,12 @@ class MountNamespace:
         result: dict[str, Any] = reply["result"]
         return result
 
-    def mounts(self, under: str | None = None) -> list[MountEntry]:
-        """The namespace's mounts (with ``under``: only those whose mount point starts with it)."""
-        return read_mountinfo(self.pid, under)
-
-    def proc_path(self, path: Path) -> str:
-        """The path as seen inside the namespace (for the host, which lives outside it)."""
-        return f"/proc/{self.pid}/root{path}"
-
-    def launcher(self, uid: int | None) -> list[str]:
-        """argv prefix that starts a program inside the namespace (dropping to ``uid`` as root)."""
-        if self.mode == "root":
-            assert uid is not None, "a root host always runs slots as their own uid"
-            return [self.nsenter, f"--mount=/proc/{self.pid}/ns/mnt", f"--setuid={uid}", f"--setgid={uid}", "--"]
-        return [self.nsenter, f"--user=/proc/{self.pid}/ns/user", f"--mount=/proc/{self.pid}/ns/mnt",
-                "--preserve-credentials", "--"]
+    def slot(self, index: int) -> SlotMountNamespace:
+        """Slot ``index``'s own mount namespace (where its workspace, scratch and root are mounted)."""
+        ns = self.slots.get(index)
+        if ns is None:
+            ns = self.slots[index] = SlotMountNamespace(self, index)
+        return ns
 
     async def stop(self) -> None:
         if self.proc is None:
@@ -191,3 +212,24 @@ class MountNamespace:
         for task in (self._stderr_task, self._reader):
             if task is not None:
                 task.cancel()
+
+
+class SlotMountNamespace(NamespaceView):
+    """One slot's own mount namespace, made by the helper on the slot's first request: it holds the
+    host's mounts and that slot's, never another slot's (mounthelper.SlotNamespace)."""
+
+    def __init__(self, helper: MountNamespace, index: int) -> None:
+        self.helper = helper
+        self.index = index
+        self.mode = helper.mode
+        self.nsenter = helper.nsenter
+        self.pid = 0  # known from the first reply
+
+    @property
+    def alive(self) -> bool:
+        return self.helper.alive
+
+    async def call(self, req: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+        result = await self.helper.call({**req, "slot": self.index}, timeout)
+        self.pid = int(result.get("ns_pid", self.pid))
+        return result

@@ -18,7 +18,7 @@ from atropos.sandbox.host.images.image_root import ImageRoot
 from atropos.sandbox.host.isolation.bwrap import IMAGE_HELPERS, SandboxPaths
 from atropos.sandbox.host.isolation.cgroups import SlotCgroup
 from atropos.sandbox.host.workspace import WorkspaceError
-from atropos.sandbox.host.workspace.mountns import MountNamespace
+from atropos.sandbox.host.workspace.mountns import SlotMountNamespace
 from atropos.sandbox.host.workspace.templates import Template
 from atropos.sandbox.host.workspace.trees import copy_tree, walk_tree
 from atropos.sandbox.host.workspace.workspaces import Workspaces
@@ -75,11 +75,12 @@ class SlotWorkspace:
             return p
         return Path(self.ns().proc_path(Path(self._real(p))))
 
-    def ns(self) -> MountNamespace:
+    def ns(self) -> SlotMountNamespace:
+        """The slot's own mount namespace: only the host's mounts and this slot's are in it."""
         ns = None if self.workspaces is None else self.workspaces.ns
         if ns is None or not ns.alive:
             raise WorkspaceError("the workspace mount helper is not running")
-        return ns
+        return ns.slot(self.index)
 
     def _mounts_prefix(self) -> str:
         return self._realpath(self.dir) + "/"

@@ -193,15 +193,16 @@ class Workspaces:
         return ""
 
     def mount_count(self) -> int | None:
-        """Mounts below the data dir in the workspace namespace: a capped tmpfs for each slot's
-        workspace (when capped), run dir, /tmp and /dev/shm, plus the template layer and the
-        overlay per forked slot; no more."""
+        """Mounts below the data dir in the workspace namespaces (the helper's and each slot's): a
+        capped tmpfs for each slot's workspace (when capped), run dir, /tmp and /dev/shm, plus the
+        template layer and the overlay per forked slot; no more."""
         if self.ns is None or not self.ns.alive:
             return None
         prefix = os.path.realpath(self.root) + "/"
         leaving = os.path.realpath(self.mount_trash) + "/"  # a reset's old mounts, being unmounted
         try:
-            return sum(1 for m in self.ns.mounts(prefix) if not m.mountpoint.startswith(leaving))
+            return sum(1 for ns in (self.ns, *self.ns.slots.values()) for m in ns.mounts(prefix)
+                       if not m.mountpoint.startswith(leaving))
         except OSError:
             return None
 
