@@ -27,6 +27,7 @@ from atropos.errors import (
     LeaseError,
     SlotUnavailable,
 )
+from atropos.sandbox.contract.launch import make_undumpable
 from atropos.sandbox.contract.protocol import ImageInfo, ResetResult
 from atropos.slots.audit import LeaseAudit
 from atropos.slots.background import Background
@@ -81,6 +82,10 @@ class SlotPool:
     async def start(self) -> None:
         """Reap what crashed earlier pools left, start ``min_hosts`` hosts and the health and scaling
         loops. Raises the first error only when no host could start."""
+        if not self.cfg.dumpable:
+            # before the first host token exists: this process will hold every one of them, and
+            # every other process of the user (a Ray job, another trainer) could read its memory
+            make_undumpable()
         reaped = await self.backend.reap_orphans()
         if reaped:
             log.info("reaped %d orphaned host(s) of earlier pools", reaped)
