@@ -31,7 +31,7 @@ def inside_the_actor(actor: Any) -> dict[str, Any]:
     shaped = re.compile(TOKEN_SHAPED)
     verifier = re.compile(VERIFIER_SHAPED)
     found: set[bytes] = set()
-    seen = {"attributes": sorted(vars(actor)), "objects": 0, "memory_bytes": 0, "host_proc": {}}
+    seen: dict[str, Any] = {"attributes": sorted(vars(actor)), "objects": 0, "memory_bytes": 0, "host_proc": {}}
 
     def take(blob: bytes) -> None:
         found.update(shaped.findall(blob))
@@ -96,7 +96,7 @@ def main(address: str, prefix: str, url: str) -> None:
     report: dict[str, Any] = {"named": named, "inside": [], "accepted": []}
     for entry in ours:
         handle = ray.get_actor(entry["name"], namespace=entry["namespace"])
-        inside = ray.get(handle.__ray_call__.remote(inside_the_actor), timeout=300)
+        inside: dict[str, Any] = ray.get(handle.__ray_call__.remote(inside_the_actor), timeout=300)
         report["inside"].append(inside)
         for candidate in inside["found"]:
             req = urllib.request.Request(f"{url}/v1/slots", headers={"Authorization": f"Bearer {candidate}"})
