@@ -209,3 +209,26 @@ def test_a_pool_holding_host_tokens_is_non_dumpable_unless_opted_out(tmp_path: P
             pool.kill()
             pool.wait()
         stop_host(host)
+
+
+async def test_a_host_holds_only_its_tokens_verifier(tmp_path: Path) -> None:
+    """A host a backend starts is given the token's verifier (hosttoken.py): the pool's token is
+    accepted, the verifier itself (all the host, or a Ray actor relaying it, ever held) is not."""
+    from atropos.backends.local import LocalBackend, LocalBackendConfig
+    from atropos.sandbox.contract.hosttoken import VERIFIER_PREFIX, token_verifier
+
+    data = Path(f"/tmp/atropos-test-{os.getpid()}-{secrets.token_hex(3)}")
+    backend = LocalBackend(LocalBackendConfig(slots_per_host=1, prewarm=False, pool_id="verifier-check",
+                                              data_root=data))
+    info = await backend.start_host()
+    try:
+        verifier = token_verifier(info.token)
+        async with httpx.AsyncClient(base_url=info.address) as client:
+            for presented, status in ((info.token, 200), (verifier, 401), (verifier[len(VERIFIER_PREFIX):], 401),
+                                      (info.token + "x", 401)):
+                got = await client.get("/v1/slots", headers={"Authorization": f"Bearer {presented}"})
+                assert got.status_code == status, (presented == info.token, got.text)
+    finally:
+        await backend.stop_host(info.id)
+        await backend.close()
+        shutil.rmtree(data, ignore_errors=True)
