@@ -96,7 +96,8 @@ def main(address: str, prefix: str, url: str) -> None:
     report: dict[str, Any] = {"named": named, "inside": [], "accepted": []}
     for entry in ours:
         handle = ray.get_actor(entry["name"], namespace=entry["namespace"])
-        inside: dict[str, Any] = ray.get(handle.__ray_call__.remote(inside_the_actor), timeout=300)
+        result: Any = ray.get(handle.__ray_call__.remote(inside_the_actor), timeout=300)
+        inside: dict[str, Any] = result
         report["inside"].append(inside)
         for candidate in inside["found"]:
             req = urllib.request.Request(f"{url}/v1/slots", headers={"Authorization": f"Bearer {candidate}"})
