@@ -48,35 +48,45 @@ def inside_the_actor(actor: Any) -> dict[str, Any]:
                     take(item.encode(errors="replace"))
                 elif isinstance(item, bytes) and 40 <= len(item) <= 200:
                     take(item)
-    # every private writable mapping of this process, freed heap blocks included
-    with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", 0) as mem:
-        for line in maps:
-            fields = line.split()
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            pathname = fields[5] if len(fields) > 5 else ""
-            if "rw" not in fields[1][:2] or fields[1][3] != "p" or (pathname and not pathname.startswith("[")):
-                continue
-            if end - start > 1 << 30 or pathname in ("[vvar]", "[vsyscall]"):
-                continue
-            try:
-                mem.seek(start)
-                blob = mem.read(end - start)
-            except (OSError, ValueError, OverflowError):
-                continue
-            seen["memory_bytes"] += len(blob)
-            take(blob)
+    def scan_memory(pid: str) -> int:
+        """Every private writable mapping of ``pid`` (freed heap blocks included); bytes read."""
+        total = 0
+        with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
+            for line in maps:
+                fields = line.split()
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                pathname = fields[5] if len(fields) > 5 else ""
+                if "rw" not in fields[1][:2] or fields[1][3] != "p" or (pathname and not pathname.startswith("[")):
+                    continue
+                if end - start > 1 << 30 or pathname in ("[vvar]", "[vsyscall]"):
+                    continue
+                try:
+                    mem.seek(start)
+                    blob = mem.read(end - start)
+                except (OSError, ValueError, OverflowError):
+                    continue
+                total += len(blob)
+                take(blob)
+        return total
+
+    seen["memory_bytes"] = scan_memory("self")
     proc = getattr(actor, "proc", None)
     if proc is not None:
         pid = proc.pid
         seen["host_pid"] = pid
-        for what in ("environ", "mem", "fd/0", "cmdline"):
+        for what in ("environ", "fd/0", "cmdline"):
             try:
                 with open(f"/proc/{pid}/{what}", "rb") as fh:
-                    data = fh.read(1 << 16) if what != "mem" else fh.read(1)
+                    data = fh.read(1 << 16)
                 seen["host_proc"][what] = "READ"
                 take(data)
             except OSError as exc:
                 seen["host_proc"][what] = f"DENIED {exc.errno}"
+        # the host is non-dumpable: only a process with CAP_SYS_PTRACE (a worker of root) reads it
+        try:
+            seen["host_proc"]["mem"] = f"READ {scan_memory(str(pid))}"
+        except OSError as exc:
+            seen["host_proc"]["mem"] = f"DENIED {exc.errno}"
         for pipe in ("stdin", "stdout"):
             stream = getattr(proc, pipe, None)
             transport = getattr(stream, "transport", None) or getattr(stream, "_transport", None)
