@@ -180,9 +180,11 @@ async def test_a_second_job_running_code_inside_a_host_actor_finds_no_usable_tok
         seen = inside["seen"]
         # the attack reached the actor's memory: a token-shaped string it held was found there...
         assert seen["canary_found"] and seen["memory_bytes"] > 1 << 20, seen
-        # ...and the host child behind it: its memory too where the worker may read it (root with
-        # CAP_SYS_PTRACE, as here: the host holds only the verifier), its stdin closed
-        assert seen["host_proc"]["mem"].startswith(("DENIED", "READ")), seen
+        # ...and the host child behind it: non-dumpable, its memory is read only by a worker with
+        # CAP_SYS_PTRACE (root's, as here), which finds the token in the requests the host received
+        # (docs/ray.md: root on the node is in the trust domain); its stdin closed
+        ptrace = (int(Path("/proc/self/status").read_text().split("CapEff:")[1].split()[0], 16) >> 19) & 1
+        assert seen["host_proc"]["mem"].startswith("READ" if ptrace else "DENIED"), seen
         assert seen["host_proc"]["stdin"] == "closed", seen
         assert host.info.token not in inside["found"] and report["accepted"] == [], report["accepted"]
         # what the actor held (the verifier, if still in its memory) is not accepted either
