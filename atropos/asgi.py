@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import socket
@@ -20,6 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from atropos.errors import AtroposSandboxError, validation_message
+from atropos.sandbox.contract.hosttoken import token_matches
 
 log = logging.getLogger(__name__)
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -123,7 +123,7 @@ class RequestGuard:
         for name, value in scope.get("headers", []):
             if name == b"authorization":
                 scheme, _, presented = value.partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(presented, self.token)
+                return scheme.lower() == b"bearer" and token_matches(presented, self.token)
         return False
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:

@@ -45,9 +45,22 @@ spec=".[env]"
 # the official swebench package grades SWE-bench rows beside our verdicts in the tests (tests/test_swebench.py)
 [[ "$extras" == "--dev" ]] && spec=".[dev,env,swebench]"
 stamp=".venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)${extras}"
+# uv (a package installer on the registry pip uses) installs the same requirements in parallel and
+# compiles no bytecode up front: the bulk of a fresh machine's wait for the README's main command
+# (benchmarks/README.md, first_reply). ATROPOS_INSTALLER=pip keeps pip alone; if uv cannot be had or
+# fails, pip does the install.
+install_project() {
+    if [[ "${ATROPOS_INSTALLER:-uv}" != "pip" ]]; then
+        if [[ -x .venv/bin/uv ]] || .venv/bin/pip install -q --disable-pip-version-check uv >/dev/null 2>&1; then
+            .venv/bin/uv pip install -q --python .venv/bin/python -e "$spec" && return 0
+            say "uv could not install the project; pip will"
+        fi
+    fi
+    .venv/bin/pip install -q --disable-pip-version-check -e "$spec"
+}
 if [[ ! -f "$stamp" ]]; then
     say "installing the project into .venv ($spec)"
-    .venv/bin/pip install -q --disable-pip-version-check -e "$spec"
+    install_project
     touch "$stamp"
 fi
 say "ready: $(.venv/bin/python -c 'import atropos; print("atropos-sandbox", atropos.__version__)')"

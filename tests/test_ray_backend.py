@@ -156,6 +156,43 @@ async def test_a_task_on_the_hosts_node_cannot_find_the_host_token(cluster: RayC
             assert (await lease.bash("echo ok"))["stdout"] == "ok\n"
 
 
+async def test_a_second_job_running_code_inside_a_host_actor_finds_no_usable_token(cluster: RayCluster) -> None:
+    """Another job of the cluster (its own driver process, its own namespace) lists the named
+    actors, runs code inside the pool's host actor with ``__ray_call__`` and takes every
+    secret-shaped string from the actor's attributes, live objects and whole writable memory, and
+    what it can open of its host child (/proc, its memory, the pipes): none of it is accepted by the
+    host. The actor was only ever given the token's verifier (atropos/sandbox/contract/hosttoken.py);
+    the host holds only that, is non-dumpable and has its stdin closed. What such a job can still do (stop the host) is
+    said in docs/ray.md."""
+    from atropos.sandbox.contract.hosttoken import token_verifier
+
+    backend = make_backend(cluster, slots=1, prewarm=False)
+    async with SlotPool(backend, pool_cfg(min_hosts=1, max_hosts=1)) as pool:
+        host = next(iter(pool.hosts.values()))
+        job = await asyncio.to_thread(
+            subprocess.run, [sys.executable, str(REPO / "tests" / "ray_second_job.py"), cluster.address,
+                             f"{backend.cfg.pool_id}/", host.info.address],
+            capture_output=True, text=True, timeout=500, cwd=REPO)
+        assert job.returncode == 0, job.stderr[-3000:]
+        report = json.loads(job.stdout.strip().splitlines()[-1])
+        assert host.info.id in [a["name"] for a in report["named"]], report["named"]  # found by its name
+        (inside,) = report["inside"]
+        seen = inside["seen"]
+        # the attack reached the actor's memory: a token-shaped string it held was found there...
+        assert seen["canary_found"] and seen["memory_bytes"] > 1 << 20, seen
+        # ...and the host child behind it: non-dumpable, its memory is read only by a worker with
+        # CAP_SYS_PTRACE (root's, as here), which finds the token in the requests the host received
+        # (docs/ray.md: root on the node is in the trust domain); its stdin closed
+        ptrace = (int(Path("/proc/self/status").read_text().split("CapEff:")[1].split()[0], 16) >> 19) & 1
+        assert seen["host_proc"]["mem"].startswith("READ" if ptrace else "DENIED"), seen
+        assert seen["host_proc"]["stdin"] == "closed", seen
+        assert host.info.token not in inside["found"] and report["accepted"] == [], report["accepted"]
+        # what the actor held (the verifier, if still in its memory) is not accepted either
+        assert not any(v in report["accepted"] for v in (token_verifier(host.info.token),))
+        async with pool.leased("probe") as lease:  # the host still serves with its token
+            assert (await lease.bash("echo ok"))["stdout"] == "ok\n"
+
+
 async def test_isolation_smoke_rows_on_a_ray_placed_host(cluster: RayCluster) -> None:
     """A few rows of tests/test_isolation.py through a Ray-placed host: the same confinement."""
     async with SlotPool(make_backend(cluster, slots=2), pool_cfg()) as pool:

@@ -9,6 +9,7 @@ neighbour exactly. serve runs with no host (--min-hosts 0): the secrets at stake
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port, wait_for_http
+from conftest import free_port, start_host, stop_host, wait_for_http
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "serve-secret-" + "x" * 30
@@ -120,3 +121,114 @@ async def test_the_host_token_waits_until_the_host_is_non_dumpable(tmp_path: Pat
                             "main(['--token-stdin', '--port', '0', '--slots', '1', '--data-dir', sys.argv[1]])",
                             str(tmp_path / "real")], input=b"", capture_output=True, timeout=120)
     assert first.stdout.decode().startswith(UNDUMPABLE_LINE), (first.stdout, first.stderr[-2000:])
+
+
+POOL_SCRIPT = """
+import asyncio, sys
+from atropos.backends.base import Backend, HostInfo
+from atropos.slots.config import PoolConfig
+from atropos.slots.pool import SlotPool
+
+class OneHost(Backend):
+    # a host the test started (a host needs capabilities this process has not): its token arrives
+    # on stdin, as a backend's own would be made here
+    def __init__(self, address, token):
+        self.address, self.token = address, token
+    async def start_host(self):
+        return HostInfo(id="one", address=self.address, token=self.token, slots=1)
+    async def stop_host(self, host_id):
+        pass
+    async def alive(self, host_id):
+        return True
+    async def close(self):
+        pass
+
+async def main():
+    backend = OneHost(sys.argv[1], sys.stdin.readline().strip())
+    async with SlotPool(backend, PoolConfig(min_hosts=1, max_hosts=1)) as pool:
+        async with pool.leased("probe") as lease:  # the pool holds and uses the token
+            await lease.bash("true")
+        print("ready", flush=True)
+        await asyncio.sleep(300)
+
+asyncio.run(main())
+"""
+
+MEMORY_THIEF = """
+import re, sys
+pid, token = sys.argv[1], sys.argv[2].encode()
+try:
+    maps = open(f"/proc/{pid}/maps").read().splitlines()
+    mem = open(f"/proc/{pid}/mem", "rb", 0)
+except OSError as exc:
+    print("DENIED", exc.errno); sys.exit()
+hit = False
+for line in maps:
+    f = line.split()
+    if not f[1].startswith("rw"):
+        continue
+    a, b = (int(x, 16) for x in f[0].split("-"))
+    try:
+        mem.seek(a); hit = hit or token in mem.read(b - a)
+    except (OSError, ValueError, OverflowError):
+        pass
+print("READ", hit)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv(1) to run the pool and the thief as a capability-less same user")
+@pytest.mark.parametrize("opt_out", [False, True])
+def test_a_pool_holding_host_tokens_is_non_dumpable_unless_opted_out(tmp_path: Path, opt_out: bool) -> None:
+    """The pool's process (a trainer's, with the Python API) holds every host token: from start()
+    on it is non-dumpable, so a same-user process without CAP_SYS_PTRACE cannot read its memory.
+    ATROPOS_POOL_DUMPABLE=1 (PoolConfig.dumpable) leaves it dumpable for ptrace/py-spy, and then the
+    same thief finds the token: the attack is real."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATROPOS_")}
+    if opt_out:
+        env["ATROPOS_POOL_DUMPABLE"] = "1"
+    # under /tmp as conftest's hosts (pytest's tmp_path is not traversable by the slots' uids)
+    host = start_host(Path(f"/tmp/atropos-test-{os.getpid()}-{secrets.token_hex(3)}"), slots=1)
+    pool = subprocess.Popen([*NO_CAPS, sys.executable, "-c", POOL_SCRIPT, host.address], cwd=REPO, env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert pool.stdin is not None and pool.stdout is not None and pool.stderr is not None
+        pool.stdin.write(host.token.encode() + b"\n")
+        pool.stdin.close()
+        if pool.stdout.readline() != b"ready\n":
+            pool.wait(30)
+            raise AssertionError(pool.stderr.read().decode()[-3000:])
+        r = subprocess.run([*NO_CAPS, sys.executable, "-c", MEMORY_THIEF, str(pool.pid), host.token],
+                           capture_output=True, text=True, timeout=120)
+        assert r.stdout.split() == (["READ", "True"] if opt_out else ["DENIED", "13"]), r.stdout + r.stderr
+    finally:
+        pool.terminate()
+        try:
+            pool.wait(30)
+        except subprocess.TimeoutExpired:
+            pool.kill()
+            pool.wait()
+        stop_host(host)
+
+
+async def test_a_host_holds_only_its_tokens_verifier(tmp_path: Path) -> None:
+    """A host a backend starts is given the token's verifier (hosttoken.py): the pool's token is
+    accepted, the verifier itself (all the host, or a Ray actor relaying it, ever held) is not."""
+    from atropos.backends.local import LocalBackend, LocalBackendConfig
+    from atropos.sandbox.contract.hosttoken import VERIFIER_PREFIX, token_verifier
+
+    data = Path(f"/tmp/atropos-test-{os.getpid()}-{secrets.token_hex(3)}")
+    backend = LocalBackend(LocalBackendConfig(slots_per_host=1, prewarm=False, pool_id="verifier-check",
+                                              data_root=data))
+    info = await backend.start_host()
+    try:
+        verifier = token_verifier(info.token)
+        async with httpx.AsyncClient(base_url=info.address) as client:
+            for presented, status in ((info.token, 200), (verifier, 401), (verifier[len(VERIFIER_PREFIX):], 401),
+                                      (info.token + "x", 401)):
+                got = await client.get("/v1/slots", headers={"Authorization": f"Bearer {presented}"})
+                assert got.status_code == status, (presented == info.token, got.text)
+    finally:
+        await backend.stop_host(info.id)
+        await backend.close()
+        shutil.rmtree(data, ignore_errors=True)

@@ -4,7 +4,10 @@ local backend (bubblewrap on that node, no Docker) and reports its address back.
 
 Why it is built this way:
 
-- The host token reaches the actor in a method call after the actor exists, never in its
+- The actor never gets the host token, only its verifier (``sha256:<hex>``,
+  atropos/sandbox/contract/hosttoken.py): any job of the cluster can run code inside the actor
+  (``__ray_call__``), so nothing it holds may be usable against the host. The verifier reaches
+  the actor in a method call after the actor exists, never in its
   constructor arguments, options or runtime_env: those are stored in Ray's actor table and shown
   by its state API and dashboard; a method call's arguments are sent to the actor only. The
   actor writes it on the host's stdin (``atropos/sandbox/contract/launch.py: start_host_process``), never
@@ -51,6 +54,7 @@ from pydantic import Field
 from atropos.backends.base import PREWARM_DESCRIPTION, Backend, HostInfo, new_token, pid_alive, user_pool_id
 from atropos.backends.slot_caps import SlotCaps
 from atropos.errors import ConfigError, HostUnavailable, IsolationUnavailable
+from atropos.sandbox.contract.hosttoken import token_verifier
 
 SWEEP_INTERVAL_S = 15.0  # how often a host's actor removes what dead hosts of its pool left on its node
 ADDRESS_PROBE_S = 5.0  # a Ray address must accept a TCP connection this fast (ray.init retries for minutes)
@@ -110,7 +114,9 @@ class HostActor:
         self.data_dir = Path(launch["data_dir"])
         self.log_path = self.data_dir.with_suffix(".log")
 
-    async def start(self, token: str, timeout_s: float) -> dict[str, Any]:
+    async def start(self, verifier: str, timeout_s: float) -> dict[str, Any]:
+        """``verifier`` is the host token's (``hosttoken.token_verifier``), never the token: every
+        job of the cluster can run code in this process (``__ray_call__``, docs/ray.md)."""
         import ray
 
         from atropos.sandbox.contract.hostdirs import owned_dir
@@ -125,7 +131,7 @@ class HostActor:
         for d in (root.parent, root):
             owned_dir(d, 0o711)
         with await asyncio.to_thread(_locked_log, self.log_path) as log_file:
-            self.proc = await start_host_process(launch, token, log_file, python or sys.executable)
+            self.proc = await start_host_process(launch, verifier, log_file, python or sys.executable)
         # now and then while this host lives: a killed pool's hosts release their locks only once
         # they have stopped, seconds after their actors died
         self._sweeper = asyncio.ensure_future(self._sweep(root))
@@ -386,7 +392,8 @@ class RayBackend(Backend):
         self._actors[name] = actor
         token = new_token()
         try:
-            ready = await asyncio.wait_for(_as_future(actor.start.remote(token, c.start_timeout_s)),
+            # the actor gets the token's verifier only: any job of the cluster can run code in it
+            ready = await asyncio.wait_for(_as_future(actor.start.remote(token_verifier(token), c.start_timeout_s)),
                                            c.start_timeout_s + 30)
         except BaseException as exc:
             await asyncio.shield(self._kill(name))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,8 @@ from pydantic import BaseModel, Field, model_validator
 
 from atropos.backends.base import user_pool_id
 from atropos.renamed import accept_renamed
+
+DUMPABLE_ENV = "ATROPOS_POOL_DUMPABLE"  # =1: the opt-out of PoolConfig.dumpable's default, for a whole trainer
 
 # old name -> name (one setting had two names: the wait for a free slot)
 RENAMED = {"lease_timeout_s": "acquire_timeout_s"}
@@ -30,6 +33,12 @@ class PoolConfig(BaseModel):
     malloc_trim_interval_s: float | None = Field(
         60.0, gt=0, description="return glibc's free pages to the kernel this often (malloc_trim), so the "
                                 "process's RSS follows its live heap over millions of leases; None: never")
+    dumpable: bool = Field(
+        default_factory=lambda: os.environ.get(DUMPABLE_ENV) == "1",
+        description="leave the pool's process dumpable. By default start() makes it non-dumpable "
+                    "(prctl PR_SET_DUMPABLE 0) before it makes any host token: no other process of its user "
+                    "may read its memory, fds or environ. That also stops ptrace, py-spy and core dumps of the "
+                    f"trainer; set True (or ${DUMPABLE_ENV}=1) where they are needed and the user runs nothing else")
 
     @model_validator(mode="before")
     @classmethod

@@ -27,6 +27,7 @@ from atropos.errors import (
     LeaseError,
     SlotUnavailable,
 )
+from atropos.sandbox.contract.launch import make_undumpable
 from atropos.sandbox.contract.protocol import ImageInfo, ResetResult
 from atropos.slots.audit import LeaseAudit
 from atropos.slots.background import Background
@@ -85,6 +86,10 @@ class SlotPool:
         ``step``: start the hosts that many at a time (each start leases every slot of its host at
         once: 100 hosts x 64 slots started together open 6,400 connections and time out connecting;
         benchmarks/README.md, "The limit")."""
+        if not self.cfg.dumpable:
+            # before the first host token exists: this process will hold every one of them, and
+            # every other process of the user (a Ray job, another trainer) could read its memory
+            make_undumpable()
         reaped = await self.backend.reap_orphans()
         if reaped:
             log.info("reaped %d orphaned host(s) of earlier pools", reaped)

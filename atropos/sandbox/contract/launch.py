@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from atropos.errors import HostUnavailable
 from atropos.sandbox.contract.egress import EgressSettings
+from atropos.sandbox.contract.hosttoken import token_verifier
 from atropos.sandbox.contract.protocol import DEFAULT_MAX_TIMEOUT_S, MaxTimeoutS
 from atropos.sandbox.inslot.inslot_common import make_undumpable as make_undumpable  # the host and the Ray actor too
 
@@ -174,7 +175,9 @@ async def start_host_process(launch: HostLaunch, token: str, stderr: IO[bytes],
     """Start ``python -m atropos.sandbox`` for ``launch`` in a session of its own, its token
     written on its stdin (a pipe closed at once) only once the host has said it is non-dumpable
     (``UNDUMPABLE_LINE`` on its stdout: before that, a process of the same user could take the pipe
-    with pidfd_getfd and read the token); its stdout is then a pipe for the ready line.
+    with pidfd_getfd and read the token); its stdout is then a pipe for the ready line. What is
+    written is the token's verifier (``hosttoken.token_verifier``; ``token`` may be one already, as a
+    Ray actor has): the host never holds a token a request could carry.
 
     An interpreter that does not exist is named (``HostUnavailable``); a host that dies before it
     says it is non-dumpable gets no token, and the caller reports it from its log."""
@@ -194,7 +197,7 @@ async def start_host_process(launch: HostLaunch, token: str, stderr: IO[bytes],
     if first == UNDUMPABLE_LINE.encode():
         # far below a pipe's buffer: the write never waits for the host
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            proc.stdin.write(token.encode() + b"\n")
+            proc.stdin.write(token_verifier(token).encode() + b"\n")
             await proc.stdin.drain()
     proc.stdin.close()
     return proc

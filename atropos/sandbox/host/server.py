@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import functools
-import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,6 +17,7 @@ from atropos import __version__, memstats, metrics
 from atropos.asgi import ASGIApp, ErrorMap, Receive, RequestGuard, Send, http_error, install_error_handlers
 from atropos.errors import ImageRejected, SlotUnavailable, ToolError
 from atropos.fastroute import FastRoutes, LineStream, checked_by_guard, hot_post, invalid_body
+from atropos.sandbox.contract.hosttoken import token_matches
 from atropos.sandbox.contract.protocol import (
     LEASE_HEADER,
     CallBatch,
@@ -73,7 +73,7 @@ def create_app(host: SandboxHost, *, manage_lifecycle: bool = True) -> FastAPI:
     async def auth(authorization: str = Header("", description="Bearer <host token>")) -> None:
         """Documents the header; RequestGuard has already checked it before the body was read."""
         scheme, _, presented = authorization.partition(" ")
-        if not token or scheme.lower() != "bearer" or not hmac.compare_digest(presented.encode(), token):
+        if not token or scheme.lower() != "bearer" or not token_matches(presented.encode(), token):
             raise _error(401, "unauthorized", "missing or wrong bearer token")
 
     deps = [Depends(auth)]
