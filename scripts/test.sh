@@ -32,5 +32,13 @@ echo "[test] ruff" >&2
 .venv/bin/ruff check atropos tests benchmarks scripts
 echo "[test] mypy" >&2
 .venv/bin/mypy
-echo "[test] pytest" >&2
-.venv/bin/python -m pytest -q -ra --durations=15 "$@"
+# Two workers (pytest-xdist), a test file each at a time: most of the suite waits on sandboxes, engines
+# and model replies rather than computing, so two files at once use the 2 cores the one process left idle.
+# A module's fixtures (its hosts, pools, clusters) stay in one worker. ATROPOS_TEST_WORKERS=0: one process.
+workers="${ATROPOS_TEST_WORKERS:-2}"
+echo "[test] pytest ($workers workers)" >&2
+if [[ "$workers" == "0" ]]; then
+    .venv/bin/python -m pytest -q -ra --durations=15 "$@"
+else
+    .venv/bin/python -m pytest -q -ra --durations=15 -n "$workers" --dist loadfile "$@"
+fi
