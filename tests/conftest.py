@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,19 +129,30 @@ def helper_pid(data_dir: Path) -> int:
     raise AssertionError("no mount helper running for this host")
 
 
+def slot_ns_among(pids: Iterable[int], slot: int) -> int | None:
+    """Among a mount helper's processes (``pids``: the helper and its forks, however found: this
+    machine's /proc or a container's), the one holding slot ``slot``'s own mount namespace: the
+    helper's child named ``slotns-<slot>``."""
+    helpers = set(pids)
+    for pid in helpers:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        comm, rest = stat.split("(", 1)[1].rsplit(")", 1)
+        if comm == f"slotns-{slot}" and int(rest.split()[1]) in helpers:
+            return pid
+    return None
+
+
 def slot_ns_pid(data_dir: Path, slot: int) -> int:
     """The process holding slot ``slot``'s own mount namespace (a fork of the mount helper)."""
     helper = helper_pid(data_dir)
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                stat = Path(f"/proc/{name}/stat").read_text()
-            except OSError:
-                continue
-            comm, rest = stat.split("(", 1)[1].rsplit(")", 1)
-            if comm == f"slotns-{slot}" and int(rest.split()[1]) == helper:
-                return int(name)
-    raise AssertionError(f"no mount namespace for slot {slot}")
+    children = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    found = slot_ns_among([helper, *children], slot)
+    if found is None or found == helper:
+        raise AssertionError(f"no mount namespace for slot {slot}")
+    return found
 
 
 def slot_path(data_dir: Path, slot: int, sub: str = "ws") -> Path:

@@ -72,9 +72,14 @@ class DockerHost:
         return out
 
     def slot_path(self, slot: int, sub: str = "ws") -> Path:
-        """A slot's workspace (or run dir) through the container's mount helper's namespace."""
-        helper = next(pid for pid, argv in self.pids() if any(a.endswith(b"/mounthelper.py") for a in argv))
-        return Path(f"/proc/{helper}/root{CONTAINER_DATA_DIR}/slots/{slot}/{sub}")
+        """A slot's workspace (or run dir) through the slot's own mount namespace (a fork of the
+        container's mount helper: tests/conftest.py ``slot_ns_among``)."""
+        from conftest import slot_ns_among
+
+        helpers = [pid for pid, argv in self.pids() if any(a.endswith(b"/mounthelper.py") for a in argv)]
+        holder = slot_ns_among(helpers, slot)
+        assert holder is not None, f"no mount namespace for slot {slot} in the container"
+        return Path(f"/proc/{holder}/root{CONTAINER_DATA_DIR}/slots/{slot}/{sub}")
 
 
 async def start_docker_host(image: str, slots: int, slot_workspace_bytes: int, **config: Any) -> DockerHost:

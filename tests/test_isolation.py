@@ -1330,7 +1330,7 @@ async def test_r45_stale_lease_refused(host: RunningHost) -> None:
             assert r.error is not None and r.error.code == "lease_invalid"
             fresh.lease = res.lease
             await fresh.ok("write_file", path="mine.txt", content="fresh2")
-            assert (slot_path(host.data_dir, idx) / "mine.txt").read_text() == "fresh2"
+            assert (ws_of(host, fresh) / "mine.txt").read_text() == "fresh2"
         finally:
             await client.release(idx, fresh.lease.lease)
     finally:
