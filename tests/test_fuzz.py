@@ -682,7 +682,16 @@ def test_host_api_has_no_server_errors_and_conforms_to_its_schema(fuzz_host: Run
             if isinstance(item, dict) and "lease" in item and secrets.randbelow(2):
                 item["slot"], item["lease"] = slot, lease
 
-    report = fuzz_operations(schema, fuzz_host.address, auth, examples=EXAMPLES, fixed=fixed, adjust=adjust)
+    def after(case: Any, resp: requests.Response) -> None:
+        # A debug case that started tracing (up to 64 frames per allocation) would slow every later case
+        # of the run, and a later "diff" of everything traced since can take minutes: each starts untraced.
+        if case.operation.path == "/v1/debug/memory":
+            stopped = requests.post(f"{fuzz_host.address}/v1/debug/memory", json={"trace": "stop"}, headers=auth,
+                                    timeout=60)
+            assert stopped.status_code == 200, stopped.text
+
+    report = fuzz_operations(schema, fuzz_host.address, auth, examples=EXAMPLES, fixed=fixed, adjust=adjust,
+                             after=after)
     _print("host API", report)
     assert report.failures == []
     assert report.statuses[200] > 0
