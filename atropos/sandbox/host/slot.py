@@ -212,7 +212,9 @@ class Slot:
     def _argv(self, extra: dict[str, Any], script: str, verifier: bool = False) -> tuple[list[str], bytes | None]:
         """The sandbox's command line, and the first frame its program reads (slotd's configuration)."""
         if self.ws.image is not None:
-            return self._image_argv(self.ws.image, extra, script, verifier)
+            if verifier:  # an image slot's runner has a root of host files: _start_image_verifier
+                raise RuntimeError("an image slot's verifier is never started on the slot's root")
+            return self._image_argv(self.ws.image, extra, script)
         sup_cfg = {"limits": self.cfg.limits.rlimits(), "env": VERIFIER_ENV if verifier else SANDBOX_ENV, **extra}
         if self.cfg.unsafe_no_isolation:
             sup_cfg.update(workspace=str(self.paths.workspace), run_dir=str(self.paths.run_dir),
@@ -259,8 +261,7 @@ class Slot:
                      "files_workspace": sup_cfg.get("workspace", "/workspace")}
         return [*argv, program], slotd_build.config_frame(slotd_cfg, warm, python)
 
-    def _image_argv(self, image: ImageRoot, extra: dict[str, Any], script: str,
-                    verifier: bool) -> tuple[list[str], bytes | None]:
+    def _image_argv(self, image: ImageRoot, extra: dict[str, Any], script: str) -> tuple[list[str], bytes | None]:
         """A sandbox on the slot's image root (docs/task-images.md): the image's environment and
         WorkingDir; the helpers run on the host's interpreter (``host_program``), whatever the image
         holds, except the python_session driver, which runs the agent's code and so is the image's
@@ -277,15 +278,14 @@ class Slot:
         # one: no LD_PRELOAD, LD_AUDIT, GCONV_PATH, LOCPATH or PYTHON* of the image reaches them. The
         # python_session driver is the image's own python3 running the agent's code: it gets the Env.
         argv = image_bwrap_argv(self.cfg.bwrap, self.ws.root, paths, self.cfg.limits,
-                                network=self.network and not verifier, seccomp_fd=-1, private_net=self.private_net,
-                                env=env if script == "session.py" else HELPER_ENV, uid=image.user_ids(),
-                                verifier=verifier)
+                                network=self.network, seccomp_fd=-1, private_net=self.private_net,
+                                env=env if script == "session.py" else HELPER_ENV, uid=image.user_ids())
         argv[argv.index("-1")] = "{seccomp_fd}"
         if script == "session.py":  # the image's interpreter: the host's bytecode is not for it
             return [*argv, "python3", "-I", "-S", f"{IMAGE_LIB_DIR}/{script}", json.dumps(sup_cfg)], None
         python = [*host_program(self.cfg.python), "-I", "-S", f"{IMAGE_LIB_DIR}/{entry(paths.lib_dir, script)}",
                   json.dumps(sup_cfg)]
-        return self._supervisor(argv, IMAGE_LIB_DIR, python, sup_cfg, script, verifier or bool(extra))
+        return self._supervisor(argv, IMAGE_LIB_DIR, python, sup_cfg, script, bool(extra))
 
     async def _start(self, extra: dict[str, Any], label: str, protocol: bool = True,
                      script: str = "supervisor.py", verifier: bool = False) -> SandboxProcess:

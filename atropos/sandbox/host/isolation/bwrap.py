@@ -125,25 +125,21 @@ IMAGE_PRISTINE = f"{IMAGE_HELPERS}/image"
 
 
 def image_bwrap_argv(bwrap: str, root: Path, paths: SandboxPaths, limits: Limits, *, network: bool,
-                     seccomp_fd: int, private_net: bool, env: dict[str, str], uid: tuple[int, int],
-                     verifier: bool) -> list[str]:
+                     seccomp_fd: int, private_net: bool, env: dict[str, str], uid: tuple[int, int]) -> list[str]:
     """The sandbox of a slot whose ``/`` is an image root (mounted with its mount points by the mount
     helper): the same namespaces, seccomp filter, capped ``/tmp`` and ``/dev/shm``, read-only
     ``/proc`` and ``/dev`` as ``bwrap_argv``; the root itself is the slot's writable overlay,
     capped in size and inodes. ``uid`` is the image's user and group inside the sandbox's user
     namespace ((0, 0) for the usual root image), which map to the slot's own unprivileged uid outside.
-
-    The verifier's variant has no run dir (an empty tmpfs hides it) and is PID 1 (see
-    ``verification.verifier_bwrap`` for why)."""
+    (An image slot's verifier never runs here: ``verification.image_verifier_bwrap`` gives it a root
+    of host files.)"""
     argv = [
         bwrap,
-        *(["--as-pid-1"] if verifier else []),
         *NAMESPACES,
         "--bind", str(root), "/",
         "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
         "--dev", "/dev",
         *_scratch(paths, limits),
-        *(["--size", "4096", "--tmpfs", IMAGE_RUN_DIR] if verifier else []),
         # "/": the image's WorkingDir is the supervisor's to enter (the slot's root user may have
         # removed it; a start must not fail for that)
         "--chdir", "/",
@@ -153,9 +149,9 @@ def image_bwrap_argv(bwrap: str, root: Path, paths: SandboxPaths, limits: Limits
     ]
     # No bind onto the image's own /etc (a path the slot's root user controls, which bubblewrap would
     # follow): a network slot keeps the image's resolv.conf.
-    if network and private_net and not verifier:
+    if network and private_net:
         argv += ["--info-fd", "{info_fd}", "--block-fd", "{block_fd}"]
-    elif network and not verifier:
+    elif network:
         argv[argv.index("--unshare-all") + 1 : argv.index("--unshare-all") + 1] = ["--share-net"]
     argv += ["--remount-ro", "/proc", "--remount-ro", "/dev"]
     for key, value in env.items():
