@@ -101,6 +101,40 @@ def test_a_same_user_process_cannot_read_serves_environment_or_memory(tmp_path: 
         _stop(proc)
 
 
+async def test_a_host_start_cancelled_before_it_is_known_leaves_no_process(tmp_path: Path) -> None:
+    """A pool stopping while a host starts cancels the start while it waits for the host's first line:
+    the process, which no backend holds yet, is killed rather than left running (an orphan)."""
+    import asyncio
+
+    from atropos.sandbox.contract.launch import HostLaunch, start_host_process
+
+    pid_file = tmp_path / "pid"
+    fake = tmp_path / "fake-python"
+    fake.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 600\n")  # says nothing, ever
+    fake.chmod(0o755)
+    launch = HostLaunch(slots=1, data_dir=str(tmp_path / "data"))
+    with open(tmp_path / "log", "wb") as log:
+        start = asyncio.create_task(start_host_process(launch, "t0ken", log, python=str(fake)))
+        for _ in range(600):
+            if pid_file.exists() and pid_file.read_text().strip():
+                break
+            await asyncio.sleep(0.05)
+        pid = int(pid_file.read_text())
+        start.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await start
+    for _ in range(600):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            break  # gone (reaped)
+        if state == "Z":
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError(f"the host process {pid} of a cancelled start still runs")
+
+
 async def test_the_host_token_waits_until_the_host_is_non_dumpable(tmp_path: Path) -> None:
     """The pidfd_getfd route: a host's stdin pipe holds its token only after the host said it is
     non-dumpable. A 'host' that never says so (here a script that just drains its stdin) gets nothing,

@@ -191,13 +191,20 @@ async def start_host_process(launch: HostLaunch, token: str, stderr: IO[bytes],
                               "backend config's python to an interpreter with atropos-sandbox installed") from None
     assert proc.stdin is not None and proc.stdout is not None
     try:
-        first = await asyncio.wait_for(proc.stdout.readline(), undumpable_timeout_s)
-    except asyncio.TimeoutError:
-        first = b""
-    if first == UNDUMPABLE_LINE.encode():
-        # far below a pipe's buffer: the write never waits for the host
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            proc.stdin.write(token_verifier(token).encode() + b"\n")
-            await proc.stdin.drain()
+        try:
+            first = await asyncio.wait_for(proc.stdout.readline(), undumpable_timeout_s)
+        except asyncio.TimeoutError:
+            first = b""
+        if first == UNDUMPABLE_LINE.encode():
+            # far below a pipe's buffer: the write never waits for the host
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                proc.stdin.write(token_verifier(token).encode() + b"\n")
+                await proc.stdin.drain()
+    except BaseException:
+        # cancelled (the pool stopping while this host starts) before the caller holds the process:
+        # nobody else knows it, so it would run on as an orphan (tests/test_chaos.py saw one)
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        raise
     proc.stdin.close()
     return proc
