@@ -129,12 +129,14 @@ def helper_pid(data_dir: Path) -> int:
     raise AssertionError("no mount helper running for this host")
 
 
-def slot_ns_among(pids: Iterable[int], slot: int) -> int | None:
-    """Among a mount helper's processes (``pids``: the helper and its forks, however found: this
-    machine's /proc or a container's), the one holding slot ``slot``'s own mount namespace: the
-    helper's child named ``slotns-<slot>``."""
-    helpers = set(pids)
-    for pid in helpers:
+def slot_ns_among(pids: Iterable[int], slot: int, parents: Iterable[int] | None = None) -> int | None:
+    """Among ``pids``, the process holding slot ``slot``'s own mount namespace: the one named
+    ``slotns-<slot>`` whose parent is one of ``parents`` (the host's mount helper; default ``pids``
+    themselves, for a container's helper and its forks). Another host's slot of the same number has
+    another parent."""
+    candidates = set(pids)
+    helpers = candidates if parents is None else set(parents)
+    for pid in candidates:
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
@@ -146,11 +148,10 @@ def slot_ns_among(pids: Iterable[int], slot: int) -> int | None:
 
 
 def slot_ns_pid(data_dir: Path, slot: int) -> int:
-    """The process holding slot ``slot``'s own mount namespace (a fork of the mount helper)."""
+    """The process holding slot ``slot``'s own mount namespace (a fork of this host's mount helper)."""
     helper = helper_pid(data_dir)
-    children = [int(name) for name in os.listdir("/proc") if name.isdigit()]
-    found = slot_ns_among([helper, *children], slot)
-    if found is None or found == helper:
+    found = slot_ns_among([int(name) for name in os.listdir("/proc") if name.isdigit()], slot, parents=[helper])
+    if found is None:
         raise AssertionError(f"no mount namespace for slot {slot}")
     return found
 
