@@ -3,15 +3,16 @@
     python -m benchmarks.first_reply [--engine auto|prebuilt|compiled] [--keep]
 
 Clones this checkout's HEAD into a scratch directory, points ``ATROPOS_SANDBOX_CACHE`` at an empty
-directory (no model, no engine, no tokenizer) and runs ``bash scripts/demo.sh`` there exactly as the
-README says, until the model server logs its first answered ``/v1/chat/completions`` request; then stops
-the demo. Prints the seconds to each milestone of the demo's output (system packages checked, venv
-ready, model server ready, first reply), the machine's load average before and after, and the target
-(<= 180 s on a fresh 2-core machine; docs/targets.md). The system packages are whatever the machine
-has: on a machine that has run the project before, apt has nothing to do, which a truly fresh one pays
-once (a minute or so). A benchmark, not a test: nothing fails on a MISS. Then, with the engine the
-clone installed, ``scripts/model_server.py bench`` reports its tokens/s (and the compiled engine's too
-when this machine's own cache holds it, under the same load).
+directory (no model, no engine, no tokenizer), pip and uv at empty package caches, and runs ``bash
+scripts/demo.sh`` there exactly as the README says, until the model server logs its first answered
+``/v1/chat/completions`` request; then stops the demo. Prints the seconds to each milestone of the
+demo's output (system packages checked, venv ready, model server ready, first reply), the machine's load
+average before and after, and the target (<= 180 s on a fresh 2-core machine; docs/targets.md). The
+system packages are whatever the machine has: on a machine that has run the project before, apt has
+nothing to do, which a truly fresh one pays once (a minute or so). A benchmark, not a test: nothing
+fails on a MISS. Then, with the engine the clone installed, ``scripts/model_server.py bench`` reports
+its tokens/s (and the compiled engine's too when this machine's own cache holds it, under the same
+load).
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ def first_reply(engine: str, keep: bool) -> dict:
     clone, cache = scratch / "clone", scratch / "cache"
     subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(REPO), str(clone)], check=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
-    env.update(ATROPOS_SANDBOX_CACHE=str(cache), ATROPOS_MODEL_ENGINE=engine, ATROPOS_MODEL_PORT=str(_free_port()))
+    # A fresh machine has no package caches either: pip and uv download everything, as a new user's would.
+    env.update(ATROPOS_SANDBOX_CACHE=str(cache), ATROPOS_MODEL_ENGINE=engine, ATROPOS_MODEL_PORT=str(_free_port()),
+               PIP_CACHE_DIR=str(scratch / "pip-cache"), UV_CACHE_DIR=str(scratch / "uv-cache"))
     load_before = os.getloadavg()[0]
     t0 = time.monotonic()
     proc = subprocess.Popen(["bash", "scripts/demo.sh", "--env.total_steps", "1"], cwd=clone, env=env,
