@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from atropos.slots.pool import SlotPool
 
 T = TypeVar("T")
+L = TypeVar("L", bound="LeaseCalls")
 
 
 class PoolHost:
@@ -205,7 +206,78 @@ class PoolTemplate:
         self.deleted = True
 
 
-class Lease:
+class LeaseCalls:
+    """What every lease answers the same way, whoever carries its calls (``Lease`` to a host,
+    ``ShardLease`` to a pool shard): its released/lost state and the typed tool methods over ``call``."""
+
+    released: bool
+    lost: str | None
+
+    async def call(self, tool: str, args: dict[str, Any] | None = None, *, timeout_s: float | None = None,
+                   call_id: str | None = None) -> CallResult:
+        raise NotImplementedError
+
+    async def release(self) -> None:
+        raise NotImplementedError
+
+    def lose(self, reason: str) -> None:
+        """Its host (or shard) was lost or the pool stopped: every later call raises HostUnavailable."""
+        self.lost = reason
+
+    def end(self) -> bool:
+        """Mark the lease released; False when it already was (release is idempotent)."""
+        if self.released:
+            return False
+        self.released = True
+        return True
+
+    def check(self) -> None:
+        """Raise ``LeaseError`` if released, ``HostUnavailable`` if its host (or shard) was lost."""
+        if self.released:
+            raise LeaseError(f"{self!r} was released")
+        if self.lost is not None:
+            raise HostUnavailable(f"{self!r} is lost: {self.lost}")
+
+    async def ok(self, tool: str, args: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
+        """Like ``call``, but a failed tool raises ToolError (with the host's code and status) and
+        only the structured result is returned."""
+        result = await self.call(tool, args, **kw)
+        if not result.ok or result.result is None:
+            assert result.error is not None
+            raise ToolError(f"{tool}: {result.error.code}: {result.error.message}", code=result.error.code,
+                            status=result.error.status)
+        return result.result
+
+    async def bash(self, command: str, *, timeout_s: float | None = None) -> BashResult:
+        """Run ``command`` with bash in the workspace (cwd ``/workspace``); a failing command is a
+        result with its ``exit_code``, arguments the tool refuses raise ``ToolError``."""
+        return BashResult.model_validate(await self.ok("bash", {"command": command}, timeout_s=timeout_s))
+
+    async def python_session(self, code: str, *, restart: bool = False,
+                             timeout_s: float | None = None) -> SessionResult:
+        """Run code in the slot's persistent Python session (state survives between calls; a
+        failing cell is a result with ``error`` set, not an exception)."""
+        return SessionResult.model_validate(
+            await self.ok("python_session", {"code": code, "restart": restart}, timeout_s=timeout_s))
+
+    async def read_file(self, path: str) -> str:
+        """The text of a workspace file (``path`` relative to /workspace or under /workspace/);
+        ``ToolError`` when it is missing, binary, too large or outside the workspace."""
+        return str((await self.ok("read_file", {"path": path}))["content"])
+
+    async def write_file(self, path: str, content: str) -> WriteResult:
+        """Create or overwrite a workspace file (parents created); the result names the path
+        bash sees. ``ToolError`` for a path outside the workspace (``path_escape``)."""
+        return WriteResult.model_validate(await self.ok("write_file", {"path": path, "content": content}))
+
+    async def __aenter__(self: L) -> L:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()
+
+
+class Lease(LeaseCalls):
     """One slot held by one trajectory until ``release()``; tool calls go to that slot only."""
 
     def __init__(self, pool: SlotPool, host: PoolHost, slot: int, token: str, generation: int,
@@ -234,17 +306,6 @@ class Lease:
         return (self.host.id, self.slot)
 
     # -- what the pool does to a lease: its methods, so the lease's state has one writer ----
-    def lose(self, reason: str) -> None:
-        """Its host was lost or the pool stopped: every later call raises HostUnavailable."""
-        self.lost = reason
-
-    def end(self) -> bool:
-        """Mark the lease released; False when it already was (release is idempotent)."""
-        if self.released:
-            return False
-        self.released = True
-        return True
-
     def renewed(self, token: str, generation: int) -> None:
         """The host reset the slot under this lease: its new token and generation."""
         self.token, self.generation = token, generation
@@ -252,13 +313,6 @@ class Lease:
     def forked_from(self, template: PoolTemplate) -> None:
         """The workspace was snapshotted as ``template`` and is now a fork of it."""
         self.template = template
-
-    def check(self) -> None:
-        """Raise ``LeaseError`` if released, ``HostUnavailable`` if its host was lost."""
-        if self.released:
-            raise LeaseError(f"{self!r} was released")
-        if self.lost is not None:
-            raise HostUnavailable(f"{self!r} is lost: {self.lost}")
 
     def tool_call(self, tool: str, args: dict[str, Any] | None = None, *, timeout_s: float | None = None,
                   call_id: str | None = None) -> ToolCall:
@@ -301,38 +355,6 @@ class Lease:
             self.pool.suspect(self.host)
             raise
         return self.settled(result)
-
-    async def ok(self, tool: str, args: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
-        """Like ``call``, but a failed tool raises ToolError (with the host's code and status) and
-        only the structured result is returned."""
-        result = await self.call(tool, args, **kw)
-        if not result.ok or result.result is None:
-            assert result.error is not None
-            raise ToolError(f"{tool}: {result.error.code}: {result.error.message}", code=result.error.code,
-                            status=result.error.status)
-        return result.result
-
-    async def bash(self, command: str, *, timeout_s: float | None = None) -> BashResult:
-        """Run ``command`` with bash in the workspace (cwd ``/workspace``); a failing command is a
-        result with its ``exit_code``, arguments the tool refuses raise ``ToolError``."""
-        return BashResult.model_validate(await self.ok("bash", {"command": command}, timeout_s=timeout_s))
-
-    async def python_session(self, code: str, *, restart: bool = False,
-                             timeout_s: float | None = None) -> SessionResult:
-        """Run code in the slot's persistent Python session (state survives between calls; a
-        failing cell is a result with ``error`` set, not an exception)."""
-        return SessionResult.model_validate(
-            await self.ok("python_session", {"code": code, "restart": restart}, timeout_s=timeout_s))
-
-    async def read_file(self, path: str) -> str:
-        """The text of a workspace file (``path`` relative to /workspace or under /workspace/);
-        ``ToolError`` when it is missing, binary, too large or outside the workspace."""
-        return str((await self.ok("read_file", {"path": path}))["content"])
-
-    async def write_file(self, path: str, content: str) -> WriteResult:
-        """Create or overwrite a workspace file (parents created); the result names the path
-        bash sees. ``ToolError`` for a path outside the workspace (``path_escape``)."""
-        return WriteResult.model_validate(await self.ok("write_file", {"path": path, "content": content}))
 
     async def read_bytes(self, path: str) -> bytes:
         """The raw bytes of a workspace file (no text decoding, no base64 in between)."""
@@ -438,9 +460,3 @@ class Lease:
     async def release(self) -> None:
         """Give the slot back (its workspace is wiped before anyone else gets it); idempotent."""
         await self.pool.release(self)
-
-    async def __aenter__(self) -> Lease:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.release()

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from atropos.errors import SlotUnavailable
 from atropos.slots.audit import LeaseAudit
+from atropos.slots.grant_wait import await_grant, drop_grant
 from atropos.slots.lease import Lease, PoolHost
 from atropos.slots.pool_hosts import HostFleet
 
@@ -133,13 +134,8 @@ class SlotQueue:
         self._waiters.append(waiter)
         self._grant_waiters()  # slots the waiters ahead avoid may be this one's at once
         self._fleet.rescale()
-        try:
-            done, _ = await asyncio.wait({waiter.future}, timeout=timeout)
-        except asyncio.CancelledError:
-            self._abandon(waiter)
-            raise
-        if not done:
-            self._abandon(waiter)
+        leases = await await_grant(waiter.future, timeout, lambda: self._abandon(waiter))
+        if leases is None:
             hosts = self._fleet.hosts
             total = sum(h.info.slots for h in hosts.values())
             refused = (f" ({self._fleet.free_count() - self._fleet.free_count(avoid)} of them on hosts that "
@@ -149,15 +145,10 @@ class SlotQueue:
                 f"{len(hosts)} host(s) (max {self._fleet.cfg.max_hosts}), {self._fleet.free_count()} free"
                 f"{refused}, {len(self._waiters)} request(s) queued"
             )
-        return waiter.future.result()
+        return leases
 
     def _abandon(self, waiter: _Waiter) -> None:
-        if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
-            # Granted in the same instant the caller gave up: give the slots straight back.
-            for lease in waiter.future.result():
-                self._release(lease)
-        else:
-            waiter.future.cancel()
+        drop_grant(waiter.future, lambda leases: [self._release(lease) for lease in leases])
         with contextlib.suppress(ValueError):
             self._waiters.remove(waiter)
         # The abandoned waiter may have been the head of the queue, holding back smaller

@@ -33,11 +33,12 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from atropos.backends.base import Backend
-from atropos.errors import HostUnavailable, LeaseError, SlotUnavailable, ToolError
+from atropos.errors import HostUnavailable, SlotUnavailable
 from atropos.sandbox.contract.protocol import CallResult, ErrorInfo
 from atropos.slots.config import PoolConfig
+from atropos.slots.grant_wait import await_grant, drop_grant
+from atropos.slots.lease import LeaseCalls
 from atropos.slots.pool_status import PoolStatus
-from atropos.slots.results import BashResult
 from atropos.slots.shard_channel import Message, Outbox, encode, error_from, read_frame
 
 __all__ = ["BackendFactory", "ShardLease", "ShardedPool", "ShardedStatus"]
@@ -165,7 +166,7 @@ class Shard:
             lease.lose(str(error))
 
 
-class ShardLease:
+class ShardLease(LeaseCalls):
     """One slot held by one trajectory in one shard: calls, release and verify all go to that shard."""
 
     def __init__(self, pool: ShardedPool, shard: Shard, lid: int, trajectory_id: str, host_id: str, slot: int,
@@ -189,22 +190,6 @@ class ShardLease:
         """``(shard, host id, slot)``: the slot this lease holds."""
         return (self.shard.index, self.host_id, self.slot)
 
-    def lose(self, reason: str) -> None:
-        self.lost = reason
-
-    def end(self) -> bool:
-        if self.released:
-            return False
-        self.released = True
-        return True
-
-    def check(self) -> None:
-        """Raise ``LeaseError`` if released, ``HostUnavailable`` if its shard died."""
-        if self.released:
-            raise LeaseError(f"{self!r} was released")
-        if self.lost is not None:
-            raise HostUnavailable(f"{self!r} is lost: {self.lost}")
-
     async def call(self, tool: str, args: dict[str, Any] | None = None, *, timeout_s: float | None = None,
                    call_id: str | None = None) -> CallResult:
         """As ``Lease.call``: tool failures in the result; LeaseError, HostUnavailable and the
@@ -217,29 +202,8 @@ class ShardLease:
         return CallResult.model_construct(id=cid, slot=slot, ok=ok, result=result, error=info, notes=notes,
                                           duration_ms=duration_ms)
 
-    async def ok(self, tool: str, args: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
-        """As ``Lease.ok``: a failed tool raises ToolError with the host's code and status."""
-        result = await self.call(tool, args, **kw)
-        if not result.ok or result.result is None:
-            assert result.error is not None
-            raise ToolError(f"{tool}: {result.error.code}: {result.error.message}", code=result.error.code,
-                            status=result.error.status)
-        return result.result
-
-    async def bash(self, command: str, *, timeout_s: float | None = None) -> BashResult:
-        return BashResult.model_validate(await self.ok("bash", {"command": command}, timeout_s=timeout_s))
-
-    async def read_file(self, path: str) -> str:
-        return str((await self.ok("read_file", {"path": path}))["content"])
-
     async def release(self) -> None:
         await self.pool.release(self)
-
-    async def __aenter__(self) -> ShardLease:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.release()
 
 
 class _Waiter:
@@ -364,23 +328,15 @@ class ShardedPool:
             raise self.shards[0].gone()
         waiter = _Waiter()
         self._waiters.append(waiter)
-        try:
-            done, _ = await asyncio.wait({waiter.future}, timeout=timeout)
-        except asyncio.CancelledError:
-            self._abandon(waiter)
-            raise
-        if not done:
-            self._abandon(waiter)
+        shard = await await_grant(waiter.future, timeout, lambda: self._abandon(waiter))
+        if shard is None:
             raise SlotUnavailable(
                 f"no slot within {timeout:g}s: {sum(s.slots for s in self.shards if s.dead is None)} slots in "
                 f"{sum(s.dead is None for s in self.shards)} live shard(s), {len(self._waiters)} request(s) queued")
-        return waiter.future.result()
+        return shard
 
     def _abandon(self, waiter: _Waiter) -> None:
-        if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
-            waiter.future.result().unhold()  # granted in the instant the caller gave up
-        else:
-            waiter.future.cancel()
+        drop_grant(waiter.future, Shard.unhold)
         with contextlib.suppress(ValueError):
             self._waiters.remove(waiter)
         self._grant_waiters()
