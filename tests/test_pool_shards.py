@@ -79,6 +79,12 @@ async def test_a_lease_lives_in_one_shard_and_its_calls_and_release_go_there() -
         with pytest.raises(ToolError) as refused:
             await first.read_file("../../etc/passwd")
         assert refused.value.code == "path_escape"
+        # the typed tools of a SlotPool lease, through the shard: files and the session keep state
+        written = await first.write_file("notes/a.txt", "shard-written\n")
+        assert written.path.endswith("notes/a.txt")
+        assert await first.read_file("notes/a.txt") == "shard-written\n"
+        await first.python_session("x = 6 * 7")
+        assert (await first.python_session("print(x)")).stdout.strip() == "42"
 
         await first.release()
         await first.release()  # idempotent
