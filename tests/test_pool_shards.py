@@ -100,6 +100,22 @@ async def test_a_lease_lives_in_one_shard_and_its_calls_and_release_go_there() -
         assert (await pool.status()).leased == 0
 
 
+async def test_a_shard_scales_its_hosts_up_to_max_hosts_and_the_front_counts_them() -> None:
+    # the front's room for a shard is what the shard's pool can hold (its hosts, and those it may
+    # still start), reported with every answer: not the slots it had when it started, which kept
+    # every request beyond them queued in the front and the shard's pool from ever scaling up
+    async with sharded(shards=1, min_hosts=1, max_hosts=2) as pool:
+        leases = [await pool.lease(f"t{i}", timeout=120) for i in range(2 * SLOTS)]
+        assert len({lease.key for lease in leases}) == 2 * SLOTS
+        assert len({lease.host_id for lease in leases}) == 2  # the second host was started for them
+        status = await pool.status()
+        assert status.leased == 2 * SLOTS and status.double_leased == 0
+        with pytest.raises(SlotUnavailable):  # and no further than max_hosts
+            await pool.lease("one-too-many", timeout=2)
+        for lease in leases:
+            await lease.release()
+
+
 async def test_waiting_is_fifo_across_shards() -> None:
     async with sharded() as pool:
         held = [await pool.lease(f"h{i}") for i in range(2 * SLOTS)]

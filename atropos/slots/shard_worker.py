@@ -3,7 +3,7 @@
 Started by the front as ``python -m atropos.slots.shard_worker`` with the channel on its stdin and
 stdout (shard_channel.py); its stdout is moved to a descriptor of its own first and fd 1 pointed at
 stderr, so nothing a library prints can corrupt a frame. Its first frame names the backend factory,
-the pool's settings and the shard's index; it answers ``ready`` with its slot count once its hosts
+the pool's settings and the shard's index; it answers ``ready`` with its capacity once its hosts
 are up, then serves lease / call / release / status until ``stop`` or the end of its stdin (its
 front is gone: the pool stops, its hosts with it).
 """
@@ -34,6 +34,7 @@ class ShardServer:
         self._next = 0
         self.tasks: set[asyncio.Task[None]] = set()
         self.stopping = asyncio.Event()
+        self.per_host = max((h.info.slots for h in pool.hosts.values()), default=0)
 
     def dispatch(self, message: Message) -> None:
         rid, op, payload = message
@@ -53,6 +54,16 @@ class ShardServer:
         else:
             self.outbox.put((rid, True, value))
 
+    def capacity(self) -> int:
+        """The slots this shard can serve without the front holding requests back: those of its
+        live hosts, plus those of the hosts its pool may still start (up to ``max_hosts``, as many
+        slots each as its hosts have). Sent with every lease and release answer, so the front's
+        count follows hosts lost, replaced and scaled rather than the shard's first host count."""
+        hosts = [h for h in self.pool.hosts.values() if h.leasable]
+        per_host = max((h.info.slots for h in self.pool.hosts.values()), default=self.per_host)
+        self.per_host = per_host
+        return sum(h.info.slots for h in hosts) + max(0, self.pool.cfg.max_hosts - len(hosts)) * per_host
+
     def _lease(self, lid: int) -> Lease:
         lease = self.leases.get(lid)
         if lease is None:
@@ -60,11 +71,11 @@ class ShardServer:
         return lease
 
     async def _op_lease(self, trajectory_id: str, timeout: float | None, network: bool,
-                        image: str | None) -> tuple[int, str, int, int]:
+                        image: str | None) -> tuple[int, str, int, int, int]:
         lease = await self.pool.lease(trajectory_id, timeout, network=network, image=image)
         self._next += 1
         self.leases[self._next] = lease
-        return self._next, lease.host.id, lease.slot, lease.generation
+        return self._next, lease.host.id, lease.slot, lease.generation, self.capacity()
 
     async def _op_call(self, lid: int, tool: str, args: dict[str, Any] | None, timeout_s: float | None,
                        call_id: str | None) -> tuple[Any, ...]:
@@ -72,10 +83,11 @@ class ShardServer:
         error = None if result.error is None else (result.error.code, result.error.message, result.error.status)
         return result.id, result.slot, result.ok, result.result, error, result.notes, result.duration_ms
 
-    async def _op_release(self, lid: int) -> None:
+    async def _op_release(self, lid: int) -> int:
         lease = self.leases.pop(lid, None)
         if lease is not None:
             await lease.release()
+        return self.capacity()
 
     async def _op_status(self) -> dict[str, Any]:
         status = self.pool.status().model_dump()
@@ -101,7 +113,7 @@ async def serve(reader: asyncio.StreamReader, write_fd: int) -> None:
         await writer.drain()
         return
     server = ShardServer(pool, outbox)
-    outbox.put((0, True, sum(h.info.slots for h in pool.hosts.values())))
+    outbox.put((0, True, server.capacity()))
 
     async def read_loop() -> None:
         try:

@@ -79,7 +79,7 @@ class Shard:
         self.outbox = Outbox(self._write)
         self.pending: dict[int, asyncio.Future[Any]] = {}
         self._next = 0
-        self.slots = 0
+        self.slots = 0  # the shard's capacity as of its last answer (shard_worker.ShardServer.capacity)
         self.held = 0  # leases granted or on their way to it, not yet released
         self.dead: str | None = None
         self.reading: asyncio.Task[None] | None = None
@@ -134,7 +134,9 @@ class Shard:
         self.held -= 1
 
     def start_reading(self, slots: int, on_death: Callable[[Shard], None]) -> None:
-        """The shard is up with ``slots`` slots: read its answers until its channel ends."""
+        """The shard is up with room for ``slots`` leases (its capacity: the slots of its hosts and of
+        those its pool may still start; updated by each lease and release answer): read its answers
+        until its channel ends."""
         self.slots = slots
 
         async def loop() -> None:
@@ -350,7 +352,8 @@ class ShardedPool:
         shard = await self._pick(timeout)
         fut = shard.request("lease", trajectory_id, timeout, network, image)
         try:
-            lid, host_id, slot, generation = await asyncio.shield(fut)
+            # the shard's capacity comes with every answer: hosts lost, replaced or scaled change it
+            lid, host_id, slot, generation, shard.slots = await asyncio.shield(fut)
         except asyncio.CancelledError:
             # the caller left: a lease the shard still grants is given straight back
             fut.add_done_callback(lambda f: self._give_back(shard, f))
@@ -361,6 +364,8 @@ class ShardedPool:
             raise
         lease = ShardLease(self, shard, lid, trajectory_id, host_id, slot, generation)
         shard.leases.add(lease)
+        if self._waiters:
+            self._grant_waiters()  # the answer may have brought more room (a host its pool started)
         return lease
 
     def _give_back(self, shard: Shard, fut: asyncio.Future[Any]) -> None:
@@ -380,7 +385,7 @@ class ShardedPool:
             return
         try:
             # shielded, as SlotPool.release: a caller cancelled mid-release must not strand the slot
-            await asyncio.shield(shard.request("release", lease.lid))
+            shard.slots = await asyncio.shield(shard.request("release", lease.lid))
         except HostUnavailable:
             if shard.dead is None:
                 raise
