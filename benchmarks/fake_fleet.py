@@ -12,10 +12,13 @@ Run as ``python -m benchmarks.fake_fleet HOSTS SLOTS TOKEN``: prints one JSON li
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import secrets
+import subprocess
 import sys
+from collections.abc import AsyncIterator
 from typing import Any
 
 from atropos.backends.base import Backend, HostInfo
@@ -107,6 +110,31 @@ def shard_backend(ports: list[list[int]], token: str, slots: int, index: int, po
     """Shard ``index`` of a sharded pool (atropos/slots/shards.py) gets the fake hosts ``ports[index]``
     (a BackendFactory once the first three arguments are bound with functools.partial)."""
     return FakeFleetBackend(ports[index], token, slots)
+
+
+# At most this many fake hosts per process: a pool's start leases every slot of every host at once,
+# and 6,400 slot leases must not wait on one accept loop.
+HOSTS_PER_PROCESS = 25
+
+
+@contextlib.asynccontextmanager
+async def running_fleet(hosts: int, slots: int, token: str) -> AsyncIterator[tuple[list[int], list[int]]]:
+    """``hosts`` fake hosts of ``slots`` slots in child processes of this module: yields their ports
+    and the processes' pids (for CPU accounting); they stop when the block ends."""
+    shares = [min(HOSTS_PER_PROCESS, hosts - i) for i in range(0, hosts, HOSTS_PER_PROCESS)]
+    fleets = [subprocess.Popen([sys.executable, "-m", "benchmarks.fake_fleet", str(n), str(slots), token],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE) for n in shares]
+    try:
+        ports: list[int] = []
+        for fleet in fleets:
+            assert fleet.stdout is not None
+            ports += json.loads(await asyncio.to_thread(fleet.stdout.readline))["ports"]
+        yield ports, [f.pid for f in fleets]
+    finally:
+        for fleet in fleets:
+            assert fleet.stdin is not None
+            fleet.stdin.close()
+            fleet.wait(60)
 
 
 async def _main(hosts: int, slots: int, token: str) -> None:

@@ -11,16 +11,13 @@ took every host's slots, minus RSS before, over the slots).
 from __future__ import annotations
 
 import asyncio
-import json
 import resource
 import secrets
-import subprocess
-import sys
 import time
 from typing import Any
 
 from benchmarks.common import Row, ScenarioResult, scenario_main, summarize
-from benchmarks.fake_fleet import FakeFleetBackend
+from benchmarks.fake_fleet import FakeFleetBackend, running_fleet
 
 NAME = "fleet_sim"
 SLOTS = 64
@@ -38,15 +35,7 @@ async def _one(hosts: int, seconds: float) -> dict[str, Any]:
     from atropos.slots.pool import SlotPool
 
     token = secrets.token_urlsafe(16)
-    # at most 25 fake hosts per process: 6400 slot leases at pool start must not wait on one accept loop
-    shares = [min(25, hosts - i) for i in range(0, hosts, 25)]
-    fleets = [subprocess.Popen([sys.executable, "-m", "benchmarks.fake_fleet", str(n), str(SLOTS), token],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE) for n in shares]
-    ports: list[int] = []
-    for fleet in fleets:
-        assert fleet.stdout is not None
-        ports += json.loads(await asyncio.to_thread(fleet.stdout.readline))["ports"]
-    try:
+    async with running_fleet(hosts, SLOTS, token) as (ports, _):
         rss0 = _rss_bytes()
         pool = SlotPool(FakeFleetBackend(ports, token, SLOTS),
                         PoolConfig(pool_id=f"sim{hosts}", min_hosts=min(hosts, BATCH), max_hosts=hosts,
@@ -82,11 +71,6 @@ async def _one(hosts: int, seconds: float) -> dict[str, Any]:
         await asyncio.gather(*(worker(w) for w in range(workers)))
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         await pool.stop()
-    finally:
-        for fleet in fleets:
-            assert fleet.stdin is not None
-            fleet.stdin.close()
-            fleet.wait(30)
     s = summarize(lease_ms)
     return {"hosts": hosts, "slots": hosts * SLOTS, "workers": workers, "calls": calls,
             "calls_per_s": calls / wall, "cpu_us_per_call": 1e6 * cpu / max(calls, 1),

@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import os
 import secrets
-import subprocess
-import sys
 import time
 from typing import Any
 
 from atropos.errors import InfrastructureError
 from benchmarks.common import Row, ScenarioResult, scenario_main, summarize
-from benchmarks.fake_fleet import FakeFleetBackend, shard_backend
+from benchmarks.fake_fleet import FakeFleetBackend, running_fleet, shard_backend
 
 NAME = "pool_shards"
 # The issue's fleet by default; POOL_SHARDS_HOSTS / _TRAJECTORIES / _LAYOUTS (comma lists; "pool" for
@@ -34,7 +31,6 @@ NAME = "pool_shards"
 HOSTS = int(os.environ.get("POOL_SHARDS_HOSTS", "100"))
 SLOTS = 100
 CALLS_PER_LEASE = 8
-HOSTS_PER_FLEET_PROCESS = 25
 START_STEP = 10
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -115,27 +111,15 @@ async def _drive(pool: Any, trajectories: int, warm_s: float, seconds: float, pi
     }
 
 
-async def _fleet(token: str) -> tuple[list[subprocess.Popen[bytes]], list[int]]:
-    shares = [min(HOSTS_PER_FLEET_PROCESS, HOSTS - i) for i in range(0, HOSTS, HOSTS_PER_FLEET_PROCESS)]
-    fleets = [subprocess.Popen([sys.executable, "-m", "benchmarks.fake_fleet", str(n), str(SLOTS), token],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE) for n in shares]
-    ports: list[int] = []
-    for fleet in fleets:
-        assert fleet.stdout is not None
-        ports += json.loads(await asyncio.to_thread(fleet.stdout.readline))["ports"]
-    return fleets, ports
-
-
 async def _mode(shards: int | None, sizes: tuple[int, ...], warm_s: float, seconds: float) -> list[dict[str, Any]]:
     """One pool layout (None: one in-process SlotPool; else a ShardedPool of that many shards) at each size."""
     from atropos.slots.pool import SlotPool
     from atropos.slots.shards import ShardedPool
 
     token = secrets.token_urlsafe(16)
-    fleets, ports = await _fleet(token)
     out = []
-    try:
-        pids: dict[str, list[int]] = {"front": [os.getpid()], "fleet": [f.pid for f in fleets]}
+    async with running_fleet(HOSTS, SLOTS, token) as (ports, fleet_pids):
+        pids: dict[str, list[int]] = {"front": [os.getpid()], "fleet": fleet_pids}
         pool: Any
         if shards is None:
             pool = SlotPool(FakeFleetBackend(ports, token, SLOTS), _cfg("bench-pool"))
@@ -163,11 +147,6 @@ async def _mode(shards: int | None, sizes: tuple[int, ...], warm_s: float, secon
                 out.append(m)
         finally:
             await pool.stop()
-    finally:
-        for fleet in fleets:
-            assert fleet.stdin is not None
-            fleet.stdin.close()
-            fleet.wait(60)
     return out
 
 
