@@ -378,8 +378,13 @@ class _Containers:
     def diff(self, min_growth: int, top: int) -> list[ContainerGrowth]:
         gc.collect()
         grown = []
+        # the diagnosis's own records: this baseline, and tracemalloc's baseline snapshot (a list of
+        # every traced block, taken after this baseline when both start together)
+        own = {id(self.baseline)}
+        if TRACER.baseline is not None:
+            own.add(id(TRACER.baseline.traces._traces))  # type: ignore[attr-defined]
         for o in _containers():
-            if o is self.baseline:  # the check's own record
+            if id(o) in own:
                 continue
             delta = len(o) - self.baseline.get(id(o), 0)
             if delta >= min_growth:

@@ -26,7 +26,7 @@ from benchmarks.common import (
 
 SCENARIOS = ("call_latency", "lease", "throughput", "reset", "memory", "fleet_docker", "agent_step", "fork",
              "peers", "ray", "fleet_sim", "pool_shards", "first_file", "slot_cycle", "slot_occupancy", "image_roots",
-             "image_import", "verify")
+             "image_import", "verify", "malloc_arenas")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -345,14 +345,18 @@ class Soak:
         got = await asyncio.gather(*(one(h) for h in labels.values()))
         return {label: r for label, r in zip(labels, got, strict=True) if r is not None}
 
-    async def memory(self) -> dict[str, float]:
+    async def memory(self, record: bool = True) -> dict[str, float]:
+        """Sample every process's RSS and live heap. ``record``: keep the sample for the slopes; the
+        samples taken once the load stops are not (the drain frees what was in flight: the 55-minute
+        run's last sample alone moved the pool's last-half slope from 142 to 86 KB per 1,000)."""
         per_process, host_kb, tree_kb = await asyncio.to_thread(self._proc_memory)
         # what malloc holds in use per process: live memory, against RSS (the rest is malloc's free
         # pages and fragmentation)
         req = memstats.MemoryRequest(pymalloc=True)
         reports = {"pool": memstats.report(req), **await self.host_reports(req)}
         in_use = {label: live_kb(r) for label, r in reports.items() if r.malloc is not None}
-        self.stats.samples.append(Sample(time.monotonic() - self.t0, self.stats.trajectories, per_process, in_use))
+        if record:
+            self.stats.samples.append(Sample(time.monotonic() - self.t0, self.stats.trajectories, per_process, in_use))
         self.stats.peak_tree_kb = max(self.stats.peak_tree_kb, tree_kb)
         return {"self_rss_mb": vm_kb("self", "VmRSS") / 1024,
                 "self_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -372,7 +376,11 @@ class Soak:
                 pass
             now = time.monotonic()
             lat, self.stats.latencies = self.stats.latencies, []
-            mem = await self.memory()
+            # the interval's latencies (up to ~1,500 floats, ~48 KB, fewer as a loaded run slows) are
+            # freed before the sample: their size followed the call rate into the pool's slope
+            p50, p99 = percentile(lat, 0.5), percentile(lat, 0.99)
+            del lat
+            mem = await self.memory(record=not self.stop.is_set())
             status = self.pool.status()
             rate = (self.stats.calls - last_calls) / max(now - last_t, 1e-9)
             cpu = self.cpu_total_s()
@@ -384,7 +392,7 @@ class Soak:
                 "t_s": round(now - t0), "trajectories": self.stats.trajectories, "calls": self.stats.calls,
                 "calls_per_s": round(rate, 1), "cpu_ms_per_call": round(cpu_ms, 2),
                 "load1": round(os.getloadavg()[0], 1),
-                "p50_ms": round(percentile(lat, 0.5), 1), "p99_ms": round(percentile(lat, 0.99), 1),
+                "p50_ms": round(p50, 1), "p99_ms": round(p99, 1),
                 **{k: round(v, 1) for k, v in mem.items()},
                 "leased": status.leased, "free": status.free, "quarantined": status.quarantined,
                 "errors": self.stats.wrong + self.stats.infra + self.stats.other,
@@ -401,6 +409,15 @@ class Soak:
         if self.args.trajectories:
             done = max(done, self.stats.trajectories / self.args.trajectories)
         return done
+
+    async def trace_from_start(self) -> None:
+        """Trace every process from the start; the warm-up's end only retakes the baseline. Tracing
+        begun at the baseline counts every bounded window as growth while its untraced entries are
+        replaced by traced ones (the pool's lease audit, 2,048 events full long before: ~1 MB at each
+        of its two ``audit.record`` sites after 1,790 trajectories, in a 20-minute run)."""
+        req = memstats.MemoryRequest(trace="start", frames=self.args.trace_frames)
+        memstats.report(req)
+        await self.host_reports(req)
 
     async def diagnose_start(self) -> None:
         """After the warm-up: count live objects by type and start tracing, here and in every host."""
@@ -464,9 +481,16 @@ class Soak:
     async def run(self) -> int:
         t0 = time.monotonic()
         await self.pool.start()
+        alloc = memstats.mallinfo()
         print(json.dumps({"event": "started", "pool_id": self.pool_id, "hosts": self.args.hosts,
                           "slots": self.args.hosts * self.args.slots, "concurrency": self.args.concurrency,
-                          "start_s": round(time.monotonic() - t0, 1)}), flush=True)
+                          "start_s": round(time.monotonic() - t0, 1),
+                          # the pool's process is the trainer's: its allocator setting is the environment's
+                          "pool_malloc_arena_max": os.environ.get("MALLOC_ARENA_MAX"),
+                          "pool_malloc_arenas": alloc.arenas if alloc else None,
+                          "pool_malloc_trim_interval_s": self.pool.cfg.malloc_trim_interval_s}), flush=True)
+        if self.args.diagnose and self.args.trace_frames:
+            await self.trace_from_start()
         t0 = self.t0 = time.monotonic()
         await self.memory()  # the baseline sample
         reporter = asyncio.create_task(self.reporter(t0))
@@ -499,6 +523,7 @@ class Soak:
                                     for i, v in enumerate(self.stats.cpu_per_call)]), 3),
                                "processes": {}}
         half = [x for x in samples if x.t_s >= 0.5 * (samples[-1].t_s if samples else 0)]
+        out["last_half_from_trajectory"] = half[0].trajectories if half else None
         for label in samples[0].rss_kb if samples else {}:
             series = [x for x in warm if label in x.rss_kb]
             per_min = slope([(x.t_s / 60, x.rss_kb[label]) for x in series])
@@ -524,7 +549,7 @@ class Soak:
         return out
 
     async def finish(self, wall: float) -> int:
-        mem = await self.memory()
+        mem = await self.memory(record=False)
         await self.diagnose_end()
         status = self.pool.status()
         # checked online over the whole run (the audit keeps only a window of events in memory)
@@ -547,7 +572,22 @@ class Soak:
             "hosts_tree_peak_rss_mb": round(s.peak_tree_kb / 1024, 1),
         }
         print(json.dumps(figures), flush=True)
-        print(json.dumps({"event": "flatness", **self.flatness()}), flush=True)
+        flat = self.flatness()
+        print(json.dumps({"event": "flatness", **flat}), flush=True)
+        invariants = {"wrong_results": s.wrong, "infra_errors": s.infra, "other_errors": s.other,
+                      "leases_held_at_end": status.leased, "quarantined": status.quarantined,
+                      "double_leases": self.pool.audit.double_leased, "audit_problems": len(dl),
+                      "orphans_after_stop": len(left)}
+        # the issue's bar, per process, in one line: RSS and live heap over the last half
+        bar = self.args.bar_kb_per_1k
+        per = {label: {"rss_kb_per_1k": p["last_half_slope_kb_per_1k_trajectories"],
+                       "live_heap_kb_per_1k": p["last_half_in_use_slope_kb_per_1k_trajectories"],
+                       "at_bar": p["last_half_slope_kb_per_1k_trajectories"] <= bar}
+               for label, p in flat["processes"].items() if label != "sandboxes"}
+        print(json.dumps({"event": "verdict", "bar_kb_per_1k_trajectories": bar, "trajectories": s.trajectories,
+                          "last_half_from_trajectory": flat.get("last_half_from_trajectory"),
+                          "processes": per, "every_process_at_bar": all(v["at_bar"] for v in per.values()),
+                          "invariants": invariants, "invariants_hold": not any(invariants.values())}), flush=True)
         for p in s.problems + dl[:10] + left[:10]:
             print(f"  problem: {p}", flush=True)
         root = DATA_ROOT / self.pool_id
@@ -582,6 +622,9 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=16, help="slots per host")
     p.add_argument("--report-every", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bar-kb-per-1k", type=float, default=10.0,
+                   help="the verdict line's bar: RSS slope per process over the last half, KB per 1,000 "
+                        "trajectories (issue 40: %(default)s)")
     p.add_argument("--warmup", type=float, default=0.2,
                    help="fraction of the run left out of the memory slopes (default %(default)s)")
     args = p.parse_args()

@@ -9,7 +9,11 @@ length noted (``atropos.memstats``: in-process for the pool, the host's token-ga
 are counted, and ``ATROPOS_MEMORY_TRAJECTORIES`` (default 800) more trajectories of mixed tools
 run. Then no container may have grown by more than a fixed slack (a per-trajectory record grows by
 one per trajectory: hundreds here), and no record type, asyncio task count, open fd count or
-thread count may either.
+thread count may either. The pool's Python heap is also traced by allocation site (``tracemalloc``,
+started before the warm-up so that a bounded window full by then, like the lease audit's, is all
+traced at the baseline): no site may hold a block per trajectory more than at the baseline, which
+catches what the collector does not track and no container holds (a string cached in a C-level
+table, e.g. pydantic-core's parsed-string cache).
 """
 
 from __future__ import annotations
@@ -44,6 +48,11 @@ SLACK = 64
 # handles from its heap only once they are over half of it (and over 100), so a loop's heap holds up
 # to ~2x its live timers plus 100 cancelled ones.
 BOUNDED_OWNERS = {"asyncio.unix_events._UnixSelectorEventLoop._scheduled"}
+# Live blocks one allocation site of the pool may hold more after the run than at the baseline: a
+# record per trajectory is 800 here (two per trajectory for an audit-like pair); what is in flight at a
+# quiet moment, and the asyncio timer heap's cancelled handles, are tens.
+SITE_SLACK = 200
+TRACE_FRAMES = 2  # the allocating line and its caller (each frame slows the traced pool)
 
 AUDIT_EVENT = "atropos.slots.audit.AuditEvent"
 # The records a trajectory creates, by process: none may outlive its trajectory.
@@ -100,8 +109,12 @@ async def quiet(pool: SlotPool) -> None:
 
 
 async def measure(pool: SlotPool, containers: str) -> dict[str, memstats.MemoryReport]:
+    # the pool's tracing: "start" retakes the baseline of the tracing begun before the warm-up,
+    # "stop" reports what grew since it and ends the tracing
+    trace = "start" if containers == "start" else "stop"
     out = {"pool": memstats.report(memstats.MemoryRequest(containers=containers, type_names=POOL_RECORDS,
-                                                          min_growth=SLACK, top=20))}
+                                                          min_growth=SLACK, top=20, trace=trace,
+                                                          frames=TRACE_FRAMES))}
     for host in pool.hosts.values():
         out[host.id] = await host.client.memory(memstats.MemoryRequest(
             containers=containers, type_names=HOST_RECORDS, min_growth=SLACK, top=20))
@@ -115,6 +128,7 @@ async def test_no_record_grows_with_trajectories() -> None:
         pool.audit.keep = AUDIT_WINDOW
         pool.audit.events = deque(pool.audit.events, maxlen=AUDIT_WINDOW)
         ex = ToolExecutor(pool)
+        memstats.report(memstats.MemoryRequest(trace="start", frames=TRACE_FRAMES))
         try:
             await run(ex, 0, WARMUP)
             await quiet(pool)
@@ -129,7 +143,11 @@ async def test_no_record_grows_with_trajectories() -> None:
             windows = (window, len(pool.audit.events))
         finally:
             await ex.close()
+            memstats.TRACER.stop()  # already stopped when the run got to its end
     problems = []
+    for site in after["pool"].growth:
+        if site.count_diff > SITE_SLACK:
+            problems.append(f"pool: {site.site} holds {site.count_diff} more blocks ({site.size_diff_kb} KB)")
     # Live AuditEvents beyond this pool's window are held by something else: a second list of them, a
     # lease or a metric keeping its event. The count is process-wide: in a whole-suite pytest process
     # another test's pool may hold some (82 in CI's run, in both samples: 682 = 600 + 82 at the
@@ -214,3 +232,32 @@ def test_the_soak_keeps_no_record_per_trajectory() -> None:
     back = samples.load()
     assert len(back) == 2000 and back[-1].rss_kb == {"pool": 61_999, "host0": 50_000}
     assert soak.slope([(s.trajectories, s.rss_kb["pool"]) for s in back]) == pytest.approx(1.0)
+
+
+def test_the_site_check_sees_what_no_container_holds() -> None:
+    """The allocation-site check finds a per-trajectory record that no container or tracked object
+    shows: unique short strings parsed by a model with pydantic-core's default string cache (a
+    process-wide C table; what every wire model did before ``Wire`` cached keys only), one per
+    trajectory. The same parse through a ``Wire`` model leaves nothing."""
+    from pydantic import BaseModel
+
+    from atropos.sandbox.contract.protocol import Wire
+
+    class Cached(BaseModel):
+        trajectory_id: str
+
+    class Keys(Wire):
+        trajectory_id: str
+
+    def parse(model: type[BaseModel]) -> list[memstats.SiteGrowth]:
+        memstats.report(memstats.MemoryRequest(trace="start", frames=TRACE_FRAMES))
+        try:
+            for _ in range(TRAJECTORIES):
+                model.model_validate_json(f'{{"trajectory_id": "traj-{secrets.token_hex(6)}"}}')
+            return memstats.report(memstats.MemoryRequest(trace="stop")).growth
+        finally:
+            memstats.TRACER.stop()
+
+    held = [g for g in parse(Cached) if g.count_diff > SITE_SLACK]
+    assert held and __file__.rsplit("/", 1)[-1] in held[0].site, held
+    assert not [g for g in parse(Keys) if g.count_diff > SITE_SLACK]
