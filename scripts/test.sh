@@ -35,10 +35,13 @@ echo "[test] mypy" >&2
 # Two workers (pytest-xdist), a test file each at a time: most of the suite waits on sandboxes, engines
 # and model replies rather than computing, so two files at once use the 2 cores the one process left idle.
 # A module's fixtures (its hosts, pools, clusters) stay in one worker. ATROPOS_TEST_WORKERS=0: one process.
+# Files go out longest first (tests/file_order.py, tests/durations.json): --no-loadscope-reorder keeps
+# that order (pytest-xdist's own puts the files with most tests first, so the few-test files that take
+# minutes ran last, on one worker, while the other waited).
 workers="${ATROPOS_TEST_WORKERS:-2}"
 echo "[test] pytest ($workers workers)" >&2
 if [[ "$workers" == "0" ]]; then
     .venv/bin/python -m pytest -q -ra --durations=15 "$@"
 else
-    .venv/bin/python -m pytest -q -ra --durations=15 -n "$workers" --dist loadfile "$@"
+    .venv/bin/python -m pytest -q -ra --durations=15 -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
 fi

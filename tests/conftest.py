@@ -25,6 +25,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest test files first (tests/file_order.py): with ``--dist loadfile`` the minutes-long
+    few-test files no longer end the run on one worker while the other waits."""
+    from tests import file_order
+
+    items[:] = file_order.longest_first(items, file_order.load(), file_order.default_seconds())
+
+
 @pytest.fixture(scope="module")
 def tokenizer_dir() -> str:
     from atropos.agent.model import ensure_tokenizer_dir

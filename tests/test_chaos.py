@@ -8,7 +8,8 @@ Three scenarios (docs/isolation.md, "Faults a pool must survive"):
   trajectories whose host died, a random tenth of the others, and every 10th iteration all of them,
   release their slots (resets overlap the next kill) and new trajectories take their place;
 * ``pool`` kills: the pool runs in a subprocess with 64 calls in flight (16 trajectories x 4) and is
-  SIGKILLed; a new pool with the same pool_id is started and must reap everything the dead one left.
+  SIGKILLed; a new pool with the same pool_id is started and must reap everything the dead one left
+  (two such sequences at once, each with its own pool_id: none may touch another's hosts).
 
 Invariants checked after every iteration:
 
@@ -72,6 +73,10 @@ DOCKER_POOL_LABEL = "io.atropos-sandbox.pool"  # atropos.backends.docker.LABEL_P
 LOCAL_HOST_KILLS = int(os.environ.get("ATROPOS_CHAOS_LOCAL_KILLS", "50"))
 DOCKER_HOST_KILLS = int(os.environ.get("ATROPOS_CHAOS_DOCKER_KILLS", "20"))
 POOL_KILLS = int(os.environ.get("ATROPOS_CHAOS_POOL_KILLS", "30"))
+# The pool kills run as this many sequences at once (each its own pool_id): an iteration mostly waits
+# (a pool process starting, the dead pool's leftovers looked for, the next pool reaping), and one
+# sequence of 30 was the test's long pole (15-20 s an iteration under load, against 4-5 s for a host kill).
+POOL_KILL_LANES = int(os.environ.get("ATROPOS_CHAOS_POOL_LANES", "2"))
 
 
 # -- figures ---------------------------------------------------------------------------------
@@ -612,11 +617,11 @@ class PoolProcess:
 
 
 async def run_pool_kills(kind: str, iterations: int, *, seed: int = 0, hosts: int = 1, slots: int = 16,
-                         progress: Callable[[Figures], None] | None = None) -> Figures:
+                         progress: Callable[[Figures], None] | None = None, lane: int | None = None) -> Figures:
     """``iterations`` times: a pool subprocess with 64 calls in flight (one turn of 4 calls for each of 16
     trajectories) is SIGKILLed; a new pool with the same pool_id must reap every host, container,
     directory and mount it left."""
-    fig = Figures(f"{kind}-pool-kill")
+    fig = Figures(f"{kind}-pool-kill" + (f"-{lane}" if lane is not None else ""))
     rng = random.Random(seed)
     t0 = time.monotonic()
 
@@ -651,6 +656,22 @@ async def run_pool_kills(kind: str, iterations: int, *, seed: int = 0, hosts: in
             await _reap(kind, upcoming.pool_id, slots)
     fig.wall_s = time.monotonic() - t0
     return fig
+
+
+async def run_pool_kill_lanes(kind: str, iterations: int, *, lanes: int = POOL_KILL_LANES, seed: int = 0,
+                              progress: Callable[[Figures], None] | None = None) -> Figures:
+    """``iterations`` pool kills as ``lanes`` sequences at once, each with its own pool_id (the same
+    checks per iteration; pools being killed and reaped next to each other must also leave each
+    other's hosts alone: a call failing on a pool nobody killed is counted against the run)."""
+    t0 = time.monotonic()
+    counts = [iterations // lanes + (1 if i < iterations % lanes else 0) for i in range(max(1, lanes))]
+    figures = await asyncio.gather(*(run_pool_kills(kind, n, seed=seed * 1000 + i, progress=progress, lane=i)
+                                     for i, n in enumerate(counts) if n))
+    total = Figures(f"{kind}-pool-kill")
+    for fig in figures:
+        total.merge(fig)
+    total.wall_s = time.monotonic() - t0
+    return total
 
 
 async def _reap(kind: str, pool_id: str, slots: int) -> SlotPool:
@@ -760,7 +781,7 @@ async def run_chaos(plan: dict[str, int], *, seed: int = 0, hosts: int = 6, sequ
         jobs.append(after_docker(run_host_kills("local", plan["local"], seed=seed + 1, hosts=hosts,
                                                 progress=progress)))
     if plan.get("pool"):
-        jobs.append(after_docker(run_pool_kills("local", plan["pool"], seed=seed + 3, progress=progress)))
+        jobs.append(after_docker(run_pool_kill_lanes("local", plan["pool"], seed=seed + 3, progress=progress)))
     if sequential:
         docker_up.set()
         return [await job for job in jobs]
