@@ -164,3 +164,34 @@ async def test_a_registry_image_leases_on_every_backend(kind: str, registry: str
         assert not list(Path(tempfile.gettempdir()).glob("atropos-registry-*")), "the pool's archives are gone"
     finally:
         subprocess.run(["docker", "image", "rm", "-f", one, two], capture_output=True, timeout=120)
+
+
+async def test_one_fetch_serves_every_host_shipped_the_image_at_once(registry: str, task_image: object,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``RegistryShipper`` (the Docker and Nomad pools' registry path) shipping one reference to two
+    real hosts at once fetches it once; both hold it under the image's id; a shipment to a host that
+    holds it already fetches nothing; the archive is gone after."""
+    from atropos.backends.image_shipping import RegistryShipper
+
+    base = task_image("nopython")  # type: ignore[operator]
+    ref = f"docker://{registry}/tasks/base:v1"
+    push(f"docker-daemon:{base}", ref)
+    fetched: list[str] = []
+    real_fetch = registry_refs.fetch_archive
+
+    def counted(pinned: str, into: Path, timeout: float = 3600.0) -> None:
+        fetched.append(pinned)
+        real_fetch(pinned, into, timeout)
+
+    monkeypatch.setattr(registry_refs, "fetch_archive", counted)
+    shipper = RegistryShipper()
+    async with SlotPool(make_backend("local", slots=1), pool_cfg(min_hosts=2, max_hosts=2)) as pool:
+        clients = [h.client for h in pool.hosts.values()]
+        assert len(clients) == 2
+        await asyncio.gather(*(shipper.ship(c, ref) for c in clients))
+        assert len(fetched) == 1
+        for client in clients:
+            assert {i.reference: i.id for i in await client.images()}[ref] == engine_id(base)
+        await shipper.ship(clients[0], ref)
+        assert len(fetched) == 1  # held under that id: nothing fetched or shipped
+    assert not list(Path(tempfile.gettempdir()).glob("atropos-registry-*"))

@@ -95,8 +95,8 @@ class RegistryShipper:
     @contextlib.asynccontextmanager
     async def _archive(self, pinned: str) -> AsyncIterator[Path]:
         entry = self._fetching.get(pinned)
-        if entry is None:
-            tmp = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="atropos-registry-"))
+        if entry is None:  # no await before the entry is in: a second shipment meanwhile shares it
+            tmp = Path(tempfile.mkdtemp(prefix="atropos-registry-"))
             entry = self._fetching[pinned] = (
                 asyncio.ensure_future(asyncio.to_thread(registry.fetch_archive, pinned, tmp / "image.tar")), tmp, [0])
         fetch, tmp, users = entry
