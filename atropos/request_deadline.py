@@ -8,6 +8,12 @@ thousand such connections a server runs out of descriptors. Here every request m
 one); otherwise the server answers 408 if nothing was answered yet, and closes the connection,
 which the handler reading the body sees as a disconnect. The time a handler takes to answer is
 not limited here (calls carry their own timeouts).
+
+A body still arriving at ``MIN_BODY_RATE`` or more is not cut: each ``read_timeout_s`` window
+that brought at least ``read_timeout_s * MIN_BODY_RATE`` bytes of it extends the deadline by
+another window. An image or template upload of gigabytes takes minutes on a loaded machine (a
+1 GB image archive was cut at 466 MiB by the 60 s deadline); a client trickling a body still loses
+the connection within a window.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 DEFAULT_READ_TIMEOUT_S = 60.0
+MIN_BODY_RATE = 1 << 20  # bytes/s: a body arriving at least this fast keeps its request's connection
 _TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
@@ -28,6 +35,7 @@ class DeadlineHttpToolsProtocol(HttpToolsProtocol):
     read_timeout_s = DEFAULT_READ_TIMEOUT_S
     _deadline: asyncio.TimerHandle | None = None
     _head_done = False  # the current request's head was read (the app runs and owns the answer)
+    _window_bytes = 0  # body bytes since the deadline was (re)armed
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -42,6 +50,10 @@ class DeadlineHttpToolsProtocol(HttpToolsProtocol):
         self._head_done = True
         super().on_headers_complete()
 
+    def on_body(self, body: bytes) -> None:
+        self._window_bytes += len(body)
+        super().on_body(body)
+
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._disarm()
@@ -52,6 +64,7 @@ class DeadlineHttpToolsProtocol(HttpToolsProtocol):
 
     def _arm(self) -> None:
         self._head_done = False
+        self._window_bytes = 0
         self._deadline = asyncio.get_running_loop().call_later(self.read_timeout_s, self._expired)
 
     def _disarm(self) -> None:
@@ -62,6 +75,10 @@ class DeadlineHttpToolsProtocol(HttpToolsProtocol):
     def _expired(self) -> None:
         self._deadline = None
         if self.transport.is_closing():
+            return
+        if self._head_done and self._window_bytes >= self.read_timeout_s * MIN_BODY_RATE:
+            self._window_bytes = 0  # a body still coming at the minimum rate: one more window
+            self._deadline = asyncio.get_running_loop().call_later(self.read_timeout_s, self._expired)
             return
         if not self._head_done:
             self.transport.write(_TIMEOUT_RESPONSE)

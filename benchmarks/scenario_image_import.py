@@ -19,7 +19,15 @@ budget), checks it, mounts the root and starts the sandbox. The baseline, interl
 round: ``docker run -d REF sleep`` + ``docker exec true`` of the same image on the same engine (a
 container per task; the engine already holds the image, as it does for the pool).
 
-``python -m benchmarks.scenario_image_import [--quick] [--no-first-call] [--image-mb 1024]``
+**The same on the Docker backend** (when the engine holds ``ATROPOS_SANDBOX_IMAGE``): per round a
+Docker-backend pool of one container's host is started (untimed) with a fresh operator volume
+(``image_volume``: a 1 GB image does not belong in the container's memory-backed tmpfs), then the
+same lease + first ``true`` is timed: the pool asks its engine for the image's id, streams the
+engine's export (``docker save`` bytes) to the host's upload, which spools it to the volume,
+unpacks it as uid 1000 in a user namespace of its own, checks it, mounts the root and starts the
+sandbox. Interleaved with the other two, round by round.
+
+``python -m benchmarks.scenario_image_import [--quick] [--no-first-call] [--first-call-only] [--image-mb 1024]``
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ import tarfile
 import time
 from pathlib import Path
 
-from benchmarks.common import Row, ScenarioResult, bench_dir, docker_problem, scenario_main
+from benchmarks.common import DOCKER_IMAGE, Row, ScenarioResult, bench_dir, docker_pool, docker_problem, scenario_main
 
 NAME = "image_import"
 
@@ -152,10 +160,20 @@ async def part_first_call(res: ScenarioResult, megabytes: int, rounds: int) -> N
                      f"{time.perf_counter() - t0:.0f} s)")
     ours: list[float] = []
     docker: list[float] = []
+    on_docker: list[float] = []
+    kinds = ["ours", "docker"]
+    backend_problem = docker_problem(DOCKER_IMAGE)
+    if backend_problem is None:
+        kinds.append("docker-backend")
+    else:
+        res.notes.append(f"first call on the Docker backend: skipped ({backend_problem})")
     for i in range(rounds):
-        for which in (("ours", "docker") if i % 2 == 0 else ("docker", "ours")):
+        for which in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:  # order rotating round by round
             if which == "docker":
                 docker.append(await asyncio.to_thread(docker_first_exec, image))
+                continue
+            if which == "docker-backend":
+                on_docker.append(await first_call_on_docker(image, i))
                 continue
             async with started(_pool_id("big"), 1) as pool:
                 t = time.perf_counter()
@@ -175,9 +193,46 @@ async def part_first_call(res: ScenarioResult, megabytes: int, rounds: int) -> N
     res.notes.append(f"first call on a never-seen {size / 1e6:,.0f} MB image: {first.p50 / base.p50:.1f}x "
                      "docker run + exec of the same image (same run, interleaved); the import is paid once "
                      "per host's store, a held image's first call is image_roots' row")
+    if on_docker:
+        shipped = Row("Docker backend: lease + first true, never-seen image (shipped, fresh volume)", on_docker,
+                      base=base.name)
+        rate = size / 1e6 / (shipped.p50 / 1e3)
+        res.rows += [shipped, Row("Docker backend: image bytes / first call p50", value=rate, unit="MB/s")]
+        res.notes.append(f"on the Docker backend: {shipped.p50 / base.p50:.1f}x docker run + exec, "
+                         f"{shipped.p50 / first.p50:.2f}x the local backend's first call (same run, interleaved)")
+
+
+async def first_call_on_docker(image: str, round_: int) -> float:
+    """One Docker-backend sample (ms): a pool of one container's host with a fresh image volume,
+    started untimed; then lease(image=) + the first ``true``, timed (see the module doc)."""
+    from atropos.sandbox.contract.hostdirs import remove_tree
+
+    volume = bench_dir(f"{NAME}-volume-{round_}")
+    os.chown(volume, 1000, 1000)  # the container's host runs as uid 1000
+    pool = docker_pool(f"bench-imgd-{os.getpid() % 10**5}-{round_}", 1, 1, {"image_volume": str(volume)},
+                       acquire_timeout_s=3600)
+    try:
+        await pool.start()
+        t = time.perf_counter()
+        lease = await pool.lease(f"bigd-{round_}", image=image)
+        try:
+            out = await lease.bash("true")
+            took = (time.perf_counter() - t) * 1e3
+            assert out.exit_code == 0, out
+        finally:
+            await pool.release(lease)
+        return took
+    finally:
+        await pool.stop()
+        await asyncio.to_thread(remove_tree, volume)
 
 
 async def run(quick: bool) -> ScenarioResult:
+    if FIRST_CALL_ONLY:
+        res = ScenarioResult(NAME, "first call on a never-seen ~1 GB task image: local and Docker backends vs "
+                             "docker run", params={"rounds": 2 if quick else 3, "image_mb": IMAGE_MB})
+        await part_first_call(res, IMAGE_MB, 2 if quick else 3)
+        return res
     small_files, large_files, large_size = (5_000, 8, 4 << 20) if quick else (20_000, 32, 4 << 20)
     rounds = 3 if quick else 8
     res = ScenarioResult(NAME, "import of a never-seen task image (OCI layout), budget accounting on vs off",
@@ -214,11 +269,12 @@ async def run(quick: bool) -> ScenarioResult:
 
 
 FIRST_CALL = "--no-first-call" not in sys.argv
+FIRST_CALL_ONLY = "--first-call-only" in sys.argv
 IMAGE_MB = int(sys.argv[sys.argv.index("--image-mb") + 1]) if "--image-mb" in sys.argv else 1024
 
 
 if __name__ == "__main__":
-    for flag in ("--no-first-call",):
+    for flag in ("--no-first-call", "--first-call-only"):
         if flag in sys.argv:
             sys.argv.remove(flag)
     if "--image-mb" in sys.argv:

@@ -161,6 +161,32 @@ async def test_sandbox_host_closes_requests_that_never_arrive_whole(slow_host: R
         await client.aclose()
 
 
+
+async def test_a_body_still_arriving_at_the_minimum_rate_is_not_cut(slow_host: RunningHost) -> None:
+    """An image upload longer than the read deadline (a 1 GB archive takes minutes on a loaded
+    machine) goes on while its body keeps coming at ``MIN_BODY_RATE`` or more: here 3 windows' worth
+    at 4x that rate reaches the handler whole, which answers (400: not an archive) rather than
+    losing the connection at the first deadline."""
+    from atropos.request_deadline import MIN_BODY_RATE
+
+    chunk, per_window, windows = 1 << 18, 4 * MIN_BODY_RATE * READ_TIMEOUT_S, 3
+    total = int(per_window * windows)
+
+    async def body() -> AsyncIterator[bytes]:
+        sent = 0
+        while sent < total:
+            yield b"\0" * chunk
+            sent += chunk
+            await asyncio.sleep(chunk / (4 * MIN_BODY_RATE))  # 4x the minimum rate, the body over 3 windows
+
+    async with httpx.AsyncClient(base_url=slow_host.address, timeout=WAIT_S,
+                                 headers={"Authorization": f"Bearer {slow_host.token}"}) as http:
+        t0 = time.monotonic()
+        resp = await http.post("/v1/images", params={"reference": "limbo/slow:1"}, content=body(),
+                               headers={"content-type": "application/x-tar"})
+    assert time.monotonic() - t0 > 2 * READ_TIMEOUT_S  # the body took longer than the deadline
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "image_rejected", resp.text
+
 def test_lease_audit_stays_bounded_and_still_sees_every_double_lease(tmp_path: Path) -> None:
     """An RL run leases millions of slots: the audit's memory must not grow with them, yet a double
     lease after the in-memory window rolled over is still caught, and the file keeps the full trail."""

@@ -30,7 +30,7 @@ from pydantic import Field, model_validator
 from atropos.backends import docker_cgroups
 from atropos.backends.base import PREWARM_DESCRIPTION, Backend, HostInfo, new_token, pid_alive, user_pool_id
 from atropos.backends.docker_cgroups import HostCgroup
-from atropos.backends.image_shipping import ship_from_engine
+from atropos.backends.image_shipping import RegistryShipper, ship
 from atropos.backends.slot_caps import ContainerSlotCaps
 from atropos.errors import ConfigError, HostUnavailable, IsolationUnavailable
 from atropos.sandbox.contract import egress
@@ -144,6 +144,7 @@ class DockerBackend(Backend):
         self._client: Any = None
         self._mine: set[str] = set()
         self._counter = 0
+        self._registries = RegistryShipper()  # registry images shipped to the hosts (ship_image)
         e = self.cfg.egress
         if e.deny_host_addresses and not e.machine_addresses and not self.engine_is_local():
             log.warning("the Docker engine is not on this machine: its machine's own addresses are unknown here, so "
@@ -357,9 +358,14 @@ class DockerBackend(Backend):
         raise HostUnavailable(f"container {container.name} did not become ready: {logs.decode(errors='replace')}")
 
     async def ship_image(self, client: HostClient, reference: str) -> None:
-        """A container's host has no engine socket: the pool's engine ships it
-        (``image_shipping.ship_from_engine``)."""
-        await ship_from_engine(self.client.api, self._docker.errors.ImageNotFound, client, reference)
+        """A container's host has no engine socket and no way to a registry: the pool ships it, from
+        its engine or (a ``docker://`` reference) fetched from the registry on the pool's machine
+        (``image_shipping.ship``)."""
+
+        async def engine() -> tuple[Any, type[Exception]]:
+            return self.client.api, self._docker.errors.ImageNotFound
+
+        await ship(client, reference, engine, self._registries)
 
     async def stop_host(self, host_id: str) -> None:
         self._mine.discard(host_id)

@@ -421,10 +421,13 @@ class Lease(LeaseCalls):
                     image: str | None = None) -> ResetResult:
         """Restart this lease's workspace, keeping the lease: empty, a fresh copy-on-write fork of
         ``template`` (shipped to this host first if it was made elsewhere), or a fresh root of the
-        task image ``image`` (imported into the host's layer store first if need be). Every
+        task image ``image`` (imported into the host's layer store first if need be, shipped to it
+        first on a backend whose hosts cannot get it themselves). Every
         process of the slot is killed. A failed reset loses the lease (ResetFailed)."""
         self.check()
         template_id = None if template is None else await self.pool.template_on(template, self.host)
+        if image is not None:  # a Docker or Nomad host is shipped it first (a moved tag again)
+            await self.pool.image_on(image, self.host)
         try:
             result = await self.host.guard(self.host.client.reset(
                 self.slot, self.token, trajectory_id=self.trajectory_id, network=network, template=template_id,

@@ -403,6 +403,11 @@ class SlotPool:
         """A template from a tar archive, unpacked on one host (shipped to others on use)."""
         return await self.templates.upload_template(data, name=name, gzip=gzip)
 
+    async def image_on(self, reference: str, host: PoolHost) -> None:
+        """Give ``host`` the task image ``reference`` if it cannot get it itself (the backend ships
+        it: a Docker or Nomad host), once however many leases wait for it."""
+        await self._ship_image(host, reference)
+
     async def template_on(self, template: PoolTemplate, host: PoolHost) -> str:
         """The template's id on ``host``, shipping it there first (once) if needed."""
         return await self.templates.template_on(template, host)

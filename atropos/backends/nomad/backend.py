@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from atropos.backends.base import Backend, HostInfo, new_token
-from atropos.backends.image_shipping import ship_from_engine
+from atropos.backends.image_shipping import RegistryShipper, ship
 from atropos.backends.nomad.allocs import Alloc, AllocDied, alloc_address, index_of, is_live, is_usable
 from atropos.backends.nomad.api import JobGone, NomadAPI, group_count
 from atropos.backends.nomad.config import NomadBackendConfig
@@ -43,6 +43,7 @@ class NomadBackend(Backend):
         self._instance = new_token()[:12]
         self.stats: dict[str, int] = dict.fromkeys(STATS, 0)
         self._docker_client: Any = None  # the engine task images are shipped from (ship_image), once asked
+        self._registries = RegistryShipper()  # registry images shipped to the hosts (ship_image)
         self.api = NomadAPI(self.cfg, self._instance)
         self.owner = JobOwner(self.api, self._token, self._instance, self.stats)
         self.ledger = AllocationLedger(self.cfg.spare_grace_s)
@@ -392,12 +393,12 @@ class NomadBackend(Backend):
             return await self.owner.claim_job_id()
 
     async def ship_image(self, client: HostClient, reference: str) -> None:
-        """A Nomad task's host has no engine socket: the pool's machine's engine ships the image
-        (``image_shipping.ship_from_engine``), as for a Docker container's host."""
+        """A Nomad task's host has no engine socket: the pool ships the image from its machine's
+        engine, or (a ``docker://`` reference) fetched from the registry on the pool's machine
+        (``image_shipping.ship``), as for a Docker container's host."""
         if not self.cfg.ship_images:
             return
-        api, not_found = await asyncio.to_thread(self._engine)
-        await ship_from_engine(api, not_found, client, reference)
+        await ship(client, reference, lambda: asyncio.to_thread(self._engine), self._registries)
 
     def _engine(self) -> tuple[Any, type[Exception]]:
         """The docker SDK's low-level client of the engine images are shipped from, and its ImageNotFound."""

@@ -40,8 +40,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from atropos.errors import ImageOverBudget, ImageRejected
+from atropos.sandbox.contract import registry
 from atropos.sandbox.contract.hostdirs import owned_dir, remove_tree
-from atropos.sandbox.host.images import registry, userns_import
+from atropos.sandbox.host.images import userns_import
 from atropos.sandbox.host.images.image_accept import accept
 from atropos.sandbox.host.images.image_check import MAX_LOWERS, check_image
 from atropos.sandbox.host.images.image_root import ImageRoot
@@ -84,6 +85,9 @@ class HostImages:
         # layers (and each holds a pin on it)
         self.images: dict[str, ImageRoot] = {}
         self.refs: dict[str, str] = {}  # reference -> image id, as last seen
+        # registry references the pool shipped (a Docker or Nomad host: the pool fetched them, the
+        # pool checks the registry's digest on every lease and ships a moved tag again)
+        self.shipped: set[str] = set()
         self._retired: list[ImageRoot] = []  # a name that moved to another image, still under a slot
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -292,6 +296,8 @@ class HostImages:
         if reference.startswith("oci:"):
             return oci_image_id(reference)
         if reference.startswith(registry.PREFIX):
+            if reference in self.shipped:
+                return self.refs[reference]
             return registry.registry_image_id(reference)
         if reference in self.refs and not os.path.exists(self.docker_socket):
             # uploaded (a host with no engine: the Docker backend's, whose pool ships the image
@@ -315,6 +321,8 @@ class HostImages:
                     self._retire(root)
                 root = self.images[reference] = imported
             self.refs[reference] = root.image_id
+            if reference.startswith(registry.PREFIX):
+                self.shipped.add(reference)
             root.last_used = time.monotonic()
             self._drop_idle()
             return root
