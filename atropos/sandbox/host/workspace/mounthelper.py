@@ -355,8 +355,9 @@ class Helper:
     def renew(self, req: dict[str, Any]) -> dict[str, Any]:
         """A slot's reset in one round trip: every mount on the ``detach`` targets is moved under
         ``trash`` (unmounted there in the background), then a fresh capped tmpfs is mounted on each
-        ``tmpfs`` target. The old mounts are unmounted here instead when they hold more than
-        DEFER_MAX_BYTES, or MAX_DEFERRED unmounts are waiting already."""
+        ``tmpfs`` target, then (``image_root``: a request of that op) a fresh image root is built.
+        The old mounts are unmounted here instead when they hold more than DEFER_MAX_BYTES, or
+        MAX_DEFERRED unmounts are waiting already."""
         trash = str(req["trash"])
         results: dict[str, str] = {}
         targets = list(req.get("detach", []))
@@ -367,7 +368,8 @@ class Helper:
             self.drop_layers()
         for item in req.get("tmpfs", []):
             self.mount_tmpfs(item["target"], item["quota"])
-        return {"results": results, "deferred": self.deferred.qsize()}
+        built = self.image_root(req["image_root"]) if req.get("image_root") is not None else {}
+        return {"results": results, "deferred": self.deferred.qsize(), **built}
 
     def move_aside(self, target: str, trash: str) -> str:
         """Move every mount stacked on ``target`` to its own new directory under ``trash``."""

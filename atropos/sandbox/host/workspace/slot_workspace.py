@@ -179,6 +179,10 @@ class SlotWorkspace:
         if not renewable:
             same_image = (image is not None and self.ws_kind == "image" and self.image is not None
                           and self.image.image_id == image.image_id)
+            if same_image and image is not None and mgr is not None and self.capped \
+                    and self.scratch == mgr.scratch_capped:
+                await self._renew_image(image)
+                return
             await self.drop(keep_layers=same_image)
             await self.build(template, image)
             return
@@ -191,6 +195,24 @@ class SlotWorkspace:
             self._fresh_dir(ws)
         await self.ns().call({"op": "renew", "detach": [m["target"] for m in mounts], "tmpfs": mounts,
                                "trash": str(self._mount_trash())})
+
+    async def _renew_image(self, image: ImageRoot) -> None:
+        """A fresh root of the image the slot's root is now, in one round trip: the root overlay,
+        its layers' tmpfs and the scratch mounts move aside, fresh ones go on the same mount points
+        (host dirs under this slot's dir that were covered by those mounts for the whole lease, so
+        nothing of the slot is in them: no new dirs, nothing to the trash), the image's layers are
+        the ones the slot's namespace kept (mounthelper.KeptLayers)."""
+        ns = self.ns()
+        uid, gid = await asyncio.to_thread(image.user_ids)
+        if image is not self.image:  # the same image id, loaded again (another ImageRoot of it)
+            assert self.image is not None
+            self.image.users.discard(self.index)
+            image.users.add(self.index)
+            self.image = image
+        mounts = self._scratch_mounts() if self.scratch else []
+        await ns.call({"op": "renew", "detach": [self._real(self.root), self._real(self.ov)]
+                       + [m["target"] for m in mounts], "tmpfs": mounts, "trash": str(self._mount_trash()),
+                       "image_root": {**self.image_root_request(image, self.ov, self.root, (uid, gid)), "keep": True}})
 
     async def build(self, template: Template | None, image: ImageRoot | None = None) -> None:
         ws, mgr = self.paths.workspace, self.workspaces
