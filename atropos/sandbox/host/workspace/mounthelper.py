@@ -118,6 +118,7 @@ class Helper:
         # A slot namespace's image layers, kept across its resets to the same image (see ``KeptLayers``).
         self.kept: KeptLayers | None = None
         self._fd_layers: bool | None = None  # whether overlayfs takes its layers as mount fds (kernel >= 6.13)
+        self._fd_roots = False  # a root was built on kept layers here
 
     # -- namespaces ------------------------------------------------------------------------
     def enter(self, host_pid: int) -> None:
@@ -491,7 +492,14 @@ class Helper:
         layers, target = str(req["layers"]), str(req["target"])
         lowers, quota, idmap = list(req["lowers"]), req["quota"], req.get("idmap")
         if req.get("keep") and req.get("diff") is None and lowers and self.fd_layers(lowers[0], idmap):
-            return self._image_root_kept(req, self.layers_for(lowers, idmap))
+            try:
+                return self._image_root_kept(req, self.layers_for(lowers, idmap))
+            except OSError:
+                if self._fd_roots:
+                    raise
+                # the probe passed but no root was ever built this way here (a kernel or a user
+                # namespace that takes the fd and refuses the overlay): the way every kernel takes
+                self._fd_layers = False
         self.mount_tmpfs(layers, quota)
         try:
             for name in ("upper", "work", "pristine"):
@@ -556,6 +564,7 @@ class Helper:
             self.umount(layers)
             self.drop_layers()
             raise
+        self._fd_roots = True
         return {"layers_kept": kept.count_use(), "layers": len(kept.fds)}
 
     def image_mount_points(self, root: str, owner: int | None, binds: list[dict[str, Any]], pristine: str | int
