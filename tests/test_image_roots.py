@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from atropos.sandbox.contract.protocol import VerifyRequest
-from tests.conftest import IMAGE_STORE, LeasedSlot, RunningHost, start_host, stop_host, wait_until
+from atropos.sandbox.host.workspace.mountns import read_mountinfo
+from tests.conftest import IMAGE_STORE, LeasedSlot, RunningHost, slot_ns_pid, start_host, stop_host, wait_until
 from tests.task_images import docker_run
 
 BASE = "atropos-sandbox-base:bookworm"
@@ -252,6 +253,97 @@ async def test_verify_restores_paths_from_the_image(image_host: RunningHost, roo
             "/testbed/conftest.py": "missing:FileNotFoundError",
             "/testbed/tests/new": "missing:FileNotFoundError",
         }
+
+
+# Everything of the root a slot may show the next lease: each path's type, mode, owner, size, mtime,
+# link target, and the contents of the files the attacks below write (the mount points the helper
+# makes fresh in every root, and /proc, /dev, /sys, left out).
+FINGERPRINT = ("find / -xdev -mindepth 1 \\( -path /proc -o -path /dev -o -path /tmp -o -path /sys "
+               "-o -path /.atropos \\) -prune -o -printf '%p %y %m %U:%G %s %T@ %l\\n' | sort | md5sum; "
+               "find /.atropos/image -printf '%p %y %m %U:%G %s %T@ %l\\n' | sort | md5sum; "
+               "cat /testbed/a.txt /etc/debian_version /.atropos/image/testbed/a.txt | md5sum; "
+               "md5sum /bin/true /usr/bin/python3 /etc/passwd; ls -a /tmp /testbed /opt/tool/bin; "
+               "python3 -c 'import os; print(sorted(os.listxattr(\"/testbed/a.txt\")), "
+               "sorted(os.listxattr(\"/testbed\")))'")
+# Every way a slot's root (uid 0 inside) writes to its root, and the ways it tries to write past it.
+WRITES = [
+    "echo planted >> /testbed/a.txt", ": > /etc/debian_version", "cp /bin/false /bin/true",
+    "rm -rf /usr/share/doc", "rm -rf /opt/tool/bin && mkdir /opt/tool/bin && echo x > /opt/tool/bin/imgtool",
+    "mv /testbed /testbed.moved && mkdir /testbed && echo new > /testbed/a.txt", "chmod 777 /etc",
+    "chown 1234:1234 /etc/hostname", "touch -d 2001-01-01 /etc/passwd", "ln /etc/passwd /etc/passwd.hl",
+    "mkfifo /fifo", "ln -s /.atropos/image /img", "echo x > /tmp/left",
+    "python3 -c 'import os; os.setxattr(\"/testbed/a.txt\", \"user.planted\", b\"1\")'",
+    "python3 -c 'import os; os.setxattr(\"/testbed\", \"trusted.overlay.opaque\", b\"y\")'",
+    "echo x > /.atropos/image/testbed/a.txt", "touch /.atropos/image/planted", "rm -f /.atropos/image/etc/passwd",
+    "mount -o remount,rw /.atropos/image", "mount -o remount,rw /", "umount -l /.atropos/image",
+    "python3 -c 'import os; os.setxattr(\"/.atropos/image/etc\", \"user.planted\", b\"1\")'",
+    "(exec 3>>/etc/hosts; sleep 300) > /dev/null 2>&1 &",
+]
+
+
+def _held_mounts(pid: int) -> set[int]:
+    """The mount ids behind the fds process ``pid`` holds (a slot namespace's kept layers)."""
+    held = set()
+    for fd in os.listdir(f"/proc/{pid}/fdinfo"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines():
+                if line.startswith("mnt_id:"):
+                    held.add(int(line.split()[1]))
+    return held
+
+
+async def test_kept_layers_carry_no_write_to_the_next_lease_or_the_verifier(image_host: RunningHost,
+                                                                            roots_image: str) -> None:
+    """A slot keeps its clones of an image's layers across its resets to that image (mounthelper's
+    KeptLayers): whatever the slot writes, the next lease of the same image on the same slot, and a
+    verifier restoring from the image, see the image as it is."""
+    client = image_host.client()
+    lease = await client.lease("img-kept")
+    try:
+        first = await client.reset(lease.slot, lease.lease, image=roots_image)
+        assert first.ok and first.lease is not None, first.detail
+        lease = first.lease
+        slot = LeasedSlot(client, lease)
+        before = await slot.sh(FINGERPRINT)
+        assert before["exit_code"] == 0, before
+        ns_pid = slot_ns_pid(image_host.data_dir, lease.slot)
+        held = _held_mounts(ns_pid)
+        # premise: the layers are detached mounts the namespace holds, in no mount table
+        assert held, "no kept layers"
+        table = read_mountinfo(ns_pid)
+        assert not {m.mount_id for m in table} & held
+        root = [m for m in table if m.mountpoint.endswith(f"/slots/{lease.slot}/root")]
+        assert len(root) == 1 and "lowerdir+=" in root[0].super_options, root
+        for command in WRITES:
+            await slot.sh(command)
+        changed = await slot.sh(FINGERPRINT)
+        assert changed["stdout"] != before["stdout"]  # premise: the writes took where they could
+        assert (await slot.sh("cat /.atropos/image/testbed/a.txt"))["stdout"] == "original\n"
+        result = await client.verify(lease.slot, VerifyRequest(
+            lease=lease.lease, program=VERIFIER, restore=["/testbed", "/etc/passwd"],
+            args=["/testbed/a.txt", "/etc/passwd.hl", "/testbed.moved/a.txt"]))
+        assert result.ok and result.verdict is not None, result.error
+        assert result.verdict["files"]["/testbed/a.txt"] == "original\n"
+        second = await client.reset(lease.slot, lease.lease, image=roots_image)
+        assert second.ok and second.lease is not None, second.detail
+        assert "fresh root of image" in second.verified
+        lease = second.lease
+        slot = LeasedSlot(client, lease)
+        assert _held_mounts(ns_pid) == held  # the same clones: kept, not made again
+        after = await slot.sh(FINGERPRINT)
+        assert (after["exit_code"], after["stdout"], after["stderr"]) == \
+            (before["exit_code"], before["stdout"], before["stderr"])
+        assert (await slot.sh("cat /testbed/a.txt; stat -c '%a %U' /etc; test -e /fifo; echo $?"))["stdout"] == \
+            "original\n755 root\n1\n"
+        # the slot's root on the default root again: the image's layers are no longer held
+        third = await client.reset(lease.slot, lease.lease)
+        assert third.ok and third.lease is not None, third.detail
+        lease = third.lease
+        now = _held_mounts(ns_pid)  # its other fds (its socket, the namespace it was made from) stay
+        assert now < held and len(held - now) > 2, (held, now)  # a clone per layer and the pristine overlay
+    finally:
+        await client.release(lease.slot, lease.lease)
+        await client.aclose()
 
 
 async def test_restore_refuses_a_slot_without_an_image(image_host: RunningHost) -> None:

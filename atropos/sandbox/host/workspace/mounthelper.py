@@ -58,7 +58,10 @@ QUIET_S = 0.05
 DEFER_MAX_BYTES = 16 << 20
 # new mount API (the same numbers on every architecture since 5.2)
 SYS_OPEN_TREE, SYS_MOVE_MOUNT, SYS_MOUNT_SETATTR = 428, 429, 442
+SYS_FSOPEN, SYS_FSCONFIG, SYS_FSMOUNT = 430, 431, 432
 OPEN_TREE_CLONE, AT_FDCWD, AT_EMPTY_PATH, AT_RECURSIVE = 1, -100, 0x1000, 0x8000
+FSCONFIG_SET_FLAG, FSCONFIG_SET_STRING, FSCONFIG_SET_FD, FSCONFIG_CMD_CREATE = 0, 1, 5, 6
+FSOPEN_CLOEXEC = FSMOUNT_CLOEXEC = 1
 MOVE_MOUNT_F_EMPTY_PATH = 0x4
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV, MOUNT_ATTR_IDMAP = 0x1, 0x2, 0x4, 0x100000
 
@@ -112,6 +115,10 @@ class Helper:
         # it alive with no process in it): each slot's namespace is a copy of it.
         self.template_ns = -1
         self.slots: dict[int, SlotNamespace] = {}
+        # A slot namespace's image layers, kept across its resets to the same image (see ``KeptLayers``).
+        self.kept: KeptLayers | None = None
+        self._fd_layers: bool | None = None  # whether overlayfs takes its layers as mount fds (kernel >= 6.13)
+        self._fd_roots = False  # a root was built on kept layers here
 
     # -- namespaces ------------------------------------------------------------------------
     def enter(self, host_pid: int) -> None:
@@ -208,8 +215,21 @@ class Helper:
     # -- mounts ----------------------------------------------------------------------------
     def clone_lower(self, tree: str, lower: str, idmap: list[int] | None) -> None:
         """A read-only (and, as root, idmapped) clone of the template tree at ``lower``."""
-        fd = _check(_libc.syscall(SYS_OPEN_TREE, AT_FDCWD, tree.encode(),
-                                  OPEN_TREE_CLONE | os.O_CLOEXEC | AT_RECURSIVE), f"open_tree({tree})")
+        fd = self.detached_clone(tree, idmap)
+        try:
+            _attach(fd, lower)
+        finally:
+            os.close(fd)
+
+    def detached_clone(self, tree: str | int, idmap: list[int] | None) -> int:
+        """An fd of a read-only (and, as root, idmapped) clone of ``tree`` (a path, or a mount fd)
+        attached nowhere: in no mount table, gone with its last fd."""
+        if isinstance(tree, int):
+            fd = _check(_libc.syscall(SYS_OPEN_TREE, tree, b"", OPEN_TREE_CLONE | os.O_CLOEXEC | AT_RECURSIVE
+                                      | AT_EMPTY_PATH), "open_tree(fd)")
+        else:
+            fd = _check(_libc.syscall(SYS_OPEN_TREE, AT_FDCWD, tree.encode(),
+                                      OPEN_TREE_CLONE | os.O_CLOEXEC | AT_RECURSIVE), f"open_tree({tree})")
         try:
             attr = _MountAttr(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, 0, 0, 0)
             if idmap is not None:
@@ -218,10 +238,78 @@ class Helper:
                                                    int(idmap[2]) if len(idmap) > 2 else None)
             _check(_libc.syscall(SYS_MOUNT_SETATTR, fd, b"", AT_EMPTY_PATH | AT_RECURSIVE, ctypes.byref(attr),
                                  ctypes.sizeof(attr)), "mount_setattr")
-            _check(_libc.syscall(SYS_MOVE_MOUNT, fd, b"", AT_FDCWD, lower.encode(), MOVE_MOUNT_F_EMPTY_PATH),
-                   f"move_mount(-> {lower})")
-        finally:
+        except OSError:
             os.close(fd)
+            raise
+        return fd
+
+    def overlay_of_fds(self, lowers: list[int], upper: str | None = None, work: str | None = None) -> int:
+        """An fd of a detached overlay mount whose lower layers are the mounts ``lowers`` (top
+        first); read-only without ``upper``. Options as ``mount_overlay``'s."""
+        ctx = _check(_libc.syscall(SYS_FSOPEN, b"overlay", FSOPEN_CLOEXEC), "fsopen(overlay)")
+        try:
+            for fd in lowers:
+                _check(_libc.syscall(SYS_FSCONFIG, ctx, FSCONFIG_SET_FD, b"lowerdir+", None, fd), "overlay lowerdir+")
+            opts: list[tuple[str, str | None]] = []
+            if upper is not None and work is not None:
+                opts += [("upperdir", upper), ("workdir", work), ("volatile", None)]
+                if self.mode != "userns":
+                    opts += [("redirect_dir", "on"), ("metacopy", "off"), ("index", "off")]
+            if self.mode == "userns":
+                opts.append(("userxattr", None))
+            for key, value in opts:
+                _check(_libc.syscall(SYS_FSCONFIG, ctx, FSCONFIG_SET_FLAG if value is None else FSCONFIG_SET_STRING,
+                                     key.encode(), None if value is None else value.encode(), 0), f"overlay {key}")
+            _check(_libc.syscall(SYS_FSCONFIG, ctx, FSCONFIG_CMD_CREATE, None, None, 0), "overlay create")
+            attrs = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | (0 if upper is not None else MOUNT_ATTR_RDONLY)
+            return _check(_libc.syscall(SYS_FSMOUNT, ctx, FSMOUNT_CLOEXEC, attrs), "fsmount(overlay)")
+        finally:
+            os.close(ctx)
+
+    def fd_layers(self, tree: str, idmap: list[int] | None) -> bool:
+        """Whether overlayfs here takes a layer as a mount fd (``lowerdir+`` by fd, kernel >= 6.13),
+        tried once with a clone of ``tree`` as ``image_root`` makes it."""
+        if self._fd_layers is None:
+            fd = ctx = -1
+            try:
+                fd = self.detached_clone(tree, idmap)
+                ctx = _check(_libc.syscall(SYS_FSOPEN, b"overlay", FSOPEN_CLOEXEC), "fsopen(overlay)")
+                _check(_libc.syscall(SYS_FSCONFIG, ctx, FSCONFIG_SET_FD, b"lowerdir+", None, fd), "lowerdir+")
+                self._fd_layers = True
+            except OSError:
+                self._fd_layers = False
+            finally:
+                for f in (fd, ctx):
+                    if f >= 0:
+                        os.close(f)
+        return self._fd_layers
+
+    def layers_for(self, lowers: list[str], idmap: list[int] | None) -> KeptLayers:
+        """This slot's clones of ``lowers`` (and their read-only overlay, the pristine image): the
+        ones kept from the last root when it was the same image with the same id mapping, else
+        made now (the old ones dropped)."""
+        key = (tuple(lowers), None if idmap is None else tuple(int(i) for i in idmap))
+        if self.kept is not None and self.kept.key == key:
+            return self.kept
+        self.drop_layers()
+        fds: list[int] = []
+        try:
+            for tree in lowers:
+                fds.append(self.detached_clone(tree, idmap))
+            pristine = self.overlay_of_fds(fds) if len(fds) > 1 else self.detached_clone(fds[0], None)
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            raise
+        self.kept = KeptLayers(key, fds, pristine)
+        return self.kept
+
+    def drop_layers(self) -> None:
+        """Close the kept layers: the last fd of a detached mount unmounts it."""
+        kept, self.kept = self.kept, None
+        if kept is not None:
+            for fd in [*kept.fds, kept.pristine]:
+                os.close(fd)
 
     def mount_overlay(self, lower: str, upper: str, work: str, target: str) -> None:
         # volatile: no syncs to the upper fs (also not at umount, which otherwise costs a journal
@@ -268,17 +356,21 @@ class Helper:
     def renew(self, req: dict[str, Any]) -> dict[str, Any]:
         """A slot's reset in one round trip: every mount on the ``detach`` targets is moved under
         ``trash`` (unmounted there in the background), then a fresh capped tmpfs is mounted on each
-        ``tmpfs`` target. The old mounts are unmounted here instead when they hold more than
-        DEFER_MAX_BYTES, or MAX_DEFERRED unmounts are waiting already."""
+        ``tmpfs`` target, then (``image_root``: a request of that op) a fresh image root is built.
+        The old mounts are unmounted here instead when they hold more than DEFER_MAX_BYTES, or
+        MAX_DEFERRED unmounts are waiting already."""
         trash = str(req["trash"])
         results: dict[str, str] = {}
         targets = list(req.get("detach", []))
         in_place = self.deferred.qsize() >= MAX_DEFERRED or sum(map(_used_bytes, targets)) > DEFER_MAX_BYTES
         for target in targets:
             results[target] = self.umount(target) if in_place else self.move_aside(target, trash)
+        if req.get("drop_layers"):
+            self.drop_layers()
         for item in req.get("tmpfs", []):
             self.mount_tmpfs(item["target"], item["quota"])
-        return {"results": results, "deferred": self.deferred.qsize()}
+        built = self.image_root(req["image_root"]) if req.get("image_root") is not None else {}
+        return {"results": results, "deferred": self.deferred.qsize(), **built}
 
     def move_aside(self, target: str, trash: str) -> str:
         """Move every mount stacked on ``target`` to its own new directory under ``trash``."""
@@ -390,9 +482,24 @@ class Helper:
         ``/dev`` and ``/proc`` get an empty read-only tmpfs for bubblewrap to mount over, and
         ``/.atropos`` a read-only tmpfs holding the helpers (``binds``: the host's lib dir, its
         ``/usr`` for their interpreter, the slot's run dir) and the pristine image. A mount point
-        cannot be removed or renamed from inside the slot (EBUSY)."""
+        cannot be removed or renamed from inside the slot (EBUSY).
+
+        With ``keep`` (a slot's own root, never a verification root) and a kernel whose overlayfs
+        takes layers as mount fds, the layer clones and the pristine overlay are detached mounts
+        this namespace's process holds (``KeptLayers``): in no mount table (a sandbox's start copies
+        none of them), made once per image and kept across the slot's resets to that image. They
+        are read-only: a slot's writes land in the upper layer, which every reset drops."""
         layers, target = str(req["layers"]), str(req["target"])
         lowers, quota, idmap = list(req["lowers"]), req["quota"], req.get("idmap")
+        if req.get("keep") and req.get("diff") is None and lowers and self.fd_layers(lowers[0], idmap):
+            try:
+                return self._image_root_kept(req, self.layers_for(lowers, idmap))
+            except OSError:
+                if self._fd_roots:
+                    raise
+                # the probe passed but no root was ever built this way here (a kernel or a user
+                # namespace that takes the fd and refuses the overlay): the way every kernel takes
+                self._fd_layers = False
         self.mount_tmpfs(layers, quota)
         try:
             for name in ("upper", "work", "pristine"):
@@ -435,7 +542,33 @@ class Helper:
             raise
         return result
 
-    def image_mount_points(self, root: str, owner: int | None, binds: list[dict[str, Any]], pristine: str) -> None:
+    def _image_root_kept(self, req: dict[str, Any], kept: KeptLayers) -> dict[str, Any]:
+        layers, target, quota = str(req["layers"]), str(req["target"]), req["quota"]
+        self.mount_tmpfs(layers, quota)
+        try:
+            upper, work = os.path.join(layers, "upper"), os.path.join(layers, "work")
+            for d in (upper, work):
+                os.mkdir(d, 0o700)
+            owner = quota.get("uid")
+            if owner is not None:
+                os.chown(upper, int(owner), int(owner))
+            os.chmod(upper, 0o755)  # the root dir of the slot's /
+            root = self.overlay_of_fds(kept.fds, upper, work)
+            try:
+                _attach(root, target)
+            finally:
+                os.close(root)
+            self.image_mount_points(target, owner, list(req.get("binds", [])), kept.pristine)
+        except (OSError, ValueError):
+            self.umount(target)
+            self.umount(layers)
+            self.drop_layers()
+            raise
+        self._fd_roots = True
+        return {"layers_kept": kept.count_use(), "layers": len(kept.fds)}
+
+    def image_mount_points(self, root: str, owner: int | None, binds: list[dict[str, Any]], pristine: str | int
+                           ) -> None:
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             for name in ("tmp", "dev", "proc", ".atropos"):
@@ -452,10 +585,20 @@ class Helper:
             self.remount_ro(os.path.join(root, name))
         helpers = os.path.join(root, ".atropos")
         self.mount_tmpfs(helpers, placeholder)
-        for item in [*binds, {"source": pristine, "dest": "image", "ro": True}]:
+        for item in binds:
             dest = os.path.join(helpers, str(item["dest"]))
             os.mkdir(dest, 0o755)
             self.bind(str(item["source"]), dest, bool(item.get("ro", True)))
+        dest = os.path.join(helpers, "image")
+        os.mkdir(dest, 0o755)
+        if isinstance(pristine, int):  # a kept detached overlay: a read-only clone of it goes there
+            fd = self.detached_clone(pristine, None)
+            try:
+                _attach(fd, dest)
+            finally:
+                os.close(fd)
+        else:
+            self.bind(pristine, dest, True)
         self.remount_ro(helpers)
 
     def bind(self, source: str, target: str, ro: bool) -> None:
@@ -515,6 +658,23 @@ class Helper:
         return {"fork_ms": round(ms, 3)}
 
 
+class KeptLayers:
+    """A slot's clones of one image's layers and their read-only overlay (the pristine image), as
+    detached mount fds held by the slot namespace's process: read-only (the slot's writes go to the
+    root's upper layer, dropped by every reset), idmapped for the slot's uid as root. Kept while the
+    slot's root is this image; closed when it becomes another root (or the default), so an image
+    in no slot's use holds no mount (the store evicts only images no slot uses)."""
+
+    def __init__(self, key: tuple[tuple[str, ...], tuple[int, ...] | None], fds: list[int], pristine: int) -> None:
+        self.key, self.fds, self.pristine = key, fds, pristine
+        self.uses = 0
+
+    def count_use(self) -> bool:
+        """Count a root built on these layers; whether they were kept from an earlier one."""
+        self.uses += 1
+        return self.uses > 1
+
+
 class SlotNamespace:
     """One slot's mount namespace and the process that makes its mounts (a fork of the helper: the
     same code, single-threaded when it switches namespace, which ``setns`` requires). Reached only
@@ -572,6 +732,12 @@ class SlotNamespace:
         if reply.get("ok"):
             reply["result"]["ns_pid"] = self.pid
         return reply
+
+
+def _attach(fd: int, target: str) -> None:
+    """Attach the detached mount ``fd`` on ``target``."""
+    _check(_libc.syscall(SYS_MOVE_MOUNT, fd, b"", AT_FDCWD, target.encode(), MOVE_MOUNT_F_EMPTY_PATH),
+           f"move_mount(-> {target})")
 
 
 def _real_dir(dir_fd: int, name: str) -> None:

@@ -102,9 +102,10 @@ class SlotWorkspace:
             real = self._realpaths[d] = os.path.realpath(d)
         return real
 
-    async def drop(self) -> None:
+    async def drop(self, keep_layers: bool = False) -> None:
         """Unmount a fork (its upper layer goes to the trash with the rest): never walk or copy
-        into the dirty tree."""
+        into the dirty tree. An image root's layers (read-only, held by the slot's namespace) are
+        kept with ``keep_layers`` only: the next root is of the same image."""
         targets = []
         if self.ws_kind == "overlay":
             targets += [self.paths.workspace, self.ov / "lower"]
@@ -120,7 +121,8 @@ class SlotWorkspace:
                 # the fork's upper layer is on disk and goes to the trash below: unmounted first
                 await self.ns().call({"op": "umount", "targets": real})
             else:  # tmpfs-backed: moved aside whole, unmounted in the background
-                await self.ns().call({"op": "renew", "detach": real, "trash": str(self._mount_trash())})
+                await self.ns().call({"op": "renew", "detach": real, "trash": str(self._mount_trash()),
+                                      "drop_layers": self.ws_kind == "image" and not keep_layers})
         if self.template is not None:
             self.template.users.discard(self.index)
             self.template = None
@@ -175,7 +177,13 @@ class SlotWorkspace:
                      and mgr.ns is not None and self.scratch == mgr.scratch_capped and self.capped == mgr.capped
                      and (self.scratch or self.capped))
         if not renewable:
-            await self.drop()
+            same_image = (image is not None and self.ws_kind == "image" and self.image is not None
+                          and self.image.image_id == image.image_id)
+            if same_image and image is not None and mgr is not None and self.capped \
+                    and self.scratch == mgr.scratch_capped:
+                await self._renew_image(image)
+                return
+            await self.drop(keep_layers=same_image)
             await self.build(template, image)
             return
         mounts = self._scratch_mounts() if self.scratch else []
@@ -187,6 +195,24 @@ class SlotWorkspace:
             self._fresh_dir(ws)
         await self.ns().call({"op": "renew", "detach": [m["target"] for m in mounts], "tmpfs": mounts,
                                "trash": str(self._mount_trash())})
+
+    async def _renew_image(self, image: ImageRoot) -> None:
+        """A fresh root of the image the slot's root is now, in one round trip: the root overlay,
+        its layers' tmpfs and the scratch mounts move aside, fresh ones go on the same mount points
+        (host dirs under this slot's dir that were covered by those mounts for the whole lease, so
+        nothing of the slot is in them: no new dirs, nothing to the trash), the image's layers are
+        the ones the slot's namespace kept (mounthelper.KeptLayers)."""
+        ns = self.ns()
+        uid, gid = await asyncio.to_thread(image.user_ids)
+        if image is not self.image:  # the same image id, loaded again (another ImageRoot of it)
+            assert self.image is not None
+            self.image.users.discard(self.index)
+            image.users.add(self.index)
+            self.image = image
+        mounts = self._scratch_mounts() if self.scratch else []
+        await ns.call({"op": "renew", "detach": [self._real(self.root), self._real(self.ov)]
+                       + [m["target"] for m in mounts], "tmpfs": mounts, "trash": str(self._mount_trash()),
+                       "image_root": {**self.image_root_request(image, self.ov, self.root, (uid, gid)), "keep": True}})
 
     async def build(self, template: Template | None, image: ImageRoot | None = None) -> None:
         ws, mgr = self.paths.workspace, self.workspaces
@@ -254,7 +280,7 @@ class SlotWorkspace:
         self.image = image
         self.ws_kind = "image"
         self.capped = True  # before the await: a half-done mount is still unmounted by a drop
-        await ns.call(self.image_root_request(image, self.ov, self.root, (uid, gid)))
+        await ns.call({**self.image_root_request(image, self.ov, self.root, (uid, gid)), "keep": True})
 
     def image_root_request(self, image: ImageRoot, layers: Path, target: Path,
                            ids: tuple[int, int]) -> dict[str, Any]:
@@ -372,7 +398,9 @@ class SlotWorkspace:
         at_root = [m for m in mounts if m.mountpoint == root]
         if len(at_root) != 1 or at_root[0].fstype != "overlay":
             return f"expected exactly one overlay on {root}, found {[(m.mount_id, m.fstype) for m in at_root]}"
-        lowers = (at_root[0].super_option("lowerdir") or "").split(":")
+        # layers given by path: one ``lowerdir=a:b``; kept layers (mount fds): a ``lowerdir+=`` each
+        fd_layers = [o for o in at_root[0].super_options.split(",") if o.startswith("lowerdir+=")]
+        lowers = fd_layers or (at_root[0].super_option("lowerdir") or "").split(":")
         if len(lowers) != len(self.image.lowers):
             return f"the root overlay has {len(lowers)} lower layers, the image {len(self.image.lowers)}"
         upper = self.view(self.ov / "upper")
