@@ -127,6 +127,11 @@ class Shard:
             else:
                 fut.set_exception(error_from(value))
 
+    def reported(self, capacity: int) -> None:
+        """The shard's capacity, as its answer to a lease or release gave it: hosts lost, replaced
+        or scaled change it (shard_worker.ShardServer.capacity)."""
+        self.slots = capacity
+
     def hold(self) -> None:
         self.held += 1
 
@@ -352,8 +357,7 @@ class ShardedPool:
         shard = await self._pick(timeout)
         fut = shard.request("lease", trajectory_id, timeout, network, image)
         try:
-            # the shard's capacity comes with every answer: hosts lost, replaced or scaled change it
-            lid, host_id, slot, generation, shard.slots = await asyncio.shield(fut)
+            lid, host_id, slot, generation, capacity = await asyncio.shield(fut)
         except asyncio.CancelledError:
             # the caller left: a lease the shard still grants is given straight back
             fut.add_done_callback(lambda f: self._give_back(shard, f))
@@ -362,6 +366,7 @@ class ShardedPool:
             shard.unhold()
             self._grant_waiters()
             raise
+        shard.reported(capacity)
         lease = ShardLease(self, shard, lid, trajectory_id, host_id, slot, generation)
         shard.leases.add(lease)
         if self._waiters:
@@ -385,7 +390,7 @@ class ShardedPool:
             return
         try:
             # shielded, as SlotPool.release: a caller cancelled mid-release must not strand the slot
-            shard.slots = await asyncio.shield(shard.request("release", lease.lid))
+            shard.reported(await asyncio.shield(shard.request("release", lease.lid)))
         except HostUnavailable:
             if shard.dead is None:
                 raise
