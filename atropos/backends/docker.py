@@ -36,6 +36,7 @@ from atropos.errors import ConfigError, HostUnavailable, IsolationUnavailable
 from atropos.sandbox.contract import egress
 from atropos.sandbox.contract.client import HostClient
 from atropos.sandbox.contract.egress import EgressSettings
+from atropos.sandbox.contract.imageref import ImageRef
 from atropos.sandbox.contract.launch import HostLaunch
 
 log = logging.getLogger(__name__)
@@ -356,7 +357,7 @@ class DockerBackend(Backend):
         logs = await asyncio.to_thread(container.logs, tail=40)
         raise HostUnavailable(f"container {container.name} did not become ready: {logs.decode(errors='replace')}")
 
-    async def ship_image(self, client: HostClient, reference: str) -> None:
+    async def ship_image(self, client: HostClient, reference: ImageRef) -> None:
         """A container's host has no engine socket: the pool's engine ships it
         (``image_shipping.ship_from_engine``)."""
         await ship_from_engine(self.client.api, self._docker.errors.ImageNotFound, client, reference)

@@ -13,17 +13,16 @@ from typing import Any
 
 from atropos.errors import ImageRejected
 from atropos.sandbox.contract.client import HostClient
+from atropos.sandbox.contract.imageref import ImageRef
 
 log = logging.getLogger(__name__)
-# the host's own: an OCI layout on its disk, an image derived there, a registry's (fetched by the host)
-HOST_SIDE_REFERENCES = ("oci:", "derived:", "docker://")
 
 
-async def ship_from_engine(api: Any, not_found: type[Exception], client: HostClient, reference: str) -> None:
+async def ship_from_engine(api: Any, not_found: type[Exception], client: HostClient, reference: ImageRef) -> None:
     """Ship ``reference`` from the engine ``api`` (the docker SDK's low-level client; ``not_found``
     its ImageNotFound) to the host behind ``client``, unless the host already holds it under the id
     the engine gives the reference now (a tag moved to a rebuilt image is shipped again)."""
-    if reference.startswith(HOST_SIDE_REFERENCES):
+    if reference.host_side:  # the host's own: an OCI layout on its disk, an image derived there, a registry's
         return
     try:
         engine_id = (await asyncio.to_thread(api.inspect_image, reference))["Id"]

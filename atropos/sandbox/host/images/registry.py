@@ -14,23 +14,24 @@ import subprocess
 from pathlib import Path
 
 from atropos.errors import ImageRejected
+from atropos.sandbox.contract.imageref import ImageRef
 
-PREFIX = "docker://"
 LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
 _REF = re.compile(r"^docker://([A-Za-z0-9.\-]+(?::[0-9]{1,5})?|\[::1\](?::[0-9]{1,5})?)/"
                   r"([a-z0-9]+(?:[._\-/][a-z0-9]+)*)(?::([A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}))?"
                   r"(?:@(sha256:[0-9a-f]{64}))?$")
 
 
-def parse(reference: str) -> tuple[str, str | None]:
-    """(registry host, pinned digest or None); ImageRejected unless a registry reference skopeo takes."""
+def parse(reference: ImageRef) -> tuple[str, str | None]:
+    """(registry host, pinned digest or None); ImageRejected unless a registry reference skopeo takes
+    (its kind and length were checked when it was made: ``ImageRef.parse``)."""
     m = _REF.match(reference)
-    if m is None or len(reference) > 512:
+    if m is None or reference.kind != "registry":
         raise ImageRejected(f"{reference[:120]!r}: not a registry reference (docker://HOST[:PORT]/REPO[:TAG][@sha256:...])")
     return m.group(1), m.group(4)
 
 
-def _skopeo(args: list[str], reference: str, timeout: float) -> bytes:
+def _skopeo(args: list[str], reference: ImageRef, timeout: float) -> bytes:
     if shutil.which("skopeo") is None:
         raise ImageRejected(f"{reference}: a registry reference needs skopeo on the host")
     proc = subprocess.run(["skopeo", *args], capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL)
@@ -42,14 +43,14 @@ def _skopeo(args: list[str], reference: str, timeout: float) -> bytes:
     return proc.stdout
 
 
-def _tls(reference: str, flag: str) -> str:
+def _tls(reference: ImageRef, flag: str) -> str:
     """skopeo's TLS flag (``--tls-verify`` of inspect, ``--src-tls-verify`` of copy) for the registry."""
     where = parse(reference)[0]
     host = "[::1]" if where.startswith("[") else where.rsplit(":", 1)[0]
     return f"{flag}={'false' if host in LOOPBACK else 'true'}"
 
 
-def registry_image_id(reference: str, timeout: float = 120.0) -> str:
+def registry_image_id(reference: ImageRef, timeout: float = 120.0) -> str:
     """The store's id of a registry reference: its pinned digest, else the digest of the manifest
     the registry serves for the tag now (a moved tag is imported again)."""
     _, pinned = parse(reference)
@@ -59,9 +60,9 @@ def registry_image_id(reference: str, timeout: float = 120.0) -> str:
     return f"registry:sha256:{hashlib.sha256(raw).hexdigest()}"
 
 
-def fetch(reference: str, into: Path, timeout: float = 3600.0) -> str:
+def fetch(reference: ImageRef, into: Path, timeout: float = 3600.0) -> ImageRef:
     """Copy the image into a new OCI layout ``into``; the ``oci:`` reference of it."""
     parse(reference)
-    _skopeo(["copy", "--quiet", _tls(reference, "--src-tls-verify"), reference, f"oci:{into}:image"], reference,
-            timeout)
-    return f"oci:{into}:image"
+    layout = ImageRef.parse(f"oci:{into}:image")
+    _skopeo(["copy", "--quiet", _tls(reference, "--src-tls-verify"), reference, layout], reference, timeout)
+    return layout

@@ -388,8 +388,9 @@ class Helper:
         here, made with no symlink followed (an image, and later the slot's root user, could put a
         symlink at ``/tmp`` that bubblewrap would follow out of the root while it sets up): ``/tmp``,
         ``/dev`` and ``/proc`` get an empty read-only tmpfs for bubblewrap to mount over, and
-        ``/.atropos`` a read-only tmpfs holding the helpers (``binds``: the host's lib dir, its
-        ``/usr`` for their interpreter, the slot's run dir) and the pristine image. A mount point
+        the helpers' directory (``helpers``, a name: bwrap.IMAGE_HELPERS is the one spelling) a
+        read-only tmpfs holding the helpers (``binds``: the host's lib dir, its ``/usr`` for their
+        interpreter, the slot's run dir) and the pristine image (at the name ``pristine``). A mount point
         cannot be removed or renamed from inside the slot (EBUSY)."""
         layers, target = str(req["layers"]), str(req["target"])
         lowers, quota, idmap = list(req["lowers"]), req["quota"], req.get("idmap")
@@ -427,7 +428,8 @@ class Helper:
             finally:
                 os.fchdir(here)
                 os.close(here)
-            self.image_mount_points(target, owner, list(req.get("binds", [])), pristine)
+            self.image_mount_points(target, owner, list(req.get("binds", [])), pristine,
+                                    _plain_name(req["helpers"]), _plain_name(req["pristine"]))
         except (OSError, ValueError):
             self.umount(target)
             self.umount(os.path.join(layers, "pristine"))
@@ -435,10 +437,11 @@ class Helper:
             raise
         return result
 
-    def image_mount_points(self, root: str, owner: int | None, binds: list[dict[str, Any]], pristine: str) -> None:
+    def image_mount_points(self, root: str, owner: int | None, binds: list[dict[str, Any]], pristine: str,
+                           helpers_name: str, pristine_name: str) -> None:
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            for name in ("tmp", "dev", "proc", ".atropos"):
+            for name in ("tmp", "dev", "proc", helpers_name):
                 _real_dir(fd, name)
             try:  # docker run mounts sysfs there: the slot gets none, but `ls /` lists the same names
                 os.mkdir("sys", 0o555, dir_fd=fd)
@@ -450,10 +453,10 @@ class Helper:
         for name in ("tmp", "dev", "proc"):
             self.mount_tmpfs(os.path.join(root, name), placeholder)
             self.remount_ro(os.path.join(root, name))
-        helpers = os.path.join(root, ".atropos")
+        helpers = os.path.join(root, helpers_name)
         self.mount_tmpfs(helpers, placeholder)
-        for item in [*binds, {"source": pristine, "dest": "image", "ro": True}]:
-            dest = os.path.join(helpers, str(item["dest"]))
+        for item in [*binds, {"source": pristine, "dest": pristine_name, "ro": True}]:
+            dest = os.path.join(helpers, _plain_name(item["dest"]))
             os.mkdir(dest, 0o755)
             self.bind(str(item["source"]), dest, bool(item.get("ro", True)))
         self.remount_ro(helpers)
@@ -572,6 +575,13 @@ class SlotNamespace:
         if reply.get("ok"):
             reply["result"]["ns_pid"] = self.pid
         return reply
+
+
+def _plain_name(name: object) -> str:
+    """A request's directory name: one path component, so no join leaves the directory it names."""
+    if not isinstance(name, str) or not name or "/" in name or name in (".", "..") or "\0" in name:
+        raise ValueError(f"not a plain name: {name!r}")
+    return name
 
 
 def _real_dir(dir_fd: int, name: str) -> None:
