@@ -77,7 +77,8 @@ class RegistryShipper:
         self._ids: dict[ImageRef, str] = {}  # pinned reference -> image id (a digest names one config)
         self._fetching: dict[ImageRef, tuple[asyncio.Future[None], Path, list[int]]] = {}
 
-    async def ship(self, client: HostClient, reference: ImageRef) -> None:
+    async def ship(self, client: HostClient, reference: str | ImageRef) -> None:
+        reference = ImageRef.parse(reference)
         pinned = await asyncio.to_thread(registry.pin, reference)
         image_id = self._ids.get(pinned)
         if image_id is None:
