@@ -109,11 +109,12 @@ def build_layout(root: Path, small_files: int, large_files: int, large_size: int
 
 
 def _import(store: Path, reference: str, accounting: bool) -> float:
+    from atropos.sandbox.contract.imageref import ImageRef
     from atropos.sandbox.host.images.host_images import HostImages
 
     images = HostImages(store, accounting=accounting)
     t0 = time.perf_counter()
-    asyncio.run(images.get(reference))
+    asyncio.run(images.get(ImageRef.parse(reference)))
     took = time.perf_counter() - t0
     for root in images.images.values():
         images._unpin(root)

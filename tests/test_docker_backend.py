@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 from conftest import LeasedSlot
 
+from atropos.errors import AuthenticationError
 from atropos.sandbox.contract.client import HostClient
+from atropos.sandbox.contract.hosttoken import token_verifier
 from atropos.sandbox.contract.launch import HOST_TOKEN_ENV
 from atropos.slots.config import PoolConfig
 from atropos.slots.pool import SlotPool
@@ -164,55 +166,69 @@ async def test_the_host_token_is_in_no_environment_command_line_or_file() -> Non
     """Issue 27: the token reaches the container's host on its stdin, so it is in no environment
     block (``docker inspect``, /proc/<pid>/environ of docker-init, tini, the host and every slot
     process), on no command line and in no file of the container or of the engine's record of it,
-    and the host serves with it. Read from this machine, as root (inside the container even root
-    could not: every capability is dropped and the host is non-dumpable)."""
+    and the host serves with it. Issue 37: what the container gets is only the token's verifier
+    (atropos/sandbox/contract/hosttoken.py), which no request can present; the verifier itself is
+    looked for as well (as the token, had it leaked). Read from this machine, as root (inside the
+    container even root could not: every capability is dropped and the host is non-dumpable)."""
     backend = make_backend("docker", slots=1)
     info = await backend.start_host()
     try:
         container: Any = await asyncio.to_thread(backend.client.containers.get, info.id)  # type: ignore[attr-defined]
-        token = info.token.encode()
-        config = container.attrs["Config"]
-        assert not any(HOST_TOKEN_ENV in e or info.token in e for e in config["Env"] or []), config["Env"]
-        assert "--token-stdin" in config["Cmd"] and not any(info.token in a for a in config["Cmd"])
-        assert config["Tty"] is False, "a terminal would echo the token into the container's log"
-        assert info.token not in (await asyncio.to_thread(container.logs)).decode(errors="replace")
-
-        async with HostClient(info.address, info.token) as client:
-            slot = LeasedSlot(client, await client.lease("token-probe"))
-            # a call succeeds (the host got its token), and its slot's processes run while we look
-            assert (await slot.sh("echo ok"))["stdout"] == "ok\n"
-            call = asyncio.create_task(slot.sh("sleep 2"))
-            await asyncio.sleep(0.5)
-            top = await asyncio.to_thread(container.top, ps_args="-eo pid,args")
-            procs = {int(p[0]): p[-1] for p in top["Processes"]}
-            assert any("atropos.sandbox" in a for a in procs.values()) and any("bwrap" in a for a in procs.values())
-            read = 0
-            for pid, args in procs.items():
-                for what in ("environ", "cmdline"):
-                    try:
-                        block = Path(f"/proc/{pid}/{what}").read_bytes()
-                    except FileNotFoundError:  # gone since `top`
-                        continue
-                    except PermissionError:
-                        pytest.skip("needs root on the engine's machine to read the container's processes")
-                    read += 1
-                    assert token not in block and HOST_TOKEN_ENV.encode() not in block, (pid, what, args)
-            assert read >= 2 * 4, procs  # docker-init, tini, the host, its slot's sandbox at least
-            await call
-            await client.release(slot.lease.slot, slot.lease.lease)
-
-        # no file of the container (its tmpfs mounts: the rest is the read-only image)...
-        host_pid = next(pid for pid, args in procs.items() if "atropos.sandbox" in args and "tini" not in args)
-        root = Path(f"/proc/{host_pid}/root")
-        for mount in ("tmp", "slots"):
-            assert _files_holding(root / mount, token) == [], mount
-        # ...nor the engine's own record of the container (its config as the engine stores it)
-        record = Path(f"/var/lib/docker/containers/{container.id}")
-        if record.is_dir():
-            assert _files_holding(record, token) == []
+        verifier = token_verifier(info.token)
+        assert verifier != info.token and verifier.startswith("sha256:")
+        async with HostClient(info.address, verifier) as held:  # what the container holds is no token
+            with pytest.raises(AuthenticationError):
+                await held.lease("verifier-probe")
+        for token in (info.token.encode(), verifier.encode()):
+            await _holds_no(container, info, token)
     finally:
         await backend.stop_host(info.id)
         await backend.close()
+
+
+async def _holds_no(container: Any, info: Any, token: bytes) -> None:
+    """``token`` is in no environment block, command line, log or file of ``container``, and its
+    host serves calls."""
+    config = container.attrs["Config"]
+    text = token.decode()
+    assert not any(HOST_TOKEN_ENV in e or text in e for e in config["Env"] or []), config["Env"]
+    assert "--token-stdin" in config["Cmd"] and not any(text in a for a in config["Cmd"])
+    assert config["Tty"] is False, "a terminal would echo the token into the container's log"
+    assert text not in (await asyncio.to_thread(container.logs)).decode(errors="replace")
+
+    async with HostClient(info.address, info.token) as client:
+        slot = LeasedSlot(client, await client.lease("token-probe"))
+        # a call succeeds (the host got its token), and its slot's processes run while we look
+        assert (await slot.sh("echo ok"))["stdout"] == "ok\n"
+        call = asyncio.create_task(slot.sh("sleep 2"))
+        await asyncio.sleep(0.5)
+        top = await asyncio.to_thread(container.top, ps_args="-eo pid,args")
+        procs = {int(p[0]): p[-1] for p in top["Processes"]}
+        assert any("atropos.sandbox" in a for a in procs.values()) and any("bwrap" in a for a in procs.values())
+        read = 0
+        for pid, args in procs.items():
+            for what in ("environ", "cmdline"):
+                try:
+                    block = Path(f"/proc/{pid}/{what}").read_bytes()
+                except FileNotFoundError:  # gone since `top`
+                    continue
+                except PermissionError:
+                    pytest.skip("needs root on the engine's machine to read the container's processes")
+                read += 1
+                assert token not in block and HOST_TOKEN_ENV.encode() not in block, (pid, what, args)
+        assert read >= 2 * 4, procs  # docker-init, tini, the host, its slot's sandbox at least
+        await call
+        await client.release(slot.lease.slot, slot.lease.lease)
+
+    # no file of the container (its tmpfs mounts: the rest is the read-only image)...
+    host_pid = next(pid for pid, args in procs.items() if "atropos.sandbox" in args and "tini" not in args)
+    root = Path(f"/proc/{host_pid}/root")
+    for mount in ("tmp", "slots"):
+        assert _files_holding(root / mount, token) == [], mount
+    # ...nor the engine's own record of the container (its config as the engine stores it)
+    record = Path(f"/var/lib/docker/containers/{container.id}")
+    if record.is_dir():
+        assert _files_holding(record, token) == []
 
 
 # -- task images ------------------------------------------------------------------------------------

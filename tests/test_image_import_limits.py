@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from atropos.errors import ImageOverBudget, ImageRejected
+from atropos.sandbox.contract.imageref import ImageRef
 from atropos.sandbox.host.images.host_images import HostImages
 from atropos.sandbox.host.images.image_check import IMPORT_MAX_LAYERS, MAX_LOWERS
 from atropos.sandbox.host.images.layer_trees import tree_bytes
@@ -141,7 +142,7 @@ def left(store: Path) -> list[str]:
 
 def rejected(images: HostImages, reference: str, match: str) -> str:
     with pytest.raises(ImageRejected, match=match) as info:
-        asyncio.run(images.get(reference))
+        asyncio.run(images.get(ImageRef.parse(reference)))
     return str(info.value)
 
 
@@ -195,7 +196,7 @@ def test_more_layers_than_an_overlay_takes_are_merged_not_refused(tmp_path: Path
     layers[60] = tar_of(("data", None), ("data/.wh..wh..opq", b""), ("data/new", b"new"))
     ref = Layout(tmp_path / "oci").image("tall", layers)
     images = HostImages(tmp_path / "store")
-    root = asyncio.run(images.get(ref))
+    root = asyncio.run(images.get(ImageRef.parse(ref)))
     assert len(root.lowers) == IMPORT_MAX_LAYERS < MAX_LOWERS
     merged = root.lowers[0]
     assert (merged / "etc/motd").read_bytes() == b"replaced\n"
@@ -243,7 +244,7 @@ def test_a_compressed_bomb_under_a_small_budget_never_passes_it(tmp_path: Path) 
     images = HostImages(tmp_path / "store", budget_bytes=budget)
     with Watch(tmp_path / "store") as watch:
         with pytest.raises(ImageOverBudget):
-            asyncio.run(images.get(one))
+            asyncio.run(images.get(ImageRef.parse(one)))
         first = rejected(images, one, "would pass the image store's budget")
         second = rejected(images, many, "would pass the image store's budget")
     assert "'bomb'" in first and f"over the {budget} bytes" in first
@@ -283,7 +284,7 @@ def test_a_layer_nobody_records_is_swept_by_the_next_trim(tmp_path: Path) -> Non
     is found by eviction, not kept forever."""
     ref = Layout(tmp_path / "oci").image("ok", [BASE])
     images = HostImages(tmp_path / "store")
-    root = asyncio.run(images.get(ref))
+    root = asyncio.run(images.get(ImageRef.parse(ref)))
     (tmp_path / "store" / "layers" / ("f" * 64)).mkdir()
     (tmp_path / "store" / "tmp" / "stage-dead").mkdir()
     images.trim()
@@ -390,8 +391,8 @@ def test_oci_references_as_skopeo_writes_them(tmp_path: Path) -> None:
     v1 = layout.image("v1", [BASE], Env=["WHICH=one"])
     v2 = layout.image("v2", [BASE, tar_of(("two", b"2"))], Env=["WHICH=two"])
     images = HostImages(tmp_path / "store")
-    assert asyncio.run(images.get(v1)).env()["WHICH"] == "one"
-    two = asyncio.run(images.get(v2))
+    assert asyncio.run(images.get(ImageRef.parse(v1))).env()["WHICH"] == "one"
+    two = asyncio.run(images.get(ImageRef.parse(v2)))
     assert two.env()["WHICH"] == "two" and two.reference == v2 and (two.lowers[-1] / "two").exists()
     rejected(images, f"oci:{tmp_path / 'oci'}", "holds 2 images; name one as oci:DIR:TAG \\(its tags: 'v1', 'v2'\\)")
     rejected(images, f"oci:{tmp_path / 'oci'}:v3", "0 images tagged 'v3'")
@@ -408,7 +409,7 @@ def test_a_refused_half_import_leaves_nothing_and_a_good_one_after_it_works(tmp_
     images = HostImages(tmp_path / "store")
     rejected(images, bad, "layer 3 of 3: .*climbs out")
     assert left(tmp_path / "store") == []
-    root = asyncio.run(images.get(good))
+    root = asyncio.run(images.get(ImageRef.parse(good)))
     assert (root.lowers[1] / "ok").read_bytes() == b"ok"
     assert stat.S_IMODE(os.stat(root.lowers[1]).st_mode) == 0o755
 

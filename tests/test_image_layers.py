@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from atropos.errors import ImageRejected
+from atropos.sandbox.contract.imageref import ImageRef
 from atropos.sandbox.host.images.layer_store import LayerStore
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="layers keep their owners: the store runs as root")
@@ -309,16 +310,16 @@ def test_an_oci_layout_image_is_imported_with_its_config_and_layers_by_diff_id(t
     top = layer(directory("etc"), entry("etc/.wh.gone"), directory("testbed"), entry("testbed/a.py", data=b"1\n"))
     store = LayerStore(tmp_path / "store")
     oci_layout(tmp_path / "oci", [base, top])
-    image = import_oci_layout(store, f"oci:{tmp_path / 'oci'}:v1")
+    image = import_oci_layout(store, ImageRef.parse(f"oci:{tmp_path / 'oci'}:v1"))
     assert image.unpacked == 2 and len(image.layers) == 2
     assert image.config.working_dir == "/testbed" and image.config.user == "1000"
     assert "TASK=oci" in image.config.env
     assert (Path(image.layers[1]) / "testbed/a.py").read_bytes() == b"1\n"
     assert stat.S_ISCHR(os.lstat(Path(image.layers[1]) / "etc/gone").st_mode)  # the whiteout
-    assert import_oci_layout(store, f"oci:{tmp_path / 'oci'}:v1").unpacked == 0  # all on the host already
-    assert import_oci_layout(store, f"oci:{tmp_path / 'oci'}").unpacked == 0  # its one image, untagged
+    assert import_oci_layout(store, ImageRef.parse(f"oci:{tmp_path / 'oci'}:v1")).unpacked == 0  # all held already
+    assert import_oci_layout(store, ImageRef.parse(f"oci:{tmp_path / 'oci'}")).unpacked == 0  # its one image, untagged
     with pytest.raises(ImageRejected, match="0 images tagged 'v2' \\(its tags: 'v1'\\)"):
-        import_oci_layout(store, f"oci:{tmp_path / 'oci'}:v2")
+        import_oci_layout(store, ImageRef.parse(f"oci:{tmp_path / 'oci'}:v2"))
 
 
 def test_an_oci_layer_that_is_not_what_its_config_says_is_refused(tmp_path: Path) -> None:
@@ -328,5 +329,5 @@ def test_an_oci_layer_that_is_not_what_its_config_says_is_refused(tmp_path: Path
     lying = oci_layout(tmp_path / "oci", [good], diff_ids=["sha256:" + hashlib.sha256(other).hexdigest()])
     store = LayerStore(tmp_path / "store")
     with pytest.raises(ImageRejected, match="hashes to"):
-        import_oci_layout(store, f"oci:{lying}:v1")
+        import_oci_layout(store, ImageRef.parse(f"oci:{lying}:v1"))
     assert left_in_store(store) == []

@@ -21,6 +21,7 @@ import pytest
 
 from atropos.errors import ImageRejected
 from atropos.sandbox.contract import registry as registry_refs
+from atropos.sandbox.contract.imageref import ImageRef
 from atropos.sandbox.host.images.host_images import HostImages
 from atropos.slots.pool import SlotPool
 from tests.pool_backends import make_backend, pool_cfg
@@ -74,25 +75,25 @@ def test_a_registry_image_by_tag_and_by_pinned_digest(registry: str, tmp_path: P
     ref = f"docker://{registry}/tasks/demo:v1"
     digest_one = push(one, ref)
     images = HostImages(tmp_path / "store")
-    got = asyncio.run(images.get(ref))
+    got = asyncio.run(images.get(ImageRef.parse(ref)))
     assert got.env()["WHICH"] == "one" and (got.lowers[-1] / "testbed/a.txt").read_bytes() == b"one\n"
     pinned = f"docker://{registry}/tasks/demo@{digest_one}"
     push(two, ref)  # the tag moves
-    moved = asyncio.run(images.get(ref))
+    moved = asyncio.run(images.get(ImageRef.parse(ref)))
     assert moved.env()["WHICH"] == "two"  # imported again: never served stale
-    assert asyncio.run(images.get(pinned)).env()["WHICH"] == "one"  # the pin still names the first
+    assert asyncio.run(images.get(ImageRef.parse(pinned))).env()["WHICH"] == "one"  # the pin still names the first
     wrong = f"docker://{registry}/tasks/demo@sha256:{'0' * 64}"
     with pytest.raises(ImageRejected, match="skopeo could not fetch it"):
-        asyncio.run(images.get(wrong))
+        asyncio.run(images.get(ImageRef.parse(wrong)))
     assert not list((tmp_path / "store" / "tmp").iterdir())  # the fetched layouts are gone
 
 
 def test_an_unreachable_registry_is_a_clear_error(tmp_path: Path) -> None:
     ref = f"docker://127.0.0.1:{free_port()}/tasks/demo:v1"
     with pytest.raises(ImageRejected, match=r"the registry 127\.0\.0\.1:\d+ is unreachable"):
-        asyncio.run(HostImages(tmp_path / "store").get(ref))
+        asyncio.run(HostImages(tmp_path / "store").get(ImageRef.parse(ref)))
     with pytest.raises(ImageRejected, match="not a registry reference"):
-        asyncio.run(HostImages(tmp_path / "store").get("docker://no-repo"))
+        asyncio.run(HostImages(tmp_path / "store").get(ImageRef.parse("docker://no-repo")))
 
 
 def build_variant(base: str, which: str, ctx: Path) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from atropos.sandbox.contract.imageref import ImageRef
 from atropos.sandbox.contract.protocol import VerifyRequest
 from atropos.sandbox.host.workspace.mountns import read_mountinfo
 from tests.conftest import IMAGE_STORE, LeasedSlot, RunningHost, slot_ns_pid, start_host, stop_host, wait_until
@@ -514,10 +515,10 @@ async def test_the_store_keeps_its_budget_and_never_evicts_an_image_in_use(
             for name in ("a", "b")]
     store = tmp_path / "store"
     one, two = HostImages(store, budget_bytes=1 << 40), HostImages(store, budget_bytes=1 << 40)
-    a = await one.get(refs[0])  # host one holds a
+    a = await one.get(ImageRef.parse(refs[0]))  # host one holds a
     # room for b's own layer beside a (an import may not pass the budget less what images in use hold)
     two.budget_bytes = one.disk_bytes() + (1 << 20)
-    b = await two.get(refs[1])  # host two imports b
+    b = await two.get(ImageRef.parse(refs[1]))  # host two imports b
     two.budget_bytes = 1  # now over budget: only what no host holds may go
     assert all(p.is_dir() for p in (*a.lowers, *b.lowers))
     a.last_used -= 10_000  # host one has not used a for a long while, and no slot is on it
@@ -525,7 +526,7 @@ async def test_the_store_keeps_its_budget_and_never_evicts_an_image_in_use(
     two.trim()
     assert not a.lowers[-1].exists()  # a's own layer is gone
     assert all(p.is_dir() for p in b.lowers)  # b is held by host two, with the base both share
-    again = await one.get(refs[0])
+    again = await one.get(ImageRef.parse(refs[0]))
     assert all(p.is_dir() for p in again.lowers)  # imported again on its next use
 
 
@@ -703,7 +704,7 @@ async def test_a_derived_image_counts_against_the_budget_and_goes_once_unused(tm
 
     store = tmp_path / "store"
     images = HostImages(store, budget_bytes=1 << 40)
-    parent = await images.get(task_image("nopython"))
+    parent = await images.get(ImageRef.parse(task_image("nopython")))
     upper = tmp_path / "upper"  # what a slot's writable layer holds after a group's setup
     upper.mkdir()
     (upper / "setup.txt").write_bytes(os.urandom(1 << 20))
@@ -724,4 +725,4 @@ async def test_a_derived_image_counts_against_the_budget_and_goes_once_unused(tm
     images.trim()
     assert not derived.lowers[-1].exists() and all(p.is_dir() for p in parent.lowers)
     with pytest.raises(ImageRejected, match="no longer in the image store"):
-        await images.get(derived.image_id)
+        await images.get(ImageRef.parse(derived.image_id))

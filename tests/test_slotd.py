@@ -278,6 +278,53 @@ async def test_the_file_tools_answer_as_the_python_supervisor(host: RunningHost,
     assert SLOTD_ARGV.search(before) and after == before  # slotd answered them all, no hand-over
 
 
+# Names that are not UTF-8 (a name is bytes; a reply is JSON): list_dir shows each byte that is not
+# UTF-8 as \\xNN and gives the exact bytes in name_base64; a path a result reports (the kernel's, through
+# a symlink into such a directory) is shown the same way; on both supervisors alike.
+BYTES_SETUP = ("mkdir \"$(printf 'd\\377')\"; printf 'x' > \"$(printf 'n\\377\\376')\";"
+               " printf 'y' > \"$(printf 'ok\\303\\251')\";"
+               " printf 'z' > \"$(printf 'd\\377/f')\"; ln -s \"$(printf 'd\\377')\" into")
+BYTES_CALLS: list[tuple[str, dict[str, Any]]] = [
+    ("list_dir", {"path": "."}), ("list_dir", {"path": "into"}), ("list_dir", {"path": "into/"}),
+    ("stat", {"path": "into/f"}), ("read_file", {"path": "into/f"}),
+    ("write_file", {"path": "into/g", "content": "w"}), ("edit_file", {"path": "into/f", "old_string": "z",
+                                                                     "new_string": "Z"}),
+    ("list_dir", {"path": "into", "max_entries": 1}),
+]
+
+
+async def _bytes_session(host: RunningHost) -> list[Any]:
+    async with leased_slot(host) as slot:
+        await slot.sh(BYTES_SETUP)
+        replies: list[Any] = []
+        for tool, args in BYTES_CALLS:
+            r = await slot.call(tool, **args)
+            replies.append((tool, args, r.ok, r.result, r.error and (r.error.code, r.error.message)))
+        replies.append((await slot.sh("od -c into/f into/g"))["stdout"])
+        return replies
+
+
+async def test_names_that_are_not_utf8_are_answered_alike(host: RunningHost, python_host: RunningHost) -> None:
+    ours = await _bytes_session(host)
+    assert all(reply[2] for reply in ours[:-1]), ours  # every call answered (they were HTTP 500s)
+    listing = ours[0][3]
+    assert listing["entries"] == [
+        {"name": "d\\xff", "type": "dir", "size": listing["entries"][0]["size"], "name_base64": "ZP8="},
+        {"name": "into", "type": "symlink", "size": 2},
+        {"name": "n\\xff\\xfe", "type": "file", "size": 1, "name_base64": "bv/+"},
+        {"name": "ok\u00e9", "type": "file", "size": 1},  # UTF-8: as it is, no name_base64
+    ]
+    assert ours[1][3]["path"] == "/workspace/d\\xff" and ours[3][3]["path"] == "/workspace/d\\xff/f"
+    assert [e["name"] for e in ours[1][3]["entries"]] == ["f"]
+    assert ours[4][3]["content"] == "z" and ours[5][3]["path"] == "/workspace/d\\xff/g"
+    assert "Z" in ours[-1] and "w" in ours[-1]
+    reference = await _bytes_session(python_host)
+    for mine, theirs in zip(ours, reference, strict=True):
+        if mine[0] == "stat":
+            mine[3].pop("mtime"), theirs[3].pop("mtime")
+        assert mine == theirs
+
+
 async def test_a_timeout_is_answered_alike(host: RunningHost, python_host: RunningHost) -> None:
     args = {"command": "echo before; sleep 30; echo after"}
     ours = await _reply(host, "bash", args, timeout_s=1.0)

@@ -51,6 +51,7 @@ from atropos.errors import (
 )
 from atropos.fastroute import FastRoutes, checked_by_guard, hot_post
 from atropos.logs import call_fields
+from atropos.sandbox.contract.imageref import ImageRef
 from atropos.sandbox.contract.protocol import SealResult, VerifyResult, VerifySpec, Wire
 from atropos.sandbox.contract.tools import PROGRAM_ONLY
 from atropos.slots.lease import Lease
@@ -100,8 +101,8 @@ class InvokeResponse(BaseModel):
 class SlotLeaseRequest(Body):
     trajectory_id: str = Field(min_length=1, max_length=256)
     network: bool = False
-    image: str | None = Field(None, min_length=1, max_length=512,
-                              description="the slot's / is a fresh root of this task image (docs/task-images.md)")
+    image: ImageRef | None = Field(None, description="the slot's / is a fresh root of this task image "
+                                                     "(docs/task-images.md)")
     timeout_s: float | None = Field(None, gt=0, le=3600, description="how long to wait for a free slot")
 
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 
 if TYPE_CHECKING:
     from atropos.sandbox.contract.client import HostClient
+    from atropos.sandbox.contract.imageref import ImageRef
 
 # Every backend's ``kind`` (its config class's tag in atropos/backends/config.py); here, where the
 # CLI can name them without importing any backend.
@@ -113,7 +114,7 @@ class Backend(abc.ABC):
         """Remove hosts that crashed earlier pools left behind; returns how many."""
         return 0
 
-    async def ship_image(self, client: HostClient, reference: str) -> None:
+    async def ship_image(self, client: HostClient, reference: ImageRef) -> None:
         """Before a slot of this host is rooted on task image ``reference``: give the host the image
         if it cannot get it itself (docs/task-images.md). Local and Ray hosts import it from their
         machine's engine on first use: nothing to do here."""

@@ -4,11 +4,13 @@ Container options follow docs/isolation.md: nothing in the container runs as
 uid 0 or holds a capability, so ``systempaths=unconfined`` (needed for bwrap to mount a fresh
 /proc) opens nothing; the custom seccomp profile allows only the namespace and mount syscalls
 bwrap needs on top of Docker's usual set. The API port is published on 127.0.0.1 only and every
-request needs the host token, which reaches the host as one line on the container's stdin
-(``--token-stdin``, as a local or Ray host gets it: atropos/sandbox/contract/launch.py), written
-through an attach of the Engine API and closed at once. It is in no environment block (not in
-``docker inspect``'s Config.Env, nor in ``/proc/<pid>/environ`` of docker-init, tini or the host),
-on no command line and in no file; it never enters a slot (bwrap runs with an empty environment in
+request needs the host token. The host holds only its verifier (``sha256:<hex>``,
+atropos/sandbox/contract/hosttoken.py), which reaches the host as one line on the container's
+stdin (``--token-stdin``, as a local or Ray host gets it: atropos/sandbox/contract/launch.py),
+written through an attach of the Engine API and closed at once; the token itself stays in the
+pool. The verifier is in no environment block (not in ``docker inspect``'s Config.Env, nor in
+``/proc/<pid>/environ`` of docker-init, tini or the host), on no command line and in no file; it
+never enters a slot (bwrap runs with an empty environment in
 its own PID namespace).
 """
 
@@ -36,6 +38,8 @@ from atropos.errors import ConfigError, HostUnavailable, IsolationUnavailable
 from atropos.sandbox.contract import egress
 from atropos.sandbox.contract.client import HostClient
 from atropos.sandbox.contract.egress import EgressSettings
+from atropos.sandbox.contract.hosttoken import token_verifier
+from atropos.sandbox.contract.imageref import ImageRef
 from atropos.sandbox.contract.launch import HostLaunch
 
 log = logging.getLogger(__name__)
@@ -268,7 +272,9 @@ class DockerBackend(Backend):
         except BaseException:
             stdin.close()
             raise
-        send_line(stdin, token)
+        # the token's verifier, never the token (atropos/sandbox/contract/hosttoken.py), as a local
+        # or Ray host gets it: nothing in the container (its memory, its files) could be presented
+        send_line(stdin, token_verifier(token))
         return self.client.containers.get(created["Id"])
 
     async def start_host(self) -> HostInfo:
@@ -357,7 +363,7 @@ class DockerBackend(Backend):
         logs = await asyncio.to_thread(container.logs, tail=40)
         raise HostUnavailable(f"container {container.name} did not become ready: {logs.decode(errors='replace')}")
 
-    async def ship_image(self, client: HostClient, reference: str) -> None:
+    async def ship_image(self, client: HostClient, reference: ImageRef) -> None:
         """A container's host has no engine socket and no way to a registry: the pool ships it, from
         its engine or (a ``docker://`` reference) fetched from the registry on the pool's machine
         (``image_shipping.ship``)."""

@@ -20,28 +20,28 @@ from typing import Any
 from atropos.errors import ImageRejected
 from atropos.sandbox.contract import registry
 from atropos.sandbox.contract.client import HostClient
+from atropos.sandbox.contract.imageref import ImageRef
 
 log = logging.getLogger(__name__)
-# the host's own: an OCI layout on its disk, an image derived there
-HOST_SIDE_REFERENCES = ("oci:", "derived:")
 Engine = Callable[[], Awaitable[tuple[Any, type[Exception]]]]  # the docker SDK's low-level client, ImageNotFound
 
 
-async def ship(client: HostClient, reference: str, engine: Engine, registries: RegistryShipper) -> None:
+async def ship(client: HostClient, reference: ImageRef, engine: Engine, registries: RegistryShipper) -> None:
     """Give the host behind ``client`` the image ``reference`` unless it holds it as it is now: a
-    registry's through ``registries``, an engine's from ``engine()`` (asked for only then)."""
-    if reference.startswith(registry.PREFIX):
+    registry's through ``registries``, an engine's from ``engine()`` (asked for only then); an OCI
+    layout on the host's disk or an image derived there is the host's own."""
+    if reference.kind == "registry":
         await registries.ship(client, reference)
-    elif not reference.startswith(HOST_SIDE_REFERENCES):
+    elif reference.kind == "engine":
         api, not_found = await engine()
         await ship_from_engine(api, not_found, client, reference)
 
 
-async def ship_from_engine(api: Any, not_found: type[Exception], client: HostClient, reference: str) -> None:
+async def ship_from_engine(api: Any, not_found: type[Exception], client: HostClient, reference: ImageRef) -> None:
     """Ship ``reference`` from the engine ``api`` (the docker SDK's low-level client; ``not_found``
     its ImageNotFound) to the host behind ``client``, unless the host already holds it under the id
     the engine gives the reference now (a tag moved to a rebuilt image is shipped again)."""
-    if reference.startswith((*HOST_SIDE_REFERENCES, registry.PREFIX)):
+    if reference.kind != "engine":  # the host's own (an OCI layout, a derived image) or a registry's
         return
     try:
         engine_id = (await asyncio.to_thread(api.inspect_image, reference))["Id"]
@@ -74,10 +74,11 @@ class RegistryShipper:
     is done."""
 
     def __init__(self) -> None:
-        self._ids: dict[str, str] = {}  # pinned reference -> image id (a digest names one config)
-        self._fetching: dict[str, tuple[asyncio.Future[None], Path, list[int]]] = {}
+        self._ids: dict[ImageRef, str] = {}  # pinned reference -> image id (a digest names one config)
+        self._fetching: dict[ImageRef, tuple[asyncio.Future[None], Path, list[int]]] = {}
 
-    async def ship(self, client: HostClient, reference: str) -> None:
+    async def ship(self, client: HostClient, reference: str | ImageRef) -> None:
+        reference = ImageRef.parse(reference)
         pinned = await asyncio.to_thread(registry.pin, reference)
         image_id = self._ids.get(pinned)
         if image_id is None:
@@ -93,7 +94,7 @@ class RegistryShipper:
                  time.perf_counter() - started)
 
     @contextlib.asynccontextmanager
-    async def _archive(self, pinned: str) -> AsyncIterator[Path]:
+    async def _archive(self, pinned: ImageRef) -> AsyncIterator[Path]:
         entry = self._fetching.get(pinned)
         if entry is None:  # no await before the entry is in: a second shipment meanwhile shares it
             tmp = Path(tempfile.mkdtemp(prefix="atropos-registry-"))

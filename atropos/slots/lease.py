@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from atropos.backends.base import HostInfo
 from atropos.errors import HostUnavailable, InfrastructureError, LeaseError, ResetFailed, SandboxDied, ToolError
 from atropos.sandbox.contract.client import HostClient
+from atropos.sandbox.contract.imageref import ImageRef
 from atropos.sandbox.contract.protocol import (
     CallResult,
     FreshRoot,
@@ -418,7 +419,7 @@ class Lease(LeaseCalls):
             raise
 
     async def reset(self, template: PoolTemplate | None = None, *, network: bool | None = None,
-                    image: str | None = None) -> ResetResult:
+                    image: str | ImageRef | None = None) -> ResetResult:
         """Restart this lease's workspace, keeping the lease: empty, a fresh copy-on-write fork of
         ``template`` (shipped to this host first if it was made elsewhere), or a fresh root of the
         task image ``image`` (imported into the host's layer store first if need be, shipped to it
@@ -427,6 +428,7 @@ class Lease(LeaseCalls):
         self.check()
         template_id = None if template is None else await self.pool.template_on(template, self.host)
         if image is not None:  # a Docker or Nomad host is shipped it first (a moved tag again)
+            image = ImageRef.parse(image)  # a bad reference fails here, before the slot is touched
             await self.pool.image_on(image, self.host)
         try:
             result = await self.host.guard(self.host.client.reset(

@@ -27,6 +27,7 @@ from atropos.errors import (
     LeaseError,
     SlotUnavailable,
 )
+from atropos.sandbox.contract.imageref import ImageRef
 from atropos.sandbox.contract.launch import make_undumpable
 from atropos.sandbox.contract.protocol import ImageInfo, ResetResult
 from atropos.slots.audit import LeaseAudit
@@ -139,7 +140,7 @@ class SlotPool:
         return None if per_host is None else per_host * self.cfg.max_hosts
 
     async def lease(self, trajectory_id: str, timeout: float | None = None, *, network: bool = False,
-                    template: PoolTemplate | None = None, image: str | None = None) -> Lease:
+                    template: PoolTemplate | None = None, image: str | ImageRef | None = None) -> Lease:
         """Lease one slot for a trajectory, waiting FIFO up to ``timeout`` seconds; with
         ``template`` the slot starts as a copy-on-write fork of it; with ``image`` its ``/`` is a
         fresh root of that task image (docs/task-images.md)."""
@@ -148,17 +149,19 @@ class SlotPool:
 
     async def lease_many(self, trajectory_ids: Sequence[str], timeout: float | None = None, *,
                          network: bool = False, template: PoolTemplate | None = None,
-                         colocate: bool | None = None, image: str | None = None) -> list[Lease]:
+                         colocate: bool | None = None, image: str | ImageRef | None = None) -> list[Lease]:
         """Lease one slot per id, all or nothing (a GRPO group starts together).
 
         ``template``: every slot starts as a fresh copy-on-write fork of it. ``image``: every
-        slot's root is a fresh root of that task image (a Docker engine reference, or ``oci:PATH``).
+        slot's root is a fresh root of that task image (``ImageRef``: a Docker engine reference,
+        ``oci:DIR[:TAG]``, ``derived:...``, ``docker://...``; parsed here, ImageRejected if it is none).
         ``colocate`` (default: when a template or image is given) puts the group on as few hosts as
         possible, preferring hosts that already hold the template or image."""
         if not self.background.running:
             raise SlotUnavailable("the pool is not running")
         if template is not None and image is not None:
             raise ValueError("a slot's root is a task image or its workspace a template fork, not both")
+        image = None if image is None else ImageRef.parse(image)  # the pool's boundary: one type from here
         ids = list(trajectory_ids)
         # A single slot always fits (max_hosts >= 1, hosts have >= 1 slot): skip the walk over hosts.
         most = self.max_slots() if len(ids) > 1 else None
@@ -209,7 +212,7 @@ class SlotPool:
                                              image=image)
         return leases
 
-    def _refusing(self, image: str) -> frozenset[str]:
+    def _refusing(self, image: ImageRef) -> frozenset[str]:
         """Hosts that refused ``image`` lately; every host of the pool: ImageRejected now, with
         their reasons (no slot is taken for an image no host will serve)."""
         refusing = {h.id: why for h in self.hosts.values()
@@ -363,7 +366,7 @@ class SlotPool:
         """A call saw a transport error: probe ``host`` now, lease nothing from it until a probe passes."""
         self.fleet.suspect(host)
 
-    async def _ship_image(self, host: PoolHost, reference: str) -> None:
+    async def _ship_image(self, host: PoolHost, reference: ImageRef) -> None:
         """The backend gives ``host`` the image if it cannot get it itself (a Docker container's
         host); one shipment per host and image at a time, however many leases wait for it."""
         key = (host.id, reference)
@@ -374,14 +377,15 @@ class SlotPool:
             task.add_done_callback(lambda _: self._shipping.pop(key, None))
         await asyncio.shield(task)
 
-    async def prepare_images(self, references: Sequence[str]) -> dict[str, list[ImageInfo]]:
+    async def prepare_images(self, references: Sequence[str | ImageRef]) -> dict[str, list[ImageInfo]]:
         """Import task images into every running host's layer store now, so a later lease of them
         starts without waiting for the import (docs/task-images.md). Per host id: what it holds."""
         hosts = [h for h in self.hosts.values() if h.leasable]
+        refs = [ImageRef.parse(r) for r in references]  # all refused before any host is asked
 
         async def prepare(host: PoolHost) -> list[ImageInfo]:
             infos = []
-            for ref in references:
+            for ref in refs:
                 await self._ship_image(host, ref)
                 infos.append(await host.guard(host.client.prepare_image(ref)))
                 host.images.add(ref)
@@ -403,7 +407,7 @@ class SlotPool:
         """A template from a tar archive, unpacked on one host (shipped to others on use)."""
         return await self.templates.upload_template(data, name=name, gzip=gzip)
 
-    async def image_on(self, reference: str, host: PoolHost) -> None:
+    async def image_on(self, reference: ImageRef, host: PoolHost) -> None:
         """Give ``host`` the task image ``reference`` if it cannot get it itself (the backend ships
         it: a Docker or Nomad host), once however many leases wait for it."""
         await self._ship_image(host, reference)

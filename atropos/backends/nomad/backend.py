@@ -26,6 +26,7 @@ from atropos.backends.nomad.owner import JobOwner
 from atropos.backends.nomad.start import HostStart
 from atropos.errors import ConfigError, HostUnavailable, ImageRejected, NomadAPIError, NomadUnreachable
 from atropos.sandbox.contract.client import HostClient
+from atropos.sandbox.contract.imageref import ImageRef
 
 log = logging.getLogger(__name__)
 
@@ -392,7 +393,7 @@ class NomadBackend(Backend):
                 return 0
             return await self.owner.claim_job_id()
 
-    async def ship_image(self, client: HostClient, reference: str) -> None:
+    async def ship_image(self, client: HostClient, reference: ImageRef) -> None:
         """A Nomad task's host has no engine socket: the pool ships the image from its machine's
         engine, or (a ``docker://`` reference) fetched from the registry on the pool's machine
         (``image_shipping.ship``), as for a Docker container's host."""

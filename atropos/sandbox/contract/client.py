@@ -8,6 +8,7 @@ from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Sequen
 from typing import Any, NoReturn
 
 import httpx
+from pydantic import BaseModel
 
 from atropos.errors import (
     AtroposSandboxError,
@@ -31,14 +32,19 @@ from atropos.errors import (
 )
 from atropos.memstats import MemoryReport, MemoryRequest
 from atropos.sandbox.contract.http1 import ConnectionPool
+from atropos.sandbox.contract.imageref import ImageRef
 from atropos.sandbox.contract.protocol import (
     DEFAULT_MAX_TIMEOUT_S,
     LEASE_HEADER,
+    CallBatch,
     CallResult,
     CallTimeouts,
     HealthInfo,
     ImageInfo,
+    ImageRequest,
     LeaseInfo,
+    LeaseRef,
+    LeaseRequest,
     MaxTimeoutS,
     PrewarmResult,
     ResetRequest,
@@ -46,6 +52,7 @@ from atropos.sandbox.contract.protocol import (
     SealResult,
     SlotInfo,
     TemplateInfo,
+    TemplateRequest,
     ToolCall,
     VerifyRequest,
     VerifyResult,
@@ -58,6 +65,26 @@ CALL_ANSWER_GRACE_S = 30.0
 _BY_CODE: dict[str, type[AtroposSandboxError]] = {cls.code: cls for cls in (
     LeaseError, SlotSealed, SlotUnavailable, UnknownTemplate, TemplateInUse, TemplateSourceError,
     TemplateBuildFailed, WorkspaceError, PathEscapeError, ImageRejected, ImageOverBudget)}
+
+
+# The host's interface: every route that takes a JSON body, with the request model its server parses
+# and this client sends (the client builds that model, never a dict of its own: a field the host
+# adds or bounds is one edit, and a bad value fails here, before the wire). tests/test_host_interface.py
+# holds both sides to this table: every such route of the host's app is in it with the same model, and
+# every entry has a client method that sends an instance of that model.
+BODY_ROUTES: dict[tuple[str, str], type[BaseModel]] = {
+    ("POST", "/v1/leases"): LeaseRequest,
+    ("POST", "/v1/slots/{slot}/reset"): ResetRequest,
+    ("POST", "/v1/slots/{slot}/release"): LeaseRef,
+    ("POST", "/v1/slots/{slot}/seal"): LeaseRef,
+    ("POST", "/v1/slots/{slot}/verify"): VerifyRequest,
+    ("POST", "/v1/slots/{slot}/image"): LeaseRef,
+    ("POST", "/v1/images"): ImageRequest,
+    ("POST", "/v1/templates"): TemplateRequest,
+    ("POST", "/v1/call"): ToolCall,
+    ("POST", "/v1/calls"): CallBatch,
+    ("POST", "/v1/debug/memory"): MemoryRequest,
+}
 
 
 class HostClient:
@@ -122,12 +149,17 @@ class HostClient:
             _raise_for(resp.status_code, resp.content, self.where, self.log)
         return resp
 
-    async def _post_lean(self, path: str, body: dict[str, Any], *, timeout: float) -> bytes:
-        """A POST through the lean client: the slot cycle's routes (a pool's release is a reset), which a
-        GRPO group ending together sends 16 at a time from one event loop (httpx's ~1.7 ms each queued
-        them). ``timeout`` bounds the whole exchange."""
+    async def _send_model(self, path: str, req: BaseModel, *, timeout: float = 30.0) -> httpx.Response:
+        """POST the request model ``req`` (``BODY_ROUTES``) as the host's server parses it."""
+        return await self._send("POST", path, content=req.model_dump_json(exclude_none=True).encode(),
+                                headers={"content-type": "application/json"}, timeout=timeout)
+
+    async def _post_lean(self, path: str, req: BaseModel, *, timeout: float) -> bytes:
+        """POST the request model ``req`` through the lean client: the slot cycle's routes (a pool's
+        release is a reset), which a GRPO group ending together sends 16 at a time from one event loop
+        (httpx's ~1.7 ms each queued them). ``timeout`` bounds the whole exchange."""
         try:
-            resp = await self._calls.request("POST", path, json.dumps(body, separators=(",", ":")).encode(),
+            resp = await self._calls.request("POST", path, req.model_dump_json(exclude_none=True).encode(),
                                              timeout=timeout)
         except TransportError as exc:
             raise HostUnavailable(f"{self.where}: {exc}") from exc
@@ -153,9 +185,7 @@ class HostClient:
     async def memory(self, req: MemoryRequest | None = None, *, timeout: float = 120.0) -> MemoryReport:
         """The host process's memory (``POST /v1/debug/memory``; atropos/memstats.py): RSS, malloc's
         view, optionally live objects by type and the traced heap's growth by allocation site."""
-        body = (req or MemoryRequest()).model_dump_json().encode()
-        resp = await self._send("POST", "/v1/debug/memory", content=body, timeout=timeout,
-                                headers={"content-type": "application/json"})
+        resp = await self._send_model("/v1/debug/memory", req or MemoryRequest(), timeout=timeout)
         return MemoryReport.model_validate_json(resp.content)
 
     async def slots(self) -> list[SlotInfo]:
@@ -170,50 +200,47 @@ class HostClient:
 
     async def lease(self, trajectory_id: str, *, network: bool = False, slot: int | None = None,
                     template: str | None = None) -> LeaseInfo:
-        body: dict[str, Any] = {"trajectory_id": trajectory_id, "network": network, "slot": slot}
-        if template is not None:
-            body["template"] = template
-        resp = await self._send("POST", "/v1/leases", json=body, timeout=120 if template else 30)
+        req = LeaseRequest(trajectory_id=trajectory_id, network=network, slot=slot, template=template)
+        resp = await self._send_model("/v1/leases", req, timeout=120 if template else 30)
         return LeaseInfo.model_validate_json(resp.content)
 
     async def reset(self, slot: int, lease: str, *, trajectory_id: str | None = None,
                     network: bool | None = None, template: str | None = None,
-                    image: str | None = None) -> ResetResult:
+                    image: str | ImageRef | None = None) -> ResetResult:
         """Reset a leased slot (kept leased under a new token): to empty, to a fresh fork of ``template``,
         or to a fresh root of the task image ``image`` (imported on the host first if need be)."""
         # the host's own request model (contract/protocol.py): what it takes is what we send
         body = ResetRequest(lease=lease, trajectory_id=trajectory_id, network=network, template=template, image=image)
         return ResetResult.model_validate_json(await self._post_lean(
-            f"/v1/slots/{slot}/reset", body.model_dump(exclude_none=True), timeout=900 if image else 120))
+            f"/v1/slots/{slot}/reset", body, timeout=900 if image else 120))
 
     async def seal(self, slot: int, lease: str) -> SealResult:
         """Begin the slot's verification phase (every process of it killed; no more commands)."""
-        resp = await self._send("POST", f"/v1/slots/{slot}/seal", json={"lease": lease}, timeout=120)
+        resp = await self._send_model(f"/v1/slots/{slot}/seal", LeaseRef(lease=lease), timeout=120)
         return SealResult.model_validate_json(resp.content)
 
     async def verify(self, slot: int, req: VerifyRequest) -> VerifyResult:
         """Seal the slot and run a verifier program against its final workspace."""
-        resp = await self._send("POST", f"/v1/slots/{slot}/verify", content=req.model_dump_json().encode(),
-                                headers={"Content-Type": "application/json"}, timeout=req.timeout_s + 120)
+        resp = await self._send_model(f"/v1/slots/{slot}/verify", req, timeout=req.timeout_s + 120)
         return VerifyResult.model_validate_json(resp.content)
 
     # -- task images -----------------------------------------------------------------------
-    async def prepare_image(self, reference: str, *, timeout: float = 900) -> ImageInfo:
+    async def prepare_image(self, reference: str | ImageRef, *, timeout: float = 900) -> ImageInfo:
         """Import a task image into the host's layer store now (docs/task-images.md)."""
-        resp = await self._send("POST", "/v1/images", json={"reference": reference}, timeout=timeout)
+        resp = await self._send_model("/v1/images", ImageRequest(reference=reference), timeout=timeout)
         return ImageInfo.model_validate_json(resp.content)
 
     async def derive_image(self, slot: int, lease: str, *, timeout: float = 900) -> ImageInfo:
         """A new image of a leased image-rooted slot's root as it is now; the slot continues on it."""
-        resp = await self._send("POST", f"/v1/slots/{slot}/image", json={"lease": lease}, timeout=timeout)
+        resp = await self._send_model(f"/v1/slots/{slot}/image", LeaseRef(lease=lease), timeout=timeout)
         return ImageInfo.model_validate_json(resp.content)
 
-    async def upload_image(self, data: bytes | AsyncIterable[bytes], reference: str, *,
+    async def upload_image(self, data: bytes | AsyncIterable[bytes], reference: str | ImageRef, *,
                            timeout: float = 3600) -> ImageInfo:
         """Import a ``docker save`` archive (bytes or a stream of chunks, e.g. the Engine API's
         ``GET /images/{name}/get``) into the host's layer store under ``reference``: how a host
         with no engine of its own gets an image."""
-        resp = await self._send("POST", "/v1/images", params={"reference": reference}, content=data,
+        resp = await self._send("POST", "/v1/images", params={"reference": ImageRef.parse(reference)}, content=data,
                                 timeout=timeout, headers={"content-type": "application/x-tar"})
         return ImageInfo.model_validate_json(resp.content)
 
@@ -225,8 +252,8 @@ class HostClient:
     async def create_template(self, source: str, *, name: str = "", timeout: float = 3600,
                               **fields: Any) -> TemplateInfo:
         """source="slot" (slot=, lease=), "dir" (path=) or "git" (url=, ref=, depth=)."""
-        body = {"source": source, "name": name, **{k: v for k, v in fields.items() if v is not None}}
-        resp = await self._send("POST", "/v1/templates", json=body, timeout=timeout)
+        req = TemplateRequest(source=source, name=name, **{k: v for k, v in fields.items() if v is not None})
+        resp = await self._send_model("/v1/templates", req, timeout=timeout)
         return TemplateInfo.model_validate_json(resp.content)
 
     async def template_from_slot(self, slot: int, lease: str, *, name: str = "") -> TemplateInfo:
@@ -267,7 +294,7 @@ class HostClient:
 
     async def release(self, slot: int, lease: str) -> ResetResult:
         return ResetResult.model_validate_json(
-            await self._post_lean(f"/v1/slots/{slot}/release", {"lease": lease}, timeout=120))
+            await self._post_lean(f"/v1/slots/{slot}/release", LeaseRef(lease=lease), timeout=120))
 
     async def call(self, call: ToolCall) -> CallResult:
         timeout = self.read_deadline(call.timeout_s)
@@ -282,9 +309,9 @@ class HostClient:
     async def call_batch(self, calls: Sequence[ToolCall]) -> AsyncIterator[CallResult]:
         """Send calls in one request; yield each result as the host finishes it."""
         timeout = max(self.read_deadline(c.timeout_s) for c in calls)
-        body = json.dumps({"calls": [c.model_dump(mode="json") for c in calls]}, separators=(",", ":"))
+        body = CallBatch(calls=list(calls)).model_dump_json(exclude_none=True).encode()
         try:
-            async with self._calls.stream("POST", "/v1/calls", body.encode(), timeout=timeout) as resp:
+            async with self._calls.stream("POST", "/v1/calls", body, timeout=timeout) as resp:
                 if resp.status >= 400:
                     _raise_for(resp.status, await resp.read(), self.where, self.log)
                 pending = b""

@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from atropos.sandbox.contract.imageref import ImageRef
+
 API_VERSION = "v1"
 LEASE_HEADER = "X-Atropos-Lease"
 
@@ -75,9 +77,10 @@ class ResetRequest(LeaseRef):
     network: bool | None = None
     template: str | None = Field(None, max_length=64,
                                  description="reset to a fork of this template instead of an empty workspace")
-    image: str | None = Field(None, min_length=1, max_length=512,
-                              description="reset to a fresh root of this task image (a Docker engine reference, or "
-                                          "oci:PATH of an OCI layout on the host): see docs/task-images.md")
+    image: ImageRef | None = Field(None, description="reset to a fresh root of this task image (a Docker "
+                                                     "engine reference, oci:DIR[:TAG] of an OCI layout on the host, "
+                                                     "derived:..., docker://REGISTRY/REPO[:TAG]): see "
+                                                     "docs/task-images.md")
 
 
 class ResetResult(Wire):
@@ -254,8 +257,8 @@ class TemplateRequest(Wire):
 
 
 class ImageRequest(Wire):
-    reference: str = Field(min_length=1, max_length=512,
-                           description="a Docker engine reference (repo/task:tag), or oci:PATH of an OCI layout")
+    reference: ImageRef = Field(description="a Docker engine reference (repo/task:tag), oci:DIR[:TAG] of an OCI "
+                                            "layout, derived:..., or docker://REGISTRY/REPO[:TAG]")
 
 
 class ImageInfo(Wire):

@@ -18,28 +18,29 @@ import subprocess
 from pathlib import Path
 
 from atropos.errors import ImageRejected
+from atropos.sandbox.contract.imageref import REGISTRY_PREFIX, ImageRef
 
-PREFIX = "docker://"
 LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
 _REF = re.compile(r"^docker://([A-Za-z0-9.\-]+(?::[0-9]{1,5})?|\[::1\](?::[0-9]{1,5})?)/"
                   r"([a-z0-9]+(?:[._\-/][a-z0-9]+)*)(?::([A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}))?"
                   r"(?:@(sha256:[0-9a-f]{64}))?$")
 
 
-def _match(reference: str) -> re.Match[str]:
+def _match(reference: ImageRef) -> re.Match[str]:
+    # its kind and length were checked when it was made (ImageRef.parse)
     m = _REF.match(reference)
-    if m is None or len(reference) > 512:
+    if m is None or reference.kind != "registry":
         raise ImageRejected(f"{reference[:120]!r}: not a registry reference (docker://HOST[:PORT]/REPO[:TAG][@sha256:...])")
     return m
 
 
-def parse(reference: str) -> tuple[str, str | None]:
+def parse(reference: ImageRef) -> tuple[str, str | None]:
     """(registry host, pinned digest or None); ImageRejected unless a registry reference skopeo takes."""
     m = _match(reference)
     return m.group(1), m.group(4)
 
 
-def _skopeo(args: list[str], reference: str, timeout: float) -> bytes:
+def _skopeo(args: list[str], reference: ImageRef, timeout: float) -> bytes:
     if shutil.which("skopeo") is None:
         raise ImageRejected(f"{reference}: a registry reference needs skopeo on the host (on the pool's "
                             "machine for Docker and Nomad hosts)")
@@ -56,36 +57,36 @@ def _skopeo(args: list[str], reference: str, timeout: float) -> bytes:
     return proc.stdout
 
 
-def _tls(reference: str, flag: str) -> str:
+def _tls(reference: ImageRef, flag: str) -> str:
     """skopeo's TLS flag (``--tls-verify`` of inspect, ``--src-tls-verify`` of copy) for the registry."""
     where = parse(reference)[0]
     host = "[::1]" if where.startswith("[") else where.rsplit(":", 1)[0]
     return f"{flag}={'false' if host in LOOPBACK else 'true'}"
 
 
-def _manifest_digest(reference: str, timeout: float) -> str:
+def _manifest_digest(reference: ImageRef, timeout: float) -> str:
     """The digest of the manifest the registry serves for ``reference`` now (one request)."""
     raw = _skopeo(["inspect", "--raw", _tls(reference, "--tls-verify"), reference], reference, timeout)
     return f"sha256:{hashlib.sha256(raw).hexdigest()}"
 
 
-def registry_image_id(reference: str, timeout: float = 120.0) -> str:
+def registry_image_id(reference: ImageRef, timeout: float = 120.0) -> str:
     """The store's id of a registry reference: its pinned digest, else the digest of the manifest
     the registry serves for the tag now (a moved tag is imported again)."""
     _, pinned = parse(reference)
     return f"registry:{pinned if pinned is not None else _manifest_digest(reference, timeout)}"
 
 
-def pin(reference: str, timeout: float = 120.0) -> str:
+def pin(reference: ImageRef, timeout: float = 120.0) -> ImageRef:
     """``reference`` pinned: ``docker://HOST/REPO@sha256:DIGEST`` of the manifest the registry serves
     for its tag now (as given if pinned already), so what is fetched is what was asked about even
     if the tag moves meanwhile."""
     m = _match(reference)
     digest = m.group(4) or _manifest_digest(reference, timeout)
-    return f"{PREFIX}{m.group(1)}/{m.group(2)}@{digest}"
+    return ImageRef.parse(f"{REGISTRY_PREFIX}{m.group(1)}/{m.group(2)}@{digest}")
 
 
-def config_id(pinned: str, timeout: float = 120.0) -> str:
+def config_id(pinned: ImageRef, timeout: float = 120.0) -> str:
     """The image id (sha256 of its config, as the engine and an uploaded archive's import count it)
     of a pinned reference: what a host that was shipped it lists it under."""
     if parse(pinned)[1] is None:
@@ -94,15 +95,15 @@ def config_id(pinned: str, timeout: float = 120.0) -> str:
     return f"sha256:{hashlib.sha256(raw).hexdigest()}"
 
 
-def fetch(reference: str, into: Path, timeout: float = 3600.0) -> str:
+def fetch(reference: ImageRef, into: Path, timeout: float = 3600.0) -> ImageRef:
     """Copy the image into a new OCI layout ``into``; the ``oci:`` reference of it."""
     parse(reference)
-    _skopeo(["copy", "--quiet", _tls(reference, "--src-tls-verify"), reference, f"oci:{into}:image"], reference,
-            timeout)
-    return f"oci:{into}:image"
+    layout = ImageRef.parse(f"oci:{into}:image")
+    _skopeo(["copy", "--quiet", _tls(reference, "--src-tls-verify"), reference, layout], reference, timeout)
+    return layout
 
 
-def fetch_archive(pinned: str, into: Path, timeout: float = 3600.0) -> None:
+def fetch_archive(pinned: ImageRef, into: Path, timeout: float = 3600.0) -> None:
     """Copy a pinned reference into a new ``docker save`` archive ``into`` (what a host's image
     upload takes); skopeo checks the digest against what the registry sends."""
     if parse(pinned)[1] is None:

@@ -29,6 +29,7 @@ from atropos.errors import (
     ToolError,
 )
 from atropos.sandbox.contract.hostdirs import ISOLATION_FAILED, owned_dir
+from atropos.sandbox.contract.imageref import ImageRef
 from atropos.sandbox.contract.protocol import (
     MAX_VERIFY_SECRETS,
     CallResult,
@@ -317,7 +318,7 @@ class SandboxHost:
                                       layer_entries=self.cfg.image_layer_entries)
         return self._images
 
-    async def prepare_image(self, reference: str) -> ImageInfo:
+    async def prepare_image(self, reference: ImageRef) -> ImageInfo:
         """Import ``reference`` into the layer store now (a later lease of it starts without waiting)."""
         t0 = time.perf_counter()
         image = await self.images.get(reference)
@@ -335,7 +336,7 @@ class SandboxHost:
         self._schedule_trash()
         return _image_info(image, t0)
 
-    async def upload_image(self, stream: AsyncIterable[bytes], reference: str) -> ImageInfo:
+    async def upload_image(self, stream: AsyncIterable[bytes], reference: ImageRef) -> ImageInfo:
         """Import an uploaded ``docker save`` archive under ``reference``: how a host with no engine
         of its own (the Docker backend's) gets an image its pool's engine holds."""
         t0 = time.perf_counter()

@@ -18,6 +18,7 @@ from atropos.asgi import ASGIApp, ErrorMap, Receive, RequestGuard, Send, http_er
 from atropos.errors import ImageRejected, SlotUnavailable, ToolError
 from atropos.fastroute import FastRoutes, LineStream, checked_by_guard, hot_post, invalid_body
 from atropos.sandbox.contract.hosttoken import token_matches
+from atropos.sandbox.contract.imageref import MAX_IMAGE_REFERENCE, ImageRef
 from atropos.sandbox.contract.protocol import (
     LEASE_HEADER,
     CallBatch,
@@ -234,14 +235,14 @@ def _image_routes(app: FastAPI, host: SandboxHost, deps: list[Any]) -> None:
         "requestBody": {"required": True, "content": {
             "application/json": {"schema": ImageRequest.model_json_schema()},
             "application/x-tar": {"schema": {"type": "string", "format": "binary"}}}}})
-    async def prepare_image(request: Request, reference: str = Query("", max_length=512)) -> ImageInfo:
+    async def prepare_image(request: Request, reference: str = Query("", max_length=MAX_IMAGE_REFERENCE)) -> ImageInfo:
         """Import an image into the host's layer store now: from its engine (a JSON body naming it),
         or from an uploaded ``docker save`` archive (the body itself, ``reference`` its name)."""
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype == "application/x-tar":
             if not reference:
                 raise ImageRejected("an uploaded image archive needs ?reference=NAME")
-            return await host.upload_image(request.stream(), reference)
+            return await host.upload_image(request.stream(), ImageRef.parse(reference))
         try:
             req = ImageRequest.model_validate_json(await request.body())
         except ValidationError as exc:  # answered like every route's bad body (atropos.asgi)

@@ -104,13 +104,41 @@ def read_result(data: bytes, size: int, encoding: str) -> dict[str, Any]:
         return {"content": base64.b64encode(data).decode(), "encoding": "base64", "size": size, "binary": True}
 
 
+def shown_name(name: str | bytes) -> str:
+    """A file name or path as a reply carries it. A name is bytes, a reply is JSON (UTF-8): a
+    name that is not UTF-8 (``os.listdir``'s str of it holds lone surrogates, which no JSON
+    encoder takes) is shown with each byte that is not UTF-8 as ``\\xNN``, as Python's
+    ``backslashreplace`` writes it (``printf 'n\\377'`` is listed as ``n\\xff``); the name's
+    exact bytes go beside it (``list_entry``). docs/native-supervisor.md, "Names that are
+    not UTF-8"."""
+    raw = name if isinstance(name, bytes) else os.fsencode(name)
+    return raw.decode("utf-8", "backslashreplace")
+
+
+def list_entry(name: str | bytes, mode: int, size: int) -> dict[str, Any]:
+    """One entry of list_dir's result: ``name_base64`` (the name's bytes) only for a name that is
+    not UTF-8, whose ``name`` cannot say it exactly."""
+    raw = name if isinstance(name, bytes) else os.fsencode(name)
+    entry: dict[str, Any] = {"name": shown_name(raw), "type": kind(mode), "size": size}
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        entry["name_base64"] = base64.b64encode(raw).decode()
+    return entry
+
+
 def shown_path(real: str, rel: str, workspace: str) -> str:
     """The path bash would use for a file the kernel resolved to ``real`` (its descriptor's link),
-    asked for as ``rel`` (relative to the workspace): what a result reports."""
+    asked for as ``rel`` (relative to the workspace): what a result reports (``shown_name``)."""
     root = workspace.rstrip("/")
     if real == root or real.startswith(root + "/"):
-        return real
-    return os.path.normpath(os.path.join(root, rel))
+        return shown_name(real)
+    return shown_name(os.path.normpath(os.path.join(root, rel)))
+
+
+def edited_path(rel: str, workspace: str) -> str:
+    """edit_file's reported path: the file it replaced, ``rel`` to the workspace (``shown_name``)."""
+    return shown_name(os.path.normpath(os.path.join(workspace, rel)))
 
 
 def stat_result(shown: str, mode: int, size: int, mtime: float) -> dict[str, Any]:

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from atropos.sandbox.inslot.inslot_file_replies import (
         ToolFailure,
+        edited_path,
         escape_failure,
         failure,
-        kind,
+        list_entry,
         os_failure,
         read_result,
         shown_path,
@@ -31,9 +32,10 @@ if TYPE_CHECKING:
 else:  # run from the host's lib dir beside inslot_fs.py (see supervisor.py)
     from inslot_file_replies import (
         ToolFailure,
+        edited_path,
         escape_failure,
         failure,
-        kind,
+        list_entry,
         os_failure,
         read_result,
         shown_path,
@@ -64,7 +66,9 @@ def _openat2(dir_fd: int, path: str, flags: int, mode: int = 0o644, resolve: int
     climbs above ``dir_fd``, fails with EXDEV. Refusing (rather than re-rooting them at ``dir_fd``)
     keeps the file tools' view identical to the shell's: a path either names the same file bash
     would open, or is an error."""
-    raw = path.encode("utf-8", "replace")
+    # os.fsencode: a path the kernel gave (edit's resolved parent) may hold a name that is not
+    # UTF-8, which its str keeps as surrogates; "replace" turned each into "?", another name
+    raw = os.fsencode(path)
     if b"\0" in raw:
         raise failure("nul", path)
     if SYS_OPENAT2 is None:
@@ -285,7 +289,7 @@ class SlotFiles:
                     os.close(tfd)
                 os.rename(tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
                 tmp_name = None
-                return os.path.normpath(os.path.join(self.workspace, rel))
+                return edited_path(rel, self.workspace)
             except OSError as exc:
                 raise os_failure(exc, path) from None
         finally:
@@ -311,7 +315,7 @@ class SlotFiles:
                     st = os.stat(name, dir_fd=fd, follow_symlinks=False)
                 except OSError:
                     continue
-                entries.append({"name": name, "type": kind(st.st_mode), "size": st.st_size})
+                entries.append(list_entry(name, st.st_mode, st.st_size))
         finally:
             os.close(fd)
         return {"path": shown, "entries": entries, "truncated": len(names) > limit, "total": len(names)}

@@ -42,6 +42,7 @@ from pathlib import Path
 from atropos.errors import ImageOverBudget, ImageRejected
 from atropos.sandbox.contract import registry
 from atropos.sandbox.contract.hostdirs import owned_dir, remove_tree
+from atropos.sandbox.contract.imageref import DERIVED_PREFIX, ImageRef
 from atropos.sandbox.host.images import userns_import
 from atropos.sandbox.host.images.image_accept import accept
 from atropos.sandbox.host.images.image_check import MAX_LOWERS, check_image
@@ -61,7 +62,6 @@ from atropos.sandbox.host.images.sources import (
 )
 
 log = logging.getLogger(__name__)
-DERIVED = "derived:"  # the reference of an image made on this machine from a slot (``derive``)
 IDLE_S = 600.0  # an image no slot used for this long leaves the host's table (and may be evicted)
 DEFAULT_BUDGET_BYTES = 64 << 30
 MAX_REJECTED = 4096  # refusals remembered (by image id), oldest forgotten first
@@ -148,11 +148,10 @@ class HostImages:
             os.close(root.pin_fd)  # releases the flock
             root.pin_fd = None
 
-    async def get(self, reference: str) -> ImageRoot:
+    async def get(self, reference: ImageRef) -> ImageRoot:
         """The image ``reference`` names, imported first when the store lacks it (one import per
         reference at a time; others wait for it)."""
-        if not reference or len(reference) > 512 or "\0" in reference:
-            raise ImageRejected(f"not an image reference: {reference[:80]!r}")
+        reference = ImageRef.parse(reference)  # the same object when parsed already (every caller here)
         lock = self._locks.setdefault(reference, asyncio.Lock())
         async with lock:
             image_id = await asyncio.to_thread(self._current_id, reference)
@@ -175,14 +174,14 @@ class HostImages:
             self._drop_idle()
             return root
 
-    def _load_or_import(self, reference: str, image_id: str) -> ImageRoot:
+    def _load_or_import(self, reference: ImageRef, image_id: str) -> ImageRoot:
         """Pinned first (so no other host evicts it meanwhile), then from its record if its layers
         are all there, else imported; the store is brought back under budget after an import."""
         fd = self._pin(image_id)
         try:
             root = self._read_record(self._record(image_id))
             if root is None or not all(p.is_dir() for p in root.lowers):
-                if image_id.startswith(DERIVED):
+                if reference.kind == "derived":
                     raise ImageRejected(f"{reference}: no longer in the image store (evicted, or never made here)")
                 with self._store_lock(fcntl.LOCK_SH):  # no eviction while layers are being added
                     root = self._import(reference, image_id)
@@ -290,12 +289,12 @@ class HostImages:
         for left in (self.store.root / "tmp").glob("stage-*"):
             remove_tree(left)
 
-    def _current_id(self, reference: str) -> str:
-        if reference.startswith(DERIVED):  # made here (``derive``): its own id
-            return reference
-        if reference.startswith("oci:"):
+    def _current_id(self, reference: ImageRef) -> str:
+        if reference.kind == "derived":  # made here (``derive``): its own id
+            return str(reference)
+        if reference.kind == "oci":
             return oci_image_id(reference)
-        if reference.startswith(registry.PREFIX):
+        if reference.kind == "registry":
             if reference in self.shipped:
                 return self.refs[reference]
             return registry.registry_image_id(reference)
@@ -305,11 +304,12 @@ class HostImages:
             return self.refs[reference]
         return docker_image_id(reference, socket_path=self.docker_socket)
 
-    async def add_archive(self, archive: Path, reference: str) -> ImageRoot:
+    async def add_archive(self, archive: Path, reference: ImageRef) -> ImageRoot:
         """An uploaded ``docker save`` archive, imported under ``reference`` (an unprivileged host
         unpacks it in a user namespace of its own: atropos/sandbox/host/images/userns_import.py)."""
-        if not reference or len(reference) > 512 or "\0" in reference or reference.startswith(("oci:", DERIVED)):
-            raise ImageRejected(f"not an image reference: {reference[:80]!r}")
+        reference = ImageRef.parse(reference)  # the same object when parsed already (every caller here)
+        if reference.kind in ("oci", "derived"):  # names the host resolves itself, never an upload's
+            raise ImageRejected(f"not a name for an uploaded image: {reference[:80]!r}")
         lock = self._locks.setdefault(reference, asyncio.Lock())
         async with lock:
             imported = await asyncio.to_thread(self._add_archive, archive, reference)
@@ -321,13 +321,13 @@ class HostImages:
                     self._retire(root)
                 root = self.images[reference] = imported
             self.refs[reference] = root.image_id
-            if reference.startswith(registry.PREFIX):
+            if reference.kind == "registry":
                 self.shipped.add(reference)
             root.last_used = time.monotonic()
             self._drop_idle()
             return root
 
-    def _add_archive(self, archive: Path, reference: str) -> ImageRoot:
+    def _add_archive(self, archive: Path, reference: ImageRef) -> ImageRoot:
         with self._store_lock(fcntl.LOCK_SH):  # no eviction while layers are being added
             budget = self.import_budget()
             if os.geteuid() == 0:
@@ -353,13 +353,13 @@ class HostImages:
             raise
         return root
 
-    def _import(self, reference: str, image_id: str) -> ImageRoot:
+    def _import(self, reference: ImageRef, image_id: str) -> ImageRoot:
         """Staged, checked, committed (see the module doc); the caller holds the store lock shared."""
         budget = self.import_budget()
         with self.store.staging() as staging:
-            if reference.startswith("oci:"):
+            if reference.kind == "oci":
                 imported = import_oci_layout(self.store, reference, staging=staging, budget=budget)
-            elif reference.startswith(registry.PREFIX):
+            elif reference.kind == "registry":
                 fetched = self.store.root / "tmp" / f"registry-{secrets.token_hex(8)}"
                 try:
                     imported = import_oci_layout(self.store, registry.fetch(reference, fetched), staging=staging,
@@ -406,7 +406,7 @@ class HostImages:
         hexid = secrets.token_hex(32)
         tmp = self.store.root / "tmp" / f"derive-{hexid}"
         tmp.mkdir(mode=0o700)
-        reference = f"{DERIVED}{hexid}"
+        reference = ImageRef.parse(f"{DERIVED_PREFIX}{hexid}")
         key = f"sha256:{hexid}"
         config = parent.config.model_copy(update={
             "reference": reference, "diff_ids": (*parent.config.diff_ids, key),

@@ -29,6 +29,7 @@ from urllib.parse import quote
 from pydantic import BaseModel, ConfigDict, Field
 
 from atropos.errors import ImageRejected
+from atropos.sandbox.contract.imageref import ImageRef
 from atropos.sandbox.host.images.layer_store import ImportBudget, LayerStore, Staging
 
 DOCKER_SOCKET = "/var/run/docker.sock"
@@ -278,29 +279,15 @@ OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 _DIR_NOFOLLOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def parse_oci_reference(reference: str) -> tuple[Path, str | None]:
-    """``oci:DIR`` or ``oci:DIR:TAG`` (skopeo's own form) as (layout dir, tag): a DIR that exists
-    as given wins (a path may hold a colon), else the part after the last colon is the tag."""
-    body = reference.removeprefix("oci:")
-    if not body:
-        raise ImageRejected(f"{reference!r}: an OCI reference is oci:DIR or oci:DIR:TAG")
-    if os.path.isdir(body) or ":" not in body:
-        return Path(body), None
-    path, _, tag = body.rpartition(":")
-    if not tag or "/" in tag or not path:
-        return Path(body), None
-    return Path(path), tag
-
-
 class OciLayout:
     """An OCI image layout read as hostile input: every blob opened relative to the layout's own
     directory without following a link (``blobs``, ``sha256`` and the blob itself), refused unless a
     regular file of a bounded size, and checked against its digest (a JSON blob before it is parsed;
     a layer as it streams, before its layers are accepted)."""
 
-    def __init__(self, reference: str) -> None:
+    def __init__(self, reference: ImageRef) -> None:
         self.reference = reference
-        path, self.tag = parse_oci_reference(reference)
+        path, self.tag = reference.oci_layout()  # oci:DIR or oci:DIR:TAG (atropos/sandbox/contract/imageref.py)
         try:
             self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the operator's path: may be a link
         except OSError as exc:
@@ -436,13 +423,13 @@ class _Digesting(io.RawIOBase):
         return n
 
 
-def oci_image_id(reference: str) -> str:
+def oci_image_id(reference: ImageRef) -> str:
     """The store's id of an ``oci:`` reference: its manifest's digest (refused if the reference names none)."""
     with OciLayout(reference) as layout:
         return f"oci:{layout.manifest_digest()}"
 
 
-def import_oci_layout(store: LayerStore, reference: str, *, staging: Staging | None = None,
+def import_oci_layout(store: LayerStore, reference: ImageRef, *, staging: Staging | None = None,
                       budget: ImportBudget | None = None) -> ImportedImage:
     """An image from an OCI image layout directory (``index.json``, ``blobs/sha256/...``), named
     ``oci:DIR`` (its one image) or ``oci:DIR:TAG`` (the image whose ``org.opencontainers.image.ref.name``

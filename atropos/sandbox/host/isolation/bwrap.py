@@ -117,11 +117,21 @@ def bwrap_argv(bwrap: str, paths: SandboxPaths, limits: Limits, *, network: bool
 # helpers' interpreter and tmux, run through the host's own loader: the image may have no python3,
 # an old one, or a musl libc), the slot's run dir and the image as it was (the verifier restores
 # test files from it).
+# The layout is spelled here only: the mount helper gets the names in its request
+# (slot_workspace.image_root_request), the sandbox and the verifier these paths.
 IMAGE_HELPERS = "/.atropos"
 IMAGE_LIB_DIR = f"{IMAGE_HELPERS}/lib"
 IMAGE_HOST_USR = f"{IMAGE_HELPERS}/usr"
 IMAGE_RUN_DIR = f"{IMAGE_HELPERS}/term"
 IMAGE_PRISTINE = f"{IMAGE_HELPERS}/image"
+
+
+def image_helper_name(path: str) -> str:
+    """The name of ``path`` (one of the IMAGE_* above) inside IMAGE_HELPERS."""
+    name = path.removeprefix(IMAGE_HELPERS + "/")
+    if name == path or "/" in name:
+        raise ValueError(f"{path}: not a directory of {IMAGE_HELPERS}")
+    return name
 
 
 def image_bwrap_argv(bwrap: str, root: Path, paths: SandboxPaths, limits: Limits, *, network: bool,

@@ -174,7 +174,7 @@ def decode_files(frame: dict[str, Any], req: dict[str, Any], workspace: str) -> 
             result = {"path": F.shown_path(b64_text(fs["real"]), b64_text(fs["rel"]), workspace),
                       "bytes_written": len(F.write_content(req)), "size": int(fs["size"])}
         elif op == "edit_file":
-            result = {"path": os.path.normpath(os.path.join(workspace, b64_text(fs["rel"]))),
+            result = {"path": F.edited_path(b64_text(fs["rel"]), workspace),
                       "replacements": int(fs["count"]) if req["replace_all"] else 1}
         elif op == "stat":
             sec, nsec = fs["mtime"]
@@ -184,7 +184,7 @@ def decode_files(frame: dict[str, Any], req: dict[str, Any], workspace: str) -> 
         else:  # list_dir: sorted(os.listdir(fd)), the first max_entries stat'ed, a failed stat left out
             names = sorted((os.fsdecode(base64.b64decode(n)), mode, size) for n, mode, size in fs["entries"])
             limit = int(req["max_entries"])
-            entries = [{"name": n, "type": F.kind(mode), "size": size} for n, mode, size in names[:limit] if mode >= 0]
+            entries = [F.list_entry(n, mode, size) for n, mode, size in names[:limit] if mode >= 0]
             result = {"path": F.shown_path(b64_text(fs["real"]), b64_text(fs["rel"]), workspace), "entries": entries,
                       "truncated": len(names) > limit, "total": len(names)}
         reply = {"ok": True, "result": result}

@@ -480,9 +480,10 @@ class Helper:
         here, made with no symlink followed (an image, and later the slot's root user, could put a
         symlink at ``/tmp`` that bubblewrap would follow out of the root while it sets up): ``/tmp``,
         ``/dev`` and ``/proc`` get an empty read-only tmpfs for bubblewrap to mount over, and
-        ``/.atropos`` a read-only tmpfs holding the helpers (``binds``: the host's lib dir, its
-        ``/usr`` for their interpreter, the slot's run dir) and the pristine image. A mount point
-        cannot be removed or renamed from inside the slot (EBUSY).
+        the helpers' directory (``helpers``, a name: bwrap.IMAGE_HELPERS is the one spelling) a
+        read-only tmpfs holding the helpers (``binds``: the host's lib dir, its ``/usr`` for their
+        interpreter, the slot's run dir) and the pristine image (at the name ``pristine``). A mount
+        point cannot be removed or renamed from inside the slot (EBUSY).
 
         With ``keep`` (a slot's own root, never a verification root) and a kernel whose overlayfs
         takes layers as mount fds, the layer clones and the pristine overlay are detached mounts
@@ -534,7 +535,8 @@ class Helper:
             finally:
                 os.fchdir(here)
                 os.close(here)
-            self.image_mount_points(target, owner, list(req.get("binds", [])), pristine)
+            self.image_mount_points(target, owner, list(req.get("binds", [])), pristine,
+                                    _plain_name(req["helpers"]), _plain_name(req["pristine"]))
         except (OSError, ValueError):
             self.umount(target)
             self.umount(os.path.join(layers, "pristine"))
@@ -558,7 +560,8 @@ class Helper:
                 _attach(root, target)
             finally:
                 os.close(root)
-            self.image_mount_points(target, owner, list(req.get("binds", [])), kept.pristine)
+            self.image_mount_points(target, owner, list(req.get("binds", [])), kept.pristine,
+                                    _plain_name(req["helpers"]), _plain_name(req["pristine"]))
         except (OSError, ValueError):
             self.umount(target)
             self.umount(layers)
@@ -567,11 +570,11 @@ class Helper:
         self._fd_roots = True
         return {"layers_kept": kept.count_use(), "layers": len(kept.fds)}
 
-    def image_mount_points(self, root: str, owner: int | None, binds: list[dict[str, Any]], pristine: str | int
-                           ) -> None:
+    def image_mount_points(self, root: str, owner: int | None, binds: list[dict[str, Any]], pristine: str | int,
+                           helpers_name: str, pristine_name: str) -> None:
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            for name in ("tmp", "dev", "proc", ".atropos"):
+            for name in ("tmp", "dev", "proc", helpers_name):
                 _real_dir(fd, name)
             try:  # docker run mounts sysfs there: the slot gets none, but `ls /` lists the same names
                 os.mkdir("sys", 0o555, dir_fd=fd)
@@ -583,13 +586,13 @@ class Helper:
         for name in ("tmp", "dev", "proc"):
             self.mount_tmpfs(os.path.join(root, name), placeholder)
             self.remount_ro(os.path.join(root, name))
-        helpers = os.path.join(root, ".atropos")
+        helpers = os.path.join(root, helpers_name)
         self.mount_tmpfs(helpers, placeholder)
         for item in binds:
-            dest = os.path.join(helpers, str(item["dest"]))
+            dest = os.path.join(helpers, _plain_name(item["dest"]))
             os.mkdir(dest, 0o755)
             self.bind(str(item["source"]), dest, bool(item.get("ro", True)))
-        dest = os.path.join(helpers, "image")
+        dest = os.path.join(helpers, pristine_name)
         os.mkdir(dest, 0o755)
         if isinstance(pristine, int):  # a kept detached overlay: a read-only clone of it goes there
             fd = self.detached_clone(pristine, None)
@@ -738,6 +741,13 @@ def _attach(fd: int, target: str) -> None:
     """Attach the detached mount ``fd`` on ``target``."""
     _check(_libc.syscall(SYS_MOVE_MOUNT, fd, b"", AT_FDCWD, target.encode(), MOVE_MOUNT_F_EMPTY_PATH),
            f"move_mount(-> {target})")
+
+
+def _plain_name(name: object) -> str:
+    """A request's directory name: one path component, so no join leaves the directory it names."""
+    if not isinstance(name, str) or not name or "/" in name or name in (".", "..") or "\0" in name:
+        raise ValueError(f"not a plain name: {name!r}")
+    return name
 
 
 def _real_dir(dir_fd: int, name: str) -> None:

@@ -15,7 +15,15 @@ from typing import Any
 from atropos.sandbox.contract.protocol import WorkspaceKind
 from atropos.sandbox.host.config import HostConfig
 from atropos.sandbox.host.images.image_root import ImageRoot
-from atropos.sandbox.host.isolation.bwrap import IMAGE_HELPERS, SandboxPaths
+from atropos.sandbox.host.isolation.bwrap import (
+    IMAGE_HELPERS,
+    IMAGE_HOST_USR,
+    IMAGE_LIB_DIR,
+    IMAGE_PRISTINE,
+    IMAGE_RUN_DIR,
+    SandboxPaths,
+    image_helper_name,
+)
 from atropos.sandbox.host.isolation.cgroups import SlotCgroup
 from atropos.sandbox.host.workspace import WorkspaceError
 from atropos.sandbox.host.workspace.mountns import SlotMountNamespace
@@ -289,11 +297,13 @@ class SlotWorkspace:
         verification root (host/workspace/verify_root.py)."""
         quota = self.cfg.limits.workspace_quota(self.uid) or {"bytes": IMAGE_UPPER_BYTES,
                                                                "inodes": IMAGE_UPPER_INODES, "uid": self.uid}
-        binds = [{"source": self._real(self.paths.lib_dir), "dest": "lib"}, {"source": "/usr", "dest": "usr"},
-                 {"source": self._real(self.paths.run_dir), "dest": "term", "ro": False}]
+        binds = [{"source": self._real(self.paths.lib_dir), "dest": image_helper_name(IMAGE_LIB_DIR)},
+                 {"source": "/usr", "dest": image_helper_name(IMAGE_HOST_USR)},
+                 {"source": self._real(self.paths.run_dir), "dest": image_helper_name(IMAGE_RUN_DIR), "ro": False}]
         idmap = [ids[0], self.uid, ids[1]] if self.ns().mode == "root" and self.uid is not None else None
         return {"op": "image_root", "layers": self._real(layers), "target": self._real(target),
-                "lowers": [str(p) for p in reversed(image.lowers)], "quota": quota, "binds": binds, "idmap": idmap}
+                "lowers": [str(p) for p in reversed(image.lowers)], "quota": quota, "binds": binds, "idmap": idmap,
+                "helpers": IMAGE_HELPERS.lstrip("/"), "pristine": image_helper_name(IMAGE_PRISTINE)}
 
     def verify(self) -> str:
         """What a finished reset must show (see docs/templates.md, "What a reset verifies")."""
