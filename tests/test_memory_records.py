@@ -261,3 +261,16 @@ def test_the_site_check_sees_what_no_container_holds() -> None:
     held = [g for g in parse(Cached) if g.count_diff > SITE_SLACK]
     assert held and __file__.rsplit("/", 1)[-1] in held[0].site, held
     assert not [g for g in parse(Keys) if g.count_diff > SITE_SLACK]
+
+
+async def test_a_host_memory_report_runs_beside_calls_and_counts_its_loop_tasks() -> None:
+    """A soak's or an operator's ``POST /v1/debug/memory`` walks every live object of the host; it runs
+    in a thread beside the host's calls (they go on meanwhile), and still counts the tasks of the
+    host's event loop (which a thread cannot see by itself)."""
+    async with local_pool(1) as pool:
+        async with pool.leased("memory-report-beside-a-call") as lease:
+            report, echoed = await asyncio.gather(
+                lease.host.client.memory(memstats.MemoryRequest(types=True, top=5)), lease.bash("echo ok"))
+    assert echoed["stdout"] == "ok\n"
+    assert report.types and report.gc_objects
+    assert report.asyncio_tasks is not None and report.asyncio_tasks >= 1
