@@ -38,10 +38,18 @@ echo "[test] mypy" >&2
 # Files go out longest first (tests/file_order.py, tests/durations.json): --no-loadscope-reorder keeps
 # that order (pytest-xdist's own puts the files with most tests first, so the few-test files that take
 # minutes ran last, on one worker, while the other waited).
+# Every run leaves its per-test times in results/pytest-junit.xml (ignored by git): the table that
+# orders the files is rebuilt from a full run's with scripts/test_durations.py.
 workers="${ATROPOS_TEST_WORKERS:-2}"
+mkdir -p results
+junit=(--junitxml=results/pytest-junit.xml)
 echo "[test] pytest ($workers workers)" >&2
+# whether the suite waits or computes (more workers help only the first): the CPU its processes used
+# (those reaped: not the Docker engine's containers), printed beside the wall time when pytest ends
+pytest_start=$SECONDS
+trap 'echo "[test] pytest wall $((SECONDS - pytest_start)) s; CPU user/system of this shell, then of its reaped children:" >&2; times >&2' EXIT
 if [[ "$workers" == "0" ]]; then
-    .venv/bin/python -m pytest -q -ra --durations=15 "$@"
+    .venv/bin/python -m pytest -q -ra --durations=15 "${junit[@]}" "$@"
 else
-    .venv/bin/python -m pytest -q -ra --durations=15 -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
+    .venv/bin/python -m pytest -q -ra --durations=15 "${junit[@]}" -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
 fi
