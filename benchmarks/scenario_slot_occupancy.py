@@ -96,6 +96,17 @@ async def _settle(client: Any, timeout: float = 60.0) -> None:
         await asyncio.sleep(0.1)
 
 
+async def _health_cpu(client: Any, counter: TreeCounter, n: int = 10) -> dict[bool, float]:
+    """CPU ms of the host's tree per health check, without and with the workspace mount count."""
+    out = {}
+    for mounts in (False, True):
+        c0 = counter.total_s()
+        for _ in range(n):
+            await client.health(mounts=mounts)
+        out[mounts] = (counter.total_s() - c0) * 1e3 / n
+    return out
+
+
 async def _cycles(pool: Any, counter: TreeCounter, image: str | None, n: int, tag: str, perf: PerfTree | None
                   ) -> tuple[list[float], list[float], list[float], int]:
     wall, machine, ours = [], [], []
@@ -163,6 +174,7 @@ async def run(quick: bool) -> ScenarioResult:
                         if perf is not None:
                             perf.close()
                     mine, total = _mount_lines(host_pid, slot)
+                    health = await _health_cpu(next(iter(pool.hosts.values())).client, counter)
                 finally:
                     await asyncio.gather(*(pool.release(lease) for lease in others))
                 if by_program:
@@ -171,6 +183,10 @@ async def run(quick: bool) -> ScenarioResult:
                         f"{k} {v * 1e3 / cycles:.1f}" for k, v in top if v * 1e3 / cycles >= 0.3)
                         + f" (total sampled {sum(by_program.values()) * 1e3 / cycles:.1f})")
                 label = f"{root}, {occupied} other slots leased"
+                res.notes.append(f"{label}: the host's health check, CPU ms of the host's tree per check: "
+                                 f"{health[False]:.1f} as the pool asks it, {health[True]:.1f} with the mount count "
+                                 "(every slot namespace's mount table read; the pool's check did that every 2 s "
+                                 "before issue 38)")
                 row = Row(f"{label} (attributed CPU ms)", ours, baseline=(occupied == 0 and ref is None),
                           base=f"{root}, 0 other slots leased (attributed CPU ms)" if occupied else None,
                           note=f"pool + host tree; mounts: {mine} in the slot's namespace, {total} in all "
