@@ -68,6 +68,8 @@ class PerfTree:
         self._seed: dict[int, tuple[int, str, str]] = {}
         for root, label in roots.items():
             for pid in process_tree([root]):
+                if pid == self._proc.pid:
+                    continue  # perf itself (a child of the pool's process) is not the pool's work
                 f = _stat(pid)
                 if f is not None:
                     self._seed[pid] = (f[0], f[1], label)

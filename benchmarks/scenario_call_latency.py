@@ -368,10 +368,12 @@ async def _cpu_breakdown(host_pid: int, call: Any, n: int) -> list[Row]:
     from benchmarks.common import process_tree
 
     def supervisors() -> list[int]:
+        """The slots' supervisors: slotd (the compiled one, docs/native-supervisor.md) or supervisor.py."""
         found = []
         for pid in process_tree([host_pid]):
             try:
-                if b"supervisor.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                if (Path(f"/proc/{pid}/comm").read_bytes().strip() == b"slotd"
+                        or b"supervisor.py" in Path(f"/proc/{pid}/cmdline").read_bytes()):
                     found.append(pid)
             except OSError:
                 continue

@@ -178,9 +178,16 @@ async def test_health(raw: httpx.AsyncClient, host: RunningHost) -> None:
     assert info["isolation"] == "bubblewrap"
     assert info["slots"] == 8
     assert info["free"] + info["leased"] + info["quarantined"] <= info["slots"]
+    # the mount count reads every slot namespace's mount table: only when asked (the pool's periodic
+    # check does not, so its cost does not grow with the host's other slots)
+    assert info["mounts"] is None
+    counted = (await raw.get("/v1/health", params={"mounts": "true"})).json()
+    assert counted["ok"] is True, counted
+    assert counted["mounts"] or counted["workspace_mode"] == "copy", counted  # None: no mount helper here
     async with host.client() as client:
         health = await client.health()
-        assert health.ok and health.exec_ms > 0
+        assert health.ok and health.exec_ms > 0 and health.mounts is None
+        assert (await client.health(mounts=True)).mounts == counted["mounts"]
 
 
 async def test_slots_listing(raw: httpx.AsyncClient, leased: dict[str, Any]) -> None:

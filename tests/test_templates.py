@@ -39,7 +39,8 @@ SRC_ROOT = Path(f"/tmp/atropos-tpl-src-{os.getpid()}")
 def is_idle(health: HealthInfo) -> bool:
     """No workspace mounts beyond each slot's (and the health slot's) capped run dir, /tmp and
     /dev/shm, and capped workspace: every fork's template layer and overlay are gone."""
-    if health.mounts is None:  # no mount helper
+    if health.mounts is None:  # no mount helper (the count is asked for: health(mounts=True))
+        assert health.workspace_mode == "copy", "a host with a mount helper answered no mount count"
         return True
     return health.mounts == (3 + (1 if health.workspace_cap_bytes else 0)) * (health.slots + 1)
 
@@ -445,17 +446,19 @@ async def test_many_reset_cycles_leave_no_mount_process_or_file(source: Path, cy
         host_mounts = sum(m.mountpoint.startswith(mine) for m in read_mountinfo())  # others' mounts come and go
         procs = len(_tree_pids(h.proc.pid))
         disk = _disk(h.data_dir)
-        assert is_idle(await c.health())
+        assert is_idle(await c.health(mounts=True))
+        # the pool's periodic check does not ask: no read of every slot namespace's mount table
+        assert (await c.health()).mounts is None
         s = LeasedSlot(c, await c.lease("leak"))
         for i in range(cycles):
             if i % 3 == 0:
                 await s.sh("mkdir -p w && for i in $(seq 20); do echo $i > w/f$i; done; echo x >> pkg/__init__.py; "
                            "sleep 300 & true" if i % 2 else "echo y > y")
             s, _ = await reset_to(s, t.id if i % 2 == 0 else None)
-        assert is_idle(await c.health())  # the last reset was to an empty workspace
+        assert is_idle(await c.health(mounts=True))  # the last reset was to an empty workspace
         await c.release(s.lease.slot, s.lease.lease)
         await _settled(c, h.data_dir)
-        health = await c.health()
+        health = await c.health(mounts=True)
         assert health.ok and health.quarantined == 0 and is_idle(health)
         # a root host never mounts in its own namespace
         assert sum(m.mountpoint.startswith(mine) for m in read_mountinfo()) == host_mounts == 0
@@ -491,7 +494,7 @@ async def _fork_roundtrip(c: HostClient, source: Path, kind: str) -> TemplateInf
 
 async def test_copy_mode_fallback(copy_host: RunningHost, source: Path) -> None:
     async with copy_host.client() as c:
-        health = await c.health()
+        health = await c.health(mounts=True)
         assert health.workspace_mode == "copy" and "forced" in health.workspace_detail and is_idle(health)
         t = await _fork_roundtrip(c, source, "copy")
         await c.delete_template(t.id)
@@ -515,7 +518,7 @@ async def test_unprivileged_host_forks_in_a_user_namespace(userns_host: RunningH
             await release(s)
         for tid in (t.id, t2.id, t3.id):
             await c.delete_template(tid)
-        assert is_idle(await c.health())
+        assert is_idle(await c.health(mounts=True))
     # an unprivileged host can still delete what its slots made read-only
     deadline = time.monotonic() + 30
     while list((userns_host.data_dir / "trash").iterdir()) and time.monotonic() < deadline:
@@ -563,7 +566,7 @@ async def test_group_of_8_forked_from_a_prepared_git_repo_across_two_hosts(tmp_p
         await pool.delete_template(template)
         for host in pool.hosts.values():
             assert await host.client.templates() == []
-            health = await host.client.health()
+            health = await host.client.health(mounts=True)
             assert is_idle(health) and health.quarantined == 0
         assert double_leases(pool.audit.events) == []
 
@@ -656,7 +659,7 @@ async def test_agent_env_group_setup_runs_once_and_every_rollout_gets_a_fork(tmp
         assert env.pool is not None and env.pool.status().leased == 0
         for host in env.pool.hosts.values():
             assert await host.client.templates() == []  # the group's template is gone with the group
-            assert is_idle(await host.client.health())
+            assert is_idle(await host.client.health(mounts=True))
     finally:
         await env.shutdown_sandbox()
 
@@ -719,5 +722,5 @@ async def test_docker_host_forks_in_a_user_namespace() -> None:
         for lease in (setup, *others):
             await lease.release()
         await pool.delete_template(template)
-        health = await host.client.health()
+        health = await host.client.health(mounts=True)
         assert is_idle(health) and health.templates == 0

@@ -168,9 +168,12 @@ class HostClient:
         return resp.body
 
     # -- API -------------------------------------------------------------------------------
-    async def health(self, timeout: float = 10.0) -> HealthInfo:
+    async def health(self, timeout: float = 10.0, *, mounts: bool = False) -> HealthInfo:
+        """The host's health; ``mounts``: with its workspace mount count (a read of every slot
+        namespace's mount table, which the pool's periodic check does not need)."""
         try:
-            resp = await self._http.get("/v1/health", timeout=self._timeout(timeout))
+            resp = await self._http.get("/v1/health", params={"mounts": "true"} if mounts else None,
+                                        timeout=self._timeout(timeout))
         except httpx.TransportError as exc:
             raise HostUnavailable(f"{self.where}: {type(exc).__name__}: {exc}") from exc
         if resp.status_code == 401:

@@ -233,7 +233,8 @@ class HealthInfo(Wire):
     workspace_detail: str = Field("", description="why the host uses copies, when it does")
     templates: int = 0
     mounts: int | None = Field(None, description="workspace mounts of this host (a capped workspace and run "
-                                                 "dir per slot, two more per forked slot)")
+                                                 "dir per slot, two more per forked slot); only when asked "
+                                                 "for (GET /v1/health?mounts=true)")
     workspace_cap_bytes: int | None = Field(None, description="what each slot can write to its workspace "
                                                               "(None: uncapped, the data dir's disk)")
     workspace_cap_detail: str = ""

@@ -99,8 +99,9 @@ def _slot_routes(app: FastAPI, host: SandboxHost, deps: list[Any]) -> None:
     slot_or_404 = functools.partial(_slot_or_404, host)
 
     @app.get("/v1/health", response_model=HealthInfo, dependencies=deps)
-    async def health() -> JSONResponse:
-        info = await host.health()
+    async def health(mounts: bool = Query(False, description="also count the workspace mounts (reads every "
+                                                             "slot namespace's mount table)")) -> JSONResponse:
+        info = await host.health(mounts=mounts)
         return JSONResponse(info.model_dump(), status_code=200 if info.ok else 503)
 
     @app.get("/metrics", dependencies=deps, response_class=Response)
