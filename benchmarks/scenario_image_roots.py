@@ -58,6 +58,7 @@ from benchmarks.common import (
     docker_problem,
     format_table,
     host_pids,
+    lease_first_true,
     local_pool,
     machine_info,
     machine_line,
@@ -212,24 +213,6 @@ class ManyImages:
 
 
 # -- timing ------------------------------------------------------------------------------------
-async def lease_first_true(pool: Any, tid: str, image: str | None, *, reset: bool = False) -> tuple[float, float]:
-    """(lease ms, lease + first ``true`` ms); the slot is released after, untimed. ``reset``: a
-    default-root lease reset once more before its call (a fresh sandbox with no prewarm finished,
-    as an image lease's first call finds it)."""
-    t0 = time.perf_counter()
-    lease = await pool.lease(tid, image=image)
-    if reset:
-        await lease.reset()
-    t1 = time.perf_counter()
-    try:
-        out = await lease.bash("true")
-        t2 = time.perf_counter()
-        assert out.exit_code == 0, out
-    finally:
-        await pool.release(lease)
-    return (t1 - t0) * 1e3, (t2 - t0) * 1e3
-
-
 async def first_true_after(pool: Any, tid: str, image: str, gap_s: float) -> float:
     """ms of the first ``true`` on an image lease, called ``gap_s`` after the lease returned."""
     lease = await pool.lease(tid, image=image)
