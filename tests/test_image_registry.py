@@ -180,7 +180,7 @@ async def test_a_registry_image_leases_on_every_backend(kind: str, registry: str
                     for lease in (a, b):
                         await lease.release()
                 port = free_port()
-                node = r" on node \S+" if kind == "ray" else ""  # a Ray host is named with its node
+                node = r" on node \S+" if kind in ("ray", "nomad") else ""  # named with its node there
                 unreachable = rf"host \S+{node}: .*the registry 127\.0\.0\.1:{port} is unreachable"
                 with pytest.raises(ImageRejected, match=unreachable):
                     await pool.lease("reg-x", image=f"docker://127.0.0.1:{port}/tasks/demo:v1")
