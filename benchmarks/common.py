@@ -388,6 +388,25 @@ def docker_pool(pool_id: str, hosts: int, slots_per_host: int, backend_kw: dict[
     return backend_pool("docker", pool_id, hosts, slots_per_host, backend_kw, **pool_kw)
 
 
+async def lease_first_true(pool: Any, tid: str, image: str | None, *, reset: bool = False) -> tuple[float, float]:
+    """(lease ms, lease + first ``true`` ms) of ``pool.lease(tid, image=image)`` and its first bash
+    ``true`` (on any backend: the image scenarios' first-call rows); the slot is released after,
+    untimed. ``reset``: a default-root lease reset once more before its call (a fresh sandbox with
+    no prewarm finished, as an image lease's first call finds it)."""
+    t0 = time.perf_counter()
+    lease = await pool.lease(tid, image=image)
+    if reset:
+        await lease.reset()
+    t1 = time.perf_counter()
+    try:
+        out = await lease.bash("true")
+        t2 = time.perf_counter()
+        assert out.exit_code == 0, out
+    finally:
+        await pool.release(lease)
+    return (t1 - t0) * 1e3, (t2 - t0) * 1e3
+
+
 def host_pids(pool: Any) -> list[int]:
     """Pids of a local-backend pool's host processes."""
     pids = []

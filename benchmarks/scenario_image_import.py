@@ -46,7 +46,16 @@ import tarfile
 import time
 from pathlib import Path
 
-from benchmarks.common import DOCKER_IMAGE, Row, ScenarioResult, bench_dir, docker_pool, docker_problem, scenario_main
+from benchmarks.common import (
+    DOCKER_IMAGE,
+    Row,
+    ScenarioResult,
+    bench_dir,
+    docker_pool,
+    docker_problem,
+    lease_first_true,
+    scenario_main,
+)
 
 NAME = "image_import"
 
@@ -177,14 +186,7 @@ async def part_first_call(res: ScenarioResult, megabytes: int, rounds: int) -> N
                 on_docker.append(await first_call_on_docker(image, i))
                 continue
             async with started(_pool_id("big"), 1) as pool:
-                t = time.perf_counter()
-                lease = await pool.lease(f"big-{i}", image=image)
-                try:
-                    out = await lease.bash("true")
-                    ours.append((time.perf_counter() - t) * 1e3)
-                    assert out.exit_code == 0, out
-                finally:
-                    await pool.release(lease)
+                ours.append((await lease_first_true(pool, f"big-{i}", image))[1])
     base = Row("docker run -d + docker exec true (same image)", docker,
                base="docker run -d + docker exec true (same image)")  # this part's own baseline
     first = Row("lease + first true, never-seen image (fresh store)", ours, base=base.name)
@@ -214,15 +216,7 @@ async def first_call_on_docker(image: str, round_: int) -> float:
                        acquire_timeout_s=3600)
     try:
         await pool.start()
-        t = time.perf_counter()
-        lease = await pool.lease(f"bigd-{round_}", image=image)
-        try:
-            out = await lease.bash("true")
-            took = (time.perf_counter() - t) * 1e3
-            assert out.exit_code == 0, out
-        finally:
-            await pool.release(lease)
-        return took
+        return (await lease_first_true(pool, f"bigd-{round_}", image))[1]
     finally:
         await pool.stop()
         await asyncio.to_thread(remove_tree, volume)

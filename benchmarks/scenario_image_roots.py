@@ -26,7 +26,10 @@ the local backend (one host), side by side in one run:
 Targets (issue 29): first ``true`` on a held image p50 <= 100 ms; a call on an image root <= 1.1x a
 default-root slot's.
 
-``python -m benchmarks.scenario_image_roots [--quick] [--images 10,100,1000] [--group 16]``
+A part of its own (``--warm-lease-only``): the lease alone of a warm slot by the image's tag (its
+host asked whether the tag still names the slot's image) vs by its id (no request).
+
+``python -m benchmarks.scenario_image_roots [--quick] [--images 10,100,1000] [--group 16] [--warm-lease-only]``
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from benchmarks.common import (
     docker_problem,
     format_table,
     host_pids,
+    lease_first_true,
     local_pool,
     machine_info,
     machine_line,
@@ -72,6 +76,7 @@ from benchmarks.common import (
 )
 
 NAME = "image_roots"
+WARM_LEASE_ONLY = False  # --warm-lease-only
 BASE = "atropos-sandbox-base:bookworm"
 DOCKERFILE = f"""FROM {BASE}
 COPY testbed /testbed
@@ -212,24 +217,6 @@ class ManyImages:
 
 
 # -- timing ------------------------------------------------------------------------------------
-async def lease_first_true(pool: Any, tid: str, image: str | None, *, reset: bool = False) -> tuple[float, float]:
-    """(lease ms, lease + first ``true`` ms); the slot is released after, untimed. ``reset``: a
-    default-root lease reset once more before its call (a fresh sandbox with no prewarm finished,
-    as an image lease's first call finds it)."""
-    t0 = time.perf_counter()
-    lease = await pool.lease(tid, image=image)
-    if reset:
-        await lease.reset()
-    t1 = time.perf_counter()
-    try:
-        out = await lease.bash("true")
-        t2 = time.perf_counter()
-        assert out.exit_code == 0, out
-    finally:
-        await pool.release(lease)
-    return (t1 - t0) * 1e3, (t2 - t0) * 1e3
-
-
 async def first_true_after(pool: Any, tid: str, image: str, gap_s: float) -> float:
     """ms of the first ``true`` on an image lease, called ``gap_s`` after the lease returned."""
     lease = await pool.lease(tid, image=image)
@@ -373,6 +360,37 @@ async def part_held_image(res: ScenarioResult, image: str, rounds: int, calls: i
     return {"held_first_p50_ms": row.p50, "import_ms": import_ms}
 
 
+async def part_warm_lease(res: ScenarioResult, image: str, samples: int) -> None:
+    """The lease alone of a held image's warm slot (released on the image's root): by its tag, which
+    may have moved, so the slot's host is asked whether the tag still names the slot's image (one
+    request, ``keep_if_fresh``: the engine asked for the tag's id, the slot kept), against by the
+    image's id (``sha256:...``, ``ImageRef.fixed``: no request), interleaved; the warm slot is reused
+    in both (docs/task-images.md, "A reference that moves")."""
+    image_id = (await asyncio.to_thread(_docker, "image", "inspect", "-f", "{{.Id}}", image)).strip()
+    by_tag: list[float] = []
+    by_id: list[float] = []
+    async with started(_pool_id("warm"), 2) as pool:
+        async def lease_ms(ref: str, tid: str) -> float:
+            t0 = time.perf_counter()
+            lease = await pool.lease(tid, image=ref)
+            took = (time.perf_counter() - t0) * 1e3
+            await pool.release(lease)
+            return took
+
+        for ref in (image, image_id):  # each reference's slot warm on its root
+            await lease_ms(ref, "warmup")
+        for i in range(samples):
+            for ref, into in ((image, by_tag), (image_id, by_id))[::1 if i % 2 else -1]:
+                into.append(await lease_ms(ref, f"warm-{i}"))
+    base = "warm slot: pool.lease(image id) (fixed: no request)"
+    res.rows.append(Row(base, by_id))
+    res.rows.append(Row("warm slot: pool.lease(tag) (the host asked whether the tag moved)", by_tag, base=base,
+                        note="one reset request with keep_if_fresh: the engine's id of the tag, the slot kept"))
+    res.notes.append(f"re-resolving a tag on a warm lease: +{percentile(by_tag, 50) - percentile(by_id, 50):.1f} ms "
+                     f"p50 ({percentile(by_tag, 50):.1f} vs {percentile(by_id, 50):.2f} ms), p99 "
+                     f"{percentile(by_tag, 99):.1f} vs {percentile(by_id, 99):.2f} ms")
+
+
 async def grpo_group(res: ScenarioResult, pool: Any, image: str, group: int, rounds: int) -> None:
     ready: dict[str, list[float]] = {"img": [], "def": []}
     first: dict[str, list[float]] = {"img": [], "def": []}
@@ -511,6 +529,9 @@ async def run(quick: bool, images: list[int] | None = None, group: int = 16) -> 
     try:
         image = await asyncio.to_thread(build_task_image, scratch)
         res.params["image"] = image
+        if WARM_LEASE_ONLY:
+            await part_warm_lease(res, image, 10 if quick else 100)
+            return res
         held = await part_held_image(res, image, rounds=5 if quick else 10, calls=60 if quick else 200,
                                      group=group, group_rounds=2 if quick else 3)
         res.notes.append(f"the task image's first import into a fresh store (prepare_images): "
@@ -533,11 +554,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--images", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="numbers of distinct images held, step by step (default 10,100; --quick: 10)")
     p.add_argument("--group", type=int, default=16, help="GRPO group size (%(default)s)")
+    p.add_argument("--warm-lease-only", action="store_true",
+                   help="only the lease of a warm slot by tag vs by image id (the re-resolution's cost)")
     p.add_argument("--json", type=Path, help="write the result as JSON here")
     p.add_argument("--png", type=Path, help="write a latency chart here")
     p.add_argument("-v", "--verbose", action="store_true", help="show the product's INFO logs")
     args = p.parse_args(argv)
     setup_logging(args.verbose)
+    global WARM_LEASE_ONLY
+    WARM_LEASE_ONLY = args.warm_lease_only
     machine = machine_info()
     print(machine_line(machine), flush=True)
     res = run_scenario(NAME, functools.partial(run, images=args.images, group=args.group), args.quick)

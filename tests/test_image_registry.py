@@ -7,6 +7,7 @@ loopback) and ships the image: the same leases, pins and errors on every backend
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import shutil
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from atropos.backends.base import Backend
 from atropos.errors import ImageRejected
 from atropos.sandbox.contract import registry as registry_refs
 from atropos.sandbox.contract.imageref import ImageRef
@@ -111,15 +113,34 @@ def engine_id(tag: str) -> str:
                           text=True, timeout=60).stdout.strip()
 
 
-@pytest.mark.parametrize("kind", ["local", pytest.param("docker", marks=pytest.mark.docker), "nomad"])
+@contextlib.contextmanager
+def backend_of(kind: str, slots: int) -> Iterator[Backend]:
+    """A backend of ``kind`` for the registry's leases; ``ray``: a real Ray cluster (a head and two
+    worker nodes on 127.0.0.1, tests/test_ray_backend.py's), started here and shut down after."""
+    if kind != "ray":
+        yield make_backend(kind, slots=slots)
+        return
+    from tests import test_ray_backend as on_ray  # skips the case where Ray is not installed
+
+    cluster = on_ray.RayCluster.start()
+    try:
+        yield on_ray.make_backend(cluster, slots=slots, prewarm=False)
+    finally:
+        cluster.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["local", pytest.param("docker", marks=pytest.mark.docker), "nomad",
+                                  pytest.param("ray", marks=pytest.mark.timeout(900))])  # a cluster to start
 async def test_a_registry_image_leases_on_every_backend(kind: str, registry: str, tmp_path: Path,
                                                         task_image: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A lease of ``docker://...`` on a pool of each backend: a local host fetches it itself; a
+    """A lease of ``docker://...`` on a pool of each backend: a local host, and a Ray node's host,
+    fetch it themselves (each node's host reaches the registry: here every node is on 127.0.0.1); a
     Docker container's host (which cannot reach the test's loopback registry) and a Nomad host (the
     fake's, a real host) are shipped it by the pool, which fetched it once for the group, pinned to
     the digest the registry served, and lists it under the image's own id. A moved tag is shipped
-    again, a pinned digest stays what it names, a wrong digest and an unreachable registry are
-    ``image_rejected`` and leave the lease as it was."""
+    (or fetched) again, a pinned digest stays what it names, a wrong digest and an unreachable
+    registry are ``image_rejected`` (named with the host, and its node on Ray) and leave the lease as
+    it was."""
     base = task_image("nopython")  # type: ignore[operator]
     one, two = [await asyncio.to_thread(build_variant, base, w, tmp_path / w) for w in ("one", "two")]
     fetched: list[str] = []
@@ -134,33 +155,36 @@ async def test_a_registry_image_leases_on_every_backend(kind: str, registry: str
     try:
         pinned_one = f"docker://{registry}/tasks/demo@{push(f'docker-daemon:{one}', ref)}"
         shows = "cat /testbed/a.txt; echo $WHICH; command -v python3; echo $?"
-        ships = kind != "local"
-        async with SlotPool(make_backend(kind, slots=2), pool_cfg(acquire_timeout_s=300)) as pool:
-            a, b = await pool.lease_many(["reg-a", "reg-b"], image=ref)
-            try:
-                for lease in (a, b):
-                    assert (await lease.bash(shows))["stdout"] == "one\none\n1\n"  # the image's root, no python
-                held = {i.reference: i.id for i in await a.host.client.images()}
-                if ships:  # under the engine's own id of the pushed image: what the registry holds
-                    assert held[ref] == engine_id(one) and fetched == [pinned_one], "one fetch for the group's host"
-                else:
-                    assert held[ref] == f"registry:{pinned_one.rsplit('@', 1)[1]}" and fetched == []
-                pinned_two = f"docker://{registry}/tasks/demo@{push(f'docker-daemon:{two}', ref)}"  # the tag moves
-                await a.reset(image=ref)
-                assert (await a.bash(shows))["stdout"] == "two\ntwo\n1\n"  # never served stale
-                await b.reset(image=pinned_one)
-                assert (await b.bash(shows))["stdout"] == "one\none\n1\n"  # the pin still names the first
-                wrong = f"docker://{registry}/tasks/demo@sha256:{'0' * 64}"
-                with pytest.raises(ImageRejected, match="skopeo could not fetch it"):
-                    await b.reset(image=wrong)
-                assert (await b.bash(shows))["stdout"] == "one\none\n1\n"  # the lease kept its root
-            finally:
-                for lease in (a, b):
-                    await lease.release()
-            port = free_port()
-            with pytest.raises(ImageRejected, match=rf"host \S+.*the registry 127\.0\.0\.1:{port} is unreachable"):
-                await pool.lease("reg-x", image=f"docker://127.0.0.1:{port}/tasks/demo:v1")
-            assert pool.status().quarantines == 0  # refused before a slot was touched
+        ships = kind not in ("local", "ray")
+        with backend_of(kind, slots=2) as backend:
+            async with SlotPool(backend, pool_cfg(acquire_timeout_s=300, health_timeout_s=30)) as pool:
+                a, b = await pool.lease_many(["reg-a", "reg-b"], image=ref)
+                try:
+                    for lease in (a, b):
+                        assert (await lease.bash(shows))["stdout"] == "one\none\n1\n"  # the image's root, no python
+                    held = {i.reference: i.id for i in await a.host.client.images()}
+                    if ships:  # under the engine's own id of the pushed image: what the registry holds
+                        assert held[ref] == engine_id(one) and fetched == [pinned_one], "one fetch for the group's host"
+                    else:
+                        assert held[ref] == f"registry:{pinned_one.rsplit('@', 1)[1]}" and fetched == []
+                    pinned_two = f"docker://{registry}/tasks/demo@{push(f'docker-daemon:{two}', ref)}"  # the tag moves
+                    await a.reset(image=ref)
+                    assert (await a.bash(shows))["stdout"] == "two\ntwo\n1\n"  # never served stale
+                    await b.reset(image=pinned_one)
+                    assert (await b.bash(shows))["stdout"] == "one\none\n1\n"  # the pin still names the first
+                    wrong = f"docker://{registry}/tasks/demo@sha256:{'0' * 64}"
+                    with pytest.raises(ImageRejected, match="skopeo could not fetch it"):
+                        await b.reset(image=wrong)
+                    assert (await b.bash(shows))["stdout"] == "one\none\n1\n"  # the lease kept its root
+                finally:
+                    for lease in (a, b):
+                        await lease.release()
+                port = free_port()
+                node = r" on node \S+" if kind in ("ray", "nomad") else ""  # named with its node there
+                unreachable = rf"host \S+{node}: .*the registry 127\.0\.0\.1:{port} is unreachable"
+                with pytest.raises(ImageRejected, match=unreachable):
+                    await pool.lease("reg-x", image=f"docker://127.0.0.1:{port}/tasks/demo:v1")
+                assert pool.status().quarantines == 0  # refused before a slot was touched
         assert fetched == ([pinned_one, pinned_two, pinned_one] if ships else [])
         assert not list(Path(tempfile.gettempdir()).glob("atropos-registry-*")), "the pool's archives are gone"
     finally:

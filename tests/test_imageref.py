@@ -29,6 +29,22 @@ def test_a_reference_is_parsed_into_its_kind(text: str, kind: str, host_side: bo
     assert ImageRef.parse(ref) is ref  # parsed once: a parsed one is taken as it is
 
 
+DIGEST = "sha256:" + "ab" * 32
+
+
+@pytest.mark.parametrize(("text", "fixed"), [
+    ("repo/task:tag", False), ("repo/task", False), (f"repo/task@{DIGEST}", True), (DIGEST, True),
+    (f"repo/task:{DIGEST[7:]}", False), ("oci:/srv/a:v1", False), (f"oci:/srv/a@{DIGEST}", False),
+    ("derived:" + "ab" * 32, True), ("docker://127.0.0.1:5000/r/t:1", False),
+    (f"docker://127.0.0.1:5000/r/t@{DIGEST}", True), (f"docker://127.0.0.1:5000/r/t:1@{DIGEST}", True),
+    (f"docker://127.0.0.1:5000/r/t@{DIGEST}x", False),
+])
+def test_a_reference_that_may_move_is_told_from_one_that_cannot(text: str, fixed: bool) -> None:
+    """A pool keeps a warm slot of a ``fixed`` reference without asking its host (the same image
+    for good); any other may name another image at the next lease (tests/test_image_moving_refs.py)."""
+    assert ImageRef.parse(text).fixed is fixed
+
+
 @pytest.mark.parametrize("text", ["", "x" * (MAX_IMAGE_REFERENCE + 1), "a\0b", "oci:"])
 def test_what_is_no_reference_is_refused_by_the_error_table(text: str) -> None:
     with pytest.raises(ImageRejected):

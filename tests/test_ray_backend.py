@@ -54,10 +54,27 @@ class RayCluster:
     def __init__(self) -> None:
         self.cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False})
-        self.workers = [self.add_worker() for _ in range(2)]
-        ray.init(address=self.cluster.address, _node_ip_address="127.0.0.1", include_dashboard=False,
-                 log_to_driver=False, namespace="atropos-tests")
-        self.cluster.wait_for_nodes()
+        try:
+            self.workers = [self.add_worker() for _ in range(2)]
+            ray.init(address=self.cluster.address, _node_ip_address="127.0.0.1", include_dashboard=False,
+                     log_to_driver=False, namespace="atropos-tests")
+            self.cluster.wait_for_nodes()
+        except BaseException:
+            self.shutdown()  # no head or raylet of a half-started cluster left behind
+            raise
+
+    @classmethod
+    def start(cls, attempts: int = 3) -> RayCluster:
+        """A cluster, started again when a node misses Ray's own 30 s start deadline ("The current
+        node timed out during startup": the GCS answers late on a loaded machine; not a product
+        failure)."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return cls()
+            except Exception as exc:
+                if attempt == attempts or "timed out during startup" not in str(exc):
+                    raise
+        raise AssertionError("unreachable")
 
     def add_worker(self) -> Any:
         return self.cluster.add_node(num_cpus=4, resources={RESOURCE: 8}, node_ip_address="127.0.0.1")
@@ -76,7 +93,7 @@ class RayCluster:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RayCluster]:
-    c = RayCluster()
+    c = RayCluster.start()
     yield c
     c.shutdown()
 

@@ -419,12 +419,14 @@ class Lease(LeaseCalls):
             raise
 
     async def reset(self, template: PoolTemplate | None = None, *, network: bool | None = None,
-                    image: str | ImageRef | None = None) -> ResetResult:
+                    image: str | ImageRef | None = None, keep_if_fresh: bool = False) -> ResetResult:
         """Restart this lease's workspace, keeping the lease: empty, a fresh copy-on-write fork of
         ``template`` (shipped to this host first if it was made elsewhere), or a fresh root of the
         task image ``image`` (imported into the host's layer store first if need be, shipped to it
         first on a backend whose hosts cannot get it themselves). Every
-        process of the slot is killed. A failed reset loses the lease (ResetFailed)."""
+        process of the slot is killed. A failed reset loses the lease (ResetFailed).
+        ``keep_if_fresh`` (with ``image``): a slot nothing used since its root was made, of the
+        image ``image`` names now, is kept as it is (``ResetResult.kept``; the lease gets a new token)."""
         self.check()
         template_id = None if template is None else await self.pool.template_on(template, self.host)
         if image is not None:  # a Docker or Nomad host is shipped it first (a moved tag again)
@@ -433,7 +435,7 @@ class Lease(LeaseCalls):
         try:
             result = await self.host.guard(self.host.client.reset(
                 self.slot, self.token, trajectory_id=self.trajectory_id, network=network, template=template_id,
-                image=image))
+                image=image, keep_if_fresh=keep_if_fresh))
         except HostUnavailable:
             self.pool.suspect(self.host)
             raise

@@ -182,15 +182,19 @@ class SlotPool:
                                             colocate, prefer, image, avoid)
 
         async def prepare(lease: Lease) -> None:
-            if template is None and lease.image == image:  # its root already is a fresh one of it
+            # its root already is a fresh one of the reference (as of the slot's last reset)
+            warm = template is None and lease.image == image
+            if warm and (image is None or image.fixed):  # the same image for good
                 if network:
                     await (self._enable_network(lease) if image is None else
                            lease.reset(network=True, image=image))
                 return
             if image is not None:
                 try:
-                    await self._ship_image(lease.host, image)
-                    await lease.reset(template, network=network or None, image=image)
+                    # shipped first to a host that cannot get it itself (Lease.reset); a warm slot is
+                    # kept only if the reference still names the image its root was made of (a tag
+                    # moved meanwhile: reset to what it names now), in the one request
+                    await lease.reset(template, network=network or None, image=image, keep_if_fresh=warm)
                 except ImageRejected as exc:
                     # named by where it ran (a Ray or Nomad node): the host's address alone may be
                     # a loopback one, the same on every node
@@ -201,7 +205,8 @@ class SlotPool:
                 return
             await lease.reset(template, network=network or None, image=image)
 
-        if template is not None or network or any(lease.image != image for lease in leases):
+        if template is not None or network or (image is not None and not image.fixed) or \
+                any(lease.image != image for lease in leases):
             try:
                 await self._prepare_or_release(leases, prepare)
             except ImageRejected:

@@ -209,11 +209,13 @@ class HostClient:
 
     async def reset(self, slot: int, lease: str, *, trajectory_id: str | None = None,
                     network: bool | None = None, template: str | None = None,
-                    image: str | ImageRef | None = None) -> ResetResult:
+                    image: str | ImageRef | None = None, keep_if_fresh: bool = False) -> ResetResult:
         """Reset a leased slot (kept leased under a new token): to empty, to a fresh fork of ``template``,
-        or to a fresh root of the task image ``image`` (imported on the host first if need be)."""
+        or to a fresh root of the task image ``image`` (imported on the host first if need be);
+        ``keep_if_fresh``: not if its root is a fresh root of what ``image`` names now."""
         # the host's own request model (contract/protocol.py): what it takes is what we send
-        body = ResetRequest(lease=lease, trajectory_id=trajectory_id, network=network, template=template, image=image)
+        body = ResetRequest(lease=lease, trajectory_id=trajectory_id, network=network, template=template, image=image,
+                            keep_if_fresh=keep_if_fresh or None)  # absent unless asked (a request as before)
         return ResetResult.model_validate_json(await self._post_lean(
             f"/v1/slots/{slot}/reset", body, timeout=900 if image else 120))
 

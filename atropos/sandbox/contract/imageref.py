@@ -17,6 +17,7 @@ and serialise it back as the string.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,6 +35,9 @@ ImageKind = Literal["engine", "oci", "derived", "registry"]
 # ships them. A registry's is fetched by a host that reaches the registry (local, Ray) and by the
 # pool for hosts that cannot (Docker, Nomad: atropos/backends/image_shipping.py)
 HOST_SIDE_KINDS: frozenset[ImageKind] = frozenset({"oci", "derived"})
+# a reference that names one image for good: pinned to a digest (an engine's ``repo@sha256:...``, a
+# registry's ``docker://.../repo@sha256:...``) or an engine's image id (``sha256:...``)
+_CONTENT_ADDRESSED = re.compile(r"(?:@|^)sha256:[0-9a-f]{64}$")
 
 
 class ImageRef(str):
@@ -69,6 +73,13 @@ class ImageRef(str):
     def host_side(self) -> bool:
         """Whether only the host can resolve it (a pool never ships it)."""
         return self.kind in HOST_SIDE_KINDS
+
+    @property
+    def fixed(self) -> bool:
+        """Whether it names the same image for good (a derived image, a digest, an image id): a
+        slot rooted on it never goes stale. A tag (an engine's, a registry's) or an OCI layout (its
+        ``index.json`` may be rewritten) may name another image at the next lease."""
+        return self.kind == "derived" or (self.kind != "oci" and _CONTENT_ADDRESSED.search(self) is not None)
 
     def oci_layout(self) -> tuple[Path, str | None]:
         """An ``oci`` reference as (layout dir, tag), read on the machine that holds the layout: a

@@ -81,6 +81,9 @@ class ResetRequest(LeaseRef):
                                                      "engine reference, oci:DIR[:TAG] of an OCI layout on the host, "
                                                      "derived:..., docker://REGISTRY/REPO[:TAG]): see "
                                                      "docs/task-images.md")
+    keep_if_fresh: bool | None = Field(None, description="with image: a slot whose root is an unused, fresh root of "
+                                                   "the image the reference names now is kept as it is (a new "
+                                                   "lease token, no reset); any other is reset to that image")
 
 
 class ResetResult(Wire):
@@ -92,6 +95,7 @@ class ResetResult(Wire):
     lease: LeaseInfo | None = Field(None, description="the fresh lease when the slot stays leased")
     template: str | None = Field(None, description="the template the workspace now is a fork of")
     verified: str = Field("", description="what the host checked before declaring the reset done")
+    kept: bool = Field(False, description="keep_if_fresh found the slot's root fresh and current: nothing was reset")
 
 
 MAX_VERIFY_PROGRAM = 1 << 20

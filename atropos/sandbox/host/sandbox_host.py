@@ -373,6 +373,13 @@ class SandboxHost:
         trajectory = req.trajectory_id or slot.trajectory_id or "?"
         network = slot.network if req.network is None else req.network
         t0 = time.perf_counter()
+        if req.keep_if_fresh and keep and image is not None and template is None and network == slot.network \
+                and slot.fresh_on(image):
+            # the reference names the image the slot's unused root was made of (images.get asked its
+            # engine, layout or registry just now): a reset would make the same root again
+            return ResetResult(slot=index, ok=True, quarantined=False, kept=True, lease=slot.grant(trajectory, network),
+                               duration_ms=round((time.perf_counter() - t0) * 1000, 3),
+                               verified=f"a fresh root of {image.image_id}, unused since its reset")
         # Refuse new calls at once and abort the running one: waiting for a 10-minute command
         # would hold the slot (and the pool's caller) hostage.
         slot.revoke()

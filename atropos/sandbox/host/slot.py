@@ -161,6 +161,13 @@ class Slot:
         """Refuse new calls at once (a reset or release begins); the running one is stopped next."""
         self.lease_token = None
 
+    def fresh_on(self, image: ImageRoot) -> bool:
+        """Whether the slot's root is a root of ``image`` (the host's current entry for its
+        reference: a moved name is another entry) that nothing touched since its reset: no call,
+        no verification phase, no code of a lease."""
+        return (self.ws.image is image and self.state == "leased" and self.calls == 0 and not self._agent_ran
+                and not self.sealed)
+
     def mark_sealed(self) -> None:
         """The verification phase begins: new calls are refused at once (see ``seal``)."""
         self.sealed = True
