@@ -31,7 +31,7 @@ NAME = "pool_shards"
 HOSTS = int(os.environ.get("POOL_SHARDS_HOSTS", "100"))
 SLOTS = 100
 CALLS_PER_LEASE = 8
-START_STEP = 10
+WARM_MAX_S = 600.0
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -58,9 +58,11 @@ async def _drive(pool: Any, trajectories: int, warm_s: float, seconds: float, pi
     stop = False
 
     failures: dict[str, int] = {}
+    started: set[int] = set()  # trajectories with a call answered
+    failed_total = 0  # warm-up included
 
     async def trajectory(t: int) -> None:
-        nonlocal calls
+        nonlocal calls, failed_total
         # started over the first half of the warm-up: thousands of first connections opened in one
         # instant time out connecting on a loaded machine (benchmarks/README.md, "The limit")
         await asyncio.sleep(warm_s / 2 * t / trajectories)
@@ -71,10 +73,12 @@ async def _drive(pool: Any, trajectories: int, warm_s: float, seconds: float, pi
                 for _ in range(CALLS_PER_LEASE):
                     t0 = time.perf_counter()
                     await lease.bash("true")
+                    started.add(t)
                     if measuring:
                         latencies.append((time.perf_counter() - t0) * 1e3)
                     calls += 1
             except InfrastructureError as exc:  # counted and shown, the trajectory goes on (an env retries)
+                failed_total += 1
                 if measuring:
                     failures[type(exc).__name__] = failures.get(type(exc).__name__, 0) + 1
             finally:
@@ -82,7 +86,13 @@ async def _drive(pool: Any, trajectories: int, warm_s: float, seconds: float, pi
             i += 1
 
     tasks = [asyncio.ensure_future(trajectory(t)) for t in range(trajectories)]
+    # warm: at least warm_s, and until every trajectory has had a call answered (its first connection
+    # opened), so the window measures the steady state rather than 10,000 first connections
+    t_warm = time.perf_counter()
     await asyncio.sleep(warm_s)
+    while len(started) < trajectories and time.perf_counter() - t_warm < WARM_MAX_S:
+        await asyncio.sleep(0.5)
+    warmed_s = time.perf_counter() - t_warm
     measuring = True
     cpu0 = {role: [_cpu_s(p) for p in ps] for role, ps in pids.items()}
     per_shard0 = await counters()
@@ -98,7 +108,8 @@ async def _drive(pool: Any, trajectories: int, warm_s: float, seconds: float, pi
     s = summarize(latencies)
     shard_cpu = cpu.get("shards", [])
     return {
-        "trajectories": trajectories, "calls": n, "failures": failures, "seconds": wall, "calls_per_s": n / wall,
+        "trajectories": trajectories, "warm_s": warmed_s, "started": len(started), "calls": n, "failures": failures,
+        "failures_total": failed_total, "seconds": wall, "calls_per_s": n / wall,
         "latency_ms": latencies, "p50": s.get("p50", 0.0), "p99": s.get("p99", 0.0),
         "front_us_per_call": 1e6 * sum(cpu["front"]) / max(n, 1),
         "shards_us_per_call": 1e6 * sum(shard_cpu) / max(n, 1) if shard_cpu else None,
@@ -123,15 +134,14 @@ async def _mode(shards: int | None, sizes: tuple[int, ...], warm_s: float, secon
         pool: Any
         if shards is None:
             pool = SlotPool(FakeFleetBackend(ports, token, SLOTS), _cfg("bench-pool"))
-            await pool.start(step=START_STEP)
+            await pool.start()  # every host at once: the pool bounds its start requests (start_requests)
 
             async def counters() -> list[int]:
                 return [pool.status().calls_total]
         else:
             split = [ports[i::shards] for i in range(shards)]
             cfg = _cfg("bench-shards").model_copy(update={"min_hosts": len(split[0]), "max_hosts": len(split[0])})
-            pool = ShardedPool(functools.partial(shard_backend, split, token, SLOTS), cfg, shards=shards,
-                               start_step=START_STEP)
+            pool = ShardedPool(functools.partial(shard_backend, split, token, SLOTS), cfg, shards=shards)
             await pool.start()
             pids["shards"] = [s.proc.pid for s in pool.shards]
 
@@ -172,7 +182,9 @@ async def run(quick: bool) -> ScenarioResult:
                 note=(f"trainer {m['front_us_per_call']:.0f} us/call (busy {100 * m['front_busy']:.0f}%)"
                       f"{shard_part}, fleet {m['fleet_us_per_call']:.0f} us/call; calls per pool CPU-second "
                       + "/".join(f"{c:,.0f}" for c in per_core)
-                      + (f"; failed calls {m['failures']}" if m["failures"] else "")),
+                      + (f"; failed calls {m['failures']}" if m["failures"] else "")
+                      + (f"; failed in all (warm-up too) {m['failures_total']}" if m["failures_total"] else "")
+                      + f"; warm-up {m['warm_s']:.0f} s"),
                 extra={k: v for k, v in m.items() if k != "latency_ms"}))
     res.notes.append("throughput = bash `true` calls/s through the pool, wall clock, on a machine shared with "
                      "the fake fleet (and other work): the per-process CPU per call is the figure to compare")

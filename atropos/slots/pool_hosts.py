@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 from atropos.backends.base import Backend, HostInfo
 from atropos.errors import AtroposSandboxError
@@ -19,6 +20,7 @@ from atropos.slots.config import PoolConfig
 from atropos.slots.lease import PoolHost
 
 log = logging.getLogger("atropos.slots.pool")
+T = TypeVar("T")
 
 
 class HostFleet:
@@ -35,6 +37,9 @@ class HostFleet:
         self._grant_waiters = on_capacity
         self._demand = demand
         self._scale = asyncio.Event()
+        # every request to a host being started passes here (PoolConfig.start_requests): each request's
+        # connect and read deadlines then cover its own exchange, not the queue of thousands opened with it
+        self._start_gate = asyncio.Semaphore(cfg.start_requests)
         self.starting = 0
         self.lost_hosts = 0
         self.scale_ups = 0
@@ -67,6 +72,7 @@ class HostFleet:
         says so). ``start()`` passes False and asks the whole initial fleet once all of it is up."""
         self.starting += 1
         info: HostInfo | None = None
+        client: HostClient | None = None
         try:
             t0 = time.perf_counter()
             info = await self.backend.start_host()
@@ -74,12 +80,15 @@ class HostFleet:
             host = PoolHost(info, client)
             # the host's own limits (its health reply), before any call: the client's read deadline
             # follows what this host may take per call, whatever its backend configured
-            await client.health(timeout=self.cfg.health_timeout_s)
+            await self._gated(functools.partial(client.health, timeout=self.cfg.health_timeout_s))
             leases = await asyncio.gather(*(
-                client.lease(f"pool:{self.cfg.pool_id}", slot=i) for i in range(info.slots)))
+                self._gated(functools.partial(client.lease, f"pool:{self.cfg.pool_id}", slot=i))
+                for i in range(info.slots)))
             for li in leases:
                 host.give_back(li.slot, li.lease, li.generation)
         except BaseException:
+            if client is not None:
+                await client.aclose()  # its connections, opened to a host that is stopped now
             if info is not None:
                 await self.backend.stop_host(info.id)
             raise
@@ -92,6 +101,11 @@ class HostFleet:
         if prewarm:
             self._request_prewarm([host])
         return host
+
+    async def _gated(self, request: Callable[[], Awaitable[T]]) -> T:
+        """``request()`` (to a host being started), sent once fewer than ``start_requests`` are in flight."""
+        async with self._start_gate:
+            return await request()
 
     def _request_prewarm(self, hosts: list[PoolHost]) -> None:
         """Ask ``hosts`` to start their slots' sandboxes in the background (when the backend's
