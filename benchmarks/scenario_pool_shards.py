@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import secrets
+import sys
 import time
 from typing import Any
 
@@ -106,10 +108,11 @@ async def _drive(pool: Any, trajectories: int, warm_s: float, seconds: float, pi
     stop = True
     await asyncio.gather(*tasks)
     s = summarize(latencies)
+    load = os.getloadavg()[0]
     shard_cpu = cpu.get("shards", [])
     return {
-        "trajectories": trajectories, "warm_s": warmed_s, "started": len(started), "calls": n, "failures": failures,
-        "failures_total": failed_total, "seconds": wall, "calls_per_s": n / wall,
+        "trajectories": trajectories, "load": load, "warm_s": warmed_s, "started": len(started), "calls": n,
+        "failures": failures, "failures_total": failed_total, "seconds": wall, "calls_per_s": n / wall,
         "latency_ms": latencies, "p50": s.get("p50", 0.0), "p99": s.get("p99", 0.0),
         "front_us_per_call": 1e6 * sum(cpu["front"]) / max(n, 1),
         "shards_us_per_call": 1e6 * sum(shard_cpu) / max(n, 1) if shard_cpu else None,
@@ -155,6 +158,8 @@ async def _mode(shards: int | None, sizes: tuple[int, ...], warm_s: float, secon
                 if shards is None:
                     m["calls_per_shard_cpu_s"] = [m["calls"] / max(m["front_busy"] * m["seconds"], 1e-9)]
                 out.append(m)
+                # each row as it is measured (a long run at 10,000 trajectories keeps what it had)
+                print(json.dumps({k: v for k, v in m.items() if k != "latency_ms"}), file=sys.stderr, flush=True)
         finally:
             await pool.stop()
     return out
