@@ -105,6 +105,9 @@ class FakeFleetBackend(Backend):
     def prewarm(self) -> bool:
         return False  # a fake host has no sandbox to start
 
+    def host_slots(self) -> int:
+        return self._slots
+
     async def close(self) -> None:
         self._used.clear()
 

@@ -1,5 +1,5 @@
 """A pool starting many hosts at once keeps a bounded number of requests in flight to them
-(``PoolConfig.start_requests``; atropos/slots/pool_hosts.py): it leases every slot of every host it
+(``PoolConfig.control_requests``; atropos/slots/pool_hosts.py): it leases every slot of every host it
 starts, and one request per slot opened together (10,000 on a fleet of 100 hosts x 100 slots) timed
 out connecting on a busy machine, each request's deadline running while thousands of others were
 served. Real local hosts, real HTTP; the requests are observed by wrapping the host client's
@@ -42,7 +42,7 @@ def connections_to(port: int) -> int:
     return count
 
 
-async def test_a_pool_starting_hosts_at_once_keeps_its_start_requests_bounded(
+async def test_a_pool_starting_hosts_at_once_keeps_its_control_requests_bounded(
         monkeypatch: pytest.MonkeyPatch) -> None:
     in_flight = 0
     most = 0
@@ -66,7 +66,7 @@ async def test_a_pool_starting_hosts_at_once_keeps_its_start_requests_bounded(
     backend = build_backend(BackendSettings(kind="local", pool_id=pool_id, slots_per_host=SLOTS, max_timeout_s=120),
                             environ={}, data_root=DATA_ROOT, prewarm=False)
     pool = SlotPool(backend, pool_cfg(pool_id=pool_id, min_hosts=HOSTS, max_hosts=HOSTS,
-                                      start_requests=START_REQUESTS))
+                                      control_requests=START_REQUESTS))
     await pool.start()  # every host at once (no step)
     try:
         assert len(pool.hosts) == HOSTS
@@ -87,6 +87,6 @@ async def test_a_pool_starting_hosts_at_once_keeps_its_start_requests_bounded(
         await pool.stop()
 
 
-def test_start_requests_is_at_least_one() -> None:
+def test_control_requests_is_at_least_one() -> None:
     with pytest.raises(ValueError):
-        pool_cfg(start_requests=0)
+        pool_cfg(control_requests=0)

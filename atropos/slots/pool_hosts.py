@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from atropos.backends.base import Backend, HostInfo
 from atropos.errors import AtroposSandboxError
 from atropos.sandbox.contract.client import HostClient
+from atropos.sandbox.contract.protocol import HealthInfo
 from atropos.slots.audit import LeaseAudit
 from atropos.slots.background import Background
 from atropos.slots.config import PoolConfig
@@ -37,9 +38,10 @@ class HostFleet:
         self._grant_waiters = on_capacity
         self._demand = demand
         self._scale = asyncio.Event()
-        # every request to a host being started passes here (PoolConfig.start_requests): each request's
-        # connect and read deadlines then cover its own exchange, not the queue of thousands opened with it
-        self._start_gate = asyncio.Semaphore(cfg.start_requests)
+        # every request to a host being started, and every health probe, passes here
+        # (PoolConfig.control_requests): each request's connect and read deadlines then cover its own
+        # exchange, not a queue of thousands opened with it on a busy event loop
+        self._control_gate = asyncio.Semaphore(cfg.control_requests)
         self.starting = 0
         self.lost_hosts = 0
         self.scale_ups = 0
@@ -76,7 +78,7 @@ class HostFleet:
         try:
             t0 = time.perf_counter()
             info = await self.backend.start_host()
-            client = HostClient(info.address, info.token, log=info.log)
+            client = HostClient(info.address, info.token, log=info.log, connect_timeout_s=self.cfg.connect_timeout_s)
             host = PoolHost(info, client)
             # the host's own limits (its health reply), before any call: the client's read deadline
             # follows what this host may take per call, whatever its backend configured
@@ -103,8 +105,8 @@ class HostFleet:
         return host
 
     async def _gated(self, request: Callable[[], Awaitable[T]]) -> T:
-        """``request()`` (to a host being started), sent once fewer than ``start_requests`` are in flight."""
-        async with self._start_gate:
+        """``request()`` (a host's start or health probe), sent once fewer than ``control_requests`` are in flight."""
+        async with self._control_gate:
             return await request()
 
     def _request_prewarm(self, hosts: list[PoolHost]) -> None:
@@ -162,10 +164,19 @@ class HostFleet:
             self.declare_dead(host, "the backend reports the host gone")
             return
         ms: float | None = None
-        try:
-            t0 = time.perf_counter()
+
+        async def probe() -> tuple[HealthInfo, float] | None:
+            if host.dead.is_set():
+                return None  # declared dead (its client closed) while this probe waited for its turn
+            t0 = time.perf_counter()  # the round trip itself, not the wait for a turn at the gate
             health = await host.client.health(timeout=self.cfg.health_timeout_s)
-            ms = (time.perf_counter() - t0) * 1000
+            return health, (time.perf_counter() - t0) * 1000
+
+        try:
+            probed = await self._gated(probe)
+            if probed is None:
+                return
+            health, ms = probed
             healthy, why = health.ok, health.detail
         except AtroposSandboxError as exc:
             healthy, why = False, str(exc)

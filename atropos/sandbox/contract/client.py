@@ -31,7 +31,7 @@ from atropos.errors import (
     WorkspaceError,
 )
 from atropos.memstats import MemoryReport, MemoryRequest
-from atropos.sandbox.contract.http1 import ConnectionPool
+from atropos.sandbox.contract.http1 import IDLE_TTL_S, ConnectionPool
 from atropos.sandbox.contract.imageref import ImageRef
 from atropos.sandbox.contract.protocol import (
     DEFAULT_MAX_TIMEOUT_S,
@@ -111,7 +111,10 @@ class HostClient:
             base_url=self.base_url,
             headers=auth,
             timeout=httpx.Timeout(30.0, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            # idle connections kept as long as the lean client keeps its own: with httpx's 5 s a pool probing
+            # every 5 s reconnected to every host at each probe, 100 connects at once (benchmarks/README.md)
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                                keepalive_expiry=IDLE_TTL_S),
         )
         # Tool calls, the hot path, skip httpx (see http1.py for the measured why).
         self._calls = ConnectionPool(self.base_url, auth, connect_timeout_s=connect_timeout_s)
