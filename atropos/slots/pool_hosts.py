@@ -166,8 +166,8 @@ class HostFleet:
         ms: float | None = None
 
         async def probe() -> tuple[HealthInfo, float] | None:
-            if host.dead.is_set():
-                return None  # declared dead (its client closed) while this probe waited for its turn
+            if host.dead.is_set() or not self._running:
+                return None  # declared dead, or the pool stops (its client closed), while this waited its turn
             t0 = time.perf_counter()  # the round trip itself, not the wait for a turn at the gate
             health = await host.client.health(timeout=self.cfg.health_timeout_s)
             return health, (time.perf_counter() - t0) * 1000
