@@ -19,7 +19,8 @@ codes, host ids), and Prometheus scrapers are usually configured without credent
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -28,6 +29,8 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from atropos.slots.pool import SlotPool
+    from atropos.slots.pool_status import PoolStatus
+    from atropos.slots.shards import ShardedPool, ShardedStatus
 
 LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 600)
 
@@ -55,6 +58,47 @@ LEASE_WAIT_SECONDS = Histogram("atropos_pool_lease_wait_seconds", "Time to get a
 # the exposition (and Prometheus' memory) without bound.
 UNKNOWN_TOOL = "unknown"
 
+def _pool_families(rows: Sequence[tuple[tuple[str, ...], PoolStatus]], by: tuple[str, ...] = ()) -> Iterator[Any]:
+    """The pool metric families of one or more pools' statuses; ``by``: the label names that tell
+    the rows apart (``("shard",)`` for a sharded pool's shards, none for one pool)."""
+    slots = GaugeMetricFamily("atropos_pool_slots", "Slots by state", labels=[*by, "state"])
+    hosts = GaugeMetricFamily("atropos_pool_hosts", "Hosts by health", labels=[*by, "health"])
+    # Per host: alert on one host flapping, which the aggregate above averages away.
+    up = GaugeMetricFamily("atropos_pool_host_up", "1 if the host passes its health probe", labels=[*by, "host"])
+    probe = GaugeMetricFamily("atropos_pool_host_probe_seconds", "Last health probe round trip",
+                              labels=[*by, "host"])
+    waiting = GaugeMetricFamily("atropos_pool_waiting", "Trajectories waiting for a slot", labels=[*by])
+    rate = GaugeMetricFamily("atropos_pool_calls_per_second", "Calls per second (last 10 s)", labels=[*by])
+    counters = [CounterMetricFamily(f"atropos_pool_{name}", doc, labels=[*by]) for name, doc in _POOL_COUNTERS]
+    for key, s in rows:
+        for state in ("free", "leased", "quarantined"):
+            slots.add_metric([*key, state], getattr(s, state))
+        hosts.add_metric([*key, "healthy"], sum(1 for h in s.hosts if h.healthy))
+        hosts.add_metric([*key, "failing"], sum(1 for h in s.hosts if not h.healthy))
+        hosts.add_metric([*key, "starting"], s.starting_hosts)
+        for h in s.hosts:
+            up.add_metric([*key, h.id], 1.0 if h.healthy else 0.0)
+            if h.health_ms is not None:
+                probe.add_metric([*key, h.id], h.health_ms / 1000)
+        waiting.add_metric([*key], s.waiting)
+        rate.add_metric([*key], s.calls_per_s)
+        for family, (name, _) in zip(counters, _POOL_COUNTERS, strict=True):
+            family.add_metric([*key], getattr(s, _COUNTER_FIELDS.get(name, name)))
+    yield from (slots, hosts, up, probe, waiting, rate, *counters)
+
+
+# (metric name after atropos_pool_, help); the PoolStatus field is the same name unless _COUNTER_FIELDS says
+_POOL_COUNTERS = (
+    ("leases", "Leases granted"),
+    ("calls", "Tool calls sent"),
+    ("lost_hosts", "Hosts declared dead"),
+    ("scale_ups", "Hosts started by scaling"),
+    ("scale_downs", "Idle hosts stopped"),
+    ("quarantines", "Slots quarantined after a failed reset"),
+)
+_COUNTER_FIELDS = {"leases": "leases_total", "calls": "calls_total"}
+
+
 class PoolCollector(Collector):
     """Pool gauges and counters computed from ``pool.status()`` when scraped."""
 
@@ -62,35 +106,51 @@ class PoolCollector(Collector):
         self.pool = pool
 
     def collect(self) -> Iterator[Any]:
-        s = self.pool.status()
-        slots = GaugeMetricFamily("atropos_pool_slots", "Slots by state", labels=["state"])
-        for state in ("free", "leased", "quarantined"):
-            slots.add_metric([state], getattr(s, state))
-        yield slots
-        hosts = GaugeMetricFamily("atropos_pool_hosts", "Hosts by health", labels=["health"])
-        hosts.add_metric(["healthy"], sum(1 for h in s.hosts if h.healthy))
-        hosts.add_metric(["failing"], sum(1 for h in s.hosts if not h.healthy))
-        hosts.add_metric(["starting"], s.starting_hosts)
-        yield hosts
-        # Per host: alert on one host flapping, which the aggregate above averages away.
-        up = GaugeMetricFamily("atropos_pool_host_up", "1 if the host passes its health probe", labels=["host"])
-        probe = GaugeMetricFamily("atropos_pool_host_probe_seconds", "Last health probe round trip",
-                                  labels=["host"])
-        for h in s.hosts:
-            up.add_metric([h.id], 1.0 if h.healthy else 0.0)
-            if h.health_ms is not None:
-                probe.add_metric([h.id], h.health_ms / 1000)
-        yield up
-        yield probe
-        yield GaugeMetricFamily("atropos_pool_waiting", "Trajectories waiting for a slot", value=s.waiting)
-        yield GaugeMetricFamily("atropos_pool_calls_per_second", "Calls per second (last 10 s)", value=s.calls_per_s)
-        yield CounterMetricFamily("atropos_pool_leases", "Leases granted", value=s.leases_total)
-        yield CounterMetricFamily("atropos_pool_calls", "Tool calls sent", value=s.calls_total)
-        yield CounterMetricFamily("atropos_pool_lost_hosts", "Hosts declared dead", value=s.lost_hosts)
-        yield CounterMetricFamily("atropos_pool_scale_ups", "Hosts started by scaling", value=s.scale_ups)
-        yield CounterMetricFamily("atropos_pool_scale_downs", "Idle hosts stopped", value=s.scale_downs)
-        yield CounterMetricFamily("atropos_pool_quarantines", "Slots quarantined after a failed reset",
-                                  value=s.quarantines)
+        yield from _pool_families([((), self.pool.status())])
+
+
+class ShardedPoolCollector(Collector):
+    """A sharded pool's metrics (atropos/slots/shards.py): every shard's pool metrics under a ``shard``
+    label (the same names as one pool's, so a dashboard sums them), the shards alive and dead, the
+    requests queued in the front, and the double leases the shards' audits saw.
+
+    A shard's status is a round trip to its process, and ``collect`` is synchronous: scraped from
+    another thread (prometheus_client's ``start_http_server``), it asks the pool's event loop for a
+    fresh ``status()``; scraped on that loop itself, which it must not block, it shows the status the
+    pool last answered (``sharded_exposition`` awaits a fresh one first)."""
+
+    def __init__(self, pool: ShardedPool, loop: asyncio.AbstractEventLoop, timeout_s: float = 10.0) -> None:
+        self.pool = pool
+        self.loop = loop
+        self.timeout_s = timeout_s
+
+    def _status(self) -> ShardedStatus | None:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop or self.loop.is_closed():
+            return self.pool.last_status
+        try:
+            return asyncio.run_coroutine_threadsafe(self.pool.status(), self.loop).result(self.timeout_s)
+        except Exception:  # a scrape never fails for a slow or stopping pool: it shows the last status
+            return self.pool.last_status
+
+    def collect(self) -> Iterator[Any]:
+        s = self._status()
+        shards = GaugeMetricFamily("atropos_pool_shards", "Shard processes by state", labels=["state"])
+        live = sum(1 for shard in self.pool.shards if shard.dead is None)
+        shards.add_metric(["live"], live)
+        shards.add_metric(["dead"], len(self.pool.shards) - live)
+        yield shards
+        yield GaugeMetricFamily("atropos_pool_front_waiting", "Lease requests queued in the sharded pool's front "
+                                "(no shard had a slot not held)", value=self.pool.waiting_in_front())
+        if s is None:
+            return
+        yield CounterMetricFamily("atropos_pool_double_leased", "Double leases the shards' audits saw (0 unless a "
+                                  "bug)", value=s.double_leased)
+        index = {shard.pool_id: shard.pool_id.rsplit(".s", 1)[-1] for shard in s.shards}
+        yield from _pool_families([((index[shard.pool_id],), shard) for shard in s.shards], by=("shard",))
 
 
 def pool_registry(pool: SlotPool) -> CollectorRegistry:
@@ -98,6 +158,21 @@ def pool_registry(pool: SlotPool) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(PoolCollector(pool))
     return registry
+
+
+def sharded_registry(pool: ShardedPool, loop: asyncio.AbstractEventLoop | None = None) -> CollectorRegistry:
+    """A registry of a sharded pool's collector; ``loop``: the one the pool runs on (default: the
+    running loop), which a scrape from another thread asks for the shards' status."""
+    registry = CollectorRegistry()
+    registry.register(ShardedPoolCollector(pool, loop or asyncio.get_running_loop()))
+    return registry
+
+
+async def sharded_exposition(pool: ShardedPool, registry: CollectorRegistry) -> tuple[bytes, str]:
+    """The process-wide metrics and a sharded pool's (``registry`` from ``sharded_registry``), for a
+    ``/metrics`` route on the pool's own loop: the shards' status is fetched fresh first."""
+    await pool.status()
+    return exposition(registry)
 
 
 def exposition(*extra: CollectorRegistry) -> tuple[bytes, str]:

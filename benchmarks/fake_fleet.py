@@ -102,6 +102,12 @@ class FakeFleetBackend(Backend):
     async def alive(self, host_id: str) -> bool:
         return host_id in self._used
 
+    def prewarm(self) -> bool:
+        return False  # a fake host has no sandbox to start
+
+    def host_slots(self) -> int:
+        return self._slots
+
     async def close(self) -> None:
         self._used.clear()
 

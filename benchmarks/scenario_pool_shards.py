@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import secrets
+import sys
 import time
 from typing import Any
 
@@ -31,7 +33,7 @@ NAME = "pool_shards"
 HOSTS = int(os.environ.get("POOL_SHARDS_HOSTS", "100"))
 SLOTS = 100
 CALLS_PER_LEASE = 8
-START_STEP = 10
+WARM_MAX_S = 240.0
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -45,8 +47,12 @@ def _cpu_s(pid: int) -> float:
 def _cfg(pool_id: str) -> Any:
     from atropos.slots.config import PoolConfig
 
+    # probes far apart and patient, connects too: the fake hosts never fail, and a probe or connect
+    # sent from a pool process that gets a few % of a core under 1,000-10,000 closed-loop trajectories
+    # waits out that process's own event-loop lag (seconds to tens of seconds): with a 5 s connect and
+    # probes every 5 s, every host was declared dead (benchmarks/README.md)
     return PoolConfig(pool_id=pool_id, min_hosts=HOSTS, max_hosts=HOSTS, acquire_timeout_s=300,
-                      health_interval_s=5.0, health_timeout_s=30.0)
+                      health_interval_s=30.0, health_timeout_s=120.0, connect_timeout_s=60.0)
 
 
 async def _drive(pool: Any, trajectories: int, warm_s: float, seconds: float, pids: dict[str, list[int]],
@@ -58,9 +64,11 @@ async def _drive(pool: Any, trajectories: int, warm_s: float, seconds: float, pi
     stop = False
 
     failures: dict[str, int] = {}
+    started: set[int] = set()  # trajectories with a call answered
+    failed_total = 0  # warm-up included
 
     async def trajectory(t: int) -> None:
-        nonlocal calls
+        nonlocal calls, failed_total
         # started over the first half of the warm-up: thousands of first connections opened in one
         # instant time out connecting on a loaded machine (benchmarks/README.md, "The limit")
         await asyncio.sleep(warm_s / 2 * t / trajectories)
@@ -69,12 +77,16 @@ async def _drive(pool: Any, trajectories: int, warm_s: float, seconds: float, pi
             lease = await pool.lease(f"t{t}-{i}")
             try:
                 for _ in range(CALLS_PER_LEASE):
+                    if stop:
+                        break  # the window is over: release now rather than after 8 more calls per trajectory
                     t0 = time.perf_counter()
                     await lease.bash("true")
+                    started.add(t)
                     if measuring:
                         latencies.append((time.perf_counter() - t0) * 1e3)
                     calls += 1
             except InfrastructureError as exc:  # counted and shown, the trajectory goes on (an env retries)
+                failed_total += 1
                 if measuring:
                     failures[type(exc).__name__] = failures.get(type(exc).__name__, 0) + 1
             finally:
@@ -82,7 +94,13 @@ async def _drive(pool: Any, trajectories: int, warm_s: float, seconds: float, pi
             i += 1
 
     tasks = [asyncio.ensure_future(trajectory(t)) for t in range(trajectories)]
+    # warm: at least warm_s, and until every trajectory has had a call answered (its first connection
+    # opened), so the window measures the steady state rather than 10,000 first connections
+    t_warm = time.perf_counter()
     await asyncio.sleep(warm_s)
+    while len(started) < trajectories and time.perf_counter() - t_warm < WARM_MAX_S:
+        await asyncio.sleep(0.5)
+    warmed_s = time.perf_counter() - t_warm
     measuring = True
     cpu0 = {role: [_cpu_s(p) for p in ps] for role, ps in pids.items()}
     per_shard0 = await counters()
@@ -96,9 +114,11 @@ async def _drive(pool: Any, trajectories: int, warm_s: float, seconds: float, pi
     stop = True
     await asyncio.gather(*tasks)
     s = summarize(latencies)
+    load = os.getloadavg()[0]
     shard_cpu = cpu.get("shards", [])
     return {
-        "trajectories": trajectories, "calls": n, "failures": failures, "seconds": wall, "calls_per_s": n / wall,
+        "trajectories": trajectories, "load": load, "warm_s": warmed_s, "started": len(started), "calls": n,
+        "failures": failures, "failures_total": failed_total, "seconds": wall, "calls_per_s": n / wall,
         "latency_ms": latencies, "p50": s.get("p50", 0.0), "p99": s.get("p99", 0.0),
         "front_us_per_call": 1e6 * sum(cpu["front"]) / max(n, 1),
         "shards_us_per_call": 1e6 * sum(shard_cpu) / max(n, 1) if shard_cpu else None,
@@ -123,15 +143,14 @@ async def _mode(shards: int | None, sizes: tuple[int, ...], warm_s: float, secon
         pool: Any
         if shards is None:
             pool = SlotPool(FakeFleetBackend(ports, token, SLOTS), _cfg("bench-pool"))
-            await pool.start(step=START_STEP)
+            await pool.start()  # every host at once: the pool bounds its start requests (start_requests)
 
             async def counters() -> list[int]:
                 return [pool.status().calls_total]
         else:
             split = [ports[i::shards] for i in range(shards)]
             cfg = _cfg("bench-shards").model_copy(update={"min_hosts": len(split[0]), "max_hosts": len(split[0])})
-            pool = ShardedPool(functools.partial(shard_backend, split, token, SLOTS), cfg, shards=shards,
-                               start_step=START_STEP)
+            pool = ShardedPool(functools.partial(shard_backend, split, token, SLOTS), cfg, shards=shards)
             await pool.start()
             pids["shards"] = [s.proc.pid for s in pool.shards]
 
@@ -145,6 +164,8 @@ async def _mode(shards: int | None, sizes: tuple[int, ...], warm_s: float, secon
                 if shards is None:
                     m["calls_per_shard_cpu_s"] = [m["calls"] / max(m["front_busy"] * m["seconds"], 1e-9)]
                 out.append(m)
+                # each row as it is measured (a long run at 10,000 trajectories keeps what it had)
+                print(json.dumps({k: v for k, v in m.items() if k != "latency_ms"}), file=sys.stderr, flush=True)
         finally:
             await pool.stop()
     return out
@@ -172,7 +193,9 @@ async def run(quick: bool) -> ScenarioResult:
                 note=(f"trainer {m['front_us_per_call']:.0f} us/call (busy {100 * m['front_busy']:.0f}%)"
                       f"{shard_part}, fleet {m['fleet_us_per_call']:.0f} us/call; calls per pool CPU-second "
                       + "/".join(f"{c:,.0f}" for c in per_core)
-                      + (f"; failed calls {m['failures']}" if m["failures"] else "")),
+                      + (f"; failed calls {m['failures']}" if m["failures"] else "")
+                      + (f"; failed in all (warm-up too) {m['failures_total']}" if m["failures_total"] else "")
+                      + f"; warm-up {m['warm_s']:.0f} s"),
                 extra={k: v for k, v in m.items() if k != "latency_ms"}))
     res.notes.append("throughput = bash `true` calls/s through the pool, wall clock, on a machine shared with "
                      "the fake fleet (and other work): the per-process CPU per call is the figure to compare")

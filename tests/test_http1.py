@@ -184,3 +184,33 @@ async def test_silence_times_out_and_refused_connect_fails_fast(pool_factory) ->
 async def test_only_plain_http_base_urls() -> None:
     with pytest.raises(ValueError, match="plain http"):
         ConnectionPool("https://example.invalid", {})
+
+
+async def test_connections_are_opened_a_few_at_a_time(pool_factory, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """100 requests sent at once (a trainer's trajectories' first calls to one host) open their
+    connections at most MAX_CONNECTING at a time, the rest waiting within their own deadline: every
+    connect deadline then covers its own connect, not a storm of them (http1.MAX_CONNECTING)."""
+    from atropos.sandbox.contract import http1
+
+    connecting = most = 0
+    real_open = asyncio.open_connection
+
+    async def counted(*args: object, **kw: object) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        nonlocal connecting, most
+        connecting += 1
+        most = max(most, connecting)
+        try:
+            await asyncio.sleep(0.01)  # a connect that takes a moment, as on a busy machine
+            return await real_open(*args, **kw)  # type: ignore[arg-type]
+        finally:
+            connecting -= 1
+
+    monkeypatch.setattr(http1.asyncio, "open_connection", counted)
+    srv = Server(echo_server())
+    async with srv as url:
+        pool = pool_factory(url)
+        bodies = [b"%d" % i for i in range(100)]
+        results = await asyncio.gather(*(pool.request("POST", "/", b, timeout=30) for b in bodies))
+        assert [r.body for r in results] == bodies
+        assert most == http1.MAX_CONNECTING
+        assert srv.connections == pool.opened <= 100

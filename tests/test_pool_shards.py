@@ -116,6 +116,18 @@ async def test_a_shard_scales_its_hosts_up_to_max_hosts_and_the_front_counts_the
             await lease.release()
 
 
+async def test_a_shards_capacity_counts_the_hosts_it_may_start_from_the_backends_setting() -> None:
+    # with no live host (none started yet, or every one died) a shard still offers the slots of the
+    # hosts its pool will start: max_hosts x the backend's slots_per_host, not the last host count it saw
+    from atropos.slots.pool import SlotPool
+    from atropos.slots.shard_channel import Outbox
+    from atropos.slots.shard_worker import ShardServer
+    from tests.pool_backends import make_backend
+
+    pool = SlotPool(make_backend("local", slots=3), pool_cfg(min_hosts=0, max_hosts=2))
+    assert ShardServer(pool, Outbox(lambda data: None)).capacity() == 2 * 3
+
+
 async def test_waiting_is_fifo_across_shards() -> None:
     async with sharded() as pool:
         held = [await pool.lease(f"h{i}") for i in range(2 * SLOTS)]
@@ -164,3 +176,56 @@ async def test_a_dead_shard_fails_its_calls_fast_and_the_others_go_on() -> None:
             await pool.lease("more", timeout=0.3)
         await extra.release()
         await other.release()
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def test_a_sharded_pools_status_is_exported_as_prometheus_metrics() -> None:
+    # every shard's pool metrics under a shard label (the names of one pool's), the shards alive and
+    # dead, the front's queue; scraped from another thread (prometheus_client's own server) and on
+    # the pool's loop (sharded_exposition)
+    from prometheus_client import generate_latest
+
+    from atropos import metrics
+
+    async with sharded() as pool:
+        registry = metrics.sharded_registry(pool)
+        lease = await pool.lease("m1")
+        await lease.bash("true")
+        await lease.bash("true")
+        from_thread = _samples((await asyncio.to_thread(generate_latest, registry)).decode())
+        mine = str(lease.shard.index)
+        other = str(1 - lease.shard.index)
+        assert from_thread[("atropos_pool_slots", (("shard", mine), ("state", "leased")))] == 1
+        assert from_thread[("atropos_pool_slots", (("shard", other), ("state", "leased")))] == 0
+        assert from_thread[("atropos_pool_slots", (("shard", other), ("state", "free")))] == SLOTS
+        assert from_thread[("atropos_pool_calls_total", (("shard", mine),))] == 2
+        assert from_thread[("atropos_pool_leases_total", (("shard", mine),))] == 1
+        assert from_thread[("atropos_pool_hosts", (("health", "healthy"), ("shard", mine)))] == 1
+        assert from_thread[("atropos_pool_shards", (("state", "live"),))] == 2
+        assert from_thread[("atropos_pool_shards", (("state", "dead"),))] == 0
+        assert from_thread[("atropos_pool_front_waiting", ())] == 0
+        assert from_thread[("atropos_pool_double_leased_total", ())] == 0
+        await lease.release()
+        # on the pool's own loop: a fresh status is fetched before the registry renders it
+        body, content_type = await metrics.sharded_exposition(pool, registry)
+        on_loop = _samples(body.decode())
+        assert content_type.startswith("text/plain")
+        assert on_loop[("atropos_pool_slots", (("shard", mine), ("state", "leased")))] == 0
+        assert on_loop[("atropos_pool_slots", (("shard", mine), ("state", "free")))] == SLOTS
+        # a shard that dies is counted dead, and its pool metrics are gone with it
+        victim = pool.shards[1]
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        for _ in range(600):  # a bound for a broken test, not a measurement
+            if victim.dead is not None:
+                break
+            await asyncio.sleep(0.1)
+        after = _samples((await metrics.sharded_exposition(pool, registry))[0].decode())
+        assert after[("atropos_pool_shards", (("state", "dead"),))] == 1
+        assert ("atropos_pool_slots", (("shard", "1"), ("state", "free"))) not in after
+        assert after[("atropos_pool_slots", (("shard", "0"), ("state", "free")))] == SLOTS

@@ -29,6 +29,16 @@ class PoolConfig(BaseModel):
     health_failures: int = Field(2, ge=1, description="consecutive failed probes before a host is declared dead")
     scale_down_idle_s: float = Field(120.0, ge=0, description="an idle host above min_hosts is stopped after this")
     start_retry_s: float = Field(5.0, gt=0, description="pause before retrying a failed host start")
+    control_requests: int = Field(
+        32, ge=1, description="at most this many requests in flight at once to the pool's hosts besides tool calls "
+                              "and releases: a starting host's health check and a lease per slot, health probes. "
+                              "A fleet started or probed at once opens this many connections, not one per slot "
+                              "or host (100 hosts x 100 slots opened 10,000 together, and on a busy machine they "
+                              "timed out connecting; benchmarks/README.md, pool shards)")
+    connect_timeout_s: float = Field(
+        5.0, gt=0, description="a new connection to a host must be made within this. The timer runs on the pool's "
+                               "event loop: a trainer process starved of CPU (thousands of trajectories in one "
+                               "process on a loaded machine) lags past it on connections the host accepted at once")
     audit_path: Path | None = Field(None, description="append one JSON line per lease and release here")
     malloc_trim_interval_s: float | None = Field(
         60.0, gt=0, description="return glibc's free pages to the kernel this often (malloc_trim), so the "

@@ -5,20 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 from atropos.backends.base import Backend, HostInfo
 from atropos.errors import AtroposSandboxError
 from atropos.sandbox.contract.client import HostClient
+from atropos.sandbox.contract.protocol import HealthInfo
 from atropos.slots.audit import LeaseAudit
 from atropos.slots.background import Background
 from atropos.slots.config import PoolConfig
 from atropos.slots.lease import PoolHost
 
 log = logging.getLogger("atropos.slots.pool")
+T = TypeVar("T")
 
 
 class HostFleet:
@@ -35,6 +38,10 @@ class HostFleet:
         self._grant_waiters = on_capacity
         self._demand = demand
         self._scale = asyncio.Event()
+        # every request to a host being started, and every health probe, passes here
+        # (PoolConfig.control_requests): each request's connect and read deadlines then cover its own
+        # exchange, not a queue of thousands opened with it on a busy event loop
+        self._control_gate = asyncio.Semaphore(cfg.control_requests)
         self.starting = 0
         self.lost_hosts = 0
         self.scale_ups = 0
@@ -67,19 +74,23 @@ class HostFleet:
         says so). ``start()`` passes False and asks the whole initial fleet once all of it is up."""
         self.starting += 1
         info: HostInfo | None = None
+        client: HostClient | None = None
         try:
             t0 = time.perf_counter()
             info = await self.backend.start_host()
-            client = HostClient(info.address, info.token, log=info.log)
+            client = HostClient(info.address, info.token, log=info.log, connect_timeout_s=self.cfg.connect_timeout_s)
             host = PoolHost(info, client)
             # the host's own limits (its health reply), before any call: the client's read deadline
             # follows what this host may take per call, whatever its backend configured
-            await client.health(timeout=self.cfg.health_timeout_s)
+            await self._gated(functools.partial(client.health, timeout=self.cfg.health_timeout_s))
             leases = await asyncio.gather(*(
-                client.lease(f"pool:{self.cfg.pool_id}", slot=i) for i in range(info.slots)))
+                self._gated(functools.partial(client.lease, f"pool:{self.cfg.pool_id}", slot=i))
+                for i in range(info.slots)))
             for li in leases:
                 host.give_back(li.slot, li.lease, li.generation)
         except BaseException:
+            if client is not None:
+                await client.aclose()  # its connections, opened to a host that is stopped now
             if info is not None:
                 await self.backend.stop_host(info.id)
             raise
@@ -92,6 +103,11 @@ class HostFleet:
         if prewarm:
             self._request_prewarm([host])
         return host
+
+    async def _gated(self, request: Callable[[], Awaitable[T]]) -> T:
+        """``request()`` (a host's start or health probe), sent once fewer than ``control_requests`` are in flight."""
+        async with self._control_gate:
+            return await request()
 
     def _request_prewarm(self, hosts: list[PoolHost]) -> None:
         """Ask ``hosts`` to start their slots' sandboxes in the background (when the backend's
@@ -148,10 +164,19 @@ class HostFleet:
             self.declare_dead(host, "the backend reports the host gone")
             return
         ms: float | None = None
-        try:
-            t0 = time.perf_counter()
+
+        async def probe() -> tuple[HealthInfo, float] | None:
+            if host.dead.is_set() or not self._running:
+                return None  # declared dead, or the pool stops (its client closed), while this waited its turn
+            t0 = time.perf_counter()  # the round trip itself, not the wait for a turn at the gate
             health = await host.client.health(timeout=self.cfg.health_timeout_s)
-            ms = (time.perf_counter() - t0) * 1000
+            return health, (time.perf_counter() - t0) * 1000
+
+        try:
+            probed = await self._gated(probe)
+            if probed is None:
+                return
+            health, ms = probed
             healthy, why = health.ok, health.detail
         except AtroposSandboxError as exc:
             healthy, why = False, str(exc)

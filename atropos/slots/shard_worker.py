@@ -34,7 +34,6 @@ class ShardServer:
         self._next = 0
         self.tasks: set[asyncio.Task[None]] = set()
         self.stopping = asyncio.Event()
-        self.per_host = max((h.info.slots for h in pool.hosts.values()), default=0)
 
     def dispatch(self, message: Message) -> None:
         rid, op, payload = message
@@ -56,12 +55,13 @@ class ShardServer:
 
     def capacity(self) -> int:
         """The slots this shard can serve without the front holding requests back: those of its
-        live hosts, plus those of the hosts its pool may still start (up to ``max_hosts``, as many
-        slots each as its hosts have). Sent with every lease and release answer, so the front's
-        count follows hosts lost, replaced and scaled rather than the shard's first host count."""
+        live hosts, plus those of the hosts its pool may still start (up to ``max_hosts``, each with
+        the backend's ``slots_per_host``, or where a backend does not say, as many as its hosts have).
+        Sent with every lease and release answer, so the front's count follows hosts lost, replaced
+        and scaled rather than the shard's first host count; a shard whose hosts all died still
+        counts the hosts it will start."""
         hosts = [h for h in self.pool.hosts.values() if h.leasable]
-        per_host = max((h.info.slots for h in self.pool.hosts.values()), default=self.per_host)
-        self.per_host = per_host
+        per_host = self.pool.backend.host_slots() or max((h.info.slots for h in self.pool.hosts.values()), default=0)
         return sum(h.info.slots for h in hosts) + max(0, self.pool.cfg.max_hosts - len(hosts)) * per_host
 
     def _lease(self, lid: int) -> Lease:

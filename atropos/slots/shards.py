@@ -234,6 +234,7 @@ class ShardedPool:
         self.shards: list[Shard] = []
         self._waiters: deque[_Waiter] = deque()
         self._running = False
+        self.last_status: ShardedStatus | None = None  # the latest status() (atropos/metrics.py shows it)
 
     def shard_cfg(self, index: int) -> PoolConfig:
         """Shard ``index``'s settings: the pool's, under a pool id and audit file of its own."""
@@ -407,6 +408,10 @@ class ShardedPool:
             await self.release(lease)
 
     # -- status ----------------------------------------------------------------------------
+    def waiting_in_front(self) -> int:
+        """Lease requests queued in the front (no shard had a slot not held for them)."""
+        return len(self._waiters)
+
     async def status(self) -> ShardedStatus:
         """Every live shard's status, and the totals."""
         live = [s for s in self.shards if s.dead is None]
@@ -417,9 +422,10 @@ class ShardedPool:
                 continue  # it died meanwhile: listed under dead
             double += answer.pop("double_leased", 0)
             shards.append(PoolStatus.model_validate(answer))
-        return ShardedStatus(
+        self.last_status = ShardedStatus(
             shards=shards, dead={s.index: s.dead for s in self.shards if s.dead is not None},
             free=sum(s.free for s in shards), leased=sum(s.leased for s in shards),
             waiting=len(self._waiters) + sum(s.waiting for s in shards),
             calls_total=sum(s.calls_total for s in shards), calls_per_s=sum(s.calls_per_s for s in shards),
             double_leased=double)
+        return self.last_status

@@ -31,7 +31,7 @@ from atropos.errors import (
     WorkspaceError,
 )
 from atropos.memstats import MemoryReport, MemoryRequest
-from atropos.sandbox.contract.http1 import ConnectionPool
+from atropos.sandbox.contract.http1 import IDLE_TTL_S, ConnectionPool
 from atropos.sandbox.contract.imageref import ImageRef
 from atropos.sandbox.contract.protocol import (
     DEFAULT_MAX_TIMEOUT_S,
@@ -111,7 +111,10 @@ class HostClient:
             base_url=self.base_url,
             headers=auth,
             timeout=httpx.Timeout(30.0, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            # idle connections kept as long as the lean client keeps its own: with httpx's 5 s a pool probing
+            # every 5 s reconnected to every host at each probe, 100 connects at once (benchmarks/README.md)
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                                keepalive_expiry=IDLE_TTL_S),
         )
         # Tool calls, the hot path, skip httpx (see http1.py for the measured why).
         self._calls = ConnectionPool(self.base_url, auth, connect_timeout_s=connect_timeout_s)
@@ -204,8 +207,9 @@ class HostClient:
     async def lease(self, trajectory_id: str, *, network: bool = False, slot: int | None = None,
                     template: str | None = None) -> LeaseInfo:
         req = LeaseRequest(trajectory_id=trajectory_id, network=network, slot=slot, template=template)
-        resp = await self._send_model("/v1/leases", req, timeout=120 if template else 30)
-        return LeaseInfo.model_validate_json(resp.content)
+        # lean: a pool's start leases every slot of its hosts (10,000 on a fleet of 100 x 100), and httpx
+        # spent ~5.7 ms of the pool's CPU on each under load (benchmarks/README.md, pool shards)
+        return LeaseInfo.model_validate_json(await self._post_lean("/v1/leases", req, timeout=120 if template else 30))
 
     async def reset(self, slot: int, lease: str, *, trajectory_id: str | None = None,
                     network: bool | None = None, template: str | None = None,

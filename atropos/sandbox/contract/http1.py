@@ -29,6 +29,11 @@ from atropos.errors import TransportError
 # connections after 120 s, and a request must never race that close (it may or may not have run).
 IDLE_TTL_S = 50.0
 READ_SIZE = 1 << 16
+# New connections being opened to one host at once: a request beyond them waits (within its own
+# deadline) for a connect slot or for a connection coming back idle. 100 trajectories' first calls to a
+# host, opened together on a busy event loop, each ran a connect deadline through the whole storm
+# and timed out connecting (benchmarks/README.md, pool shards).
+MAX_CONNECTING = 8
 
 
 if sys.version_info >= (3, 11):
@@ -142,7 +147,7 @@ class ConnectionPool:
     """Keep-alive connections to one ``http://host:port`` base URL."""
 
     def __init__(self, base_url: str, headers: dict[str, str], *, connect_timeout_s: float = 5.0,
-                 max_idle: int = 64) -> None:
+                 max_idle: int = 64, max_connecting: int = MAX_CONNECTING) -> None:
         url = urlsplit(base_url)
         if url.scheme != "http" or not url.hostname:
             raise ValueError(f"the lean client speaks plain http only, not {base_url!r}")
@@ -153,20 +158,43 @@ class ConnectionPool:
         self.max_idle = max_idle
         self._idle: list[_Connection] = []
         self._closed = False
+        self._connecting = asyncio.Semaphore(max_connecting)
+        self.opened = 0  # connections opened in this pool's life
 
-    async def _connect(self) -> _Connection:
+    def _reuse(self) -> _Connection | None:
         while self._idle:
             conn = self._idle.pop()
             if conn.usable():
                 return conn
             conn.close()
+        return None
+
+    async def _connect(self, deadline: float) -> _Connection:
+        conn = self._reuse()
+        if conn is not None:
+            return conn
+        where = f"{self.host}:{self.port}"
+        if self._connecting.locked():  # others are connecting: wait for a turn, within the request's deadline
+            try:
+                await asyncio.wait_for(self._connecting.acquire(), max(deadline - time.monotonic(), 0.0))
+            except asyncio.TimeoutError:
+                raise TransportError(f"no connection to {where} within the request's deadline") from None
+        else:
+            await self._connecting.acquire()  # free: at once
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(self.host, self.port, limit=READ_SIZE), self.connect_timeout_s)
-        except asyncio.TimeoutError:
-            raise TransportError(f"connect to {self.host}:{self.port} timed out") from None
-        except OSError as exc:
-            raise TransportError(f"connect to {self.host}:{self.port}: {exc}") from None
+            conn = self._reuse()  # one came back idle while this request waited
+            if conn is not None:
+                return conn
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection(self.host, self.port, limit=READ_SIZE), self.connect_timeout_s)
+            except asyncio.TimeoutError:
+                raise TransportError(f"connect to {where} timed out") from None
+            except OSError as exc:
+                raise TransportError(f"connect to {where}: {exc}") from None
+        finally:
+            self._connecting.release()
+        self.opened += 1
         return _Connection(reader, writer)
 
     def _release(self, conn: _Connection, reusable: bool) -> None:
@@ -183,7 +211,7 @@ class ConnectionPool:
         if self._closed:
             raise TransportError("the client is closed")
         deadline = time.monotonic() + timeout
-        conn = await self._connect()
+        conn = await self._connect(deadline)
         reusable = False
         try:
             head = (f"{method} {path} HTTP/1.1\r\n{self._fixed}content-type: {content_type}\r\n"
