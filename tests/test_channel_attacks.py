@@ -154,3 +154,7 @@ async def test_the_channel_is_out_of_reach_of_the_slot_on_docker() -> None:
             await _plant(slot)  # type: ignore[arg-type]
             log = await _attack(slot)  # type: ignore[arg-type]
             assert "/proc/1/fd/0 -> /dev/null" in log["opened"], log
+            assert "/proc/1/fd/1 -> /dev/null" in log["opened"], log
+            # the /proc/2/fd the attack was refused is the supervisor's (slotd, or the Python one)
+            procs = (await slot.sh("tr '\\0' ' ' < /proc/2/cmdline"))["stdout"]
+            assert procs.startswith("/run/atropos/slotd ") or "supervisor" in procs, procs

@@ -6,17 +6,21 @@ programs answer with are declared with their statuses."""
 
 from __future__ import annotations
 
+import json
 import re
 import struct
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from atropos import errors
 from atropos.sandbox.host import slotd_build
 from atropos.sandbox.host.config import HostConfig
-from atropos.sandbox.host.isolation import slotd_header, slotd_wire
+from atropos.sandbox.host.isolation import slotd_config, slotd_header, slotd_wire
 from atropos.sandbox.inslot import inslot_common
 from atropos.sandbox.inslot import inslot_protocol as P
 from atropos.sandbox.inslot.supervisor import SEALED_REFUSED, Supervisor
@@ -43,6 +47,93 @@ def test_slotd_reads_every_field_it_carries() -> None:
             if P.carried(f):
                 assert re.search(rf"\br\.{re.escape(slotd_header.member(f.name))}\b", source), (
                     f"slotd.c does not read {op.name}.{f.name} (declared as carried to slotd)")
+
+
+def test_slotd_reads_every_field_of_its_configuration() -> None:
+    """The configuration frame is parsed by the generated slotd_parse_config into ``conf``: each
+    declared field is read in main(), and no hand-written field reader is left."""
+    source = (INSLOT / "slotd.c").read_text()
+    assert "slotd_parse_config(&f, &conf)" in source
+    for f in P.SLOTD_CONFIG:
+        assert re.search(rf"\bconf\.{re.escape(slotd_header.member(f.name))}\b", source), (
+            f"slotd.c does not read the configuration's {f.name}")
+    assert "cfg_take" not in source and "cfg_count" not in source
+    for name in P.RLIMITS:  # the generated table, not one written by hand
+        assert f'"{name}"' not in source, f"slotd.c names the limit {name} itself"
+        assert f'{{"{name}", RLIMIT_{name.upper()}}}' in slotd_header.c_header()
+
+
+def test_the_configuration_model_is_the_declaration() -> None:
+    """slotd_config.SlotdConfig has the declared fields in the declared order, with their defaults;
+    its frame holds each of them in that order."""
+    fields = slotd_config.SlotdConfig.model_fields
+    assert list(fields) == [f.name for f in P.SLOTD_CONFIG]
+    conf = slotd_config.SlotdConfig(argv=["py"])
+    for f in P.SLOTD_CONFIG:
+        if f.default is not P.REQUIRED:
+            assert getattr(conf, f.name) == f.default, f.name
+    conf = slotd_config.SlotdConfig(mode="exec", limits={"nofile": 7, "core": 0}, env={"A": "1"},
+                                    warm={"k": "boot"}, workspace="/w", argv=["p", "q"], run_dir="/r",
+                                    term_dir="/t", tmux=["tm"], shell=["sh"], files_workspace="/fw",
+                                    files_cwd="/c")
+    data = conf.frame()
+    assert int.from_bytes(data[:4], "big") == len(data) - 4
+    items, rest = [], data[4:]
+    while rest:
+        n = int.from_bytes(rest[:4], "big")
+        items.append(rest[4:4 + n])
+        rest = rest[4 + n:]
+    assert items == [b"exec", b"2", b"nofile", b"7", b"core", b"0", b"1", b"A", b"1", b"1", b"k", b"boot",
+                     b"/w", b"2", b"p", b"q", b"/r", b"/t", b"1", b"tm", b"1", b"sh", b"/fw", b"/c"]
+
+
+@pytest.mark.parametrize("bad", [
+    {"colour": "red"},  # a key the declaration does not name
+    {"mode": "fork"},
+    {"limits": {"cpu": 1}},  # a limit slotd has no name for
+    {"limits": {"nofile": -1}},
+    {"limits": {"nofile": 1 << 64}},
+    {"env": {"A=B": "x"}},
+    {"env": {"A": "x\0y"}},
+    {"warm": {"a": "1", "b": "2", "c": "3"}},
+    {"argv": []},
+    {"tmux": []},
+    {"run_dir": ""},
+    {"files_workspace": ""},
+    {"shell": ["sh"] * (P.MAX_CONFIG_TMUX + 1)},
+])
+def test_the_configuration_refuses_what_the_declaration_does_not_allow(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        slotd_config.SlotdConfig(**{"argv": ["py"], **bad})
+
+
+def test_the_limit_names_are_the_hosts_and_every_program_applies_them() -> None:
+    """The host's limits (SlotLimits.rlimits) are the declared names; the Python programs apply each
+    (inslot_common.apply_limits) and refuse a name with no limit, as slotd's parser does."""
+    assert set(HostConfig().limits.rlimits()) == set(P.RLIMITS)
+    probe = ("import resource, sys\n"
+             "from atropos.sandbox.inslot.inslot_common import apply_limits\n"
+             f"apply_limits({{n: 64 for n in {P.RLIMITS!r}}})\n"
+             f"print([resource.getrlimit(getattr(resource, 'RLIMIT_' + n.upper())) for n in {P.RLIMITS!r}])\n"
+             "try:\n    apply_limits({'cpu_seconds': 1})\nexcept ValueError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [str([(64, 64)] * len(P.RLIMITS)), "no resource limit named 'cpu_seconds'"]
+
+
+def test_slotd_applies_the_configured_limits(tmp_path: Path) -> None:
+    """The configuration's limits reach the calls slotd starts, through the generated name table."""
+    binary = slotd_build.build()
+    if binary is None:
+        pytest.skip("slotd cannot be built here: no C compiler")
+    rig = Rig(binary, tmp_path)
+    conf = rig.config_model(warm=False, limits={"nofile": 77, "fsize": 12345 * 512, "nproc": 256})
+    body = slotd_wire.encode({"op": "exec", "argv": ["sh", "-c", "ulimit -n; ulimit -f"]}, 1)
+    assert body is not None
+    run = rig.run(conf.frame() + _frame(body))
+    assert run.returncode == 0, run
+    reply = slotd_wire.decode_exec(json.loads(run.replies()[1]), {"op": "exec", "argv": ["sh"]})
+    assert reply["result"]["stdout"] == "77\n12345\n", reply
 
 
 _HANDLERS = {"supervisor": ("supervisor.py", "inslot_files.py", "inslot_file_replies.py", "inslot_terminal.py",

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from atropos.sandbox.host import slotd_build
-from atropos.sandbox.host.isolation import slotd_wire
+from atropos.sandbox.host.isolation import slotd_config, slotd_wire
 from tests.conftest import IMAGE_STORE, RunningHost, leased_slot, start_host, stop_host
 
 SLOTD_ARGV = re.compile(r"/run/atropos/slotd \d+ \d+ \d+")  # its channel's descriptors
@@ -409,8 +409,8 @@ def slotd(tmp_path: Path) -> Iterator[Channel]:
     assert bwrap, "bubblewrap is a requirement of the project (scripts/setup.sh installs it)"
     proc = Channel([bwrap, "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc", "--dev",
                     "/dev", "--bind", str(ws), "/tmp", str(binary)])
-    cfg = slotd_build.config_frame({"env": {"PATH": "/usr/bin:/bin"}, "workspace": "/tmp"}, {},
-                                   [sys.executable, "-c", "pass"])
+    cfg = slotd_config.SlotdConfig(env={"PATH": "/usr/bin:/bin"}, workspace="/tmp", term_dir="/tmp",
+                                   files_workspace="/tmp", argv=[sys.executable, "-c", "pass"]).frame()
     proc.stdin.write(cfg)
     proc.stdin.flush()
     yield proc

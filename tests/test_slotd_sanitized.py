@@ -1,8 +1,8 @@
 """slotd is memory-safe by test (issue 37): built with AddressSanitizer and UndefinedBehaviorSanitizer
 (slotd_build.SANITIZER_CFLAGS, cached like the real build), it runs a frame fuzzer (malformed,
-truncated, oversized frames, odd output caps, terminal log reads around the cap) and the supervisor
-equality cases of tests/test_slotd.py; a sanitizer report of any kind (a heap overflow, a leak at its
-exit, undefined behaviour) fails the test.
+truncated, oversized frames, odd output caps, terminal log reads around the cap; malformed
+configuration frames) and the supervisor equality cases of tests/test_slotd.py; a sanitizer report of
+any kind (a heap overflow, a leak at its exit, undefined behaviour) fails the test.
 
 The sanitizer build is dynamic (the sanitizers' runtimes are shared libraries): it runs in a plain
 bubblewrap of the host's root here and in the host's default slot root (which binds the host's
@@ -28,7 +28,8 @@ from typing import Any
 import pytest
 
 from atropos.sandbox.host import slotd_build
-from atropos.sandbox.host.isolation import slotd_wire
+from atropos.sandbox.host.isolation import slotd_config, slotd_wire
+from atropos.sandbox.inslot import inslot_protocol as P
 from atropos.sandbox.inslot.inslot_warm import WARM_KINDS
 from tests.conftest import IMAGE_STORE, RunningHost, leased_slot, start_host, stop_host
 from tests.test_slotd import CASES, _file_session
@@ -92,12 +93,17 @@ class Rig:
         (self.run_dir / "terminal.log").write_bytes(data)
 
     def config(self, warm: bool = True) -> bytes:
+        return self.config_model(warm).frame()
+
+    def config_model(self, warm: bool = True, **extra: Any) -> slotd_config.SlotdConfig:
         env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
         boots = ({kind: boot("{go}", "{src}", env)  # type: ignore[arg-type]  # placeholders, as slot.py
                   for kind, boot in WARM_KINDS.items()} if warm else {})
-        cfg = {"env": env, "workspace": "/tmp", "limits": {"as": 4 << 30, "nproc": 256},
-               "run_dir": str(self.run_dir), "tmux": [str(self.tmux)]}
-        return slotd_build.config_frame(cfg, boots, [sys.executable, "-c", "pass"])
+        fields: dict[str, Any] = {
+            "env": env, "warm": boots, "workspace": "/tmp", "term_dir": "/tmp", "files_workspace": "/tmp",
+            "limits": {"as": 4 << 30, "nproc": 256}, "run_dir": str(self.run_dir), "tmux": [str(self.tmux)],
+            "argv": [sys.executable, "-c", "pass"]}
+        return slotd_config.SlotdConfig(**{**fields, **extra})
 
     def run(self, data: bytes, timeout: float = 60.0) -> Run:
         """slotd with ``data`` on its request descriptor (a file: it reads to its end), its replies and
@@ -279,6 +285,65 @@ def test_the_frame_fuzzer_finds_nothing(rig: Rig) -> None:
         garbled = bytearray(config)
         garbled[min(cut + 4, len(garbled) - 1)] ^= 0xFF
         _clean(rig.run(bytes(garbled)))
+
+
+def config_frame(values: dict[str, Any]) -> bytes:
+    """A configuration frame of ``values`` (one per declared field, in the declaration's order), built
+    without the model's checks: a ``bytes`` value is the field's encoding as it stands."""
+    parts: list[bytes] = []
+    for f in P.SLOTD_CONFIG:
+        value = values[f.name]
+        if isinstance(value, bytes):
+            parts.append(value)
+        elif f.type == "strs":
+            parts += [_field(len(value)), *map(_field, value)]
+        elif f.type == "pairs":
+            parts += [_field(len(value)), *(_field(x) for pair in value.items() for x in pair)]
+        else:
+            parts.append(_field(b"" if value is None else value))
+    return _frame(b"".join(parts))
+
+
+def hostile_configs(rig: Rig) -> list[tuple[str, bytes]]:
+    """Configuration frames the declaration refuses, each one field off (a host and a slotd out of
+    step, or bytes nobody meant): slotd must refuse each as malformed before it serves anything."""
+    good = rig.config_model().wire_values()
+    assert config_frame(good) == rig.config(), "the test's encoder drifted from the model's"
+    huge = _field(str(10 ** 30))
+    cases: list[tuple[str, dict[str, Any]]] = [
+        ("mode", {"mode": "fork"}), ("mode", {"mode": ""}),
+        ("limits", {"limits": {"cpu": "1"}}), ("limits", {"limits": {"nofile": "12x"}}),
+        ("limits", {"limits": {"nofile": "-1"}}), ("limits", {"limits": {"nofile": "9" * 30}}),
+        ("limits", {"limits": {"nofile": ""}}), ("limits", {"limits": huge}),
+        ("limits", {"limits": {n: "1" for n in P.RLIMITS} | {"nproc ": "1"}}),
+        ("env", {"env": {"A=B": "x"}}), ("env", {"env": {"": "x"}}), ("env", {"env": _field(-1)}),
+        ("env", {"env": _field(P.MAX_ENV + 1)}), ("warm", {"warm": {"a": "x", "b": "y", "c": "z"}}),
+        ("argv", {"argv": []}), ("argv", {"argv": huge}), ("run_dir", {"run_dir": ""}),
+        ("tmux", {"tmux": []}), ("tmux", {"tmux": ["tmux"] * (P.MAX_CONFIG_TMUX + 1)}),
+        ("files_workspace", {"files_workspace": ""}), ("argv", {"argv": [b"a\0b".decode()]}),
+    ]
+    out = [(what, config_frame({**good, **change})) for what, change in cases]
+    out.append(("trailing", _frame(config_frame(good)[4:] + _field("extra"))))
+    out.append(("short", _frame(config_frame(good)[4:-4])))
+    return out
+
+
+def test_slotd_refuses_every_malformed_configuration(rig: Rig) -> None:
+    """The configuration frame under the same fuzzer as the requests: each hostile configuration is
+    refused as malformed (exit 2, nothing served) with no sanitizer report; the random mutations of a
+    valid one end cleanly whatever they do."""
+    after = _exec(["/bin/bash", "-c", "echo after"], 1)
+    for what, frame in hostile_configs(rig):
+        run = rig.run(frame + after)
+        _clean(run)
+        assert run.returncode == 2 and b"malformed configuration" in run.stderr, (what, run)
+        assert run.replies() == [], what
+    rng = random.Random(3737)
+    config = rig.config()
+    for case in _mutations(config, rng):
+        run = rig.run(case + after)
+        _clean(run)
+        assert run.returncode >= 0, (case[:64], run.returncode, run.stderr[-2000:])
 
 
 # -- the supervisor equality cases, on a host whose slots run the sanitizer build ----------------------

@@ -130,3 +130,13 @@ def test_every_sandbox_module_sits_in_one_of_the_four_rooms() -> None:
     that runs it (the package's __init__ and the ``-m`` entry point excepted)."""
     loose = sorted(p.name for p in SANDBOX.glob("*.py") if p.name not in {"__init__.py", "__main__.py"})
     assert not loose, f"modules outside contract/, inslot/, host/: {loose}"
+
+
+def test_the_image_helpers_layout_is_spelled_in_one_place() -> None:
+    """An image slot's ``/.atropos`` (helpers, host /usr, the pristine image: issue 37) is named by
+    host/isolation/bwrap.py only; everything else takes the names from there (the mount helper gets
+    them in its request)."""
+    own = SANDBOX / "host" / "isolation" / "bwrap.py"
+    bad = sorted(str(p.relative_to(ROOT)) for p in PKG.rglob("*.py")
+                 if p != own and "/.atropos" in p.read_text())
+    assert not bad, f"/.atropos spelled outside bwrap.py: {bad}"

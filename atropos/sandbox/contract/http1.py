@@ -13,7 +13,6 @@ caller that stops reading early closes it, so no stale bytes can reach the next 
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -24,6 +23,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from atropos.errors import TransportError
+from atropos.sandbox.contract.timeouts import within
 
 # Idle connections older than this are closed instead of reused: the host drops idle keep-alive
 # connections after 120 s, and a request must never race that close (it may or may not have run).
@@ -34,17 +34,6 @@ READ_SIZE = 1 << 16
 # host, opened together on a busy event loop, each ran a connect deadline through the whole storm
 # and timed out connecting (benchmarks/README.md, pool shards).
 MAX_CONNECTING = 8
-
-
-if sys.version_info >= (3, 11):
-    async def _read_within(reader: asyncio.StreamReader, seconds: float) -> bytes:
-        # a timer on the running task: ``wait_for`` would wrap every read in a task of its own,
-        # the lean client's largest cost per request after the socket itself
-        async with asyncio.timeout(seconds):
-            return await reader.read(READ_SIZE)
-else:  # pragma: no cover - Python 3.10 has no asyncio.timeout
-    async def _read_within(reader: asyncio.StreamReader, seconds: float) -> bytes:
-        return await asyncio.wait_for(reader.read(READ_SIZE), seconds)
 
 
 @dataclass
@@ -109,7 +98,7 @@ class _Stream:
         if remaining <= 0:
             raise TransportError("timed out")
         try:
-            data = await _read_within(self.conn.reader, remaining)
+            data = await within(self.conn.reader.read(READ_SIZE), remaining)
         except asyncio.TimeoutError:
             raise TransportError("timed out waiting for the host") from None
         except OSError as exc:

@@ -28,6 +28,7 @@ from atropos.sandbox.host.config import HostConfig
 from atropos.sandbox.host.images.host_images import HostImages
 from atropos.sandbox.host.images.image_root import ImageRoot
 from atropos.sandbox.host.inslot_bytecode import entry
+from atropos.sandbox.host.isolation import slotd_config
 from atropos.sandbox.host.isolation.bwrap import (
     IMAGE_HOST_USR,
     IMAGE_LIB_DIR,
@@ -261,12 +262,13 @@ class Slot:
             argv = [*argv[:at], "--ro-bind", str(self.slotd), program, *argv[at:]]
         if script == "exec_program.py":  # the terminal's tmux, started without a Python in between
             exec_cfg = {**sup_cfg, "workspace": sup_cfg.get("cwd") or ""}
-            return [*argv, program], slotd_build.config_frame(exec_cfg, {}, list(sup_cfg["exec"]), mode="exec")
+            exec_conf = slotd_config.from_supervisor(exec_cfg, {}, list(sup_cfg["exec"]), mode="exec")
+            return [*argv, program], exec_conf.frame()
         env = sup_cfg["env"]
         warm = {kind: boot("{go}", "{src}", env) for kind, boot in WARM_KINDS.items()}  # type: ignore[arg-type]
         slotd_cfg = {**sup_cfg, "workspace": sup_cfg.get("cwd") or sup_cfg.get("workspace", "/workspace"),
                      "files_workspace": sup_cfg.get("workspace", "/workspace")}
-        return [*argv, program], slotd_build.config_frame(slotd_cfg, warm, python)
+        return [*argv, program], slotd_config.from_supervisor(slotd_cfg, warm, python).frame()
 
     def _image_argv(self, image: ImageRoot, extra: dict[str, Any], script: str) -> tuple[list[str], bytes | None]:
         """A sandbox on the slot's image root (docs/task-images.md): the image's environment and

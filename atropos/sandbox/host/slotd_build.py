@@ -14,12 +14,10 @@ import hashlib
 import logging
 import os
 import shutil
-import struct
 import subprocess
 import tempfile
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +29,6 @@ CFLAGS = ("-O2", "-static", "-Wall")
 # plain bubblewrap of the host's root, not an image root.
 SANITIZER_CFLAGS = ("-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
                     "-fno-omit-frame-pointer", "-Wall", "-DSLOTD_SANITIZED")
-_LEN = struct.Struct(">I")
 
 
 SOURCES = ("slotd.c", "slotd_protocol.h")  # the program and its generated protocol header
@@ -118,25 +115,3 @@ def install(lib: Path) -> Path | None:
     os.chmod(tmp, 0o755)
     os.replace(tmp, dest)
     return dest
-
-
-def config_frame(cfg: dict[str, Any], warm: dict[str, str], python_argv: list[str], mode: str = "serve") -> bytes:
-    """slotd's configuration, the first frame it reads (not its argv: every process of the slot can
-    read a command line in /proc): from a supervisor configuration (``cfg`` as supervisor.py reads
-    it; only its limits, environment and workspace matter to slotd), the warm interpreters' boot
-    scripts (``{go}`` and ``{src}`` for their descriptors) and the Python supervisor's own command,
-    which slotd runs in its place on an upgrade. ``mode="exec"``: slotd does exec_program.py's job,
-    running ``python_argv`` (the program) in its place at once, in ``cfg``'s ``cwd`` if given."""
-    limits = [(str(k), str(int(v))) for k, v in dict(cfg.get("limits") or {}).items() if v is not None]
-    env = [f"{k}={v}" for k, v in dict(cfg.get("env") or {}).items()]
-    tmux, shell = [str(a) for a in cfg.get("tmux") or ["tmux"]], [str(a) for a in cfg.get("terminal_shell") or []]
-    fields: list[str] = [mode, str(len(limits)), *(x for pair in limits for x in pair), str(len(env)), *env,
-                         str(len(warm)), *(x for pair in warm.items() for x in pair),
-                         str(cfg.get("workspace", "/workspace")), str(len(python_argv)), *python_argv,
-                         str(cfg.get("run_dir", "/run/term")),
-                         str(cfg.get("cwd") or cfg.get("workspace", "/workspace")),
-                         str(len(tmux)), *tmux, str(len(shell)), *shell,
-                         # the file tools' workspace and cwd (supervisor.py's SlotFiles(workspace, cwd))
-                         str(cfg.get("files_workspace") or cfg.get("workspace") or "/"), str(cfg.get("cwd") or "")]
-    body = b"".join(_LEN.pack(len(data)) + data for data in (os.fsencode(f) for f in fields))
-    return _LEN.pack(len(body)) + body

@@ -114,11 +114,15 @@ def ns_last_pid() -> int:
 
 
 def apply_limits(limits: dict[str, int]) -> None:
-    names = {"nproc": resource.RLIMIT_NPROC, "as": resource.RLIMIT_AS, "fsize": resource.RLIMIT_FSIZE,
-             "nofile": resource.RLIMIT_NOFILE, "core": resource.RLIMIT_CORE}
+    """The slot's resource limits by name: RLIMIT_<NAME> of the resource module, as slotd's generated
+    table maps the same names (inslot_protocol.RLIMITS); a name with no such limit is an error, never
+    a limit silently left off."""
     for name, value in limits.items():
-        if name in names and value is not None:
-            resource.setrlimit(names[name], (int(value), int(value)))
+        which = getattr(resource, "RLIMIT_" + name.upper(), None) if name.isalpha() else None
+        if which is None:
+            raise ValueError(f"no resource limit named {name!r}")
+        if value is not None:
+            resource.setrlimit(which, (int(value), int(value)))
 
 
 def protocol_fds() -> tuple[int, int]:

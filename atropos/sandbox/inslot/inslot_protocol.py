@@ -160,6 +160,38 @@ OPS: dict[str, Op] = {op.name: op for op in (
     ), ("log",), served_by="verifier", optional_reply=("verdict", "error")),
 )}
 
+# slotd's configuration: the first frame it reads (never its argv, which every process of the slot can
+# read in /proc), in this field order on the same wire as a request's fields (host/slotd_config.py
+# encodes it from a typed model, slotd_protocol.h parses it). ``choices`` of a ``pairs`` field: the
+# names its entries may have.
+#
+# The resource limits a slot's programs start under, by name: RLIMIT_<NAME> of setrlimit(2) in C and
+# of Python's resource module (inslot_common.apply_limits); host/config.py's SlotLimits.rlimits gives them.
+RLIMITS = ("nproc", "as", "fsize", "nofile", "core")
+MAX_RLIMIT = (1 << 64) - 1  # RLIM_INFINITY
+# The warm interpreters slotd keeps (inslot_warm.WARM_KINDS: a boot script per kind).
+MAX_WARM = 2
+MAX_CONFIG_ARGV = 4096
+MAX_CONFIG_TMUX = 64
+
+SLOTD_CONFIG: tuple[Field, ...] = (
+    # "serve": answer requests; "exec": run ``argv`` in our place at once (exec_program.py's job)
+    Field("mode", "str", "serve", choices=("serve", "exec")),
+    Field("limits", "pairs", {}, 0, len(RLIMITS), choices=RLIMITS),  # name -> decimal value
+    Field("env", "pairs", {}, 0, MAX_ENV),  # the calls' environment (names without "=")
+    Field("warm", "pairs", {}, 0, MAX_WARM),  # kind (a call's argv[0]) -> boot script, "{go}"/"{src}" the fds
+    Field("workspace", "str", "/workspace", 0, MAX_PATH),  # every call's cwd; "exec": the program's ("": none)
+    Field("argv", "strs", REQUIRED, 1, MAX_CONFIG_ARGV),  # the Python supervisor (upgrade); "exec": the program
+    Field("run_dir", "str", "/run/term", 1, MAX_PATH),  # the terminal's socket and log
+    Field("term_dir", "str", "/workspace", 1, MAX_PATH),  # where the terminal's shell starts
+    Field("tmux", "strs", ["tmux"], 1, MAX_CONFIG_TMUX),  # how to run tmux
+    Field("shell", "strs", [], 0, MAX_CONFIG_TMUX),  # the terminal session's command (none: tmux's own)
+    # the file tools' SlotFiles(workspace, cwd) as supervisor.py builds it
+    Field("files_workspace", "str", "/workspace", 1, MAX_PATH),
+    Field("files_cwd", "opt_str", None, 1, MAX_PATH),
+)
+
+
 # The keys every request may carry beyond its op's fields: its op and its sequence number (the reply
 # echoes it; inslot_common.serve).
 ENVELOPE = ("op", "seq")
@@ -193,9 +225,6 @@ def default(op: str, name: str) -> Any:
         if f.name == name:
             return f.default
     raise KeyError(f"{op} has no field {name!r}")
-
-
-_KNOWN = {op.name: frozenset(f.name for f in op.fields) | frozenset(ENVELOPE) for op in OPS.values()}
 
 
 class InvalidRequest(ValueError):
@@ -243,9 +272,33 @@ def _check_value(op: str, f: Field, value: Any) -> Any:
     if (f.lo is not None and size < f.lo) or (f.hi is not None and size > f.hi):
         what = "" if t in ("int", "opt_int", "float") else "length "
         raise _bad(op, f, f"{what}{value if not what else size} outside [{f.lo}, {f.hi}]")
-    if f.choices and value not in f.choices:
+    if f.choices and t == "pairs":
+        unknown = sorted(k for k in value if k not in f.choices)
+        if unknown:
+            raise _bad(op, f, f"unknown name{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
+                              f"(one of {', '.join(map(str, f.choices))})")
+    elif f.choices and value not in f.choices:
         raise _bad(op, f, f"one of {', '.join(map(str, f.choices))}")
     return value
+
+
+def check_fields(what: str, fields: tuple[Field, ...], values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with every one of ``fields``, defaults filled in, each checked against its
+    declaration (type, bounds, choices); a key none of them names, a missing required field, a wrong
+    type or a value out of bounds is an ``InvalidRequest`` naming ``what``."""
+    known = {f.name for f in fields}
+    unknown = sorted(k for k in values if k not in known)
+    if unknown:
+        raise InvalidRequest(f"{what}: unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
+    out: dict[str, Any] = {}
+    for f in fields:
+        if f.name in values:
+            out[f.name] = _check_value(what, f, values[f.name])
+        elif f.default is REQUIRED:
+            raise _bad(what, f, "missing")
+        else:
+            out[f.name] = f.default.copy() if isinstance(f.default, (list, dict)) else f.default
+    return out
 
 
 def check(req: dict[str, Any]) -> dict[str, Any]:
@@ -253,16 +306,5 @@ def check(req: dict[str, Any]) -> dict[str, Any]:
     key the op does not declare, a missing required field, a wrong type or a value out of bounds is
     an ``InvalidRequest``; an op nobody declares, a ``KeyError`` (answered as ``unknown_op``)."""
     op = OPS[str(req.get("op"))]
-    known = _KNOWN[op.name]
-    unknown = sorted(k for k in req if k not in known)
-    if unknown:
-        raise InvalidRequest(f"{op.name}: unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
-    out = {k: req[k] for k in ENVELOPE if k in req}
-    for f in op.fields:
-        if f.name in req:
-            out[f.name] = _check_value(op.name, f, req[f.name])
-        elif f.default is REQUIRED:
-            raise _bad(op.name, f, "missing")
-        else:
-            out[f.name] = f.default.copy() if isinstance(f.default, (list, dict)) else f.default
-    return out
+    fields = check_fields(op.name, op.fields, {k: v for k, v in req.items() if k not in ENVELOPE})
+    return {**{k: req[k] for k in ENVELOPE if k in req}, **fields}

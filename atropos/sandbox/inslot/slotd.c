@@ -12,7 +12,7 @@
  * length and a body. Requests are not JSON: a kind byte, the sequence number, then the op's fields
  * in the order the protocol's one declaration gives them (atropos/sandbox/inslot/inslot_protocol.py),
  * each a 4-byte big-endian length and its bytes; the parsers are generated from that declaration
- * into slotd_protocol.h (scripts/gen_slotd_header.py). Replies are JSON, ASCII only: captured output
+ * into slotd_protocol.h (scripts/gen_slotd_header.py), the configuration frame's too. Replies are JSON, ASCII only: captured output
  * travels as base64 of the kept head and tail bytes, and the host renders the text as
  * inslot_common.Capture does, so both supervisors answer a call with the same reply.
  *
@@ -41,8 +41,6 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
-
-#define MAX_WARM 2
 
 static int rfd = -1, wfd = -1;
 static int last_pid_fd = -1;
@@ -253,6 +251,16 @@ static char **slotd_strs(fields_t *f, long long *n, long long lo, long long hi, 
     return v;
 }
 
+/* Each of the `n` strings at `v` (every `step`-th: a map's names) is one of `choices` (NULL-terminated),
+   else the frame is malformed (a declared field's choices: a configuration's mode and limit names). */
+static void slotd_choices(fields_t *f, char *const *v, long long n, int step, const char *const *choices) {
+    for (long long i = 0; i < n && !f->bad; i++) {
+        const char *const *c = choices;
+        while (*c && strcmp(*c, v[i * step])) c++;
+        if (!*c) f->bad = 1;
+    }
+}
+
 static void slotd_free_strs(char **v) {
     if (!v) return;
     for (char **p = v; *p; p++) free(*p);
@@ -451,7 +459,7 @@ typedef struct {
     int src_fd, go_w, pidfd;
 } warm_t;
 
-static warm_t warm[MAX_WARM];
+static warm_t warm[SLOTD_MAX_WARM];
 static int n_warm;
 static const char *last_kind = "/bin/bash";
 /* the CPU limit the last call asked for: what the next waiting interpreters set themselves (a
@@ -1507,35 +1515,34 @@ static void upgrade(void) {
     die("exec of the Python supervisor");
 }
 
-static void set_limit(int resource, const char *value) {
+/* A limit of the configuration, its value in decimal; -1: not a number setrlimit takes. */
+static int set_limit(int resource, const char *value) {
     struct rlimit rl;
-    rl.rlim_cur = rl.rlim_max = (rlim_t)strtoull(value, NULL, 10);
+    char *end = NULL;
+    errno = 0;
+    unsigned long long v = *value >= '0' && *value <= '9' ? strtoull(value, &end, 10) : 0;
+    if (!end || *end || errno) return -1;
+    rl.rlim_cur = rl.rlim_max = (rlim_t)v;
 #ifdef SLOTD_SANITIZED
     /* AddressSanitizer has terabytes of shadow mapped before main: an address-space limit on slotd
        itself would fail its next allocation. The sanitizer build (tests only) gives it to what it
        starts instead, right before their exec (spawn), so the calls see the same limits. */
-    if (resource == RLIMIT_AS) { child_as = rl; has_child_as = 1; return; }
+    if (resource == RLIMIT_AS) { child_as = rl; has_child_as = 1; return 0; }
 #endif
     if (setrlimit(resource, &rl)) die("setrlimit");
+    return 0;
 }
 
-/* Its configuration is the first frame on stdin, not its argv (which any process of the slot can
-   read in /proc): fields MODE ("serve", or "exec": run the program in our place), NLIMITS, (NAME VALUE)..., NENV, (K=V)..., NWARM, (KIND BOOT)...,
-   WORKSPACE, NARGS, the Python supervisor's argv (the program, for "exec")..., RUN_DIR, TERM_DIR,
-   NTMUX, (ARG)..., NSHELL, (ARG)..., FILES_WORKSPACE, FILES_CWD (empty: none)
-   (host side: slotd_build.config_frame). */
-static char *cfg_take(fields_t *f) {
-    char *s = field(f, NULL);
-    if (f->bad) { fprintf(stderr, "slotd: malformed configuration\n"); _exit(2); }
-    return s;
-}
+/* Its configuration is the first frame on the request descriptor, not its argv (which any process of
+   the slot can read in /proc): the fields of the protocol's declaration (inslot_protocol.SLOTD_CONFIG,
+   parsed by the generated slotd_parse_config; host side: host/isolation/slotd_config.py). The
+   configuration lives as long as the process: the globals point into it. */
+static slotd_config_t conf;
 
-static long cfg_count(fields_t *f, long max) {
-    char *s = cfg_take(f);
-    long v = strtol(s, NULL, 10);
-    free(s);
-    if (v < 0 || v > max) { fprintf(stderr, "slotd: malformed configuration\n"); _exit(2); }
-    return v;
+static int malformed_config(void) {
+    fprintf(stderr, "slotd: malformed configuration\n");
+    slotd_free_config(&conf);
+    return 2;
 }
 
 /* The channel: the host passes it past bubblewrap's init (which keeps only its stdio, /dev/null but
@@ -1577,64 +1584,49 @@ int main(int argc, char **argv) {
     char *cfg = xmalloc(size);
     if (read_exact(rfd, cfg, size)) { free(cfg); return 0; }
     fields_t f = {cfg, size, 0};
-    char *mode = cfg_take(&f);
-    static const struct { const char *name; int res; } names[] = {
-        {"nproc", RLIMIT_NPROC}, {"as", RLIMIT_AS}, {"fsize", RLIMIT_FSIZE}, {"nofile", RLIMIT_NOFILE},
-        {"core", RLIMIT_CORE}};
-    long n_limits = cfg_count(&f, 64);
-    for (long i = 0; i < n_limits; i++) {
-        char *name = cfg_take(&f), *value = cfg_take(&f);
-        for (size_t k = 0; k < sizeof names / sizeof names[0]; k++)
-            if (!strcmp(name, names[k].name)) set_limit(names[k].res, value);
-        free(name);
-        free(value);
+    slotd_parse_config(&f, &conf);
+    free(cfg); /* every field is a copy */
+    if (f.bad || f.left) return malformed_config();
+    for (long long i = 0; i < conf.limits_n; i++) /* the parser checked each name is one of slotd_rlimits */
+        for (size_t k = 0; k < sizeof slotd_rlimits / sizeof slotd_rlimits[0]; k++)
+            if (!strcmp(conf.limits[2 * i], slotd_rlimits[k].name) &&
+                set_limit(slotd_rlimits[k].resource, conf.limits[2 * i + 1]))
+                return malformed_config();
+    base_env = xmalloc(sizeof(char *) * (size_t)(conf.env_n + 1));
+    for (long long i = 0; i < conf.env_n; i++) { /* execve's NAME=VALUE */
+        const char *name = conf.env[2 * i], *value = conf.env[2 * i + 1];
+        size_t kn = strlen(name), vn = strlen(value);
+        if (!kn || strchr(name, '=')) {
+            base_env[i] = NULL;
+            return malformed_config();
+        }
+        base_env[i] = xmalloc(kn + vn + 2);
+        memcpy(base_env[i], name, kn);
+        base_env[i][kn] = '=';
+        memcpy(base_env[i] + kn + 1, value, vn + 1);
     }
-    long n_env = cfg_count(&f, 4096);
-    base_env = xmalloc(sizeof(char *) * (size_t)(n_env + 1));
-    for (long i = 0; i < n_env; i++) base_env[i] = cfg_take(&f);
-    n_warm = (int)cfg_count(&f, MAX_WARM);
+    base_env[conf.env_n] = NULL;
+    n_warm = (int)conf.warm_n;
     for (int i = 0; i < n_warm; i++) {
-        warm[i].kind = cfg_take(&f);
-        warm[i].boot = cfg_take(&f);
+        warm[i].kind = conf.warm[2 * i];
+        warm[i].boot = conf.warm[2 * i + 1];
         warm[i].src_fd = warm[i].go_w = warm[i].pidfd = -1;
     }
-    char *workspace = cfg_take(&f);
-    long n_up = cfg_count(&f, 4096);
-    if (n_up < 1) { fprintf(stderr, "slotd: no Python supervisor to upgrade to\n"); return 2; }
-    upgrade_argv = xmalloc(sizeof(char *) * (size_t)(n_up + 1));
-    for (long i = 0; i < n_up; i++) upgrade_argv[i] = cfg_take(&f);
-    upgrade_argv[n_up] = NULL;
-    run_dir = cfg_take(&f);
-    term_dir = cfg_take(&f);
-    long n_tmux = cfg_count(&f, 64);
-    tmux_argv = xmalloc(sizeof(char *) * (size_t)(n_tmux + 1));
-    for (long i = 0; i < n_tmux; i++) tmux_argv[i] = cfg_take(&f);
-    tmux_argv[n_tmux] = NULL;
-    long n_shell = cfg_count(&f, 64);
-    shell_argv = NULL;
-    if (n_shell) {
-        shell_argv = xmalloc(sizeof(char *) * (size_t)(n_shell + 1));
-        for (long i = 0; i < n_shell; i++) shell_argv[i] = cfg_take(&f);
-        shell_argv[n_shell] = NULL;
-    }
-    files_ws = cfg_take(&f);
-    files_cwd = cfg_take(&f);
-    if (n_tmux < 1 || f.left || !*files_ws) { fprintf(stderr, "slotd: malformed configuration\n"); return 2; }
-    free(cfg); /* every field is a copy */
+    char *workspace = conf.workspace;
+    upgrade_argv = conf.argv;
+    run_dir = conf.run_dir;
+    term_dir = conf.term_dir;
+    tmux_argv = conf.tmux;
+    shell_argv = conf.shell_n ? conf.shell : NULL;
+    files_ws = conf.files_workspace;
+    files_cwd = conf.files_cwd;
     struct stat st;
-    if (stat(term_dir, &st) || !S_ISDIR(st.st_mode)) { /* as supervisor.py's files.cwd */
-        free(term_dir);
-        term_dir = strdup("/");
-    }
-    base_env[n_env] = NULL;
-    if (!*files_cwd) {
-        free(files_cwd);
+    if (stat(term_dir, &st) || !S_ISDIR(st.st_mode)) term_dir = strdup("/"); /* as supervisor.py's files.cwd */
+    if (!*files_cwd)
         files_cwd = NULL;
-    } else if (stat(files_cwd, &st) || !S_ISDIR(st.st_mode)) { /* supervisor.py's files.cwd, as above */
-        free(files_cwd);
+    else if (stat(files_cwd, &st) || !S_ISDIR(st.st_mode)) /* supervisor.py's files.cwd, as above */
         files_cwd = strdup("/");
-    }
-    if (!strcmp(mode, "exec")) {
+    if (!strcmp(conf.mode, "exec")) {
         /* exec_program.py's job (the terminal's tmux server): the limits and signal state set above,
            stdio on /dev/null (none of the host's pipe ends survives: the slot's code runs beside
            the program, as its uid), then the program */
@@ -1649,8 +1641,6 @@ int main(int argc, char **argv) {
     /* an image's WorkingDir that its root user removed: calls start at / (supervisor.py does the same) */
     root_dir = realpath(workspace, NULL);
     if (!root_dir) root_dir = realpath("/", NULL);
-    free(workspace);
-    free(mode);
     last_pid_fd = open("/proc/sys/kernel/ns_last_pid", O_RDONLY | O_CLOEXEC);
     if (last_pid_fd < 0) die("/proc/sys/kernel/ns_last_pid");
     /* stdin and stdout are /dev/null (bwrap's, made sure of): what the slot runs gets its own stdio;

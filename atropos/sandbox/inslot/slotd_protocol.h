@@ -1,6 +1,7 @@
 /* GENERATED from atropos/sandbox/inslot/inslot_protocol.py by scripts/gen_slotd_header.py: do not edit.
- * The requests slotd serves, their fields in the declared order (tests/test_slot_protocol.py
- * regenerates this file and compares). slotd.c defines fields_t and the slotd_* readers. */
+ * The requests slotd serves and its configuration frame, their fields in the declared order
+ * (tests/test_slot_protocol.py regenerates this file and compares). slotd.c defines fields_t and
+ * the slotd_* readers. */
 #ifndef SLOTD_PROTOCOL_H
 #define SLOTD_PROTOCOL_H
 
@@ -205,6 +206,72 @@ static void slotd_parse_stat(fields_t *f, slotd_stat_t *r) {
 
 static void slotd_free_stat(slotd_stat_t *r) {
     free(r->path);
+}
+
+/* the configuration (the first frame): mode, limits, env, warm, workspace, argv, run_dir, term_dir, tmux, shell, files_workspace, files_cwd */
+#define SLOTD_MAX_WARM 2
+/* a configuration's limits by name: setrlimit(2)'s resource of each */
+static const struct { const char *name; int resource; } slotd_rlimits[] = {{"nproc", RLIMIT_NPROC}, {"as", RLIMIT_AS}, {"fsize", RLIMIT_FSIZE}, {"nofile", RLIMIT_NOFILE}, {"core", RLIMIT_CORE}};
+typedef struct {
+    char *mode;
+    size_t mode_len;
+    long long limits_n;
+    char **limits; /* 2*limits_n strings: name, value, ... then NULL */
+    long long env_n;
+    char **env; /* 2*env_n strings: name, value, ... then NULL */
+    long long warm_n;
+    char **warm; /* 2*warm_n strings: name, value, ... then NULL */
+    char *workspace;
+    size_t workspace_len;
+    long long argv_n;
+    char **argv; /* argv_n strings, then NULL */
+    char *run_dir;
+    size_t run_dir_len;
+    char *term_dir;
+    size_t term_dir_len;
+    long long tmux_n;
+    char **tmux; /* tmux_n strings, then NULL */
+    long long shell_n;
+    char **shell; /* shell_n strings, then NULL */
+    char *files_workspace;
+    size_t files_workspace_len;
+    char *files_cwd; /* empty when absent */
+    size_t files_cwd_len;
+} slotd_config_t;
+
+static const char *const slotd_config_mode_choices[] = {"serve", "exec", NULL};
+static const char *const slotd_config_limits_choices[] = {"nproc", "as", "fsize", "nofile", "core", NULL};
+static void slotd_parse_config(fields_t *f, slotd_config_t *r) {
+    memset(r, 0, sizeof *r);
+    r->mode = slotd_str(f, &r->mode_len, 0, 1LL << 62, 0);
+    slotd_choices(f, &r->mode, 1, 1, slotd_config_mode_choices);
+    r->limits = slotd_strs(f, &r->limits_n, 0LL, 5LL, 2);
+    slotd_choices(f, r->limits, r->limits_n, 2, slotd_config_limits_choices);
+    r->env = slotd_strs(f, &r->env_n, 0LL, 4096LL, 2);
+    r->warm = slotd_strs(f, &r->warm_n, 0LL, 2LL, 2);
+    r->workspace = slotd_str(f, &r->workspace_len, 0LL, 67108864LL, 0);
+    r->argv = slotd_strs(f, &r->argv_n, 1LL, 4096LL, 1);
+    r->run_dir = slotd_str(f, &r->run_dir_len, 1LL, 67108864LL, 0);
+    r->term_dir = slotd_str(f, &r->term_dir_len, 1LL, 67108864LL, 0);
+    r->tmux = slotd_strs(f, &r->tmux_n, 1LL, 64LL, 1);
+    r->shell = slotd_strs(f, &r->shell_n, 0LL, 64LL, 1);
+    r->files_workspace = slotd_str(f, &r->files_workspace_len, 1LL, 67108864LL, 0);
+    r->files_cwd = slotd_str(f, &r->files_cwd_len, 0, 67108864LL, 0);
+}
+
+static void slotd_free_config(slotd_config_t *r) {
+    free(r->mode);
+    slotd_free_strs(r->limits);
+    slotd_free_strs(r->env);
+    slotd_free_strs(r->warm);
+    free(r->workspace);
+    slotd_free_strs(r->argv);
+    free(r->run_dir);
+    free(r->term_dir);
+    slotd_free_strs(r->tmux);
+    slotd_free_strs(r->shell);
+    free(r->files_workspace);
+    free(r->files_cwd);
 }
 
 #endif

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from atropos.errors import SandboxDied as SandboxDied  # defined there since issue 18
+from atropos.sandbox.contract.timeouts import within
 from atropos.sandbox.host.isolation import slotd_wire
 from atropos.sandbox.host.isolation.network import NetworkSetupFailed, SlirpHandshake
 
@@ -28,7 +29,6 @@ log = logging.getLogger(__name__)
 FRAME = struct.Struct(">I")
 MAX_FRAME = 96 << 20  # > base64 of the largest archive or read (see HostConfig)
 KILL_WAIT_S = 5.0
-_timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
 
 # Every process of a slot starts as from a clean login: default dispositions, nothing blocked. A
 # host started from a background shell (`nohup cmd &` ignores SIGHUP, SIGINT and SIGQUIT) or under a
@@ -283,13 +283,8 @@ class SandboxProcess:
 
     async def _read_frame(self, timeout: float) -> dict[str, Any]:
         try:
-            if _timeout is not None:
-                # One deadline for header and body, no task per read (asyncio.wait_for wraps each
-                # awaited read in a task of its own: two per call on the hot path).
-                async with _timeout(timeout):
-                    body = await self._read_body()
-            else:
-                body = await asyncio.wait_for(self._read_body(), timeout)
+            # One deadline for header and body, no task per read (contract/timeouts.py)
+            body = await within(self._read_body(), timeout)
         except asyncio.TimeoutError:
             raise SandboxDied(f"{self.label}: sandbox did not answer within {timeout:.1f}s") from None
         except (asyncio.IncompleteReadError, ConnectionError):

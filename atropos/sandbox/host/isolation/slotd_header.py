@@ -1,10 +1,11 @@
 """slotd's C side of the slot's protocol, generated from its one declaration
 (atropos/sandbox/inslot/inslot_protocol.py) into ``slotd_protocol.h`` beside slotd.c.
 
-For every op slotd serves: a struct with one member per field slotd carries (in the declared order)
-and a parser that reads the fields in that order and checks their bounds, plus the frame bound and
-the op's kind byte. scripts/gen_slotd_header.py writes the file; tests/test_slot_protocol.py
-regenerates it and compares, and checks that slotd.c reads every member.
+For every op slotd serves, and for its configuration frame: a struct with one member per field slotd
+carries (in the declared order) and a parser that reads the fields in that order and checks their
+bounds and choices, plus the frame bound, the op's kind byte and the configuration's rlimit names.
+scripts/gen_slotd_header.py writes the file; tests/test_slot_protocol.py regenerates it and compares,
+and checks that slotd.c reads every member.
 """
 
 from __future__ import annotations
@@ -81,11 +82,43 @@ def _free(f: P.Field) -> list[str]:
     return []
 
 
+def _choices(prefix: str, f: P.Field) -> tuple[list[str], list[str]]:
+    """A field's ``choices`` checked in C: the table (before the parser) and the check (after the field
+    is read); a ``str`` is one of them, each name of a ``pairs`` field is."""
+    if not f.choices:
+        return [], []
+    m, table = member(f.name), f"{prefix}_{member(f.name)}_choices"
+    names = ", ".join(f'"{c}"' for c in f.choices)
+    decl = [f"static const char *const {table}[] = {{{names}, NULL}};"]
+    if f.type == "str":
+        return decl, [f"slotd_choices(f, &r->{m}, 1, 1, {table});"]
+    if f.type == "pairs":
+        return decl, [f"slotd_choices(f, r->{m}, r->{m}_n, 2, {table});"]
+    raise ValueError(f"choices of a {f.type} field are not carried to slotd ({f.name})")
+
+
+def _record(name: str, fields: list[P.Field]) -> list[str]:
+    """The struct ``slotd_<name>_t`` of ``fields`` (in their order), its parser and its free."""
+    out = ["typedef struct {"]
+    out += [f"    {line}" for f in fields for line in _members(f)] or ["    int unused;"]
+    out += [f"}} slotd_{name}_t;", ""]
+    for f in fields:
+        out += _choices(f"slotd_{name}", f)[0]
+    out += [f"static void slotd_parse_{name}(fields_t *f, slotd_{name}_t *r) {{",
+            "    memset(r, 0, sizeof *r);"] + (["    (void)f;"] if not fields else [])
+    out += [f"    {line}" for f in fields for line in [*_parse(f), *_choices(f"slotd_{name}", f)[1]]]
+    out += ["}", "", f"static void slotd_free_{name}(slotd_{name}_t *r) {{"]
+    out += [f"    {line}" for f in fields for line in _free(f)] or ["    (void)r;"]
+    out += ["}"]
+    return out
+
+
 def c_header() -> str:
     out = [
         "/* GENERATED from atropos/sandbox/inslot/inslot_protocol.py by scripts/gen_slotd_header.py: do not edit.",
-        " * The requests slotd serves, their fields in the declared order (tests/test_slot_protocol.py",
-        " * regenerates this file and compares). slotd.c defines fields_t and the slotd_* readers. */",
+        " * The requests slotd serves and its configuration frame, their fields in the declared order",
+        " * (tests/test_slot_protocol.py regenerates this file and compares). slotd.c defines fields_t and",
+        " * the slotd_* readers. */",
         "#ifndef SLOTD_PROTOCOL_H",
         "#define SLOTD_PROTOCOL_H",
         "",
@@ -95,17 +128,14 @@ def c_header() -> str:
         if not op.native:
             continue
         carried = [f for f in op.fields if P.carried(f)]
-        name = op.name
-        out += ["", f"/* {name}: {', '.join(f.name for f in carried) or 'no fields'} */",
-                f"#define SLOTD_OP_{name.upper()} '{op.native}'", "typedef struct {"]
-        out += [f"    {line}" for f in carried for line in _members(f)] or ["    int unused;"]
-        out += [f"}} slotd_{name}_t;", "",
-                f"static void slotd_parse_{name}(fields_t *f, slotd_{name}_t *r) {{",
-                "    memset(r, 0, sizeof *r);"] + (["    (void)f;"] if not carried else [])
-        out += [f"    {line}" for f in carried for line in _parse(f)]
-        out += ["}", "", f"static void slotd_free_{name}(slotd_{name}_t *r) {{"]
-        out += [f"    {line}" for f in carried for line in _free(f)] or ["    (void)r;"]
-        out += ["}"]
+        out += ["", f"/* {op.name}: {', '.join(f.name for f in carried) or 'no fields'} */",
+                f"#define SLOTD_OP_{op.name.upper()} '{op.native}'", *_record(op.name, carried)]
+    rlimits = ", ".join(f'{{"{name}", RLIMIT_{name.upper()}}}' for name in P.RLIMITS)
+    out += ["", f"/* the configuration (the first frame): {', '.join(f.name for f in P.SLOTD_CONFIG)} */",
+            f"#define SLOTD_MAX_WARM {P.MAX_WARM}",
+            "/* a configuration's limits by name: setrlimit(2)'s resource of each */",
+            "static const struct { const char *name; int resource; } slotd_rlimits[] = {" + rlimits + "};",
+            *_record("config", list(P.SLOTD_CONFIG))]
     out += ["", "#endif", ""]
     return "\n".join(out)
 

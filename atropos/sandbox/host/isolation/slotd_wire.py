@@ -36,9 +36,10 @@ def _text(value: Any) -> bytes:
     return _field(str(value).encode())
 
 
-def _fields(f: P.Field, value: Any) -> list[bytes]:
-    """A checked field's value in slotd's form (the types of inslot_protocol.TYPES); UnicodeError or
-    ValueError where slotd cannot carry it as the Python supervisor would take it."""
+def encode_field(f: P.Field, value: Any) -> list[bytes]:
+    """A checked field's value in slotd's form (the types of inslot_protocol.TYPES), for a request or
+    slotd's configuration (slotd_config.py); UnicodeError or ValueError where slotd cannot carry it as
+    the Python supervisor would take it."""
     t = f.type
     if t in ("int", "float"):
         return [_text(repr(value))]
@@ -96,7 +97,7 @@ def encode_op(payload: dict[str, Any], seq: int) -> bytes | None:
                 if req[f.name] and req[f.name] != f.default:
                     return None
                 continue
-            out += [_field(_raw(op.name, f, req))] if f.raw else _fields(f, req[f.name])
+            out += [_field(_raw(op.name, f, req))] if f.raw else encode_field(f, req[f.name])
     except (P.InvalidRequest, UnicodeError, ValueError, TypeError, F.ToolFailure):
         return None
     return b"".join(out)
