@@ -58,13 +58,14 @@ SH = "/bin/sh"
 # sandbox, and every process it will ever fork, starts inside the slot's cgroup.
 # The shell exports PWD (the host's working directory): unset it so bwrap's init, whose environment the
 # slot can read at /proc/1/environ, starts with the empty environment the host gave it.
-_PLACE = ('for f do [ "$f" = -- ] && break; echo $$ >"$f" || exit 125; shift; done; shift; '
-          'unset PWD OLDPWD; exec "$@"')
-# The same, raising the process's OOM score first (what choom did as one more program per sandbox
-# start: ~1 ms of CPU of the slot cycle's ~4 ms launch chain, issue 38 item 4). Written by root, the
-# kernel also makes it the floor the process and its children may lower it to.
-_PLACE_OOM = ('for f do [ "$f" = -- ] && break; echo $$ >"$f" || exit 125; shift; done; shift; '
-              'echo {adj} >/proc/self/oom_score_adj || exit 125; unset PWD OLDPWD; exec "$@"')
+_PLACE_INTO = 'for f do [ "$f" = -- ] && break; echo $$ >"$f" || exit 125; shift; done; shift; '
+_PLACE_EXEC = 'unset PWD OLDPWD; exec "$@"'
+_PLACE = _PLACE_INTO + _PLACE_EXEC
+# With ``launcher(oom_score_adj)`` it raises the process's OOM score between the two (what choom did
+# as one more program per sandbox start: ~1 ms of CPU of the slot cycle's ~4 ms launch chain, issue 38
+# item 4). Written by root, the kernel also makes it the floor the process and its children may lower
+# it to.
+_RAISE_OOM = 'echo {adj} >/proc/self/oom_score_adj || exit 125; '
 PLACEMENT_FAILED = 125
 
 
@@ -92,7 +93,8 @@ class SlotCgroup:
         ``oom_score_adj``: set that OOM score on it too."""
         if oom_score_adj is None:
             return [SH, "-c", _PLACE, "atropos-cgroup", *self.procs_files, "--"]
-        return [SH, "-c", _PLACE_OOM.format(adj=int(oom_score_adj)), "atropos-cgroup", *self.procs_files, "--"]
+        script = _PLACE_INTO + _RAISE_OOM.format(adj=int(oom_score_adj)) + _PLACE_EXEC
+        return [SH, "-c", script, "atropos-cgroup", *self.procs_files, "--"]
 
     def pids(self) -> list[int]:
         return cgroup_pids(self.main)
